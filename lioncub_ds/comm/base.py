@@ -1,0 +1,107 @@
+"""The small interface every vote algorithm implements, and the collectives it uses.
+
+An algorithm receives one bucket's local votes (packed planes, or int8 codes), runs
+its collectives through :class:`Collectives` (which counts bytes and time), and
+applies the agreed Δ to the bucket's parameters through the kernel backend. It also
+states its own wire-byte formula, which the telemetry tests and the α-β cost model
+(``comm="auto"``) both use.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..telemetry import CommStats
+
+# torch ≥ 2.13 renamed the tensor-in/tensor-out all-gather; older torch (GPU images) has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Collectives:
+    """torch.distributed collectives over one group, each counted in :class:`CommStats`."""
+
+    def __init__(self, group, stats: CommStats):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.stats = stats
+
+    def _done(self, kind, purpose, t, nbytes, device):
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        self.stats.record(kind, purpose, nbytes, self.world_size, time.perf_counter() - t)
+
+    def all_gather(self, inp: torch.Tensor, purpose: str) -> torch.Tensor:
+        """[k] -> [N, k] (row i = rank i's input)."""
+        out = torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
+        t = time.perf_counter()
+        _all_gather_single(out, inp.reshape(-1).contiguous(), group=self.group)
+        self._done("all_gather", purpose, t, out.numel() * out.element_size(), inp.device)
+        return out.view(self.world_size, -1)
+
+    def all_to_all(self, inp: torch.Tensor, purpose: str) -> torch.Tensor:
+        """[N, k] (row j goes to rank j) -> [N, k] (row i came from rank i)."""
+        out = torch.empty_like(inp)
+        t = time.perf_counter()
+        dist.all_to_all_single(out, inp.contiguous(), group=self.group)
+        self._done("all_to_all", purpose, t, inp.numel() * inp.element_size(), inp.device)
+        return out
+
+    def all_reduce_(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        t = time.perf_counter()
+        dist.all_reduce(tensor, op=op, group=self.group)
+        self._done("all_reduce", purpose, t, tensor.numel() * tensor.element_size(), tensor.device)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, src_group_rank: int, purpose: str) -> torch.Tensor:
+        t = time.perf_counter()
+        dist.broadcast(tensor, group_src=src_group_rank, group=self.group)
+        self._done("broadcast", purpose, t, tensor.numel() * tensor.element_size(), tensor.device)
+        return tensor
+
+
+@dataclass
+class VoteJob:
+    """One bucket's vote: local votes in, parameters updated in place."""
+    params: list          # the bucket's parameters
+    offsets: list         # element offset of each parameter in the bucket (multiples of 8)
+    numel: int            # padded bucket size: a multiple of 8·N
+    base: int             # flat index of the bucket's first element (for the hash tie rule)
+    lr: float
+    weight_decay: float
+    step: int             # 1-based optimizer step
+    tie_break: str
+    vote: str
+    sign: torch.Tensor | None = None     # uint8 [numel/8]
+    nonzero: torch.Tensor | None = None  # uint8 [numel/8], only when some rank abstains somewhere
+    codes: torch.Tensor | None = None    # int8 [numel] (int8 algorithm)
+
+
+class VoteAlgorithm:
+    """Interface: ``encoding`` ('bits' or 'int8'), ``run(job, coll, backend)``,
+    ``wire_bytes(...)`` and ``messages(...)`` (for the cost model)."""
+
+    name = "?"
+    encoding = "bits"
+    supports_average = True
+
+    def run(self, job: VoteJob, coll: Collectives, backend) -> None:
+        raise NotImplementedError
+
+    def wire_bytes(self, numel: int, world_size: int, *, abstain: bool = False, vote: str = "majority",
+                   tie_break: str = "hash") -> int:
+        """Bytes one rank sends for a bucket of ``numel`` (padded) elements."""
+        raise NotImplementedError
+
+    def messages(self, world_size: int) -> int:
+        """Latency terms (sequential message rounds) of one call, ring model."""
+        raise NotImplementedError
+
+
+def stack_planes(*planes):
+    """Concatenate the planes that exist into one buffer, so a step issues one collective."""
+    present = [p for p in planes if p is not None]
+    return present[0] if len(present) == 1 else torch.cat(present)

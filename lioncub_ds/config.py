@@ -1,0 +1,213 @@
+"""One validated settings object for LionCub.
+
+Every error names the setting, the value given and what is allowed, and is raised
+before the optimizer creates any state. The same checks serve the Python constructor,
+the ds_config ``params`` section and Megatron's ``--lioncub-*`` arguments.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+from dataclasses import dataclass, field, fields
+
+import torch
+
+COMM_ALGORITHMS = ("auto", "allgather", "1bit", "pbit", "int8")
+SIGN_ALGORITHMS = ("allgather", "1bit", "pbit")
+VOTES = ("majority", "average")
+QUANTS = ("sign", "l1", "l0", "linf")
+TIE_RULES = ("zero", "alternate", "hash")
+NONFINITE_POLICIES = ("skip", "raise")
+DRIFT_ACTIONS = ("raise", "resync")
+MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
+SYNC_KEYS = ("every", "until", "schedule", "k", "layers", "group", "group_size", "inter_every")
+SYNC_SCHEDULES = ("every", "geometric")
+SYNC_GROUPS = ("world", "node")
+NETWORK_KEYS = ("bandwidth_gbit", "latency_us")
+
+
+class LionCubConfigError(ValueError):
+    """A LionCub setting has a wrong type, range or combination."""
+
+
+def _err(key, value, allowed):
+    return LionCubConfigError(f"LionCub: invalid {key}={value!r}; allowed: {allowed}")
+
+
+def _is_real(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def unknown_key_error(key, allowed, where):
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return LionCubConfigError(f"LionCub: unknown {where} key {key!r}{hint}; allowed keys: {', '.join(allowed)}")
+
+
+def parse_dtype(key, value):
+    if isinstance(value, str):
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+        if value in names:
+            return names[value]
+    if value in MOMENTUM_DTYPES:
+        return value
+    raise _err(key, value, "torch.float32 / 'fp32' or torch.bfloat16 / 'bf16'")
+
+
+def validate_common(*, lr, betas, weight_decay, momentum_dtype=torch.float32, foreach=None, owner="LionCub"):
+    """Checks shared by Lion and LionCub."""
+    if not _is_real(lr) or not lr > 0 or not math.isfinite(lr):
+        raise LionCubConfigError(f"{owner}: invalid lr={lr!r}; allowed: a finite number > 0")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(_is_real(b) and 0.0 <= b < 1.0 for b in betas):
+        raise LionCubConfigError(f"{owner}: invalid betas={betas!r}; allowed: two numbers (beta1, beta2), each 0 <= beta < 1")
+    if not _is_real(weight_decay) or not weight_decay >= 0 or not math.isfinite(weight_decay):
+        raise LionCubConfigError(f"{owner}: invalid weight_decay={weight_decay!r}; allowed: a finite number >= 0")
+    if momentum_dtype not in MOMENTUM_DTYPES:
+        raise LionCubConfigError(f"{owner}: invalid momentum_dtype={momentum_dtype!r}; allowed: torch.float32, torch.bfloat16")
+    if foreach not in (None, True, False):
+        raise LionCubConfigError(f"{owner}: invalid foreach={foreach!r}; allowed: None, True, False")
+
+
+@dataclass(frozen=True)
+class MomentumSyncConfig:
+    """When to average momenta across ranks (SPEC §3, lever 3)."""
+    schedule: str = "every"        # "every": every K steps; "geometric": T(j+1) = T(j) + floor(2**(j/k))
+    every: int = 1                 # K (schedule="every")
+    k: float = 1.0                 # geometric growth: the gap doubles every k syncs
+    until: int | None = None       # sync only on steps < until (0-based step index)
+    layers: tuple = ()             # fnmatch patterns on parameter names; () = all parameters
+    group: str = "world"           # "world", or "node": subgroups of consecutive ranks
+    group_size: int | None = None  # node size; default LOCAL_WORLD_SIZE
+    inter_every: int | None = None  # with group="node": also sync across nodes every K' steps
+
+    @classmethod
+    def from_value(cls, value):
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise _err("momentum_sync", value, "None or a dict with keys " + ", ".join(SYNC_KEYS))
+        for key in value:
+            if key not in SYNC_KEYS:
+                raise unknown_key_error(key, SYNC_KEYS, "momentum_sync")
+        v = dict(value)
+        schedule = v.get("schedule", "geometric" if "k" in v and "every" not in v else "every")
+        if schedule not in SYNC_SCHEDULES:
+            raise _err("momentum_sync.schedule", schedule, " | ".join(SYNC_SCHEDULES))
+        every = v.get("every", 1)
+        if not _is_int(every) or every < 1:
+            raise _err("momentum_sync.every", every, "an integer >= 1")
+        k = v.get("k", 1.0)
+        if not _is_real(k) or not k > 0 or not math.isfinite(k):
+            raise _err("momentum_sync.k", k, "a number > 0")
+        until = v.get("until")
+        if until is not None and (not _is_int(until) or until < 0):
+            raise _err("momentum_sync.until", until, "None or an integer >= 0")
+        layers = v.get("layers", ())
+        if isinstance(layers, str):
+            layers = (layers,)
+        if not isinstance(layers, (list, tuple)) or not all(isinstance(x, str) and x for x in layers):
+            raise _err("momentum_sync.layers", v.get("layers"), "a list of parameter-name patterns (fnmatch), e.g. ['*.attn.*']")
+        group = v.get("group", "world")
+        if group not in SYNC_GROUPS:
+            raise _err("momentum_sync.group", group, " | ".join(SYNC_GROUPS))
+        group_size = v.get("group_size")
+        if group_size is not None and (not _is_int(group_size) or group_size < 1):
+            raise _err("momentum_sync.group_size", group_size, "None or an integer >= 1")
+        inter_every = v.get("inter_every")
+        if inter_every is not None and (not _is_int(inter_every) or inter_every < 1):
+            raise _err("momentum_sync.inter_every", inter_every, "None or an integer >= 1")
+        if group == "world" and (group_size is not None or inter_every is not None):
+            raise LionCubConfigError("LionCub: momentum_sync.group_size / inter_every need momentum_sync.group='node'")
+        return cls(schedule, int(every), float(k), until, tuple(layers), group, group_size, inter_every)
+
+
+@dataclass(frozen=True)
+class LionCubConfig:
+    lr: float = 1e-4
+    betas: tuple = (0.9, 0.99)
+    weight_decay: float = 0.0
+    vote: str = "majority"
+    comm: str = "auto"
+    quant: str = "sign"
+    tie_break: str = "hash"
+    momentum_sync: MomentumSyncConfig | None = None
+    momentum_dtype: torch.dtype = torch.float32
+    bucket_size_mb: float = 25.0
+    pbit_bits: int | None = None
+    network: dict = field(default_factory=lambda: {"bandwidth_gbit": 10.0, "latency_us": 50.0})
+    nonfinite: str = "skip"
+    drift_check_every: int = 0
+    drift_action: str = "raise"
+    timeout_s: float | None = None
+    foreach: bool | None = None
+
+    def __post_init__(self):
+        validate_common(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
+                        momentum_dtype=self.momentum_dtype, foreach=self.foreach)
+        for key, allowed in (("vote", VOTES), ("comm", COMM_ALGORITHMS), ("quant", QUANTS),
+                             ("tie_break", TIE_RULES), ("nonfinite", NONFINITE_POLICIES),
+                             ("drift_action", DRIFT_ACTIONS)):
+            value = getattr(self, key)
+            if not isinstance(value, str) or value not in allowed:
+                raise _err(key, value, " | ".join(repr(a) for a in allowed))
+        if self.comm == "int8" and self.quant == "sign":
+            raise LionCubConfigError("LionCub: comm='int8' needs a scaled quantizer: quant='l1' | 'l0' | 'linf' (got quant='sign')")
+        if self.comm in SIGN_ALGORITHMS and self.quant != "sign":
+            raise LionCubConfigError(f"LionCub: comm={self.comm!r} sends 1-bit signs and needs quant='sign' "
+                                     f"(got quant={self.quant!r}); use comm='int8' or 'auto' for scaled quantizers")
+        if self.vote == "average" and self.quant != "sign":
+            raise LionCubConfigError(f"LionCub: vote='average' is not meaningful with the int8 quantizer (quant={self.quant!r}); "
+                                     "allowed: vote='majority' with int8, or quant='sign' for averaging")
+        if not _is_real(self.bucket_size_mb) or not self.bucket_size_mb > 0 or not math.isfinite(self.bucket_size_mb):
+            raise _err("bucket_size_mb", self.bucket_size_mb, "a number > 0 (MB of fp32 parameters per bucket)")
+        if self.pbit_bits is not None:
+            if self.pbit_bits not in (1, 2, 4, 8) or isinstance(self.pbit_bits, bool):
+                raise _err("pbit_bits", self.pbit_bits, "None (choose from the world size) or one of 1, 2, 4, 8")
+            if self.comm not in ("pbit", "auto"):
+                raise LionCubConfigError(f"LionCub: pbit_bits is only used with comm='pbit' or 'auto' (got comm={self.comm!r})")
+        if not isinstance(self.network, dict):
+            raise _err("network", self.network, "a dict with bandwidth_gbit (> 0) and latency_us (>= 0)")
+        for key in self.network:
+            if key not in NETWORK_KEYS:
+                raise unknown_key_error(key, NETWORK_KEYS, "network")
+        bw = self.network.get("bandwidth_gbit", 10.0)
+        lat = self.network.get("latency_us", 50.0)
+        if not _is_real(bw) or not bw > 0:
+            raise _err("network.bandwidth_gbit", bw, "a number > 0")
+        if not _is_real(lat) or not lat >= 0:
+            raise _err("network.latency_us", lat, "a number >= 0")
+        if not _is_int(self.drift_check_every) or self.drift_check_every < 0:
+            raise _err("drift_check_every", self.drift_check_every, "an integer >= 0 (0 = off)")
+        if self.timeout_s is not None and (not _is_real(self.timeout_s) or not self.timeout_s > 0):
+            raise _err("timeout_s", self.timeout_s, "None or a number of seconds > 0")
+
+    @property
+    def bucket_numel(self) -> int:
+        return max(8, int(self.bucket_size_mb * 2**20 / 4) // 8 * 8)
+
+    @classmethod
+    def keys(cls):
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, where="LionCub argument", **kwargs):
+        """Build from keyword settings (ds_config params, CLI); unknown keys get a suggestion."""
+        allowed = cls.keys()
+        for key in kwargs:
+            if key not in allowed:
+                raise unknown_key_error(key, allowed, where)
+        kw = dict(kwargs)
+        if "betas" in kw and isinstance(kw["betas"], list):
+            kw["betas"] = tuple(kw["betas"])
+        if "momentum_dtype" in kw:
+            kw["momentum_dtype"] = parse_dtype("momentum_dtype", kw["momentum_dtype"])
+        if "momentum_sync" in kw:
+            kw["momentum_sync"] = MomentumSyncConfig.from_value(kw["momentum_sync"])
+        if "network" in kw and isinstance(kw["network"], dict):
+            kw["network"] = {**{"bandwidth_gbit": 10.0, "latency_us": 50.0}, **kw["network"]}
+        return cls(**kw)

@@ -1,0 +1,84 @@
+"""The one kernel loader: cuda / cpp / torch, chosen once per device type.
+
+``LIONCUB_KERNELS`` overrides the choice: ``auto`` (default: CUDA kernels for CUDA
+tensors, C++ for CPU tensors, each falling back to torch with one warning when it
+cannot be built), ``torch`` (pure-torch reference, never builds), ``cpp`` or ``cuda``
+(must load, or raise).
+
+Every backend exposes the same functions as :mod:`lioncub_ds.codec` (which *is* the
+torch backend): local_step, momentum_update_list, vote_apply, shard_vote, count_lanes,
+lanes_apply, int8_local_step, int8_apply.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from . import codec
+
+log = logging.getLogger("lioncub_ds")
+
+BACKENDS = ("auto", "torch", "cpp", "cuda")
+_lock = threading.Lock()
+_cache: dict = {}
+
+
+class TorchBackend:
+    """The pure-torch reference (slow, always available)."""
+    name = "torch"
+    local_step = staticmethod(codec.local_step)
+    vote_apply = staticmethod(codec.vote_apply)
+    shard_vote = staticmethod(codec.shard_vote)
+    count_lanes = staticmethod(codec.count_lanes)
+    lanes_apply = staticmethod(codec.lanes_apply)
+    int8_local_step = staticmethod(codec.int8_local_step)
+    int8_apply = staticmethod(codec.int8_apply)
+
+    @staticmethod
+    def momentum_update_list(momenta, grads, beta2):
+        for m, g in zip(momenta, grads):
+            codec.momentum_update(m, g, beta2)
+
+
+def requested() -> str:
+    value = os.environ.get("LIONCUB_KERNELS", "auto").strip().lower()
+    if value not in BACKENDS:
+        raise ValueError(f"LIONCUB_KERNELS={value!r} is not allowed; allowed: {', '.join(BACKENDS)}")
+    return value
+
+
+def _load_native(kind: str):
+    """Build/load the C++ ('cpp') or CUDA ('cuda') backend. Raises on failure."""
+    from . import _native  # JIT build lives in one module; imported lazily (ninja, compiler)
+
+    return _native.load(kind)
+
+
+def backend_for(device_type: str = "cpu"):
+    """The backend object for tensors on ``device_type`` ('cpu' or 'cuda')."""
+    want = requested()
+    key = (want, device_type)
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+        native_kind = "cuda" if device_type == "cuda" else "cpp"
+        if want == "torch":
+            be = TorchBackend()
+        elif want in ("cpp", "cuda"):
+            if want != native_kind:
+                raise RuntimeError(f"LIONCUB_KERNELS={want} cannot run {device_type} tensors")
+            be = _load_native(native_kind)
+        else:
+            try:
+                be = _load_native(native_kind)
+            except Exception as exc:  # noqa: BLE001 - any build failure falls back, once, loudly
+                log.warning("lioncub_ds: %s kernels unavailable (%s); using the pure-torch path", native_kind,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                be = TorchBackend()
+        _cache[key] = be
+        return be
+
+
+def active_backend_name(device_type: str = "cpu") -> str:
+    return backend_for(device_type).name

@@ -1,0 +1,413 @@
+"""LionCub: Distributed Lion with compressed vote collectives (SPEC §2–4).
+
+One process (torch.distributed not initialized, or a group of one rank): exactly
+:class:`lioncub_ds.Lion`. N > 1 ranks: each rank keeps its own momentum, never
+all-reduces gradients, and every rank applies the same vote Δ:
+
+    local step (kernels) → flag all-reduce (non-finite, abstentions) → vote (comm)
+    → apply Δ (kernels) → momentum update → optional momentum sync / drift check
+
+The optimizer knows nothing of DeepSpeed or Megatron; they set ``process_group``.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from . import ops
+from .codec import int8_levels, padded_numel
+from .comm import Collectives, VoteJob, make_algorithm
+from .comm.cost import CostModel
+from .comm.pbit import check_lane_bits
+from .config import LionCubConfig, LionCubConfigError, SIGN_ALGORITHMS
+from .lion import lion as lion_functional
+from .momentum_sync import MomentumSync, node_subgroup, select_params
+from .telemetry import CommStats
+
+log = logging.getLogger("lioncub_ds")
+
+STATE_FORMAT = 1
+
+
+class NonFiniteError(FloatingPointError):
+    """A gradient or momentum was NaN/Inf on some rank and ``nonfinite='raise'``."""
+
+
+class ReplicaDriftError(RuntimeError):
+    """Parameters differ across ranks."""
+
+
+@dataclass
+class Bucket:
+    group_index: int
+    params: list
+    names: list
+    offsets: list
+    numel: int          # padded to a multiple of 8·N
+    real_numel: int
+    base: int
+    algorithm: object = None
+
+
+def _split_named(params):
+    """Accept tensors, (name, tensor) pairs or param groups; return torch-style groups.
+
+    Names are kept in each group's ``param_names`` (torch's own key) for selective sync.
+    """
+    params = list(params)
+    if not params:
+        raise ValueError("LionCub got an empty parameter list")
+    if isinstance(params[0], tuple) and len(params[0]) == 2 and isinstance(params[0][0], str):
+        return [{"params": [p for _, p in params], "param_names": [n for n, _ in params]}]
+    if isinstance(params[0], dict):
+        groups = []
+        for g in params:
+            g = dict(g)
+            ps = list(g["params"])
+            if ps and isinstance(ps[0], tuple):
+                g["param_names"] = [n for n, _ in ps]
+                ps = [p for _, p in ps]
+            elif "names" in g and "param_names" not in g:
+                g["param_names"] = list(g.pop("names"))
+            g["params"] = ps
+            groups.append(g)
+        return groups
+    return [{"params": params}]
+
+
+class LionCub(Optimizer):
+    """Lion Cub: communication-efficient distributed Lion.
+
+    Args (see README "LionCub arguments" for allowed values and wire bytes):
+        params: tensors, ``named_parameters()`` or param groups (with optional 'param_names').
+        lr, betas, weight_decay: as :class:`lioncub_ds.Lion`.
+        vote: "majority" (Δ = sign of the vote sum) or "average" (Δ = mean of votes).
+        comm: "auto" | "allgather" | "1bit" | "pbit" | "int8".
+        quant: "sign" (1-bit votes) or "l1" | "l0" | "linf" (int8 scaled votes).
+        tie_break: "hash" (default) | "alternate" | "zero": what an even-N tie does.
+        momentum_sync: None or a dict (every, until, schedule, k, layers, group, group_size, inter_every).
+        process_group: the data-parallel group that votes (default: the world).
+        momentum_dtype: torch.float32 (default) or torch.bfloat16.
+        bucket_size_mb: MB of fp32 parameters per flat bucket (default 25).
+        pbit_bits: force the pbit lane width (1/2/4/8; must satisfy 2**p − 1 >= N).
+        network: {"bandwidth_gbit", "latency_us"} for comm="auto"'s cost model.
+        nonfinite: "skip" (default: every rank skips the step) or "raise".
+        drift_check_every: every K steps compare parameter checksums across ranks (0 = off).
+        drift_action: "raise" or "resync" (broadcast from rank 0, with a warning).
+        timeout_s: collective timeout; a dead rank makes the others fail after this long.
+        foreach: single-process path: None (auto), True, False.
+    """
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, vote="majority", comm="auto",
+                 quant="sign", tie_break="hash", momentum_sync=None, process_group=None,
+                 momentum_dtype=torch.float32, **extra):
+        # Validate everything before any state exists.
+        self.config = LionCubConfig.from_kwargs(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm,
+                                                quant=quant, tie_break=tie_break, momentum_sync=momentum_sync,
+                                                momentum_dtype=momentum_dtype, **extra)
+        groups = _split_named(params)
+        cfg = self.config
+        defaults = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self._process_group = process_group
+        self._dist = None  # resolved lazily: (group, world_size, rank)
+        if dist.is_available() and dist.is_initialized():
+            self._resolve_group()  # fails now (before state) on e.g. a pbit width too small for N
+        if cfg.momentum_sync is not None and cfg.momentum_sync.layers:
+            if not all("param_names" in g for g in groups):
+                raise LionCubConfigError("LionCub: momentum_sync.layers needs parameter names; pass "
+                                         "model.named_parameters() or param groups carrying 'param_names'")
+        super().__init__(groups, defaults)
+        self._buckets = None
+        self._step_count = 0
+        self.stats = CommStats()
+        self._plan_logged = False
+        self._skipped_steps = 0
+
+    # ------------------------------------------------------------------ group
+    def set_process_group(self, group) -> None:
+        """Vote over ``group`` (integrations call this before the first step)."""
+        if self._buckets is not None:
+            raise RuntimeError("LionCub.set_process_group must be called before the first step")
+        self._process_group = group
+        self._dist = None
+        self._resolve_group()
+
+    def _resolve_group(self):
+        cfg = self.config
+        group = self._process_group
+        n = dist.get_world_size(group)
+        if cfg.timeout_s is not None and n > 1:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                                   use_local_synchronization=True)
+        if cfg.comm == "pbit" and cfg.pbit_bits is not None:
+            check_lane_bits(cfg.pbit_bits, n)
+        if cfg.comm == "int8" or cfg.quant != "sign":
+            int8_levels(n)  # N <= 127
+        self._dist = (group, n, dist.get_rank(group))
+        return self._dist
+
+    @property
+    def world_size(self) -> int:
+        if self._dist is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                return 1
+            self._resolve_group()
+        return self._dist[1]
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    # ------------------------------------------------------------------ layout
+    def _build_buckets(self):
+        cfg = self.config
+        group, n, _ = self._dist
+        stats_coll = Collectives(group, self.stats)
+        self._coll = stats_coll
+        cost = CostModel.from_network(cfg.network.get("bandwidth_gbit", 10.0), cfg.network.get("latency_us", 50.0))
+        buckets, base = [], 0
+        cap = cfg.bucket_numel
+        for gi, g in enumerate(self.param_groups):
+            names = g.get("param_names", [None] * len(g["params"]))
+            by_kind = {}
+            for p, name in zip(g["params"], names):
+                if not p.requires_grad:
+                    continue
+                by_kind.setdefault((p.device, p.dtype), []).append((p, name))
+            for members in by_kind.values():
+                cur = []
+                size = 0
+                for p, name in members + [(None, None)]:
+                    aligned = (p.numel() + 7) // 8 * 8 if p is not None else 0
+                    if p is not None and (size + aligned <= cap or not cur):
+                        cur.append((p, name, size))
+                        size += aligned
+                        continue
+                    total = padded_numel(size, n)
+                    buckets.append(Bucket(gi, [q for q, _, _ in cur], [nm for _, nm, _ in cur],
+                                          [o for _, _, o in cur], total, sum(q.numel() for q, _, _ in cur), base))
+                    base += total
+                    cur, size = ([(p, name, 0)], aligned) if p is not None else ([], 0)
+        for b in buckets:
+            if cfg.comm == "auto":
+                if cfg.quant != "sign":
+                    name = "int8"
+                else:
+                    name = cost.choose(b.numel, n, vote=cfg.vote, tie_break=cfg.tie_break)
+            else:
+                name = cfg.comm
+            b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits)
+        self._buckets = buckets
+        ms = cfg.momentum_sync
+        self._msync = None
+        if ms is not None:
+            node = None
+            if ms.group == "node":
+                timeout = datetime.timedelta(seconds=cfg.timeout_s) if cfg.timeout_s else None
+                sub, _ = node_subgroup(group, ms.group_size, timeout)
+                node = Collectives(sub, self.stats)
+            self._msync = MomentumSync(ms, stats_coll, node)
+            named = []
+            for g in self.param_groups:
+                names = g.get("param_names", [None] * len(g["params"]))
+                named += [(nm, p) for p, nm in zip(g["params"], names) if p.requires_grad]
+            self._sync_params = select_params(ms, named)
+        if not self._plan_logged and self._dist[2] == 0:
+            log.info("LionCub comm plan (N=%d): %s", n, "; ".join(
+                f"bucket {i}: {b.real_numel} params -> {b.algorithm.name}" for i, b in enumerate(buckets)))
+            self._plan_logged = True
+
+    def comm_plan(self) -> list[dict]:
+        """Per bucket: size, algorithm, and predicted/formula wire bytes per rank."""
+        if not self.distributed:
+            return []
+        if self._buckets is None:
+            self._build_buckets()
+        n = self.world_size
+        cfg = self.config
+        cost = CostModel.from_network(cfg.network["bandwidth_gbit"], cfg.network["latency_us"])
+        return [{"bucket": i, "group": b.group_index, "numel": b.real_numel, "padded_numel": b.numel,
+                 "algorithm": b.algorithm.name,
+                 "wire_bytes": b.algorithm.wire_bytes(b.numel, n, vote=cfg.vote, tie_break=cfg.tie_break),
+                 "predicted_s": cost.predict(b.algorithm.name, b.real_numel, n, vote=cfg.vote,
+                                             tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)}
+                for i, b in enumerate(self._buckets)]
+
+    def comm_stats(self) -> dict:
+        """Bytes sent per collective / algorithm, per step and cumulative (see telemetry)."""
+        snap = self.stats.snapshot()
+        snap["skipped_steps"] = self._skipped_steps
+        return snap
+
+    # ------------------------------------------------------------------ state
+    def _momentum(self, p):
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.config.momentum_dtype,
+                                                memory_format=torch.contiguous_format)
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        return state["exp_avg"]
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["lioncub"] = {"format": STATE_FORMAT, "step": self._step_count, "skipped_steps": self._skipped_steps,
+                         "world_size": self.world_size,
+                         "rank": self._dist[2] if self._dist else 0, "comm_stats": self.stats.state_dict()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("lioncub", None)
+        super().load_state_dict(state_dict)
+        for p, st in self.state.items():
+            if "exp_avg" in st and st["exp_avg"].dtype != self.config.momentum_dtype:
+                st["exp_avg"] = st["exp_avg"].to(self.config.momentum_dtype)
+        if extra is not None:
+            self._step_count = int(extra.get("step", 0))
+            self._skipped_steps = int(extra.get("skipped_steps", 0))
+            if "comm_stats" in extra:
+                self.stats.load_state_dict(extra["comm_stats"])
+
+    @property
+    def step_count(self) -> int:
+        """Applied optimizer steps (skipped steps do not count); the tie rules use it."""
+        return self._step_count
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.distributed:
+            self._local_lion_step()
+        else:
+            self._distributed_step()
+        return loss
+
+    def _local_lion_step(self):
+        for g in self.param_groups:
+            params, grads, momenta = [], [], []
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                params.append(p)
+                grads.append(p.grad)
+                momenta.append(self._momentum(p))
+            b1, b2 = g["betas"]
+            lion_functional(params, grads, momenta, lr=g["lr"], beta1=b1, beta2=b2,
+                            weight_decay=g["weight_decay"], foreach=self.config.foreach)
+            for p in params:
+                self.state[p]["step"] += 1
+        self._step_count += 1
+
+    def _grads(self, bucket):
+        # A parameter without a gradient on this rank votes with g = 0 (its momentum still
+        # decays); every rank must run the same collectives, whatever its batch used.
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+
+    def _distributed_step(self):
+        cfg = self.config
+        if self._buckets is None:
+            self._build_buckets()
+        group, n, rank = self._dist
+        coll = self._coll
+        step = self._step_count + 1
+        levels = int8_levels(n) if cfg.quant != "sign" else None
+        local, bad = [], 0
+        zero_flags = []
+        for b in self._buckets:
+            g = self.param_groups[b.group_index]
+            b1, b2 = g["betas"]
+            be = ops.backend_for(b.params[0].device.type)
+            grads = self._grads(b)
+            momenta = [self._momentum(p) for p in b.params]
+            if b.algorithm.encoding == "int8":
+                codes, nb = be.int8_local_step(grads, momenta, b.offsets, b.numel, b1, cfg.quant, levels)
+                local.append((be, grads, momenta, None, None, codes))
+                zero_flags.append(0)
+            else:
+                sign, nz, nb, nzero = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, False)
+                local.append((be, grads, momenta, sign, nz, None))
+                zero_flags.append(1 if nzero > 0 else 0)
+            bad += nb
+        # One tiny all-reduce: does any rank have a NaN/Inf, and which buckets have abstentions?
+        dev = self._buckets[0].params[0].device if self._buckets else torch.device("cpu")
+        flags = torch.tensor([1 if bad else 0] + zero_flags, dtype=torch.int32, device=dev)
+        coll.all_reduce_(flags, "control")
+        flags = flags.tolist()
+        if flags[0] > 0:
+            self._skipped_steps += 1
+            self.stats.end_step()
+            if cfg.nonfinite == "raise":
+                raise NonFiniteError(f"LionCub: non-finite gradient or momentum on {flags[0]} of {n} ranks at step "
+                                     f"{step} (this rank: {bad} values); nonfinite='raise'. No state was changed.")
+            log.warning("LionCub: non-finite gradient/momentum on %d of %d ranks at step %d: step skipped on every rank",
+                        flags[0], n, step)
+            return
+        for i, (b, (be, grads, momenta, sign, nz, codes)) in enumerate(zip(self._buckets, local)):
+            g = self.param_groups[b.group_index]
+            job = VoteJob(b.params, b.offsets, b.numel, b.base, g["lr"], g["weight_decay"], step, cfg.tie_break,
+                          cfg.vote, sign=sign, nonzero=nz if flags[1 + i] > 0 else None, codes=codes)
+            b.algorithm.run(job, coll, be)
+            be.momentum_update_list(momenta, grads, g["betas"][1])
+            self.stats.add_baseline(b.real_numel, n)
+        self._step_count = step
+        for b in self._buckets:
+            for p in b.params:
+                self.state[p]["step"] += 1
+        if self._msync is not None:
+            where = self._msync.scope(step - 1)
+            if where is not None:
+                self._msync.average([self._momentum(p) for p in self._sync_params], where, cfg.bucket_numel)
+        if cfg.drift_check_every and step % cfg.drift_check_every == 0:
+            self.check_replicas()
+        self.stats.end_step()
+
+    # ------------------------------------------------------------------ drift guard
+    def _fingerprints(self, params):
+        out = []
+        for p in params:
+            flat = p.detach().reshape(-1)
+            ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16).to(torch.int64)
+            idx = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device) % 65521
+            out.append(torch.stack([ints.sum(), (ints * idx).sum()]))
+        return torch.stack(out).reshape(-1) if out else torch.zeros(0, dtype=torch.int64)
+
+    def check_replicas(self, action: str | None = None) -> bool:
+        """Compare parameter checksums across ranks. True if identical.
+
+        On a mismatch: ``action`` (default: the drift_action setting) "raise" names the first
+        differing parameters; "resync" broadcasts every parameter from group rank 0.
+        """
+        if not self.distributed:
+            return True
+        if self._buckets is None:
+            self._build_buckets()
+        action = action or self.config.drift_action
+        params = [p for b in self._buckets for p in b.params]
+        names = [nm for b in self._buckets for nm in b.names]
+        fp = self._fingerprints(params)
+        both = torch.cat([fp, -fp])
+        self._coll.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
+        hi, neg_lo = both[:fp.numel()], both[fp.numel():]
+        differs = (hi != -neg_lo).reshape(-1, 2).any(dim=1)
+        if not bool(differs.any()):
+            return True
+        idx = differs.nonzero().reshape(-1).tolist()
+        labels = [names[i] or f"param #{i} (shape {tuple(params[i].shape)})" for i in idx[:5]]
+        msg = (f"LionCub: parameters differ across the {self.world_size} ranks at step {self._step_count}: "
+               f"{', '.join(labels)}" + (f" and {len(idx) - 5} more" if len(idx) > 5 else ""))
+        if action == "resync":
+            log.warning("%s; re-synchronizing every parameter from rank 0", msg)
+            for p in params:
+                self._coll.broadcast_(p.data, 0, "drift_resync")
+            return False
+        raise ReplicaDriftError(msg)

@@ -1,0 +1,95 @@
+"""Bytes and time per collective, per step and cumulative.
+
+Bytes are what ONE rank sends, by the ring model used throughout SPEC §3/§6:
+all_reduce of T bytes: 2·(N−1)/N·T; all_gather producing T bytes: (N−1)/N·T;
+all_to_all of T bytes: (N−1)/N·T; broadcast of T bytes from the root: T (the root;
+others 0, counted on every rank as the root's T/N share is not meaningful).
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+
+def ring_bytes(kind: str, nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends for a collective over ``nbytes`` (the full tensor)."""
+    n = world_size
+    if n <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if kind in ("all_gather", "all_to_all", "reduce_scatter"):
+        return (n - 1) * nbytes // n
+    if kind == "broadcast":
+        return nbytes
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def _zero():
+    return {"bytes_sent": 0, "fp32_allreduce_bytes": 0, "bf16_allreduce_bytes": 0, "comm_time_s": 0.0,
+            "collectives": 0, "by_collective": defaultdict(int), "by_algorithm": defaultdict(int)}
+
+
+class CommStats:
+    """Accumulates what the optimizer's collectives send."""
+
+    def __init__(self):
+        self.cumulative = _zero()
+        self.last_step = _zero()
+        self._current = _zero()
+        self.steps = 0
+
+    def record(self, kind: str, purpose: str, nbytes: int, world_size: int, seconds: float) -> int:
+        sent = ring_bytes(kind, nbytes, world_size)
+        for acc in (self._current, self.cumulative):
+            acc["bytes_sent"] += sent
+            acc["comm_time_s"] += seconds
+            acc["collectives"] += 1
+            acc["by_collective"][kind] += sent
+            acc["by_algorithm"][purpose] += sent
+        return sent
+
+    def add_baseline(self, numel: int, world_size: int) -> None:
+        """What an fp32 / bf16 ring all-reduce of ``numel`` gradients would send."""
+        for acc in (self._current, self.cumulative):
+            acc["fp32_allreduce_bytes"] += ring_bytes("all_reduce", 4 * numel, world_size)
+            acc["bf16_allreduce_bytes"] += ring_bytes("all_reduce", 2 * numel, world_size)
+
+    def end_step(self) -> None:
+        self.last_step = self._current
+        self._current = _zero()
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps, "cumulative": _plain(self.cumulative)}
+
+    def load_state_dict(self, sd):
+        self.steps = int(sd.get("steps", 0))
+        cum = _zero()
+        for k, v in sd.get("cumulative", {}).items():
+            if isinstance(v, dict):
+                cum[k].update(v)
+            else:
+                cum[k] = v
+        self.cumulative = cum
+
+    def snapshot(self) -> dict:
+        return {"steps": self.steps, "last_step": _plain(self.last_step), "cumulative": _plain(self.cumulative)}
+
+
+def _plain(acc):
+    out = dict(acc)
+    out["by_collective"] = dict(acc["by_collective"])
+    out["by_algorithm"] = dict(acc["by_algorithm"])
+    fp32 = out["fp32_allreduce_bytes"]
+    out["ratio_vs_fp32"] = (fp32 / out["bytes_sent"]) if out["bytes_sent"] else None
+    out["ratio_vs_bf16"] = (out["bf16_allreduce_bytes"] / out["bytes_sent"]) if out["bytes_sent"] else None
+    return out
+
+
+@contextmanager
+def timed():
+    t = [time.perf_counter()]
+    yield t
+    t.append(time.perf_counter() - t[0])
