@@ -264,10 +264,13 @@ class LionCub(Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         extra = state_dict.pop("lioncub", None)
+        # torch casts floating state to the parameter's dtype; keep the momenta exact instead.
+        saved = {idx: st["exp_avg"] for idx, st in state_dict.get("state", {}).items() if "exp_avg" in st}
         super().load_state_dict(state_dict)
-        for p, st in self.state.items():
-            if "exp_avg" in st and st["exp_avg"].dtype != self.config.momentum_dtype:
-                st["exp_avg"] = st["exp_avg"].to(self.config.momentum_dtype)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, m in saved.items():
+            p = params[int(idx)]
+            self.state[p]["exp_avg"] = m.to(device=p.device, dtype=self.config.momentum_dtype).clone()
         if extra is not None:
             self._step_count = int(extra.get("step", 0))
             self._skipped_steps = int(extra.get("skipped_steps", 0))

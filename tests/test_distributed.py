@@ -1,0 +1,291 @@
+"""Distributed LionCub on real gloo ranks: votes vs a brute-force reference, identity across
+ranks, equivalence with single-process Lion, momentum sync, telemetry formulas, resume."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lioncub_ds
+from lioncub_ds import checkpoint, codec
+from lioncub_ds.momentum_sync import geometric_steps
+from dist_helpers import run_ranks
+
+STEPS = 200
+COMBOS = ([(c, v, t, "sign") for c in ("allgather", "1bit", "pbit") for v in ("majority", "average")
+           for t in ("hash", "alternate", "zero")]
+          + [("int8", "majority", "hash", q) for q in ("l1", "l0", "linf")]
+          + [("auto", "majority", "hash", "sign")])
+
+
+class Net(torch.nn.Module):
+    """Odd sizes; an embedding with rows no rank ever uses (c == 0: abstentions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 5)
+        self.fc1 = torch.nn.Linear(5, 13)
+        self.fc2 = torch.nn.Linear(13, 3)
+
+    def forward(self, idx):
+        return self.fc2(torch.tanh(self.fc1(self.emb(idx).mean(1))))
+
+
+def _batch(gen, rank_data=True):
+    idx = torch.randint(0, 6, (4, 3), generator=gen)  # rows 6..10 never used
+    return idx, torch.randn(4, 3, generator=gen)
+
+
+def _brute_force(opt, before, grads, momenta, n):
+    """Expected parameters after one step, from fp32 signs all-gathered with plain dist.all_gather."""
+    cfg = opt.config
+    expected = {p: before[p].clone() for p in before}
+    for b in opt._buckets:
+        g = opt.param_groups[b.group_index]
+        b1 = g["betas"][0]
+        c = torch.zeros(b.numel)
+        for p, off in zip(b.params, b.offsets):
+            c[off:off + p.numel()] = codec.lion_direction(momenta[p].reshape(-1), grads[p].reshape(-1), b1)
+        if cfg.quant == "sign":
+            s = torch.sign(c)
+            gathered = [torch.zeros_like(s) for _ in range(n)]
+            dist.all_gather(gathered, s)
+            votes = torch.stack(gathered)
+            plus = (votes > 0).sum(0)
+            cnt = (votes != 0).sum(0)
+            diff = 2 * plus - cnt
+            if cfg.vote == "average":
+                delta = diff.float() / n
+            else:
+                delta = torch.sign(diff).float()
+                ties = (diff == 0) & (cnt > 0)
+                tie = codec.tie_values(cfg.tie_break, opt.step_count + 1, b.base, b.numel, "cpu").float()
+                delta = torch.where(ties, tie, delta)
+        else:
+            q = torch.zeros(b.numel, dtype=torch.int32)
+            levels = 127 // n
+            for p, off in zip(b.params, b.offsets):
+                cp = c[off:off + p.numel()]
+                q[off:off + p.numel()] = codec.int8_quantize(cp, codec.int8_scale(cp, cfg.quant), levels).to(torch.int32)
+            dist.all_reduce(q)
+            assert int(q.abs().max()) <= 127  # the int8 sum can never have overflowed
+            delta = torch.sign(q).float()
+        lr, wd = g["lr"], g["weight_decay"]
+        for p, off in zip(b.params, b.offsets):
+            e = expected[p]
+            if wd:
+                e.mul_(1.0 - lr * wd)
+            e.add_(delta[off:off + p.numel()].view_as(e).mul(-lr))
+    return expected
+
+
+def _votes_match_brute_force(rank, n):
+    """Every combination: Δ equals the brute force at every step; replicas bit-identical."""
+    report = {}
+    for comm, vote, tie, quant in COMBOS:
+        torch.manual_seed(0)
+        model = Net()
+        opt = lioncub_ds.LionCub(model.named_parameters(), lr=3e-3, weight_decay=0.1, comm=comm, vote=vote,
+                                 tie_break=tie, quant=quant, bucket_size_mb=0.0004)  # several buckets
+        gen = torch.Generator().manual_seed(1000 + rank)
+        mismatched = 0
+        for step in range(STEPS):
+            idx, y = _batch(gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(idx), y).backward()
+            if step == 0:
+                opt._build_buckets()
+            before = {p: p.detach().clone() for p in model.parameters()}
+            grads = {p: p.grad.clone() for p in model.parameters()}
+            momenta = {p: opt._momentum(p).clone() for p in model.parameters()}
+            expected = _brute_force(opt, before, grads, momenta, n)
+            opt.step()
+            mismatched += sum(not torch.equal(p.detach(), expected[p]) for p in model.parameters())
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        report[(comm, vote, tie, quant)] = (mismatched, flat, [b.algorithm.name for b in opt._buckets],
+                                            opt.comm_stats()["cumulative"]["by_algorithm"])
+    return report
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_votes_equal_brute_force_and_replicas_identical(n):
+    reports = run_ranks(_votes_match_brute_force, n, timeout=900)
+    for key in reports[0]:
+        for r in range(n):
+            assert reports[r][key][0] == 0, f"N={n} {key}: rank {r} deviated from the brute-force vote"
+            assert torch.equal(reports[r][key][1], reports[0][key][1]), f"N={n} {key}: rank {r} differs from rank 0"
+        algos = reports[0][key][2]
+        if key[0] != "auto":
+            assert set(algos) == {key[0]}
+        else:
+            assert set(algos) <= {"allgather", "1bit", "pbit"}
+        assert key[0] == "auto" or reports[0][key][3].get(key[0], 0) > 0
+
+
+def _same_data_as_lion(rank, n):
+    out = []
+    for comm in ("allgather", "1bit", "pbit"):
+        torch.manual_seed(0)
+        model = Net()
+        ref = Net()
+        ref.load_state_dict(model.state_dict())
+        opt = lioncub_ds.LionCub(model.parameters(), lr=3e-3, weight_decay=0.1, comm=comm)
+        lion = lioncub_ds.Lion(ref.parameters(), lr=3e-3, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(7)  # the same data on every rank
+        for _ in range(60):
+            idx, y = _batch(gen)
+            for m, o in ((model, opt), (ref, lion)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(m(idx), y).backward()
+                o.step()
+        out.append(all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())))
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_identical_data_reproduces_single_process_lion(n):
+    for r, res in enumerate(run_ranks(_same_data_as_lion, n)):
+        assert all(res), f"rank {r}: LionCub with identical data differs from Lion ({res})"
+
+
+def _sync_and_telemetry(rank, n):
+    out = {}
+    # every-K sync: equal right after a sync step, different between
+    torch.manual_seed(0)
+    model = Net()
+    opt = lioncub_ds.LionCub(model.parameters(), lr=1e-3, comm="1bit", momentum_sync={"every": 5})
+    gen = torch.Generator().manual_seed(50 + rank)
+    equal_after = []
+    for s in range(12):
+        idx, y = _batch(gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(idx), y).backward()
+        opt.step()
+        m = torch.cat([opt._momentum(p).reshape(-1) for p in model.parameters()])
+        g = [torch.zeros_like(m) for _ in range(n)]
+        dist.all_gather(g, m)
+        equal_after.append(all(torch.equal(g[0], x) for x in g))
+    out["every5"] = equal_after
+    # two-level: node pairs every step, everyone every 3rd step
+    if n == 4:
+        torch.manual_seed(0)
+        model = Net()
+        opt = lioncub_ds.LionCub(model.parameters(), lr=1e-3, comm="pbit",
+                                 momentum_sync={"group": "node", "group_size": 2, "every": 1, "inter_every": 3})
+        pattern = []
+        for s in range(4):
+            idx, y = _batch(gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(idx), y).backward()
+            opt.step()
+            m = torch.cat([opt._momentum(p).reshape(-1) for p in model.parameters()])
+            g = [torch.zeros_like(m) for _ in range(n)]
+            dist.all_gather(g, m)
+            pattern.append((torch.equal(g[0], g[1]), torch.equal(g[2], g[3]), torch.equal(g[0], g[2])))
+        out["node"] = pattern
+    # layers: only fc2 synced
+    torch.manual_seed(0)
+    model = Net()
+    opt = lioncub_ds.LionCub(model.named_parameters(), lr=1e-3, momentum_sync={"every": 1, "layers": ["fc2.*"]})
+    idx, y = _batch(gen)
+    torch.nn.functional.mse_loss(model(idx), y).backward()
+    opt.step()
+    layer_eq = {}
+    for name, p in model.named_parameters():
+        m = opt._momentum(p).reshape(-1).clone()
+        g = [torch.zeros_like(m) for _ in range(n)]
+        dist.all_gather(g, m)
+        layer_eq[name] = all(torch.equal(g[0], x) for x in g)
+    out["layers"] = layer_eq
+    # telemetry: bytes per step for each algorithm, one bucket of P elements, no abstentions
+    P = 1000
+    tele = {}
+    for comm in ("allgather", "1bit", "pbit", "int8"):
+        w = torch.nn.Parameter(torch.zeros(P))
+        opt = lioncub_ds.LionCub([w], lr=1e-3, comm=comm, quant="l1" if comm == "int8" else "sign")
+        w.grad = torch.randn(P, generator=gen) + 0.01  # no exact zeros
+        opt.step()
+        tele[comm] = opt.comm_stats()["last_step"]
+    out["telemetry"] = tele
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_momentum_sync_and_telemetry(n):
+    res = run_ranks(_sync_and_telemetry, n)[0]
+    assert res["every5"] == [s % 5 == 0 for s in range(12)]
+    if n == 4:
+        # step 0: inter (0 % 3 == 0); 1, 2: pairs only; 3: inter again
+        assert res["node"] == [(True, True, True), (True, True, False), (True, True, False), (True, True, True)]
+    assert res["layers"]["fc2.weight"] and res["layers"]["fc2.bias"]
+    assert not res["layers"]["fc1.weight"]
+    P = 1000
+    padded = (P + 8 * n - 1) // (8 * n) * (8 * n)
+    control = 2 * (n - 1) * 4 * 2 // n  # flag all-reduce: [non-finite, abstain-per-bucket] int32
+    p_lane = codec.lane_bits_for(n)
+    formulas = {"allgather": (n - 1) * padded // 8,
+                "1bit": 2 * ((n - 1) * (padded // 8) // n),
+                "pbit": 2 * (n - 1) * (padded * p_lane // 8) // n,
+                "int8": 2 * (n - 1) * padded // n}
+    for comm, st in res["telemetry"].items():
+        assert st["by_algorithm"][comm] == formulas[comm], comm
+        assert st["bytes_sent"] == formulas[comm] + control
+        assert st["fp32_allreduce_bytes"] == 2 * (n - 1) * 4 * P // n
+        assert st["bf16_allreduce_bytes"] == 2 * (n - 1) * 2 * P // n
+    onebit = res["telemetry"]["1bit"]["by_algorithm"]["1bit"]
+    assert onebit <= 2 * (n - 1) / n * padded / 8
+    assert res["telemetry"]["1bit"]["fp32_allreduce_bytes"] / onebit >= 30
+
+
+def test_geometric_schedule_matches_formula():
+    import math
+    for k in (1, 2, 3.5):
+        steps = geometric_steps(k, 500)
+        t, expect = 0, []
+        for j in range(1000):
+            if t >= 500:
+                break
+            expect.append(t)
+            t += math.floor(2 ** (j / k))
+        assert steps == expect
+    assert geometric_steps(1, 20) == [0, 1, 3, 7, 15]
+
+
+def _train(model, opt, gen, steps):
+    for _ in range(steps):
+        idx, y = _batch(gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(idx), y).backward()
+        opt.step()
+
+
+def _resume(rank, n, directory):
+    def fresh():
+        torch.manual_seed(0)
+        m = Net()
+        return m, lioncub_ds.LionCub(m.parameters(), lr=3e-3, weight_decay=0.1, comm="1bit", tie_break="alternate",
+                                     momentum_sync={"every": 7})
+    m1, o1 = fresh()
+    _train(m1, o1, torch.Generator().manual_seed(rank), 100)
+    m2, o2 = fresh()
+    gen = torch.Generator().manual_seed(rank)
+    _train(m2, o2, gen, 50)
+    checkpoint.save(o2, directory)
+    torch.save(m2.state_dict(), os.path.join(directory, f"model{rank}.pt"))
+    gen_state = gen.get_state()
+    m3, o3 = fresh()
+    m3.load_state_dict(torch.load(os.path.join(directory, f"model{rank}.pt")))
+    checkpoint.load(o3, directory)
+    gen3 = torch.Generator()
+    gen3.set_state(gen_state)
+    _train(m3, o3, gen3, 50)
+    return [torch.equal(a, b) for a, b in zip(m1.parameters(), m3.parameters())], o3.step_count
+
+
+def test_save_resume_is_bit_identical():
+    with tempfile.TemporaryDirectory() as d:
+        for same, steps in run_ranks(_resume, 2, d):
+            assert all(same) and steps == 100
