@@ -2,10 +2,12 @@
 
 Every rank keeps its own momentum, so every rank writes its own file,
 ``lioncub-rank{r:05d}-of-{N:05d}.pt``, atomically (temporary file + fsync + rename).
-Files carry a format version and are read with ``torch.load(weights_only=True)``.
-Everything is checked (format, world size, parameter count and shapes) before the
-optimizer is touched: a bad file raises :class:`CheckpointError` and leaves the
-running state as it was.
+Files carry a format version and a SHA-256 digest of their whole content (tensors
+included: ``torch.load`` does not verify the bytes of tensor data, so a flipped bit
+there would otherwise load silently), and are read with ``torch.load(weights_only=True)``.
+Everything is checked (digest, format, world size, parameter count and shapes, momentum
+shapes) before the optimizer is touched: a bad file raises :class:`CheckpointError` and
+leaves the running state as it was.
 
 Resharding policy when the world size changed (``reshard=``):
 * ``"average"`` (default): every new rank starts from the mean of all saved momenta
@@ -15,14 +17,17 @@ Resharding policy when the world size changed (``reshard=``):
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import re
 import tempfile
 
 import torch
+import torch.distributed as dist
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: adds "sha256"; format 1 files (no digest) are still read
+READABLE_FORMATS = (1, 2)
 KIND = "lioncub_optimizer_state"
 RESHARD_POLICIES = ("average", "error")
 _NAME = re.compile(r"lioncub-rank(\d{5})-of-(\d{5})\.pt$")
@@ -55,6 +60,41 @@ def atomic_torch_save(obj, path: str) -> None:
         raise
 
 
+def payload_digest(obj) -> str:
+    """SHA-256 of a checkpoint payload's content (structure, values, tensor dtypes/shapes/bytes).
+
+    Canonical: dict keys are visited in a fixed order, tuples and lists are distinguished,
+    tensors are hashed from their raw bytes (no copy for contiguous CPU tensors).
+    """
+    h = hashlib.sha256()
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(x.shape)}:".encode())
+            if t.numel():
+                h.update(t.view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}{{".encode())
+            for k in sorted(x, key=lambda k: (type(k).__name__, repr(k))):
+                walk(k)
+                walk(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(f"{'L' if isinstance(x, list) else 'U'}{len(x)}[".encode())
+            for v in x:
+                walk(v)
+            h.update(b"]")
+        else:
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
 def _rank_info(optimizer):
     return (optimizer._dist[2], optimizer._dist[1]) if optimizer.distributed else (0, 1)
 
@@ -68,6 +108,7 @@ def save(optimizer, directory: str) -> str:
     rank, world = _rank_info(optimizer)
     payload = {"kind": KIND, "format": FORMAT_VERSION, "rank": rank, "world_size": world,
                "param_shapes": _shapes(optimizer), "optimizer": optimizer.state_dict()}
+    payload["sha256"] = payload_digest(payload)
     path = rank_file(directory, rank, world)
     atomic_torch_save(payload, path)
     return path
@@ -84,9 +125,18 @@ def read(path: str) -> dict:
                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
     if not isinstance(payload, dict) or payload.get("kind") != KIND:
         raise CheckpointError(f"{path} is not a LionCub optimizer checkpoint")
-    if payload.get("format") != FORMAT_VERSION:
+    if payload.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"{path} has checkpoint format {payload.get('format')!r}; this lioncub_ds reads "
-                              f"format {FORMAT_VERSION}")
+                              f"formats {', '.join(map(str, READABLE_FORMATS))}")
+    if payload["format"] >= 2:
+        stored = payload.pop("sha256", None)
+        actual = payload_digest(payload)
+        if stored != actual:
+            raise CheckpointError(f"{path} is corrupted: its content does not match the SHA-256 digest it was saved "
+                                  f"with (stored {str(stored)[:16]}..., computed {actual[:16]}...)")
+    for key in ("rank", "world_size", "param_shapes", "optimizer"):
+        if key not in payload:
+            raise CheckpointError(f"{path} is not a complete LionCub optimizer checkpoint (no {key!r})")
     return payload
 
 
@@ -99,12 +149,21 @@ def _check_fits(payload, optimizer, path):
         if list(a) != list(b):
             raise CheckpointError(f"{path}: parameter #{i} has shape {tuple(a)} in the checkpoint but {tuple(b)} "
                                   "in the optimizer")
+    state = payload["optimizer"].get("state", {}) if isinstance(payload["optimizer"], dict) else None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds no optimizer state dict")
+    for idx, st in state.items():
+        if not isinstance(idx, int) or not 0 <= idx < len(want):
+            raise CheckpointError(f"{path}: state for parameter #{idx!r}, but the optimizer has {len(want)} parameters")
+        m = st.get("exp_avg") if isinstance(st, dict) else None
+        if m is not None and (not isinstance(m, torch.Tensor) or list(m.shape) != list(want[idx])):
+            shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+            raise CheckpointError(f"{path}: the momentum of parameter #{idx} has shape {shape}; the parameter has "
+                                  f"{tuple(want[idx])}")
 
 
-def load(optimizer, directory: str, reshard: str = "average") -> str:
-    """Load this rank's state from ``directory`` (see module doc for ``reshard``)."""
-    if reshard not in RESHARD_POLICIES:
-        raise ValueError(f"reshard={reshard!r} is not allowed; allowed: {', '.join(RESHARD_POLICIES)}")
+def _prepare(optimizer, directory: str, reshard: str):
+    """Read and validate this rank's state (no side effects). Returns (state dict, source)."""
     rank, world = _rank_info(optimizer)
     path = rank_file(directory, rank, world)
     if os.path.exists(path):
@@ -112,8 +171,7 @@ def load(optimizer, directory: str, reshard: str = "average") -> str:
         if payload["world_size"] != world or payload["rank"] != rank:
             raise CheckpointError(f"{path} claims rank {payload['rank']} of {payload['world_size']}")
         _check_fits(payload, optimizer, path)
-        optimizer.load_state_dict(payload["optimizer"])
-        return path
+        return payload["optimizer"], path
     found = sorted(glob.glob(os.path.join(directory, "lioncub-rank*-of-*.pt")))
     worlds = {int(_NAME.search(f).group(2)) for f in found if _NAME.search(f)}
     if not worlds:
@@ -129,10 +187,51 @@ def load(optimizer, directory: str, reshard: str = "average") -> str:
         p = rank_file(directory, r, old_world)
         payloads.append(read(p))
         _check_fits(payloads[-1], optimizer, p)
-    merged = average_states([pl["optimizer"] for pl in payloads])
+    steps = sorted({pl["optimizer"].get("lioncub", {}).get("step") for pl in payloads}, key=repr)
+    if len(steps) > 1:
+        raise CheckpointError(f"{directory}: the {old_world} rank files were saved at different steps {steps} "
+                              "(an interrupted or mixed save?); refusing to average them")
     log.warning("LionCub: resharding optimizer state from %d to %d ranks by averaging momenta", old_world, world)
-    optimizer.load_state_dict(merged)
-    return directory
+    return average_states([pl["optimizer"] for pl in payloads]), directory
+
+
+def _agree(optimizer, failed: bool, step: int) -> tuple[int, int, int]:
+    """All ranks of the optimizer's group: (#failed, max step, min step)."""
+    if not optimizer.distributed:
+        return int(failed), step, step
+    flags = torch.tensor([int(failed), step, -step], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=optimizer._dist[0])
+    # MAX of the failure flag says "some rank failed"; count is not needed
+    return int(flags[0]), int(flags[1]), -int(flags[2])
+
+
+def load(optimizer, directory: str, reshard: str = "average") -> str:
+    """Load this rank's state from ``directory`` (see module doc for ``reshard``).
+
+    Collective when the optimizer is distributed: every rank validates its own file first,
+    then all ranks agree; if any rank failed, or ranks would resume from different steps
+    (e.g. an interrupted save), every rank raises :class:`CheckpointError` and no rank
+    changes its state.
+    """
+    if reshard not in RESHARD_POLICIES:
+        raise ValueError(f"reshard={reshard!r} is not allowed; allowed: {', '.join(RESHARD_POLICIES)}")
+    error, state, source = None, None, directory
+    try:
+        state, source = _prepare(optimizer, directory, reshard)
+    except CheckpointError as exc:
+        error = exc
+    step = int(state.get("lioncub", {}).get("step", 0)) if state is not None else -1
+    failed, hi, lo = _agree(optimizer, error is not None, step)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"LionCub: another rank could not load its checkpoint from {directory}; "
+                              "no rank changed its state")
+    if hi != lo:
+        raise CheckpointError(f"LionCub: ranks' checkpoints in {directory} were saved at different steps "
+                              f"({lo}..{hi}; an interrupted save?); no rank changed its state")
+    optimizer.load_state_dict(state)
+    return source
 
 
 def average_states(states: list[dict]) -> dict:

@@ -169,7 +169,8 @@ class LionCubConfig:
             if self.pbit_bits not in (1, 2, 4, 8) or isinstance(self.pbit_bits, bool):
                 raise _err("pbit_bits", self.pbit_bits, "None (choose from the world size) or one of 1, 2, 4, 8")
             if self.comm not in ("pbit", "auto"):
-                raise LionCubConfigError(f"LionCub: pbit_bits is only used with comm='pbit' or 'auto' (got comm={self.comm!r})")
+                raise LionCubConfigError(f"LionCub: pbit_bits={self.pbit_bits!r} is only used with comm='pbit' or 'auto' "
+                                         f"(got comm={self.comm!r})")
         if not isinstance(self.network, dict):
             raise _err("network", self.network, "a dict with bandwidth_gbit (> 0) and latency_us (>= 0)")
         for key in self.network:
@@ -183,7 +184,7 @@ class LionCubConfig:
             raise _err("network.latency_us", lat, "a number >= 0")
         if not _is_int(self.drift_check_every) or self.drift_check_every < 0:
             raise _err("drift_check_every", self.drift_check_every, "an integer >= 0 (0 = off)")
-        if self.timeout_s is not None and (not _is_real(self.timeout_s) or not self.timeout_s > 0):
+        if self.timeout_s is not None and (not _is_real(self.timeout_s) or not 0 < self.timeout_s < math.inf):
             raise _err("timeout_s", self.timeout_s, "None or a number of seconds > 0")
 
     @property

@@ -54,6 +54,18 @@ class Bucket:
     algorithm: object = None
 
 
+def check_world_size(cfg: LionCubConfig, n: int) -> None:
+    """Settings whose validity depends on the number of voting ranks N."""
+    if cfg.pbit_bits is not None and cfg.comm in ("pbit", "auto"):
+        check_lane_bits(cfg.pbit_bits, n)
+    if cfg.quant != "sign" and n > 127:
+        raise LionCubConfigError(f"LionCub: comm={cfg.comm!r} with quant={cfg.quant!r} (int8 votes) supports at most "
+                                 f"127 ranks (s = floor(127/N) levels); this group has {n}; allowed: quant='sign'")
+    if cfg.quant == "sign" and n > 255 and (cfg.comm == "pbit" or (cfg.comm == "1bit" and cfg.vote == "average")):
+        raise LionCubConfigError(f"LionCub: comm={cfg.comm!r} with vote={cfg.vote!r} counts votes in 8-bit lanes: at "
+                                 f"most 255 ranks; this group has {n}; allowed: comm='1bit' (majority) or 'allgather'")
+
+
 def _split_named(params):
     """Accept tensors, (name, tensor) pairs or param groups; return torch-style groups.
 
@@ -141,14 +153,11 @@ class LionCub(Optimizer):
         cfg = self.config
         group = self._process_group
         n = dist.get_world_size(group)
+        check_world_size(cfg, n)  # before creating anything (the timeout group below)
         if cfg.timeout_s is not None and n > 1:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
             group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=cfg.timeout_s),
                                    use_local_synchronization=True)
-        if cfg.comm == "pbit" and cfg.pbit_bits is not None:
-            check_lane_bits(cfg.pbit_bits, n)
-        if cfg.comm == "int8" or cfg.quant != "sign":
-            int8_levels(n)  # N <= 127
         self._dist = (group, n, dist.get_rank(group))
         return self._dist
 
@@ -199,7 +208,7 @@ class LionCub(Optimizer):
                 if cfg.quant != "sign":
                     name = "int8"
                 else:
-                    name = cost.choose(b.numel, n, vote=cfg.vote, tie_break=cfg.tie_break)
+                    name = cost.choose(b.numel, n, vote=cfg.vote, tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)
             else:
                 name = cfg.comm
             b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits)
@@ -370,9 +379,9 @@ class LionCub(Optimizer):
             where = self._msync.scope(step - 1)
             if where is not None:
                 self._msync.average([self._momentum(p) for p in self._sync_params], where, cfg.bucket_numel)
-        if cfg.drift_check_every and step % cfg.drift_check_every == 0:
-            self.check_replicas()
         self.stats.end_step()
+        if cfg.drift_check_every and step % cfg.drift_check_every == 0:
+            self.check_replicas()  # its bytes count towards the next step
 
     # ------------------------------------------------------------------ drift guard
     def _fingerprints(self, params):

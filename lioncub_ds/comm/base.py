@@ -20,6 +20,23 @@ from ..telemetry import CommStats
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class CollectiveError(RuntimeError):
+    """A LionCub collective failed: a rank died or stalled past the timeout, or the network broke.
+
+    The message names the collective, its purpose, this rank, the group size and the
+    group's timeout; the backend's own error is chained as ``__cause__``.
+    """
+
+
+def group_timeout_s(group, device) -> float | None:
+    """The timeout (seconds) of ``group``'s backend for ``device``; None if torch does not say."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - private API; the timeout is only used in a message
+        return None
+
+
 class Collectives:
     """torch.distributed collectives over one group, each counted in :class:`CommStats`."""
 
@@ -28,6 +45,16 @@ class Collectives:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.stats = stats
+
+    def _failed(self, kind, purpose, t, nbytes, device, exc) -> CollectiveError:
+        timeout = group_timeout_s(self.group, device)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return CollectiveError(
+            f"LionCub: {kind} ({purpose}, {nbytes} bytes) failed on rank {self.rank} of a group of "
+            f"{self.world_size} ranks after {time.perf_counter() - t:.1f} s (collective timeout: "
+            f"{'unknown' if timeout is None else f'{timeout:g} s'}; LionCub(timeout_s=...) sets it): "
+            f"{type(exc).__name__}: {first}. A rank that crashed, was killed or stalled past the timeout "
+            "causes this: check the other ranks' logs.")
 
     def _done(self, kind, purpose, t, nbytes, device):
         if device.type == "cuda":
@@ -38,7 +65,10 @@ class Collectives:
         """[k] -> [N, k] (row i = rank i's input)."""
         out = torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
         t = time.perf_counter()
-        _all_gather_single(out, inp.reshape(-1).contiguous(), group=self.group)
+        try:
+            _all_gather_single(out, inp.reshape(-1).contiguous(), group=self.group)
+        except RuntimeError as exc:
+            raise self._failed("all_gather", purpose, t, inp.numel() * inp.element_size(), inp.device, exc) from exc
         self._done("all_gather", purpose, t, out.numel() * out.element_size(), inp.device)
         return out.view(self.world_size, -1)
 
@@ -46,19 +76,28 @@ class Collectives:
         """[N, k] (row j goes to rank j) -> [N, k] (row i came from rank i)."""
         out = torch.empty_like(inp)
         t = time.perf_counter()
-        dist.all_to_all_single(out, inp.contiguous(), group=self.group)
+        try:
+            dist.all_to_all_single(out, inp.contiguous(), group=self.group)
+        except RuntimeError as exc:
+            raise self._failed("all_to_all", purpose, t, inp.numel() * inp.element_size(), inp.device, exc) from exc
         self._done("all_to_all", purpose, t, inp.numel() * inp.element_size(), inp.device)
         return out
 
     def all_reduce_(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         t = time.perf_counter()
-        dist.all_reduce(tensor, op=op, group=self.group)
+        try:
+            dist.all_reduce(tensor, op=op, group=self.group)
+        except RuntimeError as exc:
+            raise self._failed("all_reduce", purpose, t, tensor.numel() * tensor.element_size(), tensor.device, exc) from exc
         self._done("all_reduce", purpose, t, tensor.numel() * tensor.element_size(), tensor.device)
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src_group_rank: int, purpose: str) -> torch.Tensor:
         t = time.perf_counter()
-        dist.broadcast(tensor, group_src=src_group_rank, group=self.group)
+        try:
+            dist.broadcast(tensor, group_src=src_group_rank, group=self.group)
+        except RuntimeError as exc:
+            raise self._failed("broadcast", purpose, t, tensor.numel() * tensor.element_size(), tensor.device, exc) from exc
         self._done("broadcast", purpose, t, tensor.numel() * tensor.element_size(), tensor.device)
         return tensor
 
