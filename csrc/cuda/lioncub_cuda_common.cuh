@@ -1,0 +1,853 @@
+// lioncub_cuda_common.cuh -- per-element / per-word logic of the fused kernels.
+//
+// Everything here is __host__ __device__ (LC_HD) and uses only integer ops and
+// correctly rounded single fp32 ops (no FMA: __fmul_rn/__fadd_rn/__fdiv_rn on the
+// device), so the same code runs inside the CUDA kernels (lioncub_local.cu,
+// lioncub_vote.cu) and in the serial host emulation (lioncub_cuda_emu.cpp) that the
+// tests check against lioncub_ds/codec.py on a machine without a GPU. The kernels only
+// add the grid-stride loops, the warp shuffles and the block reductions around it.
+//
+// Bit order (SPEC §4): element i of a packed plane is bit (i & 7) of byte (i >> 3);
+// read as little-endian 32-bit words, element 32*w + k is bit k of word w.
+#ifndef LIONCUB_CUDA_COMMON_CUH_
+#define LIONCUB_CUDA_COMMON_CUH_
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <vector_types.h>
+
+#include "lioncub_cuda.h"
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#define LC_HD __host__ __device__ __forceinline__
+#else
+#define LC_HD inline
+#endif
+
+// Unroll hints for the device compiler only (host compilers would warn about them).
+#if defined(__CUDA_ARCH__)
+#define LC_UNROLL _Pragma("unroll")
+#define LC_UNROLL_4 _Pragma("unroll 4")
+#else
+#define LC_UNROLL
+#define LC_UNROLL_4
+#endif
+
+namespace lc {
+
+// Threads per block of every kernel; the chunked reductions need exactly this many.
+constexpr int kThreads = 256;
+
+// ----------------------------------------------------------------------------- scalar fp32
+LC_HD uint32_t f2u(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+LC_HD float u2f(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// One correctly rounded op each; never contracted into an FMA.
+LC_HD float fmul(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  volatile float r = a * b;  // volatile: the host compiler may not contract either
+  return r;
+#endif
+}
+
+LC_HD float fadd(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  volatile float r = a + b;
+  return r;
+#endif
+}
+
+LC_HD float fdiv(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  volatile float r = a / b;
+  return r;
+#endif
+}
+
+// Round half to even (torch.round).
+LC_HD float rint_even(float x) {
+#ifdef __CUDA_ARCH__
+  return rintf(x);
+#else
+  return std::nearbyint(x);
+#endif
+}
+
+LC_HD float fmin_(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return fminf(a, b);
+#else
+  return std::fmin(a, b);
+#endif
+}
+
+LC_HD float fmax_(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return fmaxf(a, b);
+#else
+  return std::fmax(a, b);
+#endif
+}
+
+LC_HD double dlog(double x) {
+#ifdef __CUDA_ARCH__
+  return log(x);
+#else
+  return std::log(x);
+#endif
+}
+
+LC_HD double dexp(double x) {
+#ifdef __CUDA_ARCH__
+  return exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+// Index of the lowest set bit of a nonzero word.
+LC_HD int ctz32(uint32_t x) {
+#ifdef __CUDA_ARCH__
+  return __ffs(static_cast<int>(x)) - 1;
+#else
+  return __builtin_ctz(x);
+#endif
+}
+
+LC_HD bool is_finite(float x) { return (f2u(x) & 0x7f800000u) != 0x7f800000u; }
+LC_HD float fabs_(float x) { return u2f(f2u(x) & 0x7fffffffu); }
+
+// ----------------------------------------------------------------------------- 16-bit floats
+LC_HD float bf16_to_f(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's scalar rule).
+LC_HD uint16_t f_to_bf16(float f) {
+  uint32_t u = f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0u;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+LC_HD float h_to_f(uint16_t h) {
+#ifdef __CUDA_ARCH__
+  return __half2float(__ushort_as_half(h));
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) {
+    float v = static_cast<float>(m) * 5.9604644775390625e-08f;  // m * 2^-24, exact
+    return u2f(f2u(v) | sign);
+  }
+  if (e == 31) return u2f(sign | 0x7f800000u | (m << 13));
+  return u2f(sign | ((e + 112u) << 23) | (m << 13));
+#endif
+}
+
+LC_HD uint16_t f_to_h(float f) {
+#ifdef __CUDA_ARCH__
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  const uint32_t x = f2u(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: inf
+  if (ax < 0x38800000u) {  // below 2^-14: subnormal half (or 0), round(|f| * 2^24)
+    float v = u2f(ax) * 16777216.0f;  // exact: a power-of-two scale-up
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(v)));
+  }
+  uint32_t h = ((((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13));
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+#endif
+}
+
+LC_HD float from16(int dt, uint16_t h) { return dt == LC_BFLOAT16 ? bf16_to_f(h) : h_to_f(h); }
+LC_HD uint16_t to16(int dt, float f) { return dt == LC_BFLOAT16 ? f_to_bf16(f) : f_to_h(f); }
+
+// fp32 value after a round trip through dtype dt (what storing into a dt tensor keeps).
+LC_HD float round_to(int dt, float x) { return dt == LC_FLOAT32 ? x : from16(dt, to16(dt, x)); }
+
+// ----------------------------------------------------------------------------- 8-element I/O
+LC_HD float4 f4(float x, float y, float z, float w) {
+  float4 r;
+  r.x = x;
+  r.y = y;
+  r.z = z;
+  r.w = w;
+  return r;
+}
+
+// Elements j..j+n-1 (n <= 8, j a multiple of 8) of a tensor of dtype dt at addr, as fp32.
+// 16-byte vector loads when the 8 elements are all there and 16-byte aligned.
+LC_HD void load8(uint64_t addr, int dt, int64_t j, int n, float v[8]) {
+  if (dt == LC_FLOAT32) {
+    const float* p = reinterpret_cast<const float*>(addr) + j;
+    if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+      const float4 x0 = reinterpret_cast<const float4*>(p)[0];
+      const float4 x1 = reinterpret_cast<const float4*>(p)[1];
+      v[0] = x0.x; v[1] = x0.y; v[2] = x0.z; v[3] = x0.w;
+      v[4] = x1.x; v[5] = x1.y; v[6] = x1.z; v[7] = x1.w;
+    } else {
+      LC_UNROLL
+      for (int i = 0; i < 8; ++i) v[i] = i < n ? p[i] : 0.0f;
+    }
+  } else {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(addr) + j;
+    uint16_t h[8];
+    if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p);
+      h[0] = static_cast<uint16_t>(x.x); h[1] = static_cast<uint16_t>(x.x >> 16);
+      h[2] = static_cast<uint16_t>(x.y); h[3] = static_cast<uint16_t>(x.y >> 16);
+      h[4] = static_cast<uint16_t>(x.z); h[5] = static_cast<uint16_t>(x.z >> 16);
+      h[6] = static_cast<uint16_t>(x.w); h[7] = static_cast<uint16_t>(x.w >> 16);
+    } else {
+      LC_UNROLL
+      for (int i = 0; i < 8; ++i) h[i] = i < n ? p[i] : static_cast<uint16_t>(0);
+    }
+    LC_UNROLL
+    for (int i = 0; i < 8; ++i) v[i] = from16(dt, h[i]);
+  }
+}
+
+// Store v[0..n-1] into elements j.. of a tensor of dtype dt, rounding once to dt.
+LC_HD void store8(uint64_t addr, int dt, int64_t j, int n, const float v[8]) {
+  if (dt == LC_FLOAT32) {
+    float* p = reinterpret_cast<float*>(addr) + j;
+    if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+      reinterpret_cast<float4*>(p)[0] = f4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(p)[1] = f4(v[4], v[5], v[6], v[7]);
+    } else {
+      LC_UNROLL
+      for (int i = 0; i < 8; ++i)
+        if (i < n) p[i] = v[i];
+    }
+  } else {
+    uint16_t* p = reinterpret_cast<uint16_t*>(addr) + j;
+    uint16_t h[8];
+    LC_UNROLL
+    for (int i = 0; i < 8; ++i) h[i] = to16(dt, v[i]);
+    if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+      uint4 x;
+      x.x = h[0] | (static_cast<uint32_t>(h[1]) << 16);
+      x.y = h[2] | (static_cast<uint32_t>(h[3]) << 16);
+      x.z = h[4] | (static_cast<uint32_t>(h[5]) << 16);
+      x.w = h[6] | (static_cast<uint32_t>(h[7]) << 16);
+      *reinterpret_cast<uint4*>(p) = x;
+    } else {
+      LC_UNROLL
+      for (int i = 0; i < 8; ++i)
+        if (i < n) p[i] = h[i];
+    }
+  }
+}
+
+// Δ of 8 elements into a flat fp32 buffer at element e0 (n <= 8 of them).
+LC_HD void store_delta8(float* out, int64_t e0, int n, const float d[8]) {
+  float* p = out + e0;
+  if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+    reinterpret_cast<float4*>(p)[0] = f4(d[0], d[1], d[2], d[3]);
+    reinterpret_cast<float4*>(p)[1] = f4(d[4], d[5], d[6], d[7]);
+  } else {
+    LC_UNROLL
+    for (int i = 0; i < 8; ++i)
+      if (i < n) p[i] = d[i];
+  }
+}
+
+// ----------------------------------------------------------------------------- tensor lookup
+struct Tensor {
+  uint64_t a, b;
+  int64_t offset, numel, chunk_start;
+  int dta, dtb;
+};
+
+LC_HD Tensor read_meta(const lc_tensor_meta* __restrict__ meta, int t) {
+  Tensor r;
+  r.a = meta[t].a;
+  r.b = meta[t].b;
+  r.offset = meta[t].offset;
+  r.numel = meta[t].numel;
+  r.chunk_start = meta[t].chunk_start;
+  const int64_t d = meta[t].dtypes;
+  r.dta = static_cast<int>(d & 0xff);
+  r.dtb = static_cast<int>((d >> 8) & 0xff);
+  return r;
+}
+
+// Largest t in [lo, n) with meta[t].offset <= e, or lo - 1 if none.
+LC_HD int search_offset(const lc_tensor_meta* __restrict__ meta, int lo, int n, int64_t e) {
+  int hi = n - 1, ans = lo - 1;
+  while (lo <= hi) {
+    const int mid = (lo + hi) >> 1;
+    if (meta[mid].offset <= e) {
+      ans = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return ans;
+}
+
+// The tensor holding bucket element e (meta sorted by offset), or -1 for a gap/padding.
+// `hint` caches the last answer: a thread's elements only grow, so this is usually a
+// single comparison.
+LC_HD int locate(const lc_tensor_meta* __restrict__ meta, int n, int64_t e, int& hint) {
+  int h = hint;
+  if (h < 0 || e < meta[h].offset) {
+    h = search_offset(meta, 0, n, e);
+  } else if (h + 1 < n && e >= meta[h + 1].offset) {
+    h = search_offset(meta, h + 1, n, e);
+  }
+  hint = h;
+  return (h >= 0 && e < meta[h].offset + meta[h].numel) ? h : -1;
+}
+
+// The tensor owning global chunk `chunk` (chunk_start ascending in array order).
+LC_HD int search_chunk(const lc_tensor_meta* __restrict__ meta, int n, int64_t chunk) {
+  int lo = 0, hi = n - 1, ans = 0;
+  while (lo <= hi) {
+    const int mid = (lo + hi) >> 1;
+    if (meta[mid].chunk_start <= chunk) {
+      ans = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return ans;
+}
+
+// ----------------------------------------------------------------------------- Lion math
+// c = fl(fl(m*b1) + fl(g*omb1)), like m.float().mul(beta1).add_(g.float().mul(1 - beta1)).
+LC_HD float lion_c(float m, float g, const lc_lion_args& la) { return fadd(fmul(m, la.b1), fmul(g, la.omb1)); }
+LC_HD float lion_m(float m, float g, const lc_lion_args& la) { return fadd(fmul(m, la.b2), fmul(g, la.omb2)); }
+
+// One unit (8 bucket elements, e0 = 8*u) of the local step. Returns the sign and nonzero
+// bytes; adds to the non-finite / zero counters; updates the momentum when asked.
+LC_HD void local_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const lc_lion_args& la,
+                      int update_momentum, int& hint, uint32_t& sbyte, uint32_t& zbyte, int& nbad, int& nzero) {
+  sbyte = 0;
+  zbyte = 0;
+  const int t = locate(meta, nt, e0, hint);
+  if (t < 0) return;
+  const Tensor T = read_meta(meta, t);
+  const int64_t j = e0 - T.offset;
+  const int64_t rem = T.numel - j;
+  const int n = rem < 8 ? static_cast<int>(rem) : 8;
+  float g[8], m[8];
+  load8(T.a, T.dta, j, n, g);
+  load8(T.b, T.dtb, j, n, m);
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    if (i < n) {
+      const float c = lion_c(m[i], g[i], la);
+      const bool fin = is_finite(c);
+      if (fin && c > 0.0f) sbyte |= 1u << i;
+      if (fin && c != 0.0f) zbyte |= 1u << i;
+      nbad += fin ? 0 : 1;
+      nzero += c == 0.0f ? 1 : 0;
+    }
+  }
+  if (update_momentum) {
+    LC_UNROLL
+    for (int i = 0; i < 8; ++i) m[i] = lion_m(m[i], g[i], la);
+    store8(T.b, T.dtb, j, n, m);
+  }
+}
+
+// Elements [j, j+n) of one tensor: m <- fl(fl(m*b2) + fl(g*omb2)).
+LC_HD void momentum_unit(const Tensor& T, int64_t j, int n, const lc_lion_args& la) {
+  float g[8], m[8];
+  load8(T.a, T.dta, j, n, g);
+  load8(T.b, T.dtb, j, n, m);
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) m[i] = lion_m(m[i], g[i], la);
+  store8(T.b, T.dtb, j, n, m);
+}
+
+// ----------------------------------------------------------------------------- votes
+// +1 (1) or -1 (0) from the 32-bit hash of (step, flat index): codec.tie_hash_sign.
+LC_HD uint32_t tie_hash_bit(int64_t step, int64_t index) {
+  uint32_t h = static_cast<uint32_t>(index) * 0x9E3779B1u + static_cast<uint32_t>(step) * 0x85EBCA77u + 0x165667B1u;
+  h ^= h >> 15;
+  h *= 0x2C1B3C6Du;
+  h ^= h >> 12;
+  h *= 0x297A2D39u;
+  h ^= h >> 15;
+  return h & 1u;
+}
+
+// The value a tied coordinate takes (flat index idx = base + element).
+LC_HD float tie_value(int tie, int64_t step, int64_t idx) {
+  if (tie == LC_TIE_ALTERNATE) return (step & 1) ? 1.0f : -1.0f;
+  if (tie == LC_TIE_HASH) return tie_hash_bit(step, idx) ? 1.0f : -1.0f;
+  return 0.0f;
+}
+
+// codec.decide for one element (bucket element index e).
+LC_HD float decide(int plus, int cnt, const lc_apply_args& a, int64_t e) {
+  const int diff = 2 * plus - cnt;
+  if (a.vote == LC_VOTE_AVERAGE) return fdiv(static_cast<float>(diff), static_cast<float>(a.world_size));
+  if (diff > 0) return 1.0f;
+  if (diff < 0) return -1.0f;
+  if (cnt == 0) return 0.0f;
+  return tie_value(a.tie, a.step, a.base + e);
+}
+
+// 32-bit word w of a packed row of row_bytes bytes (bytes past the end read as 0).
+// `aligned`: the row starts 4-byte aligned and row_bytes % 4 == 0 (so every word is whole).
+LC_HD uint32_t load_word(const uint8_t* __restrict__ row, int64_t w, int64_t row_bytes, bool aligned) {
+  const int64_t b = w * 4;
+  if (aligned) return *reinterpret_cast<const uint32_t*>(row + b);
+  uint32_t x = 0;
+  LC_UNROLL
+  for (int i = 0; i < 4; ++i)
+    if (b + i < row_bytes) x |= static_cast<uint32_t>(row[b + i]) << (8 * i);
+  return x;
+}
+
+// Bit-sliced counter: L[k] holds bit k of 32 counters; add the 0/1 bits of x.
+template <int KB>
+LC_HD void slice_add(uint32_t* L, uint32_t x) {
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) {
+    const uint32_t carry = L[k] & x;
+    L[k] ^= x;
+    x = carry;
+  }
+}
+
+// Counts of word w over `rows` planes: P = #(sign & nonzero), C = #nonzero (or rows).
+template <int KB>
+LC_HD void count_word(const uint8_t* __restrict__ sign, const uint8_t* __restrict__ nonzero, int rows,
+                      int64_t row_bytes, int64_t w, bool aligned, uint32_t* P, uint32_t* C) {
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) {
+    P[k] = 0u;
+    C[k] = nonzero ? 0u : (((rows >> k) & 1) ? 0xffffffffu : 0u);
+  }
+  if (nonzero) {
+    LC_UNROLL_4
+    for (int r = 0; r < rows; ++r) {
+      const int64_t o = static_cast<int64_t>(r) * row_bytes;
+      const uint32_t z = load_word(nonzero + o, w, row_bytes, aligned);
+      const uint32_t s = load_word(sign + o, w, row_bytes, aligned) & z;
+      slice_add<KB>(P, s);
+      slice_add<KB>(C, z);
+    }
+  } else {
+    LC_UNROLL_4
+    for (int r = 0; r < rows; ++r)
+      slice_add<KB>(P, load_word(sign + static_cast<int64_t>(r) * row_bytes, w, row_bytes, aligned));
+  }
+}
+
+// Majority masks of 32 elements from bit-sliced counts: compares 2P with C bitwise.
+// pos: 2P > C, neg: 2P < C, tie: 2P == C with C > 0 (cnt == 0 -> no bit: no move).
+template <int KB>
+LC_HD void majority_masks(const uint32_t* P, const uint32_t* C, uint32_t& pos, uint32_t& neg, uint32_t& tie) {
+  uint32_t gt = 0u, lt = 0u, eq = 0xffffffffu, any = 0u;
+  // level KB of 2P is P[KB-1]; C has no level KB
+  gt |= eq & P[KB - 1];
+  eq &= ~P[KB - 1];
+  LC_UNROLL
+  for (int k = KB - 1; k >= 1; --k) {
+    const uint32_t a = P[k - 1], b = C[k];
+    gt |= eq & a & ~b;
+    lt |= eq & ~a & b;
+    eq &= ~(a ^ b);
+  }
+  lt |= eq & C[0];  // level 0 of 2P is 0
+  eq &= ~C[0];
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) any |= C[k];
+  pos = gt;
+  neg = lt;
+  tie = eq & any;
+}
+
+// Value of counter `bit` (0..31) of a bit-sliced counter.
+template <int KB>
+LC_HD int level_value(const uint32_t* L, int bit) {
+  int v = 0;
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) v |= static_cast<int>((L[k] >> bit) & 1u) << k;
+  return v;
+}
+
+// Δ of the 8 elements of byte `sel` of a word from its majority masks (e0: bucket index
+// of the first of the 8 elements).
+LC_HD void majority_delta8(uint32_t pos, uint32_t neg, uint32_t tie, int sel, const lc_apply_args& a, int64_t e0,
+                           float d[8]) {
+  const uint32_t sh = 8u * static_cast<uint32_t>(sel);
+  const uint32_t pb = (pos >> sh) & 0xffu, nb = (neg >> sh) & 0xffu, tb = (tie >> sh) & 0xffu;
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    float v = 0.0f;
+    if ((pb >> i) & 1u) v = 1.0f;
+    else if ((nb >> i) & 1u) v = -1.0f;
+    else if ((tb >> i) & 1u) v = tie_value(a.tie, a.step, a.base + e0 + i);
+    d[i] = v;
+  }
+}
+
+// Average Δ of the 8 elements of byte `sel`: (float)(2p - c) / (float)world_size.
+template <int KB>
+LC_HD void average_delta8(const uint32_t* P, const uint32_t* C, int sel, const lc_apply_args& a, float d[8]) {
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    const int bit = 8 * sel + i;
+    const int diff = 2 * level_value<KB>(P, bit) - level_value<KB>(C, bit);
+    d[i] = fdiv(static_cast<float>(diff), static_cast<float>(a.world_size));
+  }
+}
+
+// Result planes of a majority shard vote for one word: sign (Δ > 0) and nonzero (Δ != 0).
+LC_HD void shard_word(uint32_t pos, uint32_t neg, uint32_t tie, int tie_rule, int64_t step, int64_t idx0,
+                      uint32_t& out_sign, uint32_t& out_nz) {
+  uint32_t tplus = 0u, tminus = 0u;
+  if (tie_rule == LC_TIE_ALTERNATE) {
+    if (step & 1) tplus = tie;
+    else tminus = tie;
+  } else if (tie_rule == LC_TIE_HASH) {
+    uint32_t m = tie;
+    while (m) {
+      const int b = ctz32(m);
+      m &= m - 1u;
+      if (tie_hash_bit(step, idx0 + b)) tplus |= 1u << b;
+    }
+    tminus = tie & ~tplus;
+  }
+  out_sign = pos | tplus;
+  out_nz = pos | neg | tplus | tminus;
+}
+
+// ----------------------------------------------------------------------------- lanes
+LC_HD uint32_t spread2(uint32_t x) {  // bit i of the low 16 -> bit 2i
+  x &= 0xffffu;
+  x = (x | (x << 8)) & 0x00ff00ffu;
+  x = (x | (x << 4)) & 0x0f0f0f0fu;
+  x = (x | (x << 2)) & 0x33333333u;
+  x = (x | (x << 1)) & 0x55555555u;
+  return x;
+}
+LC_HD uint32_t spread4(uint32_t x) {  // bit i of the low 8 -> bit 4i
+  x &= 0xffu;
+  x = (x | (x << 12)) & 0x000f000fu;
+  x = (x | (x << 6)) & 0x03030303u;
+  x = (x | (x << 3)) & 0x11111111u;
+  return x;
+}
+LC_HD uint32_t spread8(uint32_t x) {  // bit i of the low 4 -> bit 8i
+  x &= 0xfu;
+  x = (x | (x << 14)) & 0x00030003u;
+  x = (x | (x << 7)) & 0x01010101u;
+  return x;
+}
+
+// 32 counters (bit-sliced, KB levels) -> p-bit lanes, LSB first: p words out[0..p-1].
+template <int KB>
+LC_HD void pack_lanes_word(const uint32_t* L, int p, uint32_t out[8]) {
+#define LC_LVL(k) ((k) < KB ? L[(k) < KB ? (k) : 0] : 0u)
+  if (p == 1) {
+    out[0] = L[0];
+  } else if (p == 2) {
+    LC_UNROLL
+    for (int q = 0; q < 2; ++q) out[q] = spread2(LC_LVL(0) >> (16 * q)) | (spread2(LC_LVL(1) >> (16 * q)) << 1);
+  } else if (p == 4) {
+    LC_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      uint32_t o = 0u;
+      LC_UNROLL
+      for (int k = 0; k < 4; ++k) o |= spread4(LC_LVL(k) >> (8 * q)) << k;
+      out[q] = o;
+    }
+  } else {
+    LC_UNROLL
+    for (int q = 0; q < 8; ++q) {
+      uint32_t o = 0u;
+      LC_UNROLL
+      for (int k = 0; k < 8; ++k) o |= spread8(LC_LVL(k) >> (4 * q)) << k;
+      out[q] = o;
+    }
+  }
+#undef LC_LVL
+}
+
+// Write the bytes [b0, b0 + nb) of a little-endian word array (out bytes past `limit`
+// are not written). `aligned`: dst + b0 is 4-byte aligned and nb % 4 == 0.
+LC_HD void store_words(uint8_t* __restrict__ dst, int64_t b0, int64_t limit, const uint32_t* words, int nwords,
+                       bool aligned) {
+  if (aligned && b0 + 4 * nwords <= limit) {
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst + b0);
+    LC_UNROLL
+    for (int q = 0; q < 8; ++q)
+      if (q < nwords) d[q] = words[q];
+    return;
+  }
+  LC_UNROLL
+  for (int q = 0; q < 8; ++q) {
+    if (q < nwords) {
+      LC_UNROLL
+      for (int b = 0; b < 4; ++b)
+        if (b0 + 4 * q + b < limit) dst[b0 + 4 * q + b] = static_cast<uint8_t>(words[q] >> (8 * b));
+    }
+  }
+}
+
+// p*(n elements)/8 lane bytes of unit u (8 elements) as one integer, LSB first.
+LC_HD uint64_t load_lane_unit(const uint8_t* __restrict__ lanes, int64_t u, int p, int n) {
+  const uint8_t* src = lanes + u * p;
+  if (n == 8 && (reinterpret_cast<uintptr_t>(src) & static_cast<uintptr_t>(p - 1)) == 0) {
+    switch (p) {
+      case 1: return src[0];
+      case 2: return *reinterpret_cast<const uint16_t*>(src);
+      case 4: return *reinterpret_cast<const uint32_t*>(src);
+      default: return *reinterpret_cast<const unsigned long long*>(src);
+    }
+  }
+  const int nb = (n * p + 7) / 8;
+  uint64_t x = 0;
+  for (int b = 0; b < nb; ++b) x |= static_cast<uint64_t>(src[b]) << (8 * b);
+  return x;
+}
+
+// Δ of unit u (elements 8u.., n <= 8 of them) from summed p-bit lanes; cnt == NULL:
+// every element has a.world_size voters (codec.lanes_apply).
+LC_HD void lanes_delta8(const uint8_t* __restrict__ plus, const uint8_t* __restrict__ cnt, int64_t u, int n, int p,
+                        const lc_apply_args& a, float d[8]) {
+  const uint64_t mask = (1ull << p) - 1ull;
+  const uint64_t xp = load_lane_unit(plus, u, p, n);
+  const uint64_t xc = cnt ? load_lane_unit(cnt, u, p, n) : 0ull;
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    if (i < n) {
+      const int pl = static_cast<int>((xp >> (i * p)) & mask);
+      const int c = cnt ? static_cast<int>((xc >> (i * p)) & mask) : a.world_size;
+      d[i] = decide(pl, c, a, u * 8 + i);
+    } else {
+      d[i] = 0.0f;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- apply
+// theta <- fl(theta*decay) (rounded to the dtype); theta <- fl(theta + fl(Δ*neg_lr)).
+LC_HD void apply8(uint64_t addr, int dt, int64_t j, int n, const float d[8], const lc_apply_args& a) {
+  float v[8];
+  load8(addr, dt, j, n, v);
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    float x = v[i];
+    if (a.apply_decay) x = round_to(dt, fmul(x, a.decay));
+    v[i] = fadd(x, fmul(d[i], a.neg_lr));
+  }
+  store8(addr, dt, j, n, v);
+}
+
+// Apply the Δ of the unit at bucket element e0 to whichever parameter holds it.
+LC_HD void apply_at(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const float d[8],
+                    const lc_apply_args& a, int& hint) {
+  const int t = locate(meta, nt, e0, hint);
+  if (t < 0) return;
+  const int64_t off = meta[t].offset, numel = meta[t].numel;
+  const int64_t j = e0 - off, rem = numel - j;
+  apply8(meta[t].a, static_cast<int>(meta[t].dtypes & 0xff), j, rem < 8 ? static_cast<int>(rem) : 8, d, a);
+}
+
+// ----------------------------------------------------------------------------- int8
+struct Acc {
+  double s;     // l1: sum |c|; linf: max |c|; l0: sum log|c| over nonzero |c|
+  long long n;  // l0: number of nonzero |c|
+};
+
+LC_HD Acc acc_combine(Acc x, Acc y, int kind) {
+  if (kind == LC_SCALE_LINF) {
+    x.s = y.s > x.s ? y.s : x.s;
+  } else {
+    x.s += y.s;
+    x.n += y.n;
+  }
+  return x;
+}
+
+// The share of thread `tid` (of nthreads) of elements [c0, c1) of tensor T: its partial
+// scale statistic and its number of non-finite c. Fixed order: deterministic.
+LC_HD Acc int8_thread_partial(const Tensor& T, int64_t c0, int64_t c1, int tid, int nthreads, const lc_lion_args& la,
+                              int kind, int& nbad) {
+  Acc acc;
+  acc.s = 0.0;
+  acc.n = 0;
+  for (int64_t j = c0 + 8 * static_cast<int64_t>(tid); j < c1; j += 8 * static_cast<int64_t>(nthreads)) {
+    const int64_t rem = c1 - j;
+    const int n = rem < 8 ? static_cast<int>(rem) : 8;
+    float g[8], m[8];
+    load8(T.a, T.dta, j, n, g);
+    load8(T.b, T.dtb, j, n, m);
+    LC_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      if (i >= n) break;
+      float c = lion_c(m[i], g[i], la);
+      if (!is_finite(c)) {
+        ++nbad;
+        c = 0.0f;
+      }
+      const float ac = fabs_(c);
+      if (kind == LC_SCALE_L1) {
+        acc.s += static_cast<double>(ac);
+      } else if (kind == LC_SCALE_LINF) {
+        if (static_cast<double>(ac) > acc.s) acc.s = static_cast<double>(ac);
+      } else if (ac > 0.0f) {
+        acc.s += dlog(static_cast<double>(ac));
+        acc.n += 1;
+      }
+    }
+  }
+  return acc;
+}
+
+// The per-tensor scale from the reduced statistic: l1 fp32(sum)/numel in fp32, linf max,
+// l0 exp(mean log) in double then fp32.
+LC_HD float int8_scale_of(Acc tot, int64_t numel, int kind) {
+  if (kind == LC_SCALE_L1) return numel > 0 ? fdiv(static_cast<float>(tot.s), static_cast<float>(numel)) : 0.0f;
+  if (kind == LC_SCALE_LINF) return static_cast<float>(tot.s);
+  return tot.n > 0 ? static_cast<float>(dexp(tot.s / static_cast<double>(tot.n))) : 0.0f;
+}
+
+// Codes of the unit at bucket element e0 (gaps and padding: 0).
+LC_HD void int8_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const lc_lion_args& la, int levels,
+                     const float* __restrict__ scales, int& hint, int8_t q[8]) {
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) q[i] = 0;
+  const int t = locate(meta, nt, e0, hint);
+  if (t < 0) return;
+  const float a = scales[t];
+  if (!(a > 0.0f) || !is_finite(a)) return;
+  const Tensor T = read_meta(meta, t);
+  const int64_t j = e0 - T.offset, rem = T.numel - j;
+  const int n = rem < 8 ? static_cast<int>(rem) : 8;
+  float g[8], m[8];
+  load8(T.a, T.dta, j, n, g);
+  load8(T.b, T.dtb, j, n, m);
+  const float hs = static_cast<float>(levels) * 0.5f;  // exact
+  const float lim = static_cast<float>(levels);
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    if (i < n) {
+      float c = lion_c(m[i], g[i], la);
+      if (!is_finite(c)) c = 0.0f;
+      float x = rint_even(fdiv(fmul(c, hs), a));
+      x = fmin_(fmax_(x, -lim), lim);
+      q[i] = static_cast<int8_t>(static_cast<int>(x));
+    }
+  }
+}
+
+LC_HD void store_q8(int8_t* __restrict__ out, int64_t e0, const int8_t q[8]) {
+  int8_t* p = out + e0;
+  if ((reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
+    uint2 x;
+    x.x = static_cast<uint8_t>(q[0]) | (static_cast<uint32_t>(static_cast<uint8_t>(q[1])) << 8) |
+          (static_cast<uint32_t>(static_cast<uint8_t>(q[2])) << 16) |
+          (static_cast<uint32_t>(static_cast<uint8_t>(q[3])) << 24);
+    x.y = static_cast<uint8_t>(q[4]) | (static_cast<uint32_t>(static_cast<uint8_t>(q[5])) << 8) |
+          (static_cast<uint32_t>(static_cast<uint8_t>(q[6])) << 16) |
+          (static_cast<uint32_t>(static_cast<uint8_t>(q[7])) << 24);
+    *reinterpret_cast<uint2*>(p) = x;
+  } else {
+    LC_UNROLL
+    for (int i = 0; i < 8; ++i) p[i] = q[i];
+  }
+}
+
+// 8 int8 codes of unit u (n <= 8 valid), as sign Δ.
+LC_HD void int8_delta8(const int8_t* __restrict__ qsum, int64_t e0, int n, float d[8]) {
+  const int8_t* p = qsum + e0;
+  int8_t q[8];
+  if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    LC_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      q[i] = static_cast<int8_t>(static_cast<uint8_t>(x.x >> (8 * i)));
+      q[i + 4] = static_cast<int8_t>(static_cast<uint8_t>(x.y >> (8 * i)));
+    }
+  } else {
+    LC_UNROLL
+    for (int i = 0; i < 8; ++i) q[i] = i < n ? p[i] : static_cast<int8_t>(0);
+  }
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) d[i] = q[i] > 0 ? 1.0f : (q[i] < 0 ? -1.0f : 0.0f);
+}
+
+// Rows -> number of bit-sliced levels (a counter of up to 2**KB - 1). 4 levels for
+// every rows <= 15: fewer kernel variants to compile, and the counting is never the
+// bottleneck of these memory-bound kernels.
+inline int levels_for_rows(int rows) {
+  if (rows <= 15) return 4;
+  if (rows <= 255) return 8;
+  if (rows <= LC_MAX_ROWS) return 16;
+  return 0;
+}
+
+// Deterministic tree reduction of kThreads partials (the order the kernels use:
+// stride kThreads/2, /4, ..., 1; element t combines t + stride). Host emulation only;
+// the kernels run the same steps across the threads of a block.
+inline Acc acc_tree(Acc* v, int kind) {
+  for (int s = kThreads / 2; s > 0; s >>= 1)
+    for (int t = 0; t < s; ++t) v[t] = acc_combine(v[t], v[t + s], kind);
+  return v[0];
+}
+
+#if defined(__CUDACC__)
+// Blocks of a grid-stride launch over `items` work items of `per_block` each: enough to
+// fill the device (8 blocks of kThreads per SM), never more than the work needs.
+inline int grid_for(int64_t items, int64_t per_block) {
+  static int sms_cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
+  int sms = (dev >= 0 && dev < 64) ? sms_cache[dev] : 0;
+  if (sms <= 0) {
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 108;
+    if (dev >= 0 && dev < 64) sms_cache[dev] = sms;  // benign race: every writer stores the same value
+  }
+  int64_t want = (items + per_block - 1) / per_block;
+  const int64_t cap = static_cast<int64_t>(sms) * 8;
+  if (want > cap) want = cap;
+  if (want < 1) want = 1;
+  return static_cast<int>(want);
+}
+#endif
+
+}  // namespace lc
+
+#endif  // LIONCUB_CUDA_COMMON_CUH_

@@ -1,0 +1,227 @@
+// lioncub_local.cu -- fused CUDA kernels of the local half of a Lion Cub step:
+// local step (c -> sign/nonzero planes + counts, optional momentum update), the
+// multi-tensor momentum update, and the int8 local step (scale + quantize).
+//
+// CUDA headers only (no torch). Build: nvcc -c -std=c++17 --fmad=false -gencode ...
+// The per-element logic lives in lioncub_cuda_common.cuh (shared with the host emulation).
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "lioncub_cuda.h"
+#include "lioncub_cuda_common.cuh"
+
+namespace lc {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ unsigned long long warp_sum(unsigned long long v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(kFull, v, o);
+  return v;
+}
+
+// Adds the block's sums of (x, y) to out[0], out[1] (out[1] skipped when two == false):
+// one atomic per counter and block. Every thread of the block must call it.
+__device__ void block_add_counts(unsigned long long x, unsigned long long y, int64_t* out, bool two) {
+  __shared__ unsigned long long sx[kThreads / 32], sy[kThreads / 32];
+  x = warp_sum(x);
+  y = warp_sum(y);
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  if (lane == 0) {
+    sx[wid] = x;
+    sy[wid] = y;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long tx = 0, ty = 0;
+    for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) {
+      tx += sx[i];
+      ty += sy[i];
+    }
+    if (tx) atomicAdd(reinterpret_cast<unsigned long long*>(out), tx);
+    if (two && ty) atomicAdd(reinterpret_cast<unsigned long long*>(out + 1), ty);
+  }
+}
+
+// One thread per unit of 8 bucket elements (one output byte of each plane).
+__global__ void __launch_bounds__(kThreads)
+    local_step_kernel(const lc_tensor_meta* __restrict__ meta, int nt, int64_t units, lc_lion_args la, int upd,
+                      uint8_t* __restrict__ sign, uint8_t* __restrict__ nonzero, int64_t* __restrict__ counts) {
+  int hint = -1;
+  unsigned long long nbad = 0, nzero = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
+    uint32_t s, z;
+    int b = 0, zr = 0;
+    local_unit(meta, nt, u * 8, la, upd, hint, s, z, b, zr);
+    sign[u] = static_cast<uint8_t>(s);
+    nonzero[u] = static_cast<uint8_t>(z);
+    nbad += static_cast<unsigned long long>(b);
+    nzero += static_cast<unsigned long long>(zr);
+  }
+  block_add_counts(nbad, nzero, counts, true);
+}
+
+// One block per LC_CHUNK chunk of one tensor (grid-stride over the chunks of the list).
+__global__ void __launch_bounds__(kThreads)
+    momentum_kernel(const lc_tensor_meta* __restrict__ meta, int nt, int64_t n_chunks, lc_lion_args la) {
+  for (int64_t ch = blockIdx.x; ch < n_chunks; ch += gridDim.x) {
+    const Tensor T = read_meta(meta, search_chunk(meta, nt, ch));
+    const int64_t c0 = (ch - T.chunk_start) * LC_CHUNK;
+    const int64_t c1 = T.numel < c0 + LC_CHUNK ? T.numel : c0 + LC_CHUNK;
+    for (int64_t j = c0 + 8 * static_cast<int64_t>(threadIdx.x); j < c1; j += 8 * static_cast<int64_t>(blockDim.x)) {
+      const int64_t rem = c1 - j;
+      momentum_unit(T, j, rem < 8 ? static_cast<int>(rem) : 8, la);
+    }
+  }
+}
+
+// int8 pass 1: per chunk, the block's deterministic partial statistic of |c| + #non-finite.
+__global__ void __launch_bounds__(kThreads)
+    int8_partials_kernel(const lc_tensor_meta* __restrict__ meta, int nt, int64_t n_chunks, lc_lion_args la, int kind,
+                         Acc* __restrict__ partials, int64_t* __restrict__ n_bad) {
+  __shared__ double ss[kThreads];
+  __shared__ long long sn[kThreads];
+  const int tid = threadIdx.x;
+  unsigned long long bad = 0;
+  for (int64_t ch = blockIdx.x; ch < n_chunks; ch += gridDim.x) {
+    const Tensor T = read_meta(meta, search_chunk(meta, nt, ch));
+    const int64_t c0 = (ch - T.chunk_start) * LC_CHUNK;
+    const int64_t c1 = T.numel < c0 + LC_CHUNK ? T.numel : c0 + LC_CHUNK;
+    int nb = 0;
+    const Acc acc = int8_thread_partial(T, c0, c1, tid, kThreads, la, kind, nb);
+    bad += static_cast<unsigned long long>(nb);
+    ss[tid] = acc.s;
+    sn[tid] = acc.n;
+    __syncthreads();
+    for (int s = kThreads / 2; s > 0; s >>= 1) {
+      if (tid < s) {
+        Acc x, y;
+        x.s = ss[tid]; x.n = sn[tid];
+        y.s = ss[tid + s]; y.n = sn[tid + s];
+        x = acc_combine(x, y, kind);
+        ss[tid] = x.s;
+        sn[tid] = x.n;
+      }
+      __syncthreads();
+    }
+    if (tid == 0) {
+      Acc r;
+      r.s = ss[0];
+      r.n = sn[0];
+      partials[ch] = r;
+    }
+    __syncthreads();
+  }
+  block_add_counts(bad, 0ull, n_bad, false);
+}
+
+// int8 pass 2: one block per tensor reduces its chunk partials (fixed order) -> scale.
+__global__ void __launch_bounds__(kThreads)
+    int8_scale_kernel(const lc_tensor_meta* __restrict__ meta, int nt, const Acc* __restrict__ partials, int kind,
+                      float* __restrict__ scales) {
+  __shared__ double ss[kThreads];
+  __shared__ long long sn[kThreads];
+  const int tid = threadIdx.x;
+  for (int t = blockIdx.x; t < nt; t += gridDim.x) {
+    const Tensor T = read_meta(meta, t);
+    const int64_t nch = (T.numel + LC_CHUNK - 1) / LC_CHUNK;
+    Acc acc;
+    acc.s = 0.0;
+    acc.n = 0;
+    for (int64_t k = tid; k < nch; k += kThreads) acc = acc_combine(acc, partials[T.chunk_start + k], kind);
+    ss[tid] = acc.s;
+    sn[tid] = acc.n;
+    __syncthreads();
+    for (int s = kThreads / 2; s > 0; s >>= 1) {
+      if (tid < s) {
+        Acc x, y;
+        x.s = ss[tid]; x.n = sn[tid];
+        y.s = ss[tid + s]; y.n = sn[tid + s];
+        x = acc_combine(x, y, kind);
+        ss[tid] = x.s;
+        sn[tid] = x.n;
+      }
+      __syncthreads();
+    }
+    if (tid == 0) {
+      Acc r;
+      r.s = ss[0];
+      r.n = sn[0];
+      scales[t] = int8_scale_of(r, T.numel, kind);
+    }
+    __syncthreads();
+  }
+}
+
+// int8 pass 3: one thread per unit of 8 bucket elements -> 8 codes (gaps: 0).
+__global__ void __launch_bounds__(kThreads)
+    int8_quantize_kernel(const lc_tensor_meta* __restrict__ meta, int nt, int64_t units, lc_lion_args la, int levels,
+                         const float* __restrict__ scales, int8_t* __restrict__ q) {
+  int hint = -1;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
+    int8_t c[8];
+    int8_unit(meta, nt, u * 8, la, levels, scales, hint, c);
+    store_q8(q, u * 8, c);
+  }
+}
+
+}  // namespace
+}  // namespace lc
+
+extern "C" cudaError_t lc_local_step(const lc_tensor_meta* meta, int n_tensors, int64_t total, lc_lion_args args,
+                                     int update_momentum, uint8_t* sign_out, uint8_t* nonzero_out, int64_t* counts,
+                                     cudaStream_t stream) {
+  if (n_tensors < 0 || total < 0 || total % 8 != 0 || (n_tensors > 0 && meta == nullptr) || counts == nullptr)
+    return cudaErrorInvalidValue;
+  const int64_t units = total / 8;
+  if (units == 0) return cudaSuccess;
+  if (sign_out == nullptr || nonzero_out == nullptr) return cudaErrorInvalidValue;
+  lc::local_step_kernel<<<lc::grid_for(units, lc::kThreads), lc::kThreads, 0, stream>>>(
+      meta, n_tensors, units, args, update_momentum, sign_out, nonzero_out, counts);
+  return cudaGetLastError();
+}
+
+extern "C" cudaError_t lc_momentum_update(const lc_tensor_meta* meta, int n_tensors, int64_t n_chunks,
+                                          lc_lion_args args, cudaStream_t stream) {
+  if (n_tensors < 0 || n_chunks < 0 || (n_chunks > 0 && (meta == nullptr || n_tensors == 0)))
+    return cudaErrorInvalidValue;
+  if (n_chunks == 0) return cudaSuccess;
+  lc::momentum_kernel<<<lc::grid_for(n_chunks, 1), lc::kThreads, 0, stream>>>(meta, n_tensors, n_chunks, args);
+  return cudaGetLastError();
+}
+
+extern "C" size_t lc_int8_workspace_bytes(int64_t n_chunks) {
+  return static_cast<size_t>(n_chunks > 0 ? n_chunks : 0) * sizeof(lc::Acc);
+}
+
+extern "C" cudaError_t lc_int8_local_step(const lc_tensor_meta* meta, int n_tensors, int64_t n_chunks, int64_t total,
+                                          lc_lion_args args, int kind, int levels, int8_t* q_out, float* scales_out,
+                                          void* workspace, size_t workspace_bytes, int64_t* n_bad,
+                                          cudaStream_t stream) {
+  if (n_tensors < 0 || n_chunks < 0 || total < 0 || total % 8 != 0 || levels < 1 || levels > 127 ||
+      (kind != LC_SCALE_L1 && kind != LC_SCALE_L0 && kind != LC_SCALE_LINF) || n_bad == nullptr)
+    return cudaErrorInvalidValue;
+  if (n_tensors > 0 && (meta == nullptr || scales_out == nullptr)) return cudaErrorInvalidValue;
+  if (workspace_bytes < lc_int8_workspace_bytes(n_chunks) || (n_chunks > 0 && workspace == nullptr))
+    return cudaErrorInvalidValue;
+  lc::Acc* partials = static_cast<lc::Acc*>(workspace);
+  if (n_chunks > 0) {
+    lc::int8_partials_kernel<<<lc::grid_for(n_chunks, 1), lc::kThreads, 0, stream>>>(meta, n_tensors, n_chunks, args,
+                                                                                      kind, partials, n_bad);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    lc::int8_scale_kernel<<<lc::grid_for(n_tensors, 1), lc::kThreads, 0, stream>>>(meta, n_tensors, partials, kind,
+                                                                                    scales_out);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  const int64_t units = total / 8;
+  if (units == 0) return cudaSuccess;
+  if (q_out == nullptr) return cudaErrorInvalidValue;
+  lc::int8_quantize_kernel<<<lc::grid_for(units, lc::kThreads), lc::kThreads, 0, stream>>>(
+      meta, n_tensors, units, args, levels, scales_out, q_out);
+  return cudaGetLastError();
+}

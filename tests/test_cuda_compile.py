@@ -1,0 +1,80 @@
+"""Every CUDA source compiles with nvcc for sm_80 (A100) and sm_90 (H100), no GPU needed.
+
+The .cu files include only CUDA runtime / bf16 / fp16 and standard headers (never torch),
+so `nvcc -c` builds them on a CPU-only machine. Compiles run two at a time, once per
+session; each (file, arch) is its own test. Skipped only when nvcc is absent (looked up
+on PATH and in /usr/local/cuda/bin).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_DIR = ROOT / "csrc" / "cuda"
+SOURCES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
+ARCHS = ("80", "90")
+FLAGS = ("-c", "-std=c++17", "--fmad=false", "-O3")
+ALLOWED_INCLUDES = {"cuda_runtime.h", "cuda_runtime_api.h", "cuda_bf16.h", "cuda_fp16.h", "vector_types.h",
+                    "stdint.h", "stddef.h", "string.h", "math.h", "cstdint", "cstddef", "cstring", "cmath",
+                    "lioncub_cuda.h", "lioncub_cuda_common.cuh"}
+
+
+def find_nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    cand = Path("/usr/local/cuda/bin/nvcc")
+    return str(cand) if cand.exists() else None
+
+
+NVCC = find_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin: "
+                                                      "the CUDA sources cannot be compiled on this machine")
+
+
+def _compile(src: str, arch: str, outdir: str):
+    cmd = [NVCC, *FLAGS, "-gencode", f"arch=compute_{arch},code=sm_{arch}", str(CUDA_DIR / src),
+           "-o", str(Path(outdir) / f"{src}.sm_{arch}.o")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    return cmd, res.returncode, res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """All (file, arch) compiles, two in parallel (each takes ~10-30 s)."""
+    outdir = tempfile.mkdtemp(prefix="lioncub_nvcc_")
+    jobs = [(src, arch) for src in SOURCES for arch in ARCHS]
+    # the slowest (largest) sources first so the two workers finish together
+    jobs.sort(key=lambda j: -(CUDA_DIR / j[0]).stat().st_size)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(jobs, pool.map(lambda j: _compile(j[0], j[1], outdir), jobs)))
+    yield results
+    shutil.rmtree(outdir, ignore_errors=True)
+
+
+def test_sources_exist():
+    assert "lioncub_local.cu" in SOURCES and "lioncub_vote.cu" in SOURCES, SOURCES
+    assert (CUDA_DIR / "lioncub_cuda.h").exists()
+
+
+@pytest.mark.parametrize("src", SOURCES + ["lioncub_cuda.h", "lioncub_cuda_common.cuh"])
+def test_sources_include_no_torch(src):
+    text = (CUDA_DIR / src).read_text()
+    includes = re.findall(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', text, flags=re.M)
+    bad = [h for h in includes if h not in ALLOWED_INCLUDES]
+    assert not bad, f"{src} includes {bad}: csrc/cuda may include only CUDA runtime and standard headers"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("src", SOURCES)
+def test_nvcc_compiles(compiled, src, arch):
+    cmd, rc, log = compiled[(src, arch)]
+    assert rc == 0, f"nvcc failed for {src} sm_{arch}:\n$ {' '.join(cmd)}\n{log}"

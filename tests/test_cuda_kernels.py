@@ -1,0 +1,649 @@
+"""The fused CUDA kernels against the pure-torch reference (lioncub_ds/codec.py).
+
+Every test runs against two backends with the TorchBackend signatures:
+
+* ``cuda``: ``lioncub_ds.ops.backend_for('cuda')`` with ``LIONCUB_KERNELS=cuda`` (the
+  built extension, CUDA tensors). Skipped when ``torch.cuda.is_available()`` is False.
+* ``emu``: csrc/cuda/lioncub_cuda_emu.cpp, the serial host emulation of the same kernels
+  (the same per-element code, lioncub_cuda_common.cuh, with the kernels' thread/warp
+  structure), built with nvcc as host code and called through ctypes on CPU tensors.
+  Skipped only when nvcc is absent.
+
+The reference always runs on CPU copies of the same data. Bits, lanes, int8 codes and
+counts must match bit for bit and floats exactly (NaN matches NaN), except int8 codes
+for the l1/l0 scales, whose fp32 sum / double mean may differ from torch's in the last
+ulp: a code may then differ by one, only where the reference's unrounded value sits on a
+rounding boundary (to 1e-5 relative).
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from lioncub_ds import codec, ops
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_DIR = ROOT / "csrc" / "cuda"
+
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+TIE_CODE = {"zero": 0, "alternate": 1, "hash": 2}
+VOTE_CODE = {"majority": 0, "average": 1}
+SCALE_CODE = {"l1": 0, "l0": 1, "linf": 2}
+LC_CHUNK = 16384
+BIG = 1048579  # the large odd size of the GPU runs
+BIG_EMU = 65539    # its stand-in for the (serial) host emulation: still > 4 chunks of LC_CHUNK
+
+
+# ----------------------------------------------------------------------------- host emulation
+def find_nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    cand = Path("/usr/local/cuda/bin/nvcc")
+    return str(cand) if cand.exists() else None
+
+
+_EMU = {}
+
+
+def _emu_lib():
+    if "lib" in _EMU:
+        return _EMU["lib"]
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin): cannot build the host emulation of the CUDA kernels")
+    tmp = tempfile.mkdtemp(prefix="lioncub_emu_")
+    atexit.register(shutil.rmtree, tmp, True)
+    out = Path(tmp) / "lioncub_cuda_emu.so"
+    cmd = [nvcc, "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off,-Wno-unknown-pragmas",
+           str(CUDA_DIR / "lioncub_cuda_emu.cpp"), "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"building the host emulation failed:\n{' '.join(cmd)}\n{res.stderr}"
+    lib = ctypes.CDLL(str(out))
+    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    sig = {
+        "lc_emu_local_step": [P, I, L, F, F, F, F, I, P, P, P, L],
+        "lc_emu_momentum_update": [P, I, L, F, F],
+        "lc_emu_int8_local_step": [P, I, L, L, F, F, I, I, P, P, P, L],
+        "lc_emu_vote_apply": [P, P, I, L, P, I, F, F, I, I, I, I, L, L, P, L],
+        "lc_emu_shard_vote": [P, P, I, L, I, L, L, P, P, L],
+        "lc_emu_count_lanes": [P, P, I, L, I, P, P, L],
+        "lc_emu_lanes_apply": [P, P, L, I, P, I, F, F, I, I, I, I, L, L, P, L],
+        "lc_emu_int8_apply": [P, L, P, I, F, F, I, P, L],
+    }
+    for name, args in sig.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    _EMU["lib"] = lib
+    return lib
+
+
+def _ptr(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def build_meta(a_list, b_list, offsets, limit=None, bucket=True):
+    """int64 [T, 6] lc_tensor_meta rows, sorted by offset (what the binding builds).
+
+    bucket=False: a plain list (momentum update), no offsets, no order, no layout checks."""
+    rows = []
+    for i, a in enumerate(a_list):
+        if a.numel() == 0:
+            continue
+        b = None if b_list is None else b_list[i]
+        off = int(offsets[i])
+        assert off % 8 == 0, "tensor offsets must be multiples of 8"
+        dt = DTYPE_CODE[a.dtype] | ((DTYPE_CODE[b.dtype] << 8) if b is not None else 0)
+        rows.append([a.data_ptr(), 0 if b is None else b.data_ptr(), off, a.numel(), 0, dt])
+    if bucket:
+        rows.sort(key=lambda r: r[2])
+    chunks = 0
+    for k, r in enumerate(rows):
+        if bucket and k and r[2] < rows[k - 1][2] + rows[k - 1][3]:
+            raise ValueError("tensors overlap in the bucket")
+        if limit is not None and r[2] + r[3] > limit:
+            raise ValueError("tensor beyond the end of the bucket")
+        r[4] = chunks
+        chunks += (r[3] + LC_CHUNK - 1) // LC_CHUNK
+    meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
+    return meta, len(rows), chunks
+
+
+def _f32(x: float) -> float:
+    return ctypes.c_float(x).value
+
+
+def _apply_scalars(lr, weight_decay):
+    decay = 1.0 - lr * weight_decay
+    return _f32(-lr), _f32(decay), int(decay != 1.0)
+
+
+class EmuBackend:
+    """The host emulation of the CUDA kernels behind the TorchBackend signatures (CPU)."""
+
+    name = "emu"
+    threads = 37  # grid-stride threads / warps of the emulated launches (odd: hints jump tensors)
+
+    def __init__(self):
+        self.lib = _emu_lib()
+
+    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False):
+        grads = [g.contiguous() for g in grads]
+        meta, nt, _ = build_meta(grads, momenta, offsets, total)
+        sign = torch.empty(total // 8, dtype=torch.uint8)
+        nz = torch.empty(total // 8, dtype=torch.uint8)
+        counts = torch.zeros(2, dtype=torch.int64)
+        rc = self.lib.lc_emu_local_step(_ptr(meta), nt, total, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
+                                        int(update_momentum), _ptr(sign), _ptr(nz), _ptr(counts), self.threads)
+        assert rc == 0
+        return sign, nz, int(counts[0]), int(counts[1])
+
+    def momentum_update_list(self, momenta, grads, beta2):
+        grads = [g.contiguous() for g in grads]
+        meta, nt, chunks = build_meta(grads, momenta, [0] * len(grads), bucket=False)
+        assert self.lib.lc_emu_momentum_update(_ptr(meta), nt, chunks, beta2, 1.0 - beta2) == 0
+
+    def vote_apply(self, sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size, base=0,
+                   return_delta=True):
+        rows = sign.shape[0] if sign.dim() > 1 else 1
+        row_bytes = sign.numel() // rows
+        meta, nt, _ = build_meta(params, None, offsets, row_bytes * 8)
+        delta = torch.empty(row_bytes * 8, dtype=torch.float32) if return_delta else None
+        neg_lr, decay, apply_decay = _apply_scalars(lr, weight_decay)
+        rc = self.lib.lc_emu_vote_apply(_ptr(sign), _ptr(nonzero), rows, row_bytes, _ptr(meta), nt, neg_lr, decay,
+                                        apply_decay, TIE_CODE[tie_break], VOTE_CODE[vote], world_size, step, base,
+                                        _ptr(delta), self.threads)
+        assert rc == 0
+        return delta
+
+    def shard_vote(self, sign, nonzero, step, tie_break, base):
+        rows, s = sign.shape
+        out_s = torch.empty(s, dtype=torch.uint8)
+        out_z = torch.empty(s, dtype=torch.uint8)
+        rc = self.lib.lc_emu_shard_vote(_ptr(sign), _ptr(nonzero), rows, s, TIE_CODE[tie_break], step, base,
+                                        _ptr(out_s), _ptr(out_z), self.threads)
+        assert rc == 0
+        return out_s, out_z
+
+    def count_lanes(self, sign, nonzero, p):
+        rows, s = sign.shape
+        top = (1 << p) - 1
+        if nonzero is None and rows > top and s > 0:
+            raise ValueError(f"count {rows} does not fit a {p}-bit lane")
+        plus = torch.empty(s * p, dtype=torch.uint8)
+        cnt = None if nonzero is None else torch.empty(s * p, dtype=torch.uint8)
+        rc = self.lib.lc_emu_count_lanes(_ptr(sign), _ptr(nonzero), rows, s, p, _ptr(plus), _ptr(cnt), self.threads)
+        assert rc in (0, 1)
+        if rc == 1:
+            raise ValueError(f"a count does not fit a {p}-bit lane")
+        return plus, cnt
+
+    def lanes_apply(self, plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break,
+                    vote, base=0, return_delta=True):
+        numel = plus_lanes.numel() * 8 // p
+        meta, nt, _ = build_meta(params, None, offsets, numel)
+        delta = torch.empty(numel, dtype=torch.float32) if return_delta else None
+        neg_lr, decay, apply_decay = _apply_scalars(lr, weight_decay)
+        rc = self.lib.lc_emu_lanes_apply(_ptr(plus_lanes), _ptr(cnt_lanes), numel, p, _ptr(meta), nt, neg_lr, decay,
+                                         apply_decay, TIE_CODE[tie_break], VOTE_CODE[vote], world_size, step, base,
+                                         _ptr(delta), self.threads)
+        assert rc == 0
+        return delta
+
+    def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels):
+        grads = [g.contiguous() for g in grads]
+        meta, nt, chunks = build_meta(grads, momenta, offsets, total)
+        q = torch.empty(total, dtype=torch.int8)
+        scales = torch.zeros(max(nt, 1), dtype=torch.float32)
+        n_bad = torch.zeros(1, dtype=torch.int64)
+        rc = self.lib.lc_emu_int8_local_step(_ptr(meta), nt, chunks, total, beta1, 1.0 - beta1, SCALE_CODE[kind],
+                                             levels, _ptr(q), _ptr(scales), _ptr(n_bad), self.threads)
+        assert rc == 0
+        return q, int(n_bad[0])
+
+    def int8_apply(self, qsum, params, offsets, lr, weight_decay, return_delta=True):
+        numel = qsum.numel()
+        meta, nt, _ = build_meta(params, None, offsets, numel)
+        delta = torch.empty(numel, dtype=torch.float32) if return_delta else None
+        neg_lr, decay, apply_decay = _apply_scalars(lr, weight_decay)
+        rc = self.lib.lc_emu_int8_apply(_ptr(qsum), numel, _ptr(meta), nt, neg_lr, decay, apply_decay, _ptr(delta),
+                                        self.threads)
+        assert rc == 0
+        return delta
+
+
+# ----------------------------------------------------------------------------- fixtures
+_NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False); the host emulation ('emu') runs instead"
+
+
+@pytest.fixture(params=[pytest.param("emu"),
+                        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_GPU))])
+def backend(request, monkeypatch):
+    """(backend, device, big size): the CUDA extension on 'cuda', the host emulation on 'cpu'."""
+    if request.param == "emu":
+        return EmuBackend(), torch.device("cpu"), BIG_EMU
+    monkeypatch.setenv("LIONCUB_KERNELS", "cuda")
+    be = ops.backend_for("cuda")  # LIONCUB_KERNELS=cuda: must build/load, never falls back
+    assert be.name == "cuda", f"expected the CUDA backend, got {be.name!r}"
+    return be, torch.device("cuda"), BIG
+
+
+REF = ops.TorchBackend()
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def same(a: torch.Tensor, b: torch.Tensor, what: str):
+    """Bit-for-bit equality on CPU copies; NaN equals NaN (any payload)."""
+    a, b = a.detach().cpu(), b.detach().cpu()
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    if a.is_floating_point():
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        assert torch.equal(nan_a, nan_b), f"{what}: NaN positions differ"
+        ia = a.view(torch.int32 if a.element_size() == 4 else torch.int16)
+        ib = b.view(torch.int32 if b.element_size() == 4 else torch.int16)
+        bad = (ia != ib) & ~nan_a
+    else:
+        bad = a != b
+    if bool(bad.any()):
+        idx = torch.nonzero(bad.reshape(-1))[:5].reshape(-1).tolist()
+        fa, fb = a.reshape(-1), b.reshape(-1)
+        raise AssertionError(f"{what}: {int(bad.sum())} of {a.numel()} differ, first at {idx}: "
+                             f"{[fa[i].item() for i in idx]} vs ref {[fb[i].item() for i in idx]}")
+
+
+def layout(sizes, world, gap=8):
+    """Offsets (multiples of 8, with gaps) and the padded bucket size for tensors of `sizes`."""
+    offsets, cur = [], 0
+    for n in sizes:
+        offsets.append(cur)
+        cur = (cur + n + 7) // 8 * 8 + gap
+    return offsets, codec.padded_numel(cur, world)
+
+
+def rand_tensors(sizes, dtype, g, planted=True, scale=1.0):
+    out = []
+    for n in sizes:
+        t = torch.randn(n, generator=g) * scale
+        if planted and n >= 7:
+            t[1] = 0.0
+            t[n // 2] = 0.0
+        out.append(t.to(dtype))
+    return out
+
+
+def plant_nonfinite(grads):
+    for t in grads:
+        n = t.numel()
+        if n >= 9:
+            t[3] = float("nan")
+            t[5] = float("inf")
+            t[n - 1] = float("-inf")
+
+
+def to(ts, device):
+    return [t.to(device) for t in ts]
+
+
+def make_params(sizes, dtype, g, device):
+    """Params on `device` and CPU reference copies; one of them a storage-offset view."""
+    cpu = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    dev = []
+    for k, t in enumerate(cpu):
+        if k == 1:  # a view whose data pointer is 4 (fp32) / 2 (bf16) bytes past an aligned one
+            host = torch.zeros(t.numel() + 1, dtype=dtype, device=device)
+            v = host[1:]
+            v.copy_(t.to(device))
+            dev.append(v)
+        else:
+            dev.append(t.clone().to(device))
+    return dev, [t.clone() for t in cpu]
+
+
+# ----------------------------------------------------------------------------- local step
+@pytest.mark.parametrize("gdt,mdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                     (torch.float16, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("update", [False, True])
+def test_local_step(backend, gdt, mdt, update):
+    be, dev, big = backend
+    g = gen(1)
+    sizes = [1, 7, 9, 4097, big] if update else [9, 1, 4097, 7]
+    grads = rand_tensors(sizes, gdt, g)
+    plant_nonfinite(grads)
+    moms = rand_tensors(sizes, mdt, g, scale=0.1)
+    for gr, m in zip(grads, moms):  # exact zeros of c: g == 0 and m == 0 together
+        gr[-1:] = 0.0
+        m[-1:] = 0.0
+    offsets, total = layout(sizes, 4)
+    ref_m = [m.clone() for m in moms]
+    dev_m = to(moms, dev)
+    got = be.local_step(to(grads, dev), dev_m, offsets, total, 0.9, 0.99, update_momentum=update)
+    ref = REF.local_step(grads, ref_m, offsets, total, 0.9, 0.99, update_momentum=update)
+    same(got[0], ref[0], "sign plane")
+    same(got[1], ref[1], "nonzero plane")
+    assert (got[2], got[3]) == (ref[2], ref[3]), "non-finite / zero counts"
+    for k, (a, b) in enumerate(zip(dev_m, ref_m)):
+        same(a, b, f"momentum {k}")
+
+
+def test_local_step_empty_bucket_and_gaps(backend):
+    be, dev, big = backend
+    g = gen(2)
+    sizes = [16, 3]
+    grads, moms = rand_tensors(sizes, torch.float32, g), rand_tensors(sizes, torch.float32, g)
+    offsets = [64, 8]  # unsorted offsets, a gap at the start and between the tensors
+    total = 128
+    got = be.local_step(to(grads, dev), to(moms, dev), offsets, total, 0.95, 0.98)
+    ref = REF.local_step(grads, [m.clone() for m in moms], offsets, total, 0.95, 0.98)
+    same(got[0], ref[0], "sign plane")
+    same(got[1], ref[1], "nonzero plane")
+    assert got[2:] == ref[2:]
+
+
+@pytest.mark.parametrize("gdt,mdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                     (torch.float16, torch.float32)])
+def test_momentum_update_list(backend, gdt, mdt):
+    be, dev, big = backend
+    g = gen(3)
+    sizes = [big, 7, 1, 4097, 9]
+    grads = rand_tensors(sizes, gdt, g)
+    plant_nonfinite(grads)
+    moms = rand_tensors(sizes, mdt, g)
+    dev_m = to(moms, dev)
+    be.momentum_update_list(dev_m, to(grads, dev), 0.98)
+    REF.momentum_update_list(moms, grads, 0.98)
+    for k, (a, b) in enumerate(zip(dev_m, moms)):
+        same(a, b, f"momentum {k}")
+
+
+# ----------------------------------------------------------------------------- votes
+def rand_planes(n_rows, nbytes, g, nz_density=0.8):
+    sign = torch.randint(0, 256, (n_rows, nbytes), generator=g, dtype=torch.int32).to(torch.uint8)
+    bits = (torch.rand(n_rows, nbytes * 8, generator=g) < nz_density).to(torch.uint8)
+    return sign, codec.pack_bits(bits.reshape(-1)).reshape(n_rows, nbytes)
+
+
+VOTE_CASES = [(n, tie, vote) for n in (1, 2, 3, 4, 7, 8) for tie, vote in
+              (("zero", "majority"), ("alternate", "majority"), ("hash", "majority"), ("zero", "average"))]
+
+
+@pytest.mark.parametrize("n,tie,vote", VOTE_CASES)
+@pytest.mark.parametrize("pdt,with_nz", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_vote_apply(backend, n, tie, vote, pdt, with_nz):
+    be, dev, big = backend
+    g = gen(10 + n)
+    sizes = [4097, 1, 9, 7] if n != 8 else [big, 7, 1, 9]
+    offsets, total = layout(sizes, n)
+    sign, nz = rand_planes(n, total // 8, g)
+    if not with_nz:
+        nz = None
+    dev_p, ref_p = make_params(sizes, pdt, g, dev)
+    for step in (3, 4):
+        kw = dict(lr=1e-3, weight_decay=0.1 if step == 3 else 0.0, step=step, tie_break=tie, vote=vote,
+                  world_size=n, base=12345)
+        d_got = be.vote_apply(sign.to(dev), None if nz is None else nz.to(dev), dev_p, offsets, **kw)
+        d_ref = REF.vote_apply(sign, nz, ref_p, offsets, **kw)
+        same(d_got, d_ref, f"delta (step {step})")
+        for k, (a, b) in enumerate(zip(dev_p, ref_p)):
+            same(a, b, f"param {k} (step {step})")
+
+
+def test_vote_apply_one_dim_plane(backend):
+    be, dev, big = backend
+    g = gen(5)
+    sizes = [9, 20]
+    offsets, total = layout(sizes, 1)
+    sign, _ = rand_planes(1, total // 8, g)
+    dev_p, ref_p = make_params(sizes, torch.float32, g, dev)
+    kw = dict(lr=1e-2, weight_decay=0.0, step=1, tie_break="zero", vote="majority", world_size=1)
+    same(be.vote_apply(sign.reshape(-1).to(dev), None, dev_p, offsets, **kw),
+         REF.vote_apply(sign.reshape(-1), None, ref_p, offsets, **kw), "delta")
+    for a, b in zip(dev_p, ref_p):
+        same(a, b, "param")
+
+
+SHARD_CASES = ([(n, tie, nz, nb) for n in (1, 2, 3, 4, 7, 8) for tie in ("zero", "alternate", "hash")
+                for nz in (False, True) for nb in (1, 7, 9, 513)]
+               + [(n, tie, True, "big") for n in (2, 3, 8) for tie in ("zero", "hash")]
+               + [(4, "alternate", False, "big")])
+
+
+@pytest.mark.parametrize("n,tie,with_nz,nbytes", SHARD_CASES)
+def test_shard_vote(backend, n, tie, with_nz, nbytes):
+    be, dev, big = backend
+    nbytes = big // 8 + 1 if nbytes == "big" else nbytes
+    g = gen(100 + n + nbytes)
+    sign, nz = rand_planes(n, nbytes, g, nz_density=0.6)
+    if not with_nz:
+        nz = None
+    for step in (6, 7):
+        got = be.shard_vote(sign.to(dev), None if nz is None else nz.to(dev), step, tie, 4096 * 3)
+        ref = REF.shard_vote(sign, nz, step, tie, 4096 * 3)
+        same(got[0], ref[0], "result sign plane")
+        same(got[1], ref[1], "result nonzero plane")
+
+
+LANES_COUNT_CASES = ([(n, nz, nb) for n in (1, 2, 3, 4, 7, 8) for nz in (False, True) for nb in (1, 9, 4097)]
+                     + [(1, False, "big"), (3, True, "big"), (8, True, "big"), (8, False, "big")])
+
+
+@pytest.mark.parametrize("n,with_nz,nbytes", LANES_COUNT_CASES)
+def test_count_lanes(backend, n, with_nz, nbytes):
+    be, dev, big = backend
+    nbytes = big // 8 + 3 if nbytes == "big" else nbytes
+    g = gen(200 + n + nbytes)
+    sign, nz = rand_planes(n, nbytes, g)
+    if not with_nz:
+        nz = None
+    for p in sorted({codec.lane_bits_for(n), 4, 8}):
+        if p < codec.lane_bits_for(n):
+            continue
+        got = be.count_lanes(sign.to(dev), None if nz is None else nz.to(dev), p)
+        ref = REF.count_lanes(sign, nz, p)
+        same(got[0], ref[0], f"plus lanes p={p}")
+        if nz is None:
+            assert got[1] is None and ref[1] is None
+        else:
+            same(got[1], ref[1], f"cnt lanes p={p}")
+
+
+def test_count_lanes_overflow_raises(backend):
+    be, dev, big = backend
+    sign = torch.full((4, 5), 255, dtype=torch.uint8)
+    nz = torch.full((4, 5), 255, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        REF.count_lanes(sign, nz, 2)
+    with pytest.raises(ValueError):
+        be.count_lanes(sign.to(dev), nz.to(dev), 2)
+    with pytest.raises(ValueError):
+        be.count_lanes(sign.to(dev), None, 2)
+    nz[:, :] = 0b01010101
+    nz[0] = 0  # row 0 never votes: at most 3 voters per element
+    got = be.count_lanes(sign.to(dev), nz.to(dev), 2)  # max count 3 fits 2 bits: no error, as in codec
+    ref = REF.count_lanes(sign, nz, 2)
+    same(got[0], ref[0], "plus lanes")
+    same(got[1], ref[1], "cnt lanes")
+
+
+LANE_CASES = [(n, p, tie, vote) for n, p in ((1, 1), (2, 2), (3, 2), (4, 4), (7, 4), (8, 4), (8, 8))
+              for tie, vote in (("zero", "majority"), ("hash", "majority"), ("alternate", "average"))]
+
+
+@pytest.mark.parametrize("n,p,tie,vote", LANE_CASES)
+@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_cnt", [False, True])
+def test_lanes_apply(backend, n, p, tie, vote, pdt, with_cnt):
+    be, dev, big = backend
+    g = gen(300 + 10 * n + p)
+    sizes = [big, 9] if (p == 8 and tie == "hash") else [4097, 1, 7, 9]
+    offsets, total = layout(sizes, n)
+    cnt = torch.randint(0, n + 1, (total,), generator=g) if with_cnt else torch.full((total,), n)
+    plus = (torch.rand(total, generator=g) * (cnt + 1).float()).floor().clamp_(max=cnt.float()).to(torch.int64)
+    plus_l = codec.pack_lanes(plus, p)
+    cnt_l = codec.pack_lanes(cnt, p) if with_cnt else None
+    dev_p, ref_p = make_params(sizes, pdt, g, dev)
+    kw = dict(lr=3e-4, weight_decay=0.5, step=9, tie_break=tie, vote=vote, base=77)
+    d_got = be.lanes_apply(plus_l.to(dev), None if cnt_l is None else cnt_l.to(dev), n, p, dev_p, offsets, **kw)
+    d_ref = REF.lanes_apply(plus_l, cnt_l, n, p, ref_p, offsets, **kw)
+    same(d_got, d_ref, "delta")
+    for k, (a, b) in enumerate(zip(dev_p, ref_p)):
+        same(a, b, f"param {k}")
+
+
+# ----------------------------------------------------------------------------- int8
+def _check_int8(q, ref_q, grads, momenta, offsets, beta1, kind, levels):
+    q, ref_q = q.cpu(), ref_q.cpu()
+    if kind == "linf":
+        same(q, ref_q, "int8 codes")
+        return
+    diff = q.to(torch.int32) - ref_q.to(torch.int32)
+    assert int(diff.abs().max()) <= 1 if diff.numel() else True, "int8 codes differ by more than 1"
+    bad = torch.nonzero(diff).reshape(-1)
+    if bad.numel() == 0:
+        return
+    assert bad.numel() <= 8 + q.numel() // 1000, f"{bad.numel()} int8 codes differ"
+    for gr, m, off in zip(grads, momenta, offsets):
+        sel = bad[(bad >= off) & (bad < off + gr.numel())] - off
+        if sel.numel() == 0:
+            continue
+        c = codec.lion_direction(m.reshape(-1).cpu(), gr.reshape(-1).cpu(), beta1)
+        c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+        a = codec.int8_scale(c, kind)
+        t = (c * (float(levels) / 2.0) / a)[sel].abs()
+        frac = t - t.floor()
+        assert bool(((frac - 0.5).abs() <= 1e-5 * t.clamp(min=1.0)).all()), \
+            "int8 codes differ away from a rounding boundary"
+
+
+@pytest.mark.parametrize("kind", ["l1", "l0", "linf"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("gdt,mdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_int8_local_step(backend, kind, n, gdt, mdt):
+    be, dev, big = backend
+    g = gen(400 + n)
+    sizes = [1, 7, 9, 4097] + ([big] if n in (3, 8) else [])
+    grads = rand_tensors(sizes, gdt, g)
+    plant_nonfinite(grads)
+    moms = rand_tensors(sizes, mdt, g, scale=0.1)
+    for gr, m in zip(grads, moms):
+        gr[-1:] = 0.0
+        m[-1:] = 0.0
+    zero_t = [torch.zeros(5, dtype=gdt)]  # a tensor whose c is all 0: scale 0 -> codes 0
+    grads, moms = grads + zero_t, moms + [torch.zeros(5, dtype=mdt)]
+    sizes = sizes + [5]
+    offsets, total = layout(sizes, n)
+    levels = codec.int8_levels(n)
+    q, n_bad = be.int8_local_step(to(grads, dev), to(moms, dev), offsets, total, 0.9, kind, levels)
+    ref_q, ref_bad = REF.int8_local_step(grads, moms, offsets, total, 0.9, kind, levels)
+    assert n_bad == ref_bad
+    _check_int8(q, ref_q, grads, moms, offsets, 0.9, kind, levels)
+
+
+@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_int8_apply(backend, pdt, wd):
+    be, dev, big = backend
+    g = gen(500)
+    sizes = [big, 1, 7, 9, 4097]
+    offsets, total = layout(sizes, 8)
+    qsum = torch.randint(-127, 128, (total,), generator=g).to(torch.int8)
+    qsum[::5] = 0
+    dev_p, ref_p = make_params(sizes, pdt, g, dev)
+    d_got = be.int8_apply(qsum.to(dev), dev_p, offsets, 1e-3, wd)
+    d_ref = REF.int8_apply(qsum, ref_p, offsets, 1e-3, wd)
+    same(d_got, d_ref, "delta")
+    for k, (a, b) in enumerate(zip(dev_p, ref_p)):
+        same(a, b, f"param {k}")
+
+
+def test_params_with_nonfinite_values(backend):
+    """NaN/inf parameters stay NaN/inf exactly as in the reference (decay and step)."""
+    be, dev, big = backend
+    g = gen(600)
+    sizes = [33]
+    offsets, total = layout(sizes, 2)
+    sign, nz = rand_planes(2, total // 8, g)
+    dev_p, ref_p = make_params(sizes, torch.float32, g, dev)
+    for p in (dev_p[0], ref_p[0]):
+        p[0], p[1], p[2] = float("nan"), float("inf"), -0.0
+    kw = dict(lr=1e-3, weight_decay=0.1, step=2, tie_break="hash", vote="majority", world_size=2)
+    same(be.vote_apply(sign.to(dev), nz.to(dev), dev_p, offsets, **kw),
+         REF.vote_apply(sign, nz, ref_p, offsets, **kw), "delta")
+    same(dev_p[0], ref_p[0], "param")
+
+
+@pytest.mark.parametrize("n", [16, 255, 300])
+@pytest.mark.parametrize("vote", ["majority", "average"])
+def test_many_ranks(backend, n, vote):
+    """8- and 16-level bit-sliced counters (N > 15, N > 255): vote_apply, shard_vote, count_lanes."""
+    be, dev, big = backend
+    g = gen(800 + n)
+    sizes = [9, 300]
+    offsets, total = layout(sizes, n)
+    sign, nz = rand_planes(n, total // 8, g, nz_density=0.9)
+    dev_p, ref_p = make_params(sizes, torch.float32, g, dev)
+    kw = dict(lr=1e-3, weight_decay=0.0, step=2, tie_break="hash", vote=vote, world_size=n)
+    same(be.vote_apply(sign.to(dev), nz.to(dev), dev_p, offsets, **kw),
+         REF.vote_apply(sign, nz, ref_p, offsets, **kw), "delta")
+    for a, b in zip(dev_p, ref_p):
+        same(a, b, "param")
+    for x, y in zip(be.shard_vote(sign.to(dev), None, 3, "hash", 1), REF.shard_vote(sign, None, 3, "hash", 1)):
+        same(x, y, "shard vote planes")
+    if n <= 255:
+        for x, y in zip(be.count_lanes(sign.to(dev), nz.to(dev), 8), REF.count_lanes(sign, nz, 8)):
+            same(x, y, "count lanes")
+
+
+def test_apply_without_delta(backend):
+    """return_delta=False (no Δ buffer: a NULL delta_out in the kernels) applies the same update."""
+    be, dev, big = backend
+    g = gen(650)
+    sizes = [4097, 9, 1]
+    offsets, total = layout(sizes, 4)
+    sign, nz = rand_planes(4, total // 8, g)
+    p = codec.lane_bits_for(4)
+    plus = codec.pack_lanes(torch.randint(0, 5, (total,), generator=g), p)
+    qsum = torch.randint(-20, 21, (total,), generator=g).to(torch.int8)
+    kw = dict(lr=1e-3, weight_decay=0.2, step=5, tie_break="hash")
+    calls = [
+        ("vote_apply", lambda B, ps, dv, **x: B.vote_apply(sign.to(dv), nz.to(dv), ps, offsets, vote="majority",
+                                                             world_size=4, **kw, **x)),
+        ("lanes_apply", lambda B, ps, dv, **x: B.lanes_apply(plus.to(dv), None, 4, p, ps, offsets, vote="average",
+                                                               **kw, **x)),
+        ("int8_apply", lambda B, ps, dv, **x: B.int8_apply(qsum.to(dv), ps, offsets, 1e-3, 0.2, **x)),
+    ]
+    for name, call in calls:
+        dev_p, ref_p = make_params(sizes, torch.bfloat16, g, dev)
+        assert call(be, dev_p, dev, return_delta=False) is None
+        call(REF, ref_p, torch.device("cpu"))
+        for k, (a, b) in enumerate(zip(dev_p, ref_p)):
+            same(a, b, f"{name}: param {k}")
+
+
+def test_emulation_threads_do_not_matter():
+    """The emulated thread count only changes the order of independent work."""
+    lib_be = EmuBackend()
+    g = gen(700)
+    sizes = [4097, 9, 1, 7]
+    offsets, total = layout(sizes, 3)
+    sign, nz = rand_planes(3, total // 8, g)
+    outs = []
+    for threads in (1, 5, 64):
+        lib_be.threads = threads
+        params = [torch.zeros(n) for n in sizes]
+        d = lib_be.vote_apply(sign, nz, params, offsets, 1e-3, 0.0, 5, "hash", "majority", 3)
+        outs.append((d, params))
+    for d, params in outs[1:]:
+        same(d, outs[0][0], "delta")
+        for a, b in zip(params, outs[0][1]):
+            same(a, b, "param")
