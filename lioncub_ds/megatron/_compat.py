@@ -1,0 +1,97 @@
+"""megatron-core import guard and the few version differences this integration touches.
+
+Supported: megatron-core 0.16.x (Python 3.10/3.11: the newest pip gives on 3.11) through
+0.19.x (Python >= 3.12). Every difference is handled here, explicitly:
+
+* ``_get_param_groups(model_chunks, config, config_overrides)``: same signature in
+  0.16-0.19, but 0.16 applies the standard overrides (no weight decay on biases and
+  1-D parameters, decoupled lr) itself when ``config_overrides is None`` while 0.18+
+  leaves that to ``get_megatron_optimizer``. We always pass explicit overrides
+  (:func:`standard_overrides`), which means the same thing on every version.
+* ``ProcessGroupCollection.setup_process_groups_for_optimizer``: 0.19 adds
+  ``expt_tp_pp_with_egtp_remat_group`` (the expert model-parallel group Megatron then
+  uses for gradient statistics); older versions have ``expt_tp_pp_group`` only.
+* ``OptimizerConfig.lion_beta1/2`` exist from 0.19 (Megatron's own ``--optimizer lion``).
+* The bucket groups' ``finish_grad_sync`` sets ``grad_reduce_finished`` from 0.19.
+"""
+from __future__ import annotations
+
+import importlib
+
+MIN_VERSION = (0, 16)
+TESTED_VERSIONS = ("0.16.1",)
+CHECKED_AGAINST_SOURCE = ("0.17.1", "0.18.2", "0.19.0")
+
+
+class MegatronNotAvailableError(ImportError):
+    """megatron-core is missing or too old for lioncub_ds.megatron."""
+
+
+def megatron_version() -> tuple | None:
+    try:
+        info = importlib.import_module("megatron.core.package_info")
+    except ImportError:
+        return None
+    return (int(info.MAJOR), int(info.MINOR), int(info.PATCH))
+
+
+def require_megatron(what: str = "lioncub_ds.megatron"):
+    """Import megatron.core or raise a clear ImportError (called by every Megatron function)."""
+    try:
+        core = importlib.import_module("megatron.core")
+    except ImportError as exc:
+        raise MegatronNotAvailableError(
+            f"{what} needs megatron-core >= {MIN_VERSION[0]}.{MIN_VERSION[1]} "
+            "(pip install megatron-core; Python 3.11 gets 0.16.x, 0.17+ needs Python >= 3.12). "
+            f"Import failed: {exc}") from exc
+    ver = megatron_version()
+    if ver is not None and ver[:2] < MIN_VERSION:
+        raise MegatronNotAvailableError(
+            f"{what} needs megatron-core >= {MIN_VERSION[0]}.{MIN_VERSION[1]}; found "
+            f"{'.'.join(map(str, ver))} (its _get_param_groups / process-group helpers differ)")
+    return core
+
+
+def standard_overrides(config):
+    """Megatron's standard per-parameter overrides (wd_mult=0 on biases and 1-D params, decoupled lr)."""
+    from megatron.core.optimizer import get_standard_config_overrides
+    return get_standard_config_overrides(config)
+
+
+def check_overrides(config, config_overrides) -> None:
+    from megatron.core import optimizer as mopt
+    fn = getattr(mopt, "check_config_overrides_consistency", None)
+    if fn is not None:
+        fn(config, config_overrides)
+
+
+def optimizer_process_groups(pg_collection, model_chunks) -> dict:
+    """The groups Megatron's own optimizer factory uses, with our names.
+
+    Returns dict with ``dp_cp`` (dense vote group), ``expt_dp`` (expert vote group),
+    ``mp`` (dense grad-stats group), ``expt_mp`` (expert grad-stats group), ``tp``,
+    ``expt_tp`` (TP groups for the wrappers' duplicate filtering) and ``ep``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    d = ProcessGroupCollection.setup_process_groups_for_optimizer(pg_collection, model_chunks, False)
+    expt_mp = d.get("expt_tp_pp_with_egtp_remat_group") or d.get("expt_tp_pp_group")
+    if pg_collection is not None and hasattr(pg_collection, "tp"):
+        tp = pg_collection.tp
+    else:
+        tp = parallel_state.get_tensor_model_parallel_group()
+    expt_tp = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
+    if expt_tp is None:
+        try:
+            expt_tp = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
+        except TypeError:  # older signature without check_initialized
+            expt_tp = parallel_state.get_expert_tensor_parallel_group()
+        expt_tp = expt_tp or tp
+    ep = getattr(pg_collection, "ep", None) if pg_collection is not None else None
+    if ep is None:
+        try:
+            ep = parallel_state.get_expert_model_parallel_group(check_initialized=False)
+        except TypeError:
+            ep = parallel_state.get_expert_model_parallel_group()
+    return {"dp_cp": d["dp_cp_group"], "expt_dp": d["expt_dp_group"], "mp": d["mp_group"],
+            "expt_mp": expt_mp, "tp": tp, "expt_tp": expt_tp, "ep": ep}

@@ -1,0 +1,135 @@
+"""Turn Megatron DDP's data-parallel gradient reduction off (Lion Cub's local-momentum mode).
+
+Megatron's ``DistributedDataParallel`` accumulates every gradient into contiguous grad
+buffers (``param.main_grad``) and reduces them over the data-parallel group in
+``start_grad_sync`` / ``finish_grad_sync`` of each bucket group, called from
+``finalize_model_grads`` (or the backward hooks with ``overlap_grad_reduce``). In Lion
+Cub every data-parallel rank keeps its own momentum and votes with its *own* gradient, so
+that reduction must not happen.
+
+:func:`disable_dp_grad_reduction` replaces ``start_grad_sync`` / ``finish_grad_sync`` of
+every bucket group (dense and expert) of the given model chunks with versions that keep
+the bookkeeping (and DDP's optional NaN / large-gradient checks of the local buffers) but
+issue no collective and skip DDP's 1/DP pre-scaling: ``main_grad`` then holds this rank's
+own mean gradient. Everything else stays as it is: the grad buffers, ``no_sync`` for
+gradient accumulation, ``zero_grad_buffer``, and the tensor/pipeline-parallel fix-ups in
+``finalize_model_grads`` (sequence-parallel layer-norm grads over TP, tied embedding grads
+across pipeline stages), which are model-parallel, not data-parallel, reductions.
+
+Settings that cannot work in this mode raise :class:`LocalMomentumConfigError`:
+``use_distributed_optimizer`` (it reduce-scatters gradients and shards optimizer state
+across DP ranks; Lion Cub keeps a full momentum per rank and never reduces gradients),
+``overlap_grad_reduce`` (there is no gradient reduction left to overlap; the flag also
+makes the backward hooks dispatch collectives), ``num_distributed_optimizer_instances > 1``
+and Megatron-FSDP / torch FSDP chunks (they shard parameters and gradients over DP).
+"""
+from __future__ import annotations
+
+import types
+
+from ._compat import require_megatron
+
+_FLAG = "_lioncub_local_grads"
+
+
+class LocalMomentumConfigError(ValueError):
+    """A Megatron setting that cannot work with Lion Cub's local-momentum mode."""
+
+
+def _chunks(model_chunks):
+    if isinstance(model_chunks, (list, tuple)):
+        return list(model_chunks)
+    return [model_chunks]
+
+
+def check_local_momentum_ddp(model_chunk) -> None:
+    """Raise :class:`LocalMomentumConfigError` if ``model_chunk``'s DDP settings need DP gradient reduction."""
+    ddp_config = getattr(model_chunk, "ddp_config", None)
+    if ddp_config is None or not (hasattr(model_chunk, "bucket_groups")
+                                  and hasattr(model_chunk, "expert_parallel_bucket_groups")):
+        raise LocalMomentumConfigError(
+            f"lioncub_ds.megatron: expected megatron.core.distributed.DistributedDataParallel model chunks "
+            f"(with bucket_groups / expert_parallel_bucket_groups), got {type(model_chunk).__name__}. "
+            "Wrap the model in Megatron DDP (use_distributed_optimizer=False, overlap_grad_reduce=False), or pass "
+            "disable_grad_reduction=False to the factory and make sure nothing all-reduces the gradients.")
+    if getattr(ddp_config, "use_megatron_fsdp", False):
+        raise LocalMomentumConfigError(
+            "lioncub_ds.megatron: Megatron-FSDP shards parameters and gradients over data-parallel ranks; "
+            "Lion Cub needs full local gradients and momenta on every rank. Use Megatron DDP with "
+            "use_megatron_fsdp=False.")
+    if getattr(ddp_config, "use_distributed_optimizer", False):
+        raise LocalMomentumConfigError(
+            "lioncub_ds.megatron: use_distributed_optimizer=True cannot work with Lion Cub: the distributed "
+            "optimizer reduce-scatters gradients and shards optimizer state over data-parallel ranks, while "
+            "Lion Cub keeps one full local momentum per rank (1 fp32 value per parameter, half of Adam's "
+            "state) and exchanges only 1-bit votes. Set use_distributed_optimizer=False in both "
+            "DistributedDataParallelConfig and OptimizerConfig (--use-distributed-optimizer off).")
+    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
+        raise LocalMomentumConfigError(
+            "lioncub_ds.megatron: num_distributed_optimizer_instances > 1 needs the distributed optimizer, "
+            "which Lion Cub does not use; set it to 1.")
+    if getattr(ddp_config, "overlap_grad_reduce", False):
+        raise LocalMomentumConfigError(
+            "lioncub_ds.megatron: overlap_grad_reduce=True cannot be used in local-momentum mode: there is no "
+            "data-parallel gradient reduction left to overlap (Lion Cub votes after backward), and the flag makes "
+            "DDP's backward hooks dispatch reduce collectives. Set overlap_grad_reduce=False "
+            "(drop --overlap-grad-reduce).")
+
+
+def _local_start_grad_sync(self, force_all_reduce=False):
+    """Local-momentum replacement: no DP collective, no 1/DP pre-scaling."""
+    cfg = self.ddp_config
+    check_nan = getattr(cfg, "check_for_nan_in_grad", False)
+    check_large = getattr(cfg, "check_for_large_grads", False)
+    if (check_nan or check_large) and hasattr(self, "check_grads"):
+        self.check_grads(check_for_nan_or_inf=check_nan, check_for_large=check_large)
+    self.grad_reduce_handle = None
+
+
+def _local_finish_grad_sync(self, force_all_reduce=False):
+    self.param_gather_dispatched = False
+    self.start_grad_sync(force_all_reduce=force_all_reduce)
+    if hasattr(self, "grad_reduce_finished"):  # megatron-core >= 0.19
+        self.grad_reduce_finished = True
+
+
+def _bucket_groups(chunk):
+    return list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups)
+
+
+def disable_dp_grad_reduction(model_chunks) -> list:
+    """Make every bucket group of ``model_chunks`` skip its data-parallel gradient collective.
+
+    Idempotent. Returns the list of model chunks. Undo with :func:`enable_dp_grad_reduction`.
+    """
+    require_megatron("lioncub_ds.megatron.disable_dp_grad_reduction")
+    chunks = _chunks(model_chunks)
+    for chunk in chunks:
+        check_local_momentum_ddp(chunk)
+    for chunk in chunks:
+        for bg in _bucket_groups(chunk):
+            if getattr(bg, _FLAG, False):
+                continue
+            bg.start_grad_sync = types.MethodType(_local_start_grad_sync, bg)
+            bg.finish_grad_sync = types.MethodType(_local_finish_grad_sync, bg)
+            setattr(bg, _FLAG, True)
+        setattr(chunk, _FLAG, True)
+    return chunks
+
+
+def enable_dp_grad_reduction(model_chunks) -> list:
+    """Restore Megatron's own gradient reduction on ``model_chunks``."""
+    chunks = _chunks(model_chunks)
+    for chunk in chunks:
+        for bg in _bucket_groups(chunk):
+            if getattr(bg, _FLAG, False):
+                del bg.start_grad_sync
+                del bg.finish_grad_sync
+                delattr(bg, _FLAG)
+        if getattr(chunk, _FLAG, False):
+            delattr(chunk, _FLAG)
+    return chunks
+
+
+def dp_grad_reduction_disabled(model_chunk) -> bool:
+    return bool(getattr(model_chunk, _FLAG, False))

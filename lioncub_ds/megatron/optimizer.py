@@ -1,0 +1,347 @@
+"""Build LionCub as a Megatron optimizer (same signature as ``get_megatron_optimizer``).
+
+What Megatron keeps doing: its parameter groups (``_get_param_groups`` with the standard
+overrides: no weight decay on biases and 1-D parameters, lr/wd multipliers, decoupled lr),
+its wrappers (``FP32Optimizer``; ``Float16OptimizerWithFloat16Params`` with fp32 main
+parameters for bf16/fp16, with the grad scaler for fp16; ``ChainedOptimizer`` over the
+dense and expert optimizers), so ``OptimizerParamScheduler`` (lr / wd schedule through
+each group's ``max_lr``, ``min_lr``, ``lr_mult``, ``wd_mult``), grad-norm clipping and
+logging, and ``state_dict`` / ``sharded_state_dict`` keep working.
+
+What changes: the inner optimizer is :class:`lioncub_ds.LionCub`, voting over Megatron's
+data-parallel group *with* context parallel (``dp_cp``) for dense parameters and over the
+expert data-parallel group for expert parameters, so with TP/PP every model-parallel rank
+votes only with its data-parallel peers; and (by default) DDP's data-parallel gradient
+reduction is switched off (:func:`lioncub_ds.megatron.disable_dp_grad_reduction`).
+
+Megatron settings and what they become:
+
+* ``lr`` -> LionCub lr (and each group's starting lr = max_lr * lr_mult; the scheduler
+  sets it from then on); ``min_lr`` -> the groups' ``min_lr`` (scheduler);
+  ``weight_decay`` -> decoupled weight decay (times each group's ``wd_mult``);
+* betas: ``lioncub['betas']`` if given, else ``(lion_beta1, lion_beta2)`` when
+  ``config.optimizer == 'lion'`` (megatron-core >= 0.19), else ``(adam_beta1, adam_beta2)``;
+* ``bf16`` / ``fp16`` -> ``Float16OptimizerWithFloat16Params`` (LionCub steps the fp32 main
+  params; momentum dtype is LionCub's ``momentum_dtype``, fp32 by default);
+  ``params_dtype`` only shapes the model; ``loss_scale`` / dynamic fp16 scaling as in Megatron;
+* ``clip_grad`` -> Megatron clips each rank's *local* gradient by its norm over TP/PP
+  (the reported grad norm is this rank's local norm); 0 turns clipping off.
+
+With a loss scaler (fp16, or ``loss_scale``) a step is skipped when *any* rank found an
+inf/NaN (one extra 4-byte all-reduce over the world), so data-parallel peers never
+disagree about whether to vote.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import types
+
+import torch.distributed as dist
+
+from ..config import LionCubConfig, LionCubConfigError
+from ..optimizer import LionCub
+from . import _compat
+from .ddp import LocalMomentumConfigError, disable_dp_grad_reduction
+
+log = logging.getLogger("lioncub_ds")
+
+# OptimizerConfig settings whose behaviour LionCub cannot honour.
+_UNSUPPORTED = (
+    ("use_distributed_optimizer", "the distributed optimizer reduce-scatters gradients and shards optimizer state "
+                                  "over data-parallel ranks; Lion Cub keeps one full local momentum per rank"),
+    ("optimizer_cpu_offload", "CPU offload wraps Adam/SGD in HybridDeviceOptimizer"),
+    ("use_precision_aware_optimizer", "precision-aware state is a TransformerEngine FusedAdam feature; "
+                                      "use lioncub momentum_dtype='bf16' for a bf16 momentum"),
+    ("overlap_param_gather", "needs the distributed optimizer"),
+    ("overlap_param_gather_with_optimizer_step", "needs the distributed optimizer"),
+    ("reuse_grad_buf_for_mxfp8_param_ag", "needs the distributed optimizer"),
+)
+# LionCub settings that come from OptimizerConfig instead.
+_FROM_MEGATRON = {"lr": "OptimizerConfig.lr (--lr)", "weight_decay": "OptimizerConfig.weight_decay (--weight-decay)",
+                  "process_group": "Megatron's data-parallel groups"}
+
+
+class MegatronLionCub(LionCub):
+    """LionCub whose ``state_dict`` is the same on every data-parallel rank apart from the momenta.
+
+    Megatron stores the optimizer's non-tensor state once (from rank 0) and warns when ranks
+    differ, so the per-rank telemetry (``rank``, ``comm_stats``) is left out of
+    ``state_dict()``; the per-rank checkpoint files (:mod:`lioncub_ds.megatron.checkpoint`)
+    keep the full state through :meth:`full_state`.
+    """
+
+    megatron_kind = "dense"
+    megatron_tag = None
+    _full = False
+
+    def state_dict(self):
+        sd = super().state_dict()
+        if not self._full and "lioncub" in sd:
+            sd["lioncub"] = {k: v for k, v in sd["lioncub"].items() if k not in ("rank", "comm_stats")}
+        return sd
+
+    @contextlib.contextmanager
+    def full_state(self):
+        self._full = True
+        try:
+            yield self
+        finally:
+            self._full = False
+
+
+def lioncub_settings(lioncub=None, **kwargs) -> dict:
+    """Merge the ``lioncub`` dict and keyword settings; refuse keys that Megatron owns."""
+    settings = dict(lioncub or {})
+    for key, value in kwargs.items():
+        if key in settings and settings[key] != value:
+            raise LionCubConfigError(f"LionCub: setting {key!r} given twice (lioncub={settings[key]!r}, "
+                                     f"keyword={value!r})")
+        settings[key] = value
+    for key, where in _FROM_MEGATRON.items():
+        if key in settings:
+            raise LionCubConfigError(f"LionCub: {key!r} is not a lioncub setting under Megatron; it comes from {where}")
+    if "betas" in settings and isinstance(settings["betas"], list):
+        settings["betas"] = tuple(settings["betas"])
+    # Validate early (names, types, combinations) with a placeholder lr.
+    LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, **settings)
+    return settings
+
+
+def check_optimizer_config(config) -> None:
+    for name, why in _UNSUPPORTED:
+        if getattr(config, name, False):
+            raise LocalMomentumConfigError(f"lioncub_ds.megatron: OptimizerConfig.{name}=True is not supported with "
+                                           f"LionCub ({why}); set it to False")
+    if config.lr is None:
+        raise LionCubConfigError("lioncub_ds.megatron: OptimizerConfig.lr is None; set the peak learning rate (--lr)")
+
+
+def resolve_betas(config, settings) -> tuple:
+    if "betas" in settings:
+        return tuple(settings["betas"])
+    if getattr(config, "optimizer", None) == "lion" and hasattr(config, "lion_beta1"):
+        return (config.lion_beta1, config.lion_beta2)
+    return (config.adam_beta1, config.adam_beta2)
+
+
+def ranks_per_node(ranks, local_world_size: int) -> int:
+    """How many of ``ranks`` (global ranks, in group order) share a node, rank r on node r // local_world_size.
+
+    The ranks on each node must be consecutive in group order and equally many on every node
+    (true for Megatron's default rank order); otherwise :class:`LionCubConfigError`.
+    """
+    if not isinstance(local_world_size, int) or local_world_size < 1:
+        raise LionCubConfigError(f"LionCub: LOCAL_WORLD_SIZE={local_world_size!r} must be an integer >= 1")
+    runs = []
+    for r in ranks:
+        node = r // local_world_size
+        if runs and runs[-1][0] == node:
+            runs[-1][1] += 1
+        else:
+            runs.append([node, 1])
+    nodes = [n for n, _ in runs]
+    sizes = {c for _, c in runs}
+    if not runs or len(set(nodes)) != len(nodes) or len(sizes) != 1:
+        raise LionCubConfigError(
+            f"LionCub: the data-parallel group {list(ranks)} is not split evenly into consecutive per-node runs "
+            f"(LOCAL_WORLD_SIZE={local_world_size}); pass momentum_sync.group_size explicitly")
+    return sizes.pop()
+
+
+def dp_ranks_per_node(group, local_world_size: int | None = None) -> int:
+    """Data-parallel peers of this rank on its node, for ``momentum_sync.group='node'`` (see :func:`ranks_per_node`)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if local_world_size is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            raise LionCubConfigError("LionCub: momentum_sync.group='node' under Megatron needs "
+                                     "momentum_sync.group_size (data-parallel peers per node) or LOCAL_WORLD_SIZE "
+                                     "(set by torchrun)")
+        local_world_size = int(env)
+    return ranks_per_node(ranks, local_world_size)
+
+
+def _momentum_sync_for_group(settings, group):
+    ms = settings.get("momentum_sync")
+    if not isinstance(ms, dict) or ms.get("group") != "node" or ms.get("group_size") is not None:
+        return settings
+    out = dict(settings)
+    out["momentum_sync"] = {**ms, "group_size": dp_ranks_per_node(group)}
+    return out
+
+
+def _init_state_fn(opt, config=None):
+    """Create LionCub's state for every parameter (Megatron calls this before loading a checkpoint)."""
+    if opt is None:
+        return
+    for g in opt.param_groups:
+        for p in g["params"]:
+            opt._momentum(p)
+
+
+def _param_names(model_chunks) -> dict:
+    names = {}
+    many = len(model_chunks) > 1
+    for i, chunk in enumerate(model_chunks):
+        for name, p in chunk.named_parameters():
+            names.setdefault(p, f"chunk{i}.{name}" if many else name)
+    return names
+
+
+def _prepare_groups(param_groups, names, config):
+    out = []
+    for g in param_groups:
+        g = dict(g)
+        g["params"] = list(g["params"])
+        g["param_names"] = [names.get(p, None) for p in g["params"]]
+        # Megatron's scheduler sets lr / weight_decay every step; start from the same values.
+        g["lr"] = float(g.get("max_lr", config.lr) or config.lr) * float(g.get("lr_mult", 1.0))
+        g["weight_decay"] = float(config.weight_decay) * float(g.get("wd_mult", 1.0))
+        out.append(g)
+    return out
+
+
+def _sync_found_inf_over_world(wrapper):
+    """Skip decisions must agree on every rank once gradients are local (see module doc)."""
+    orig = wrapper._unscale_main_grads_and_check_for_nan
+
+    def patched(self):
+        orig()
+        dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX)
+        return self.found_inf.item() > 0
+
+    wrapper._unscale_main_grads_and_check_for_nan = types.MethodType(patched, wrapper)
+
+
+def _wrap(config, inner, stats_group, tp_group, expert_tp_group):
+    from megatron.core.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+    init_state_fn = _init_state_fn if inner is not None else None
+    if config.fp16 or config.bf16:
+        grad_scaler = None
+        if config.loss_scale:
+            grad_scaler = ConstantGradScaler(config.loss_scale)
+        elif config.fp16:
+            grad_scaler = DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                                            growth_factor=2.0, backoff_factor=0.5,
+                                            growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+        opt = Float16OptimizerWithFloat16Params(inner, config, grad_scaler, init_state_fn)
+        # The wrapper's fp32 main params are detached copies (requires_grad=False); LionCub only
+        # steps parameters that require grad, so mark them (they never enter an autograd graph).
+        for group in getattr(opt, "fp32_from_float16_groups", []):
+            for main_param in group:
+                main_param.requires_grad_(True)
+        if grad_scaler is not None:
+            _sync_found_inf_over_world(opt)
+    else:
+        opt = FP32Optimizer(inner, config, init_state_fn)
+    opt.grad_stats_parallel_group = stats_group
+    opt.tp_group = tp_group
+    opt.expert_tp_group = expert_tp_group
+    return opt
+
+
+def _model_parallel_tag(kind, groups):
+    """Where this rank sits outside its vote group (names the per-rank checkpoint folder)."""
+    if kind == "dense":
+        return f"mp{dist.get_rank(groups['mp']):05d}"
+    ep = groups.get("ep")
+    ep_rank = dist.get_rank(ep) if ep is not None else 0
+    return f"emp{dist.get_rank(groups['expt_mp']):05d}-ep{ep_rank:05d}"
+
+
+def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
+                                   pg_collection=None, dump_param_to_param_group_map=None, *, lioncub=None,
+                                   disable_grad_reduction=True, **lioncub_kwargs):
+    """LionCub in Megatron's wrappers: a drop-in for ``megatron.core.optimizer.get_megatron_optimizer``.
+
+    Args: the six arguments of ``get_megatron_optimizer`` (megatron-core 0.16-0.19), then
+        lioncub: dict of LionCub settings (vote, comm, quant, tie_break, momentum_sync, betas,
+            momentum_dtype, bucket_size_mb, pbit_bits, network, nonfinite, drift_check_every,
+            drift_action, timeout_s, foreach); keyword arguments are merged in.
+            ``momentum_sync={"group": "node", ...}`` without ``group_size`` uses the number of
+            data-parallel peers on this node (from LOCAL_WORLD_SIZE).
+        disable_grad_reduction: switch off DDP's data-parallel gradient reduction on
+            ``model_chunks`` (local-momentum mode; default). False keeps Megatron's all-reduce,
+            so every rank votes with the same averaged gradient (= global Lion; a baseline).
+
+    ``use_gloo_process_groups`` is accepted and ignored (gloo groups serve the distributed
+    optimizer only). Returns a ``ChainedOptimizer`` (dense, then expert if the model has
+    expert parameters), like Megatron. Each inner LionCub is reachable with
+    :func:`lioncub_optimizers`.
+    """
+    _compat.require_megatron("lioncub_ds.megatron.get_megatron_lioncub_optimizer")
+    from megatron.core.optimizer import ChainedOptimizer, _get_param_groups
+
+    model_chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    settings = lioncub_settings(lioncub, **lioncub_kwargs)
+    check_optimizer_config(config)
+    if disable_grad_reduction:
+        disable_dp_grad_reduction(model_chunks)
+    if config_overrides is None:
+        config_overrides = _compat.standard_overrides(config)
+    _compat.check_overrides(config, config_overrides)
+    groups = _compat.optimizer_process_groups(pg_collection, model_chunks)
+    betas = resolve_betas(config, settings)
+    settings = {k: v for k, v in settings.items() if k != "betas"}
+
+    all_groups = _get_param_groups(model_chunks, config, config_overrides)
+    names = _param_names(model_chunks)
+    dense = _prepare_groups([g for g in all_groups if not g["is_expert_parallel"]], names, config)
+    expert = _prepare_groups([g for g in all_groups if g["is_expert_parallel"]], names, config)
+
+    optimizers = []
+    for kind, pgroups, vote_group, stats_group, tp_group in (
+            ("dense", dense, groups["dp_cp"], groups["mp"], groups["tp"]),
+            ("expert", expert, groups["expt_dp"], groups["expt_mp"], groups["expt_tp"])):
+        if kind == "expert" and not pgroups:
+            continue
+        inner = None
+        if pgroups:
+            kw = _momentum_sync_for_group(settings, vote_group)
+            inner = MegatronLionCub(pgroups, lr=config.lr, betas=betas, weight_decay=config.weight_decay,
+                                    process_group=vote_group, **kw)
+            inner.megatron_kind = kind
+            inner.megatron_tag = _model_parallel_tag(kind, groups)
+        optimizers.append(_wrap(config, inner, stats_group, tp_group, groups["expt_tp"]))
+    if dump_param_to_param_group_map is not None:
+        _dump_param_map(model_chunks, all_groups, dump_param_to_param_group_map)
+    if dist.get_rank() == 0:
+        log.info("LionCub (Megatron): %s; betas=%s; settings=%s", ", ".join(
+            f"{o.optimizer.megatron_kind}: {sum(p.numel() for p in o.get_parameters())} params voting over "
+            f"{o.optimizer.world_size} ranks" for o in optimizers if o.optimizer is not None), betas, settings)
+    return ChainedOptimizer(optimizers)
+
+
+def _dump_param_map(model_chunks, param_groups, path):
+    """Same file as Megatron's ``dump_param_to_param_group_map`` (dense groups first, then expert)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import get_global_unique_param_name
+    mapping = {}
+    ordered = [g for g in param_groups if not g["is_expert_parallel"]] + \
+              [g for g in param_groups if g["is_expert_parallel"]]
+    for gid, g in enumerate(ordered):
+        for p in g["params"]:
+            mapping[get_global_unique_param_name(model_chunks, p)] = gid
+    dcp.save(state_dict=mapping, checkpoint_id=path)
+
+
+# Drop-in name: ``from lioncub_ds.megatron import get_megatron_optimizer``.
+get_megatron_optimizer = get_megatron_lioncub_optimizer
+
+
+def lioncub_optimizers(optimizer) -> list:
+    """The LionCub instances inside a Megatron optimizer (ChainedOptimizer / wrapper / LionCub)."""
+    if isinstance(optimizer, LionCub):
+        return [optimizer]
+    subs = getattr(optimizer, "chained_optimizers", None)
+    if subs is None:
+        subs = [optimizer]
+    out = []
+    for sub in subs:
+        inner = getattr(sub, "optimizer", None)
+        if isinstance(inner, LionCub):
+            out.append(inner)
+    return out
