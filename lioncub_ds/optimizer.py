@@ -180,13 +180,14 @@ class LionCub(Optimizer):
         stats_coll = Collectives(group, self.stats)
         self._coll = stats_coll
         cost = CostModel.from_network(cfg.network.get("bandwidth_gbit", 10.0), cfg.network.get("latency_us", 50.0))
-        buckets, base = [], 0
+        buckets, base, frozen = [], 0, []
         cap = cfg.bucket_numel
         for gi, g in enumerate(self.param_groups):
             names = g.get("param_names", [None] * len(g["params"]))
             by_kind = {}
             for p, name in zip(g["params"], names):
                 if not p.requires_grad:
+                    frozen.append((p, name))
                     continue
                 by_kind.setdefault((p.device, p.dtype), []).append((p, name))
             for members in by_kind.values():
@@ -213,6 +214,9 @@ class LionCub(Optimizer):
                 name = cfg.comm
             b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits)
         self._buckets = buckets
+        # Frozen at the first step: not in the buckets. A gradient showing up there later would be
+        # ignored silently, so step() checks them (a cheap loop over a usually empty list).
+        self._frozen = frozen
         ms = cfg.momentum_sync
         self._msync = None
         if ms is not None:
@@ -331,6 +335,11 @@ class LionCub(Optimizer):
             self._build_buckets()
         group, n, rank = self._dist
         coll = self._coll
+        for p, name in self._frozen:
+            if p.grad is not None:
+                raise RuntimeError(f"LionCub: parameter {name or tuple(p.shape)} had requires_grad=False at the first "
+                                   "step (so it has no place in the vote buckets) but now has a gradient; set "
+                                   "requires_grad before the first step, or clear its .grad")
         step = self._step_count + 1
         levels = int8_levels(n) if cfg.quant != "sign" else None
         local, bad = [], 0

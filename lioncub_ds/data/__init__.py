@@ -1,0 +1,6 @@
+"""Byte-level text data shared by the demo, the examples and the benchmarks."""
+from .text import (DEFAULT_MAX_BYTES, TextDataset, cache_dir, files_dataset, load_dataset, stdlib_dataset,
+                   stdlib_files, token_file_dataset)
+
+__all__ = ["DEFAULT_MAX_BYTES", "TextDataset", "cache_dir", "files_dataset", "load_dataset", "stdlib_dataset",
+           "stdlib_files", "token_file_dataset"]
