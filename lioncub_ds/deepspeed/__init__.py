@@ -1,0 +1,56 @@
+"""DeepSpeed integration: ``"optimizer": {"type": "LionCub", "params": {...}}`` in a ds_config.
+
+Importing this module registers LionCub with DeepSpeed (and imports deepspeed). Scripts
+that never import lioncub_ds get the same registration lazily: the installed
+``lioncub_ds_autohook.pth`` runs it the moment ``deepspeed`` is imported (see
+:mod:`lioncub_ds.deepspeed.lioncub_ds_autohook`; opt out with LIONCUB_DS_AUTOREGISTER=0).
+
+ZeRO stage 0: Lion Cub (local momentum, 1-bit votes, the engine never all-reduces
+gradients). ZeRO stage 1/2: global Lion on DeepSpeed's reduced gradients, with the
+parameter all-gather replaced by a 1-bit sign all-gather where replicas can reproduce
+the update exactly. Stage 3 and optimizer offload are refused with a clear error.
+See ``lioncub_ds/deepspeed/README_SECTION.md``.
+
+Public helpers::
+
+    lioncub_of(engine)          # the LionCub inside an engine
+    comm_stats(engine)          # wire bytes per step / cumulative, with the baselines
+    save_checkpoint(engine, dir, tag) / load_checkpoint(engine, dir, tag)
+"""
+from __future__ import annotations
+
+from .checkpoint import load_checkpoint, load_rank_state, save_checkpoint, save_rank_state
+from .engine import (INTEGRATION_KEYS, OPTIMIZER_NAME, LionCubDeepSpeedError, is_registered, lioncub_of, register,
+                     set_options, split_params)
+from .zero import ZeroSignAllGatherError
+
+__all__ = ["register", "is_registered", "lioncub_of", "comm_stats", "save_checkpoint", "load_checkpoint",
+           "save_rank_state", "load_rank_state", "set_options", "split_params", "LionCubDeepSpeedError",
+           "ZeroSignAllGatherError", "OPTIMIZER_NAME", "INTEGRATION_KEYS"]
+
+
+def comm_stats(engine) -> dict:
+    """What the optimizer side of one engine sends, per step and cumulative (bytes per rank).
+
+    Stage 0: LionCub's own telemetry (votes, control flags, momentum sync) with the fp32/bf16
+    ring all-reduce baselines of the same gradients. ZeRO 1/2: the sign all-gather against
+    DeepSpeed's parameter all-gather (``zero_allgather``); DeepSpeed's gradient reduction
+    is not counted here (it is the same either way).
+    """
+    st = getattr(engine, "lioncub", None)
+    if st is None:
+        return {}
+    if st.mode == "local_momentum":
+        out = st.optimizer.comm_stats()
+        out["mode"] = "local_momentum"
+        return out
+    out = {"mode": "zero", "stage": st.stage}
+    if st.zero_adapter is not None:
+        out["zero_allgather"] = "sign"
+        out.update(st.zero_adapter.snapshot_stats())
+    else:
+        out["zero_allgather"] = "params"
+    return out
+
+
+register()

@@ -1,0 +1,131 @@
+"""``engine.save_checkpoint`` / ``engine.load_checkpoint`` that keep EVERY rank's momentum.
+
+At ZeRO stage 0 DeepSpeed writes the optimizer state once, from data-parallel rank 0
+(``mp_rank_00_model_states.pt``), and loads that one copy into every rank. With Lion Cub
+every rank has its own momentum, so the integration hooks the two engine methods (on the
+engine instance, at ``deepspeed.initialize``):
+
+* save: every rank first writes its own LionCub state to
+  ``<save_dir>/<tag>/lioncub-rank{r:05d}-of-{N:05d}.pt`` (:mod:`lioncub_ds.checkpoint`:
+  atomic, versioned, ``weights_only``), then DeepSpeed saves as usual (``latest`` is
+  written last, so it never points at a tag without the per-rank files).
+* load: DeepSpeed loads as usual, then every rank restores its own file (a world-size
+  change starts every rank from the mean momentum, see ``lioncub_ds.checkpoint``). A
+  checkpoint without the files (saved without lioncub_ds) loads with a warning: every
+  rank then continues from rank 0's momentum.
+
+ZeRO stage 1/2 checkpoints are DeepSpeed's own: each rank already saves its momentum
+partition (``zero_pp_rank_*_optim_states.pt``). After a load the fp32 replica of the
+sign all-gather (if enabled) is re-synchronized from the loaded masters.
+
+Equivalent explicit helpers: :func:`save_checkpoint` / :func:`load_checkpoint`.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+
+import torch.distributed as dist
+
+from .. import checkpoint as lc_checkpoint
+
+log = logging.getLogger("lioncub_ds")
+_MARK = "_lioncub_ds_ckpt_hook"
+
+
+def _state(engine):
+    return getattr(engine, "lioncub", None)
+
+
+def _resolve_tag(engine, load_dir, tag):
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as fd:
+            return fd.read().strip()
+    return None
+
+
+def save_rank_state(engine, save_dir, tag) -> str | None:
+    """Write this rank's LionCub state into the tag directory (stage 0 only). Returns the path."""
+    st = _state(engine)
+    if st is None or st.mode != "local_momentum":
+        return None
+    return lc_checkpoint.save(st.optimizer, os.path.join(save_dir, str(tag)))
+
+
+def load_rank_state(engine, load_dir, tag, reshard: str = "average") -> str | None:
+    """Restore this rank's LionCub state from the tag directory (stage 0), or refresh ZeRO replicas."""
+    st = _state(engine)
+    if st is None:
+        return None
+    if st.mode == "zero":
+        if st.zero_adapter is not None:
+            st.zero_adapter.refresh()
+        return None
+    directory = os.path.join(load_dir, str(tag))
+    try:
+        return lc_checkpoint.load(st.optimizer, directory, reshard=reshard)
+    except lc_checkpoint.CheckpointError as exc:
+        if "no LionCub checkpoint files" in str(exc):
+            log.warning("lioncub_ds: %s has no per-rank LionCub files (saved without lioncub_ds?): every rank "
+                        "continues from data-parallel rank 0's momentum", directory)
+            return None
+        raise
+
+
+def save_checkpoint(engine, save_dir, tag=None, **kwargs):
+    """``engine.save_checkpoint`` with every rank's momentum (same as the hooked engine method)."""
+    return engine.save_checkpoint(save_dir, tag, **kwargs)
+
+
+def load_checkpoint(engine, load_dir, tag=None, **kwargs):
+    """``engine.load_checkpoint`` restoring every rank's momentum (same as the hooked engine method)."""
+    return engine.load_checkpoint(load_dir, tag, **kwargs)
+
+
+def install_engine_hooks(engine) -> None:
+    """Wrap this engine's save/load_checkpoint (instance attributes; idempotent)."""
+    if getattr(engine.save_checkpoint, _MARK, False):
+        return
+    orig_save = engine.save_checkpoint
+    orig_load = engine.load_checkpoint
+    save_sig = inspect.signature(orig_save)
+    load_sig = inspect.signature(orig_load)
+
+    def hooked_save(*args, **kwargs):
+        bound = save_sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments.get("tag") is None:
+            bound.arguments["tag"] = f"global_step{engine.global_steps}"
+        save_rank_state(engine, bound.arguments["save_dir"], bound.arguments["tag"])
+        return orig_save(*bound.args, **bound.kwargs)
+
+    def hooked_load(*args, **kwargs):
+        bound = load_sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        result = orig_load(*bound.args, **bound.kwargs)
+        load_path = result[0] if isinstance(result, tuple) else result
+        a = bound.arguments
+        st = _state(engine)
+        if load_path is None or st is None:
+            return result
+        if st.mode == "zero":
+            if st.zero_adapter is not None:  # masters changed (loaded, or rebuilt from the 16-bit weights)
+                st.zero_adapter.refresh()
+        elif a.get("load_optimizer_states", True) and not a.get("load_module_only", False):
+            tag = _resolve_tag(engine, a["load_dir"], a.get("tag"))
+            if tag is not None:
+                load_rank_state(engine, a["load_dir"], tag)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        return result
+
+    for fn, orig in ((hooked_save, orig_save), (hooked_load, orig_load)):
+        setattr(fn, _MARK, True)
+        fn.__wrapped__ = orig
+        fn.__doc__ = (orig.__doc__ or "") + "\n\n(lioncub_ds: also saves/restores every rank's LionCub momentum.)"
+    engine.save_checkpoint = hooked_save
+    engine.load_checkpoint = hooked_load
