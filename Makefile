@@ -19,8 +19,10 @@ $(STAMP): requirements.txt setup.py
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
+# The main job: GPT pretraining under the deepspeed launcher on 2 CPU ranks with LionCub,
+# side by side with Lion + DeepSpeed's gradient all-reduce (loss and bytes sent).
 demo: setup
-	$(VPY) -m lioncub_ds.demo
+	$(VPY) -m lioncub_ds.deepspeed.demo
 
 test: setup
 	$(VPY) -m pytest -q tests
