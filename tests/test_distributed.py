@@ -19,6 +19,8 @@ COMBOS = ([(c, v, t, "sign") for c in ("allgather", "1bit", "pbit") for v in ("m
            for t in ("hash", "alternate", "zero")]
           + [("int8", "majority", "hash", q) for q in ("l1", "l0", "linf")]
           + [("auto", "majority", "hash", "sign")])
+# Several small buckets (one of them holds only abstaining rows some steps): a few combinations suffice.
+MULTI_BUCKET = {("1bit", "majority", "zero", "sign"), ("pbit", "average", "hash", "sign"), ("allgather", "majority", "alternate", "sign")}
 
 
 class Net(torch.nn.Module):
@@ -39,21 +41,27 @@ def _batch(gen, rank_data=True):
     return idx, torch.randn(4, 3, generator=gen)
 
 
+def _bucket_c(opt, b, grads, momenta):
+    c = torch.zeros(b.numel)
+    b1 = opt.param_groups[b.group_index]["betas"][0]
+    for p, off in zip(b.params, b.offsets):
+        c[off:off + p.numel()] = codec.lion_direction(momenta[p].reshape(-1), grads[p].reshape(-1), b1)
+    return c
+
+
 def _brute_force(opt, before, grads, momenta, n):
-    """Expected parameters after one step, from fp32 signs all-gathered with plain dist.all_gather."""
+    """Expected parameters after one step, from every rank's fp32 c gathered with plain dist.all_gather."""
     cfg = opt.config
     expected = {p: before[p].clone() for p in before}
+    local = torch.cat([_bucket_c(opt, b, grads, momenta) for b in opt._buckets])
+    gathered = [torch.zeros_like(local) for _ in range(n)]
+    dist.all_gather(gathered, local)
+    everyone = torch.stack(gathered)
     for b in opt._buckets:
         g = opt.param_groups[b.group_index]
-        b1 = g["betas"][0]
-        c = torch.zeros(b.numel)
-        for p, off in zip(b.params, b.offsets):
-            c[off:off + p.numel()] = codec.lion_direction(momenta[p].reshape(-1), grads[p].reshape(-1), b1)
+        c_all = everyone[:, b.base:b.base + b.numel]
         if cfg.quant == "sign":
-            s = torch.sign(c)
-            gathered = [torch.zeros_like(s) for _ in range(n)]
-            dist.all_gather(gathered, s)
-            votes = torch.stack(gathered)
+            votes = torch.sign(c_all)
             plus = (votes > 0).sum(0)
             cnt = (votes != 0).sum(0)
             diff = 2 * plus - cnt
@@ -67,10 +75,10 @@ def _brute_force(opt, before, grads, momenta, n):
         else:
             q = torch.zeros(b.numel, dtype=torch.int32)
             levels = 127 // n
-            for p, off in zip(b.params, b.offsets):
-                cp = c[off:off + p.numel()]
-                q[off:off + p.numel()] = codec.int8_quantize(cp, codec.int8_scale(cp, cfg.quant), levels).to(torch.int32)
-            dist.all_reduce(q)
+            for r in range(n):
+                for p, off in zip(b.params, b.offsets):
+                    cp = c_all[r, off:off + p.numel()]
+                    q[off:off + p.numel()] += codec.int8_quantize(cp, codec.int8_scale(cp, cfg.quant), levels).to(torch.int32)
             assert int(q.abs().max()) <= 127  # the int8 sum can never have overflowed
             delta = torch.sign(q).float()
         lr, wd = g["lr"], g["weight_decay"]
@@ -85,11 +93,13 @@ def _brute_force(opt, before, grads, momenta, n):
 def _votes_match_brute_force(rank, n):
     """Every combination: Δ equals the brute force at every step; replicas bit-identical."""
     report = {}
-    for comm, vote, tie, quant in COMBOS:
+    runs = [(c, False) for c in COMBOS] + [(c, True) for c in sorted(MULTI_BUCKET)]
+    for (comm, vote, tie, quant), multi in runs:
         torch.manual_seed(0)
         model = Net()
         opt = lioncub_ds.LionCub(model.named_parameters(), lr=3e-3, weight_decay=0.1, comm=comm, vote=vote,
-                                 tie_break=tie, quant=quant, bucket_size_mb=0.0004)  # several buckets
+                                 tie_break=tie, quant=quant,
+                                 bucket_size_mb=0.0004 if multi else 25.0)
         gen = torch.Generator().manual_seed(1000 + rank)
         mismatched = 0
         for step in range(STEPS):
@@ -105,7 +115,7 @@ def _votes_match_brute_force(rank, n):
             opt.step()
             mismatched += sum(not torch.equal(p.detach(), expected[p]) for p in model.parameters())
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        report[(comm, vote, tie, quant)] = (mismatched, flat, [b.algorithm.name for b in opt._buckets],
+        report[(comm, vote, tie, quant, multi)] = (mismatched, flat, [b.algorithm.name for b in opt._buckets],
                                             opt.comm_stats()["cumulative"]["by_algorithm"])
     return report
 
@@ -118,6 +128,7 @@ def test_votes_equal_brute_force_and_replicas_identical(n):
             assert reports[r][key][0] == 0, f"N={n} {key}: rank {r} deviated from the brute-force vote"
             assert torch.equal(reports[r][key][1], reports[0][key][1]), f"N={n} {key}: rank {r} differs from rank 0"
         algos = reports[0][key][2]
+        assert (len(algos) > 1) == key[4], f"{key}: {len(algos)} buckets"
         if key[0] != "auto":
             assert set(algos) == {key[0]}
         else:
