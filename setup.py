@@ -1,29 +1,94 @@
 """lioncub_ds: communication-efficient distributed Lion for DeepSpeed and Megatron.
 
-The C++ CPU kernels are JIT-built on first use by ``lioncub_ds.ops`` (ninja,
-cached). Set ``LIONCUB_BUILD_EXT=1`` to build them ahead of time; add
-``LIONCUB_BUILD_CUDA=1`` to also build the CUDA kernels (needs nvcc and a CUDA torch).
+The C++ CPU kernels are JIT-built on first use by ``lioncub_ds.ops`` (ninja, cached). Set
+``LIONCUB_BUILD_EXT=1`` to build them ahead of time (``LIONCUB_BUILD_EXT=1 pip install
+--no-build-isolation .``; torch must be importable); add ``LIONCUB_BUILD_CUDA=1`` to also build
+the CUDA kernels (needs nvcc and a CUDA torch).
 """
+import hashlib
 import os
+import shutil
+import sysconfig
+from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Distribution, find_packages, setup
+from setuptools.command.build_py import build_py
 
-ext_modules, cmdclass = [], {}
+HERE = Path(__file__).resolve().parent
+CSRC = HERE / "csrc"
+# Keep in sync with lioncub_ds/_native.py (SOURCES, HEADERS, CFLAGS, source_hash).
+SOURCES = ("bindings.cpp", "cpu/lioncub_cpu.cpp")
+HEADERS = ("cpu/lioncub_cpu.h",)
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
+
+
+def source_hash() -> str:
+    h = hashlib.sha1()
+    for rel in SOURCES + HEADERS:
+        h.update(rel.encode())
+        h.update((CSRC / rel).read_bytes())
+    return h.hexdigest()
+
+
+class BuildPyWithSources(build_py):
+    """Ship csrc/ inside the package (lioncub_ds/csrc) so an installed copy can still JIT-build."""
+
+    def run(self):
+        super().run()
+        if CSRC.is_dir():
+            shutil.copytree(CSRC, Path(self.build_lib) / "lioncub_ds" / "csrc", dirs_exist_ok=True)
+
+
+ext_modules, cmdclass = [], {"build_py": BuildPyWithSources}
 if os.environ.get("LIONCUB_BUILD_EXT") == "1":
-    from lioncub_ds_build import extensions  # noqa: E402  (local helper, see below)
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    ext_modules, cmdclass = extensions()
+    ext_modules.append(
+        CppExtension(
+            name="lioncub_ds._lioncub_cpu",  # loaded first by lioncub_ds._native
+            sources=[f"csrc/{s}" for s in SOURCES],
+            include_dirs=[str(CSRC)],
+            extra_compile_args=CFLAGS + [f"-DLIONCUB_SRC_HASH=h{source_hash()}"],
+            extra_link_args=["-fopenmp"],
+        )
+    )
+    cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
+    if os.environ.get("LIONCUB_BUILD_CUDA") == "1":
+        from torch.utils.cpp_extension import CUDAExtension
+
+        # Keep in sync with lioncub_ds/_native.py (CUDA_SOURCES, CUDA_CFLAGS).
+        ext_modules.append(
+            CUDAExtension(
+                name="lioncub_ds._lioncub_cuda",
+                sources=[f"csrc/{s}" for s in SOURCES + ("cuda/lioncub_local.cu", "cuda/lioncub_vote.cu")],
+                include_dirs=[str(CSRC)],
+                extra_compile_args={"cxx": CFLAGS + ["-DLIONCUB_WITH_CUDA"],
+                                    "nvcc": ["-O3", "-std=c++17", "--fmad=false"]},
+                extra_link_args=["-fopenmp"],
+            )
+        )
+
+# The DeepSpeed auto-registration hook: a .pth in site-packages puts a stdlib-only finder on
+# sys.meta_path that registers "type": "LionCub" when (and only when) deepspeed is imported.
+_SITE = os.path.relpath(sysconfig.get_path("purelib"), sysconfig.get_path("data"))
+_HOOK = ["lioncub_ds/deepspeed/lioncub_ds_autohook.pth", "lioncub_ds/deepspeed/lioncub_ds_autohook.py"]
+
+
+class _Distribution(Distribution):
+    def has_data(self):  # setuptools' editable install looks for this name; without it data_files are skipped
+        return bool(self.data_files)
+
 
 setup(
     name="lioncub_ds",
+    distclass=_Distribution,
+    data_files=[(_SITE, _HOOK)],
     version="0.1.0",
     description="Distributed Lion / Lion Cub optimizer with 1-bit vote collectives, for DeepSpeed and Megatron",
     packages=find_packages(include=["lioncub_ds", "lioncub_ds.*"]),
-    package_data={"lioncub_ds": ["csrc/**/*"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
     extras_require={"deepspeed": ["deepspeed"], "megatron": ["megatron-core"]},
-    entry_points={"deepspeed.optimizers": []},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -192,15 +192,16 @@ def apply_update(params, offsets, delta: torch.Tensor, lr: float, weight_decay: 
         p.add_(d.mul(-lr))
 
 
-def vote_apply(sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size, base=0):
-    """N packed vote planes -> Δ -> apply to params. Returns Δ (fp32 flat) for inspection."""
+def vote_apply(sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size, base=0,
+               return_delta=True):
+    """N packed vote planes -> Δ -> apply to params. Returns Δ (fp32 flat), or None without ``return_delta``."""
     numel = sign.shape[-1] * 8
     plus, cnt = count_votes(sign.reshape(sign.shape[0] if sign.dim() > 1 else 1, -1),
                             None if nonzero is None else nonzero.reshape(nonzero.shape[0] if nonzero.dim() > 1 else 1, -1),
                             numel)
     delta = decide(plus, cnt, world_size, vote, tie_break, step, base)
     apply_update(params, offsets, delta, lr, weight_decay)
-    return delta
+    return delta if return_delta else None
 
 
 def shard_vote(sign, nonzero, step, tie_break, base):
@@ -232,14 +233,15 @@ def count_lanes(sign, nonzero, p):
     return pack_lanes(plus, p), (None if nonzero is None else pack_lanes(cnt, p))
 
 
-def lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break, vote, base=0):
+def lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break, vote, base=0,
+                return_delta=True):
     """Summed p-bit lanes (counts of +1 votes, and of voters) -> Δ -> apply. Returns Δ."""
     numel = plus_lanes.numel() * 8 // p
     plus = unpack_lanes(plus_lanes, p, numel)
     cnt = unpack_lanes(cnt_lanes, p, numel) if cnt_lanes is not None else torch.full_like(plus, world_size)
     delta = decide(plus, cnt, world_size, vote, tie_break, step, base)
     apply_update(params, offsets, delta, lr, weight_decay)
-    return delta
+    return delta if return_delta else None
 
 
 # ----------------------------------------------------------------------------- int8
@@ -287,8 +289,8 @@ def int8_local_step(grads, momenta, offsets, total, beta1, kind, levels):
     return q, n_bad
 
 
-def int8_apply(qsum, params, offsets, lr, weight_decay):
+def int8_apply(qsum, params, offsets, lr, weight_decay, return_delta=True):
     """Summed int8 codes -> Δ = sign(Σq) (a zero sum never moves: magnitudes cancelled) -> apply."""
     delta = torch.sign(qsum.to(torch.int32)).float()
     apply_update(params, offsets, delta, lr, weight_decay)
-    return delta
+    return delta if return_delta else None

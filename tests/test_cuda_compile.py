@@ -78,3 +78,18 @@ def test_sources_include_no_torch(src):
 def test_nvcc_compiles(compiled, src, arch):
     cmd, rc, log = compiled[(src, arch)]
     assert rc == 0, f"nvcc failed for {src} sm_{arch}:\n$ {' '.join(cmd)}\n{log}"
+
+
+def test_cuda_backend_has_the_reference_signatures():
+    """The CUDA wrapper (importable without a GPU) exposes every backend method with the
+    TorchBackend parameters (plus the optional return_delta)."""
+    import inspect
+
+    from lioncub_ds._native_cuda import CudaBackend
+    from lioncub_ds.ops import TorchBackend
+
+    for name in ("local_step", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes", "lanes_apply",
+                 "int8_local_step", "int8_apply"):
+        ref = [p for p in inspect.signature(getattr(TorchBackend, name)).parameters if p != "self"]
+        got = [p for p in inspect.signature(getattr(CudaBackend, name)).parameters if p != "self"]
+        assert got[:len(ref)] == ref or got == ref, (name, ref, got)

@@ -16,7 +16,7 @@ class Int8Vote(VoteAlgorithm):
 
     def run(self, job: VoteJob, coll: Collectives, backend) -> None:
         summed = coll.all_reduce_(job.codes, self.name)
-        backend.int8_apply(summed, job.params, job.offsets, job.lr, job.weight_decay)
+        backend.int8_apply(summed, job.params, job.offsets, job.lr, job.weight_decay, return_delta=False)
 
     def wire_bytes(self, numel, world_size, *, abstain=False, vote="majority", tie_break="hash"):
         return 2 * (world_size - 1) * numel // world_size

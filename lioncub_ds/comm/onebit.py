@@ -44,7 +44,7 @@ class OneBitVote(VoteAlgorithm):
             plus_all = gathered[:, :lanes].reshape(-1)
             cnt_all = gathered[:, lanes:].reshape(-1) if cnt is not None else None
             backend.lanes_apply(plus_all, cnt_all, n, p, job.params, job.offsets, job.lr, job.weight_decay,
-                                job.step, job.tie_break, "average", job.base)
+                                job.step, job.tie_break, "average", job.base, return_delta=False)
             return
         res_sign, res_nz = backend.shard_vote(sign, nonzero, job.step, job.tie_break, shard_base)
         send_nz = phase2_needs_nonzero(n, abstain, job.tie_break)
@@ -53,7 +53,7 @@ class OneBitVote(VoteAlgorithm):
         full_nz = gathered[:, shard:].reshape(1, -1) if send_nz else None
         # One "voter" (the agreed result): counting it reproduces Δ exactly, no tie is possible.
         backend.vote_apply(full_sign, full_nz, job.params, job.offsets, job.lr, job.weight_decay, job.step,
-                           job.tie_break, "majority", 1, job.base)
+                           job.tie_break, "majority", 1, job.base, return_delta=False)
 
     def wire_bytes(self, numel, world_size, *, abstain=False, vote="majority", tie_break="hash"):
         n = world_size

@@ -1,33 +1,302 @@
-// ===== CUDA section of csrc/bindings.cpp ===================================================
-// Paste in place of the placeholder between `#ifdef LIONCUB_WITH_CUDA` and `#endif` under
-// "---- CUDA launchers (LIONCUB_WITH_CUDA) ----" in csrc/bindings.cpp, and register the
-// functions in PYBIND11_MODULE, before m.attr("has_cuda"):
+// bindings.cpp -- the only translation unit that includes torch headers.
 //
-//     #ifdef LIONCUB_WITH_CUDA
-//       lioncub_cuda::register_cuda(m);
-//     #endif
-//
-// (Checked here: bindings.cpp with this section pasted and -DLIONCUB_WITH_CUDA passes
-// `g++ -std=c++17 -fsyntax-only -Wall -Wextra` against the torch 2.13 headers, no warning.)
-//
-// Build of the CUDA extension (torch.utils.cpp_extension.load, or CUDAExtension in setup.py):
-//   sources: csrc/bindings.cpp, csrc/cpu/lioncub_cpu.cpp, csrc/cuda/lioncub_local.cu,
-//            csrc/cuda/lioncub_vote.cu     (NOT csrc/cuda/lioncub_cuda_emu.cpp: tests only)
-//   extra_include_paths: [csrc]
-//   extra_cflags: the CPU flags (-O3 -fopenmp -ffp-contract=off ...) + -DLIONCUB_WITH_CUDA
-//   extra_cuda_cflags: ["-O3", "-std=c++17", "--fmad=false"]   (arch list: TORCH_CUDA_ARCH_LIST)
-//   extra_ldflags: ["-fopenmp"]
-// The .cu files compile with torch's default nvcc flags (-D__CUDA_NO_HALF_OPERATORS__ etc.).
-//
-// Python names (wrapped by CudaBackend in csrc/cuda/NATIVE_SNIPPET.py.txt):
-//   cuda_local_step, cuda_momentum_update_list, cuda_vote_apply, cuda_shard_vote,
-//   cuda_count_lanes, cuda_lanes_apply, cuda_int8_local_step, cuda_int8_apply
-// Codes: dtype float32/bfloat16/float16 -> LC_*; tie "zero"/"alternate"/"hash" -> 0/1/2,
-// vote "majority"/"average" -> 0/1, kind "l1"/"l0"/"linf" -> 0/1/2 (mapped in Python).
-// Every launch runs on at::cuda::getCurrentCUDAStream() under a CUDAGuard for the tensors'
-// device; the per-bucket lc_tensor_meta array is built on the host (pinned) and copied
-// asynchronously on that stream.
-// ============================================================================================
+// Thin wrappers: check every tensor argument (device, dtype, contiguity, sizes; each message
+// names the argument), allocate the outputs, release the GIL and call the raw kernels of
+// csrc/cpu/lioncub_cpu.h. lioncub_ds/_native.py turns these into the backend object whose
+// methods mirror lioncub_ds.ops.TorchBackend exactly.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpu/lioncub_cpu.h"
+
+// LIONCUB_SRC_HASH: "h" + sha1 of the kernel sources, passed as a bare token by the build
+// (lioncub_ds/_native.py, setup.py) so that no shell quoting is involved.
+#define LIONCUB_STR2(x) #x
+#define LIONCUB_STR(x) LIONCUB_STR2(x)
+#ifdef LIONCUB_SRC_HASH
+#define LIONCUB_SRC_HASH_STR LIONCUB_STR(LIONCUB_SRC_HASH)
+#else
+#define LIONCUB_SRC_HASH_STR ""
+#endif
+
+namespace lc = lioncub::cpu;
+
+namespace {
+
+int threads() { return std::max(1, at::get_num_threads()); }
+
+std::string arg_name(const char* name, int64_t i) {
+  return i < 0 ? std::string(name) : std::string(name) + "[" + std::to_string(i) + "]";
+}
+
+int32_t float_code(const at::Tensor& t, const std::string& name, bool allow_f16) {
+  const auto st = t.scalar_type();
+  if (st == at::kFloat) return lc::kF32;
+  if (st == at::kBFloat16) return lc::kBF16;
+  if (allow_f16 && st == at::kHalf) return lc::kF16;
+  TORCH_CHECK(false, "lioncub cpp kernels: ", name, " must be ",
+              allow_f16 ? "float32, bfloat16 or float16" : "float32 or bfloat16", ", got ", st);
+  return -1;
+}
+
+void check_cpu_contig(const at::Tensor& t, const std::string& name) {
+  TORCH_CHECK(t.defined(), "lioncub cpp kernels: ", name, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "lioncub cpp kernels: ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "lioncub cpp kernels: ", name, " must be contiguous");
+  TORCH_CHECK(!t.is_sparse(), "lioncub cpp kernels: ", name, " must be dense");
+}
+
+void check_u8(const at::Tensor& t, const std::string& name) {
+  check_cpu_contig(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kByte, "lioncub cpp kernels: ", name, " must be uint8, got ", t.scalar_type());
+}
+
+// Tensors placed in a bucket of `total` elements at `offsets` (multiples of 8, no overrun).
+std::vector<lc::Slot> make_slots(const std::vector<at::Tensor>& ts, const std::vector<int64_t>& offsets,
+                                 const char* name, bool allow_f16, int64_t total) {
+  TORCH_CHECK(ts.size() == offsets.size(), "lioncub cpp kernels: ", name, " has ", ts.size(),
+              " tensors but offsets has ", offsets.size(), " entries");
+  std::vector<lc::Slot> out(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const std::string nm = arg_name(name, static_cast<int64_t>(i));
+    check_cpu_contig(ts[i], nm);
+    const int32_t code = float_code(ts[i], nm, allow_f16);
+    const int64_t off = offsets[i];
+    TORCH_CHECK(off >= 0 && off % 8 == 0, "lioncub cpp kernels: offsets[", i, "]=", off,
+                " must be a non-negative multiple of 8");
+    TORCH_CHECK(off + ts[i].numel() <= total, "lioncub cpp kernels: ", nm, " (", ts[i].numel(),
+                " elements at offset ", off, ") does not fit the bucket of ", total, " elements");
+    out[i] = lc::Slot{ts[i].data_ptr(), ts[i].numel(), off, code};
+  }
+  return out;
+}
+
+void check_pairs(const std::vector<at::Tensor>& a, const char* an, const std::vector<at::Tensor>& b,
+                 const char* bn) {
+  TORCH_CHECK(a.size() == b.size(), "lioncub cpp kernels: ", an, " has ", a.size(), " tensors but ", bn, " has ",
+              b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    TORCH_CHECK(a[i].numel() == b[i].numel(), "lioncub cpp kernels: ", arg_name(an, i), " has ", a[i].numel(),
+                " elements but ", arg_name(bn, i), " has ", b[i].numel());
+}
+
+// [N, B] (or [B]: N = 1) uint8 planes.
+std::pair<int64_t, int64_t> plane_shape(const at::Tensor& t, const char* name, bool require_2d) {
+  check_u8(t, name);
+  if (require_2d) {
+    TORCH_CHECK(t.dim() == 2, "lioncub cpp kernels: ", name, " must be a 2-D [N, bytes] uint8 tensor, got ",
+                t.dim(), " dims");
+  } else {
+    TORCH_CHECK(t.dim() == 1 || t.dim() == 2, "lioncub cpp kernels: ", name,
+                " must be a 1-D or 2-D [N, bytes] uint8 tensor, got ", t.dim(), " dims");
+  }
+  const int64_t n = t.dim() == 2 ? t.size(0) : 1;
+  const int64_t b = t.size(-1);
+  TORCH_CHECK(n >= 1 && n <= 65535, "lioncub cpp kernels: ", name, " must hold 1..65535 planes, got ", n);
+  return {n, b};
+}
+
+void check_same_planes(const c10::optional<at::Tensor>& nz, int64_t n, int64_t b, bool require_2d) {
+  if (!nz.has_value()) return;
+  const auto s = plane_shape(*nz, "nonzero", require_2d);
+  TORCH_CHECK(s.first == n && s.second == b, "lioncub cpp kernels: nonzero planes [", s.first, ", ", s.second,
+              "] must match the sign planes [", n, ", ", b, "]");
+}
+
+lc::ApplyArgs apply_args(double lr, double wd, int64_t step, int64_t tie, int64_t vote, int64_t world, int64_t base) {
+  TORCH_CHECK(tie >= 0 && tie <= 2, "lioncub cpp kernels: tie rule code must be 0..2, got ", tie);
+  TORCH_CHECK(vote == 0 || vote == 1, "lioncub cpp kernels: vote mode code must be 0 or 1, got ", vote);
+  TORCH_CHECK(world >= 1, "lioncub cpp kernels: world_size must be >= 1, got ", world);
+  lc::ApplyArgs a;
+  a.lr = lr;
+  a.weight_decay = wd;
+  a.step = step;
+  a.tie = static_cast<int32_t>(tie);
+  a.vote = static_cast<int32_t>(vote);
+  a.world_size = world;
+  a.base = base;
+  return a;
+}
+
+// ------------------------------------------------------------------------------------ kernels
+std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> local_step(const std::vector<at::Tensor>& grads,
+                                                               const std::vector<at::Tensor>& momenta,
+                                                               const std::vector<int64_t>& offsets, int64_t total,
+                                                               double beta1, double beta2, bool update_momentum) {
+  TORCH_CHECK(total >= 0 && total % 8 == 0, "lioncub cpp kernels: total must be a non-negative multiple of 8, got ",
+              total);
+  check_pairs(grads, "grads", momenta, "momenta");
+  auto g = make_slots(grads, offsets, "grads", true, total);
+  auto m = make_slots(momenta, offsets, "momenta", false, total);
+  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
+  at::Tensor sign = at::zeros({total / 8}, opts);
+  at::Tensor nz = at::zeros({total / 8}, opts);
+  lc::LocalStepCounts r{0, 0};
+  {
+    pybind11::gil_scoped_release nogil;
+    r = lc::local_step(g.data(), m.data(), static_cast<int64_t>(g.size()), total, beta1, beta2, update_momentum,
+                       sign.data_ptr<uint8_t>(), nz.data_ptr<uint8_t>(), threads());
+  }
+  return {sign, nz, r.n_nonfinite, r.n_zero};
+}
+
+void momentum_update_list(const std::vector<at::Tensor>& momenta, const std::vector<at::Tensor>& grads,
+                          double beta2) {
+  check_pairs(momenta, "momenta", grads, "grads");
+  std::vector<int64_t> offs(momenta.size(), 0);
+  auto m = make_slots(momenta, offs, "momenta", false, INT64_MAX);
+  auto g = make_slots(grads, offs, "grads", true, INT64_MAX);
+  pybind11::gil_scoped_release nogil;
+  lc::momentum_update(m.data(), g.data(), static_cast<int64_t>(m.size()), beta2, threads());
+}
+
+c10::optional<at::Tensor> vote_apply(const at::Tensor& sign, const c10::optional<at::Tensor>& nonzero,
+                                     const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
+                                     double lr, double weight_decay, int64_t step, int64_t tie, int64_t vote,
+                                     int64_t world_size, int64_t base, bool return_delta) {
+  const auto [n, b] = plane_shape(sign, "sign", false);
+  check_same_planes(nonzero, n, b, false);
+  const int64_t numel = b * 8;
+  auto p = make_slots(params, offsets, "params", false, numel);
+  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, base);
+  at::Tensor delta;
+  if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+  {
+    pybind11::gil_scoped_release nogil;
+    lc::vote_apply(sign.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n, b,
+                   p.data(), static_cast<int64_t>(p.size()), a, return_delta ? delta.data_ptr<float>() : nullptr,
+                   threads());
+  }
+  if (return_delta) return delta;
+  return c10::nullopt;
+}
+
+std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const c10::optional<at::Tensor>& nonzero,
+                                              int64_t step, int64_t tie, int64_t base) {
+  const auto [n, s] = plane_shape(sign, "sign", true);
+  check_same_planes(nonzero, n, s, true);
+  TORCH_CHECK(tie >= 0 && tie <= 2, "lioncub cpp kernels: tie rule code must be 0..2, got ", tie);
+  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
+  at::Tensor out_sign = at::zeros({s}, opts);
+  at::Tensor out_nz = at::zeros({s}, opts);
+  {
+    pybind11::gil_scoped_release nogil;
+    lc::shard_vote(sign.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n, s,
+                   step, static_cast<int32_t>(tie), base, out_sign.data_ptr<uint8_t>(), out_nz.data_ptr<uint8_t>(),
+                   threads());
+  }
+  return {out_sign, out_nz};
+}
+
+std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t> count_lanes(const at::Tensor& sign,
+                                                                      const c10::optional<at::Tensor>& nonzero,
+                                                                      int64_t p) {
+  const auto [n, s] = plane_shape(sign, "sign", true);
+  check_same_planes(nonzero, n, s, true);
+  TORCH_CHECK(p == 1 || p == 2 || p == 4 || p == 8, "lioncub cpp kernels: lane width p must be 1, 2, 4 or 8, got ",
+              p);
+  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
+  at::Tensor plus = at::zeros({s * p}, opts);
+  c10::optional<at::Tensor> cnt;
+  if (nonzero.has_value()) cnt = at::zeros({s * p}, opts);
+  int64_t mx = 0;
+  {
+    pybind11::gil_scoped_release nogil;
+    mx = lc::count_lanes(sign.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n,
+                         s, static_cast<int>(p), plus.data_ptr<uint8_t>(),
+                         cnt.has_value() ? cnt->data_ptr<uint8_t>() : nullptr, threads());
+  }
+  return {plus, cnt, mx};
+}
+
+c10::optional<at::Tensor> lanes_apply(const at::Tensor& plus, const c10::optional<at::Tensor>& cnt,
+                                      int64_t world_size, int64_t p, const std::vector<at::Tensor>& params,
+                                      const std::vector<int64_t>& offsets, double lr, double weight_decay,
+                                      int64_t step, int64_t tie, int64_t vote, int64_t base, bool return_delta) {
+  check_u8(plus, "plus_lanes");
+  TORCH_CHECK(p == 1 || p == 2 || p == 4 || p == 8, "lioncub cpp kernels: lane width p must be 1, 2, 4 or 8, got ",
+              p);
+  const int64_t bytes = plus.numel();
+  if (cnt.has_value()) {
+    check_u8(*cnt, "cnt_lanes");
+    TORCH_CHECK(cnt->numel() == bytes, "lioncub cpp kernels: cnt_lanes has ", cnt->numel(),
+                " bytes but plus_lanes has ", bytes);
+  }
+  const int64_t numel = bytes * 8 / p;
+  auto prm = make_slots(params, offsets, "params", false, numel);
+  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, base);
+  at::Tensor delta;
+  if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+  {
+    pybind11::gil_scoped_release nogil;
+    lc::lanes_apply(plus.data_ptr<uint8_t>(), cnt.has_value() ? cnt->data_ptr<uint8_t>() : nullptr, bytes,
+                    static_cast<int>(p), prm.data(), static_cast<int64_t>(prm.size()), a,
+                    return_delta ? delta.data_ptr<float>() : nullptr, threads());
+  }
+  if (return_delta) return delta;
+  return c10::nullopt;
+}
+
+std::tuple<at::Tensor, int64_t> int8_local_step(const std::vector<at::Tensor>& grads,
+                                                const std::vector<at::Tensor>& momenta,
+                                                const std::vector<int64_t>& offsets, int64_t total, double beta1,
+                                                int64_t kind, int64_t levels, int64_t vec_width) {
+  TORCH_CHECK(total >= 0, "lioncub cpp kernels: total must be >= 0, got ", total);
+  TORCH_CHECK(kind >= 0 && kind <= 2, "lioncub cpp kernels: scale kind code must be 0..2, got ", kind);
+  TORCH_CHECK(levels >= 1 && levels <= 127, "lioncub cpp kernels: levels must be 1..127, got ", levels);
+  TORCH_CHECK(vec_width == 4 || vec_width == 8 || vec_width == 16,
+              "lioncub cpp kernels: vec_width must be 4, 8 or 16, got ", vec_width);
+  check_pairs(grads, "grads", momenta, "momenta");
+  auto g = make_slots(grads, offsets, "grads", true, total);
+  auto m = make_slots(momenta, offsets, "momenta", false, total);
+  at::Tensor q = at::zeros({total}, at::TensorOptions().dtype(at::kChar).device(at::kCPU));
+  int64_t bad = 0;
+  const int tt = threads();
+  {
+    pybind11::gil_scoped_release nogil;
+    bad = lc::int8_local_step(g.data(), m.data(), static_cast<int64_t>(g.size()), total, beta1,
+                              static_cast<int32_t>(kind), static_cast<int32_t>(levels), static_cast<int>(vec_width),
+                              tt, q.data_ptr<int8_t>(), tt);
+  }
+  return {q, bad};
+}
+
+c10::optional<at::Tensor> int8_apply(const at::Tensor& qsum, const std::vector<at::Tensor>& params,
+                                     const std::vector<int64_t>& offsets, double lr, double weight_decay,
+                                     bool return_delta) {
+  check_cpu_contig(qsum, "qsum");
+  TORCH_CHECK(qsum.scalar_type() == at::kChar, "lioncub cpp kernels: qsum must be int8, got ", qsum.scalar_type());
+  const int64_t numel = qsum.numel();
+  auto prm = make_slots(params, offsets, "params", false, numel);
+  at::Tensor delta;
+  if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+  {
+    pybind11::gil_scoped_release nogil;
+    lc::int8_apply(qsum.data_ptr<int8_t>(), numel, prm.data(), static_cast<int64_t>(prm.size()), lr, weight_decay,
+                   return_delta ? delta.data_ptr<float>() : nullptr, threads());
+  }
+  if (return_delta) return delta;
+  return c10::nullopt;
+}
+
+double torch_mean_abs(const at::Tensor& x, int64_t vec_width) {
+  check_cpu_contig(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "lioncub cpp kernels: x must be float32");
+  return lc::torch_mean_abs(x.data_ptr<float>(), x.numel(), static_cast<int>(vec_width), threads());
+}
+
+}  // namespace
+
+// ---- CUDA launchers (LIONCUB_WITH_CUDA) ----
+#ifdef LIONCUB_WITH_CUDA
+// Tensor wrappers over the raw-pointer launchers of csrc/cuda/lioncub_cuda.h, registered with a
+// `cuda_` prefix. Every launch runs on the current CUDA stream under a guard for the tensors' device.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -373,3 +642,31 @@ void register_cuda(pybind11::module_& m) {
 
 }  // namespace lioncub_cuda
 // ===== end of the CUDA section ==============================================================
+#endif
+// ---- end CUDA launchers ----
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lioncub_ds fused kernels (C++ CPU; CUDA when built with LIONCUB_WITH_CUDA)";
+  m.def("local_step", &local_step, "sign/nonzero planes of c (+ optional momentum update)");
+  m.def("momentum_update_list", &momentum_update_list, "m <- b2*m + (1-b2)*g for every tensor");
+  m.def("vote_apply", &vote_apply, "N sign planes -> Δ -> apply");
+  m.def("shard_vote", &shard_vote, "two-phase vote, phase 1");
+  m.def("count_lanes", &count_lanes, "planes -> p-bit count lanes (returns max voter count)");
+  m.def("lanes_apply", &lanes_apply, "summed p-bit lanes -> Δ -> apply");
+  m.def("int8_local_step", &int8_local_step, "scaled int8 codes of c");
+  m.def("int8_apply", &int8_apply, "summed int8 codes -> Δ -> apply");
+  m.def("torch_mean_abs", &torch_mean_abs, "torch-order mean(|x|) (test hook for the reduction replica)");
+  m.def("set_isa", [](int64_t isa) { lc::set_isa(static_cast<int>(isa)); }, "0 auto, 1 baseline, 2 avx2");
+  m.def("isa", []() { return std::string(lc::isa_name()); });
+  m.def("src_hash", []() { return std::string(LIONCUB_SRC_HASH_STR); });
+#ifdef LIONCUB_WITH_CUDA
+  lioncub_cuda::register_cuda(m);
+#endif
+  m.attr("has_cuda") = pybind11::bool_(
+#ifdef LIONCUB_WITH_CUDA
+      true
+#else
+      false
+#endif
+  );
+}

@@ -1,24 +1,12 @@
-# ===== CUDA backend for lioncub_ds/_native.py ==============================================
-# Paste into lioncub_ds/_native.py and return CudaBackend(ext) from _load_cuda(), where
-# `ext` is the CUDA build of the extension (csrc/bindings.cpp with the section of
-# csrc/cuda/BINDINGS_SNIPPET.txt, -DLIONCUB_WITH_CUDA), e.g.
-#
-#     from torch.utils.cpp_extension import load
-#     root = csrc_dir()
-#     ext = load(name="lioncub_cuda",
-#                sources=[str(root / s) for s in ("bindings.cpp", "cpu/lioncub_cpu.cpp",
-#                                                 "cuda/lioncub_local.cu", "cuda/lioncub_vote.cu")],
-#                extra_include_paths=[str(root)], extra_cflags=CFLAGS + ["-DLIONCUB_WITH_CUDA"],
-#                extra_ldflags=LDFLAGS, extra_cuda_cflags=["-O3", "-std=c++17", "--fmad=false"])
-#     assert ext.has_cuda
-#
-# CudaBackend has the TorchBackend signatures (lioncub_ds/ops.py) and works on CUDA
-# tensors. The apply methods take one extra keyword, return_delta=True: with False they
-# skip writing the fp32 Δ (4 bytes per parameter of extra traffic) and return None.
-# Outputs match lioncub_ds/codec.py bit for bit (floats exactly), except int8 codes for the
-# l1/l0 scales, which may differ by one where the unrounded code sits on a rounding
-# boundary (the scale's fp32 sum / double mean is deterministic but not in torch's order).
-# ============================================================================================
+"""CUDA backend: wraps the CUDA build of the extension with the TorchBackend signatures.
+
+Outputs match lioncub_ds/codec.py bit for bit (floats exactly), except int8 codes for the
+l1/l0 scales, which may differ by one where the unrounded code sits on a rounding boundary
+(the scale's sum is deterministic but not in torch's order). The apply methods take
+``return_delta`` (False: skip writing the fp32 Δ and return None).
+"""
+from __future__ import annotations
+
 import torch
 
 from . import codec

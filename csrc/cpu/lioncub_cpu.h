@@ -1,0 +1,109 @@
+// lioncub_cpu.h -- fused CPU kernels of lioncub_ds (plain C++17, no torch headers).
+//
+// Every kernel reproduces the pure-torch reference (lioncub_ds/codec.py) bit for bit:
+//   * bit order LSB first: element i lives in byte i >> 3, bit i & 7; p-bit lanes likewise;
+//   * vote planes: sign bit = (c > 0 and finite), nonzero bit = (c != 0 and finite);
+//   * fp32 arithmetic with one rounding per operation and NO fused multiply-add (build with
+//     -ffp-contract=off); scalars such as beta1 and 1 - beta1 are computed in double and then
+//     rounded to float, exactly what torch does with a python scalar;
+//   * bf16 stored as uint16_t: bf16 -> f32 by a 16-bit shift, f32 -> bf16 round-to-nearest-even
+//     (a NaN stays a NaN: quiet bit set, sign and top payload bits kept).
+//
+// Tensors are passed as raw pointers with element counts and dtype codes. Buckets are flat
+// element ranges; each tensor starts at an element offset (a multiple of 8) inside its bucket.
+// Output bit/lane/int8 buffers must be zero-initialised by the caller: a kernel writes only the
+// bytes that cover each tensor (padding stays 0).
+//
+// `nthreads` is the OpenMP thread count to use (the binding passes at::get_num_threads()).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lioncub {
+namespace cpu {
+
+enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum TieRule : int32_t { kTieZero = 0, kTieAlternate = 1, kTieHash = 2 };
+enum VoteMode : int32_t { kMajority = 0, kAverage = 1 };
+enum ScaleKind : int32_t { kScaleL1 = 0, kScaleL0 = 1, kScaleLinf = 2 };
+
+// A flat tensor placed in a bucket: `numel` elements of `dtype` at element `offset`.
+struct Slot {
+  void* data;
+  int64_t numel;
+  int64_t offset;
+  int32_t dtype;
+};
+
+struct LocalStepCounts {
+  int64_t n_nonfinite;  // #c that are NaN or +-Inf (real elements only)
+  int64_t n_zero;       // #c == 0 (real elements only; -0 counts)
+};
+
+// Decision + apply parameters shared by the apply kernels.
+struct ApplyArgs {
+  double lr = 0.0;
+  double weight_decay = 0.0;
+  int64_t step = 0;
+  int32_t tie = kTieZero;
+  int32_t vote = kMajority;
+  int64_t world_size = 1;  // divisor of the average vote (and cnt when no cnt lanes are given)
+  int64_t base = 0;        // flat index of bucket element 0 (hash tie rule)
+};
+
+// (a) c = fl(fl(b1*m) + fl((1-b1)*g)) per tensor -> sign / nonzero planes (total/8 bytes each,
+//     zero-initialised by the caller). grads[i].offset is ignored; momenta[i].offset is the
+//     tensor's offset in the bucket. With update_momentum, m <- fl(fl(b2*m) + fl((1-b2)*g))
+//     in the same pass (c uses the old m).
+LocalStepCounts local_step(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total,
+                           double beta1, double beta2, bool update_momentum, uint8_t* sign_out,
+                           uint8_t* nonzero_out, int nthreads);
+
+// (b) m <- fl(fl(b2*m) + fl((1-b2)*g)) for every tensor.
+void momentum_update(const Slot* momenta, const Slot* grads, int64_t ntensors, double beta2, int nthreads);
+
+// (c) N packed planes [nplanes, plane_bytes] (+ optional nonzero planes) -> Δ -> apply to params.
+//     Without nonzero planes every plane votes (cnt = nplanes). delta_out (nullable) receives
+//     the fp32 Δ of all plane_bytes*8 bucket elements.
+void vote_apply(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t plane_bytes,
+                const Slot* params, int64_t nparams, const ApplyArgs& args, float* delta_out, int nthreads);
+
+// (d) phase 1 of the two-phase majority vote: [nplanes, shard_bytes] -> result sign and nonzero planes.
+void shard_vote(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t shard_bytes, int64_t step,
+                int32_t tie, int64_t base, uint8_t* out_sign, uint8_t* out_nonzero, int nthreads);
+
+// (e) [nplanes, shard_bytes] planes -> p-bit lanes of plus counts (shard_bytes*p bytes) and, when
+//     nonzero planes are given, of voter counts. Returns the largest voter count (nplanes when
+//     nonzero == nullptr); when it exceeds 2**p - 1 the lane contents are unspecified.
+int64_t count_lanes(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t shard_bytes, int p,
+                    uint8_t* plus_out, uint8_t* cnt_out, int nthreads);
+
+// (f) summed p-bit lanes (lane_bytes bytes: lane_bytes*8/p elements) -> Δ -> apply.
+//     cnt == nullptr: every element has args.world_size voters.
+void lanes_apply(const uint8_t* plus, const uint8_t* cnt, int64_t lane_bytes, int p, const Slot* params,
+                 int64_t nparams, const ApplyArgs& args, float* delta_out, int nthreads);
+
+// (g) per tensor: scale a of |c| (l1 mean, l0 geometric mean of nonzero, linf max), then
+//     q = clip(round_half_even(fl(fl(c*(s/2))/a)), -s, s) into q_out (total int8, zeroed by the
+//     caller). Non-finite c count and quantize as 0. Returns #non-finite c.
+//     The l1 / l0 reductions reproduce torch's CPU summation order (cascade sum of
+//     `vec_width`-lane vectors, split over `torch_threads` chunks as at::parallel_reduce does),
+//     so the scale equals torch's `c.abs().mean()` bit for bit.
+int64_t int8_local_step(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total, double beta1,
+                        int32_t kind, int32_t levels, int vec_width, int torch_threads, int8_t* q_out, int nthreads);
+
+// (h) summed int8 codes -> Δ = sign(Σq) -> apply.
+void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, double lr,
+                double weight_decay, float* delta_out, int nthreads);
+
+// torch-order mean of |x| over a flat fp32 array (exposed for tests of the replica).
+float torch_mean_abs(const float* x, int64_t n, int vec_width, int torch_threads);
+
+// Instruction-set path: 0 = auto (AVX2 when the CPU has it), 1 = portable baseline, 2 = AVX2.
+// Both paths give identical results; the switch exists for tests and benchmarks.
+void set_isa(int isa);
+const char* isa_name();
+
+}  // namespace cpu
+}  // namespace lioncub

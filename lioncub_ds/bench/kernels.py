@@ -1,0 +1,232 @@
+"""Kernel benchmark: fused C++ CPU kernels vs unfused torch vs the machine's copy floor (SPEC §6).
+
+    python -m lioncub_ds.bench kernels [--json PATH] [--out DIR] [--numel N] [--threads T]
+
+For fp32 and bf16 (gradients, momenta and parameters of that dtype) it times, per 1M params:
+
+* ``local_step``: the fused one-pass local step (c -> sign + nonzero planes, counts, and the
+  momentum update, ``update_momentum=True``);
+* ``local_step_2pass``: local step without the momentum update + ``momentum_update_list``
+  (two passes over g and m: what a caller that defers the momentum update pays);
+* ``vote_apply``: N=4 packed sign planes -> majority (hash ties) -> θ·(1-ηλ) - ηΔ, Δ not returned;
+* ``vote_apply+delta``: the same, also returning Δ (the reference contract; 4 more bytes/param).
+
+Baselines: ``unfused``: the same math written with plain torch ops (a few large tensor ops,
+vectorized pack by a multiply trick; the fairest torch baseline); ``unfused_codec``: the
+pure-torch reference ``lioncub_ds.codec`` (3 runs; ``--codec-numel`` params, default all). The floor is the bytes a
+kernel must move per parameter divided by the copy bandwidth (read+write bytes per second of a
+large ``torch.Tensor.copy_``), timed round-robin with the fused kernels in the same run so that a
+busy machine slows both alike; ``fraction_of_floor`` = floor / fused time (1.0 = at the copy
+bandwidth; ``best_*``: fastest run against fastest copy). Threads: ``torch.get_num_threads()``
+(the C++ kernels use the same count); timings are medians after a warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+NAME = "kernels"
+B1, B2 = 0.9, 0.99
+LR, WD = 1e-4, 0.1
+N_VOTERS = 4
+_PACK_MAGIC = 0x0102040810204080  # (8 bytes of 0/1) * magic >> 56 = the LSB-first packed byte
+
+
+def _median_time(fn, repeat: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict:
+    """Times of every fn, run round-robin (so that a busy machine slows all of them alike)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    out = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            out[k].append(time.perf_counter() - t0)
+    return out
+
+
+# ----------------------------------------------------------------------------- plain-torch baselines
+def _pack(bits: torch.Tensor) -> torch.Tensor:
+    x = bits.view(torch.uint8).view(torch.int64)
+    return ((x * _PACK_MAGIC) >> 56).to(torch.uint8)
+
+
+def torch_local_step(g, m, b1, b2, update_momentum=True):
+    gf, mf = g.float(), m.float()
+    c = mf * b1 + gf * (1.0 - b1)
+    fin = torch.isfinite(c)
+    sign = _pack((c > 0) & fin)
+    nz = _pack((c != 0) & fin)
+    n_bad = int((~fin).sum())
+    n_zero = int((c == 0).sum())
+    if update_momentum:
+        if m.dtype == torch.float32:
+            m.mul_(b2).add_(gf, alpha=1.0 - b2)
+        else:
+            m.copy_(mf.mul_(b2).add_(gf, alpha=1.0 - b2))
+    return sign, nz, n_bad, n_zero
+
+
+def torch_vote_apply(planes, p, lr, wd, step):
+    n = planes.shape[0]
+    shifts = torch.arange(8, dtype=torch.uint8)
+    plus = ((planes.unsqueeze(-1) >> shifts) & 1).sum(0, dtype=torch.int16).reshape(-1)
+    diff = 2 * plus - n
+    delta = torch.sign(diff).float()
+    delta = torch.where(diff == 0, 1.0 if step % 2 else -1.0, delta)  # (alternate ties: cheaper than hash)
+    decay = 1.0 - lr * wd
+    if decay != 1.0:
+        p.mul_(decay)
+    p.add_(delta, alpha=-lr)
+    return delta
+
+
+# ----------------------------------------------------------------------------- runner
+def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
+    from .. import codec
+    from .._native import load
+
+    be = load("cpp")
+    threads = torch.get_num_threads()
+    numel = numel // 64 * 64
+    codec_numel = min(numel, codec_numel) // 64 * 64
+    per_m = numel / 1e6
+    per_m_codec = codec_numel / 1e6
+    copy_n = max(numel, 16 << 20)
+    ca, cb = torch.randn(copy_n), torch.empty(copy_n)
+    copy_fn = lambda: cb.copy_(ca)  # noqa: E731
+    copy_bytes = 2 * 4 * copy_n
+    try:
+        load_avg = os.getloadavg()[0]
+    except OSError:
+        load_avg = float("nan")
+    common = {"bench": NAME, "numel": numel, "threads": threads, "isa": be.isa,
+              "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(), "loadavg_1min": load_avg}
+    records = []
+    gen = torch.Generator().manual_seed(0)
+    for dt in dtypes:
+        s = torch.tensor([], dtype=dt).element_size()
+        g = torch.randn(numel, generator=gen).to(dt)
+        m = (torch.randn(numel, generator=gen) * 0.1).to(dt)
+        p = torch.randn(numel, generator=gen).to(dt)
+        planes = torch.randint(0, 256, (N_VOTERS, numel // 8), dtype=torch.uint8, generator=gen)
+        gc, mc, pc = g[:codec_numel].clone(), m[:codec_numel].clone(), p[:codec_numel].clone()
+        planes_c = planes[:, :codec_numel // 8].contiguous()
+        dname = str(dt).replace("torch.", "")
+
+        # kernel -> (bytes moved per param, fused, plain-torch baseline, codec reference)
+        cases = {
+            "local_step": (3 * s + 0.25,
+                           lambda: be.local_step([g], [m], [0], numel, B1, B2, True),
+                           lambda: torch_local_step(g, m, B1, B2, True),
+                           lambda: codec.local_step([gc], [mc], [0], codec_numel, B1, B2, True)),
+            "local_step_2pass": (5 * s + 0.25,
+                                 lambda: (be.local_step([g], [m], [0], numel, B1, B2, False),
+                                          be.momentum_update_list([m], [g], B2)),
+                                 lambda: torch_local_step(g, m, B1, B2, True),
+                                 lambda: (codec.local_step([gc], [mc], [0], codec_numel, B1, B2, False),
+                                          codec.momentum_update(mc, gc, B2))),
+            "vote_apply": (2 * s + N_VOTERS / 8,
+                           lambda: be.vote_apply(planes, None, [p], [0], LR, WD, 3, "hash", "majority", N_VOTERS, 0,
+                                                 False),
+                           lambda: torch_vote_apply(planes, p, LR, WD, 3),
+                           lambda: codec.vote_apply(planes_c, None, [pc], [0], LR, WD, 3, "hash", "majority",
+                                                    N_VOTERS)),
+            "vote_apply+delta": (2 * s + N_VOTERS / 8 + 4,
+                                 lambda: be.vote_apply(planes, None, [p], [0], LR, WD, 3, "hash", "majority",
+                                                       N_VOTERS),
+                                 lambda: torch_vote_apply(planes, p, LR, WD, 3),
+                                 lambda: codec.vote_apply(planes_c, None, [pc], [0], LR, WD, 3, "hash", "majority",
+                                                          N_VOTERS)),
+        }
+        # fused kernels and the copy floor, round-robin; then the (slow) baselines
+        fused = _interleaved(dict({"copy": copy_fn}, **{k: v[1] for k, v in cases.items()}), repeat)
+        slow_rounds = max(3, repeat // 2)
+        plain = _interleaved({k: v[2] for k, v in cases.items() if k in ("local_step", "vote_apply")}, slow_rounds)
+        plain["local_step_2pass"] = plain["local_step"]
+        plain["vote_apply+delta"] = plain["vote_apply"]
+        ref = _interleaved({k: v[3] for k, v in cases.items()}, 3)
+        bw = copy_bytes / statistics.median(fused["copy"])
+        bw_best = copy_bytes / min(fused["copy"])
+        for kernel, (bpp, *_fns) in cases.items():
+            t_f = statistics.median(fused[kernel]) / per_m
+            t_best = min(fused[kernel]) / per_m
+            t_u = statistics.median(plain[kernel]) / per_m
+            t_c = statistics.median(ref[kernel]) / per_m_codec
+            floor = bpp * 1e6 / bw
+            records.append(dict(common, kernel=kernel, dtype=dname, fused_s_per_1M=t_f, unfused_s_per_1M=t_u,
+                                unfused_codec_s_per_1M=t_c, speedup=t_u / t_f, speedup_vs_codec=t_c / t_f,
+                                bytes_per_param=bpp, copy_GBps=bw / 1e9, floor_s_per_1M=floor,
+                                fraction_of_floor=floor / t_f, best_fused_s_per_1M=t_best,
+                                best_fraction_of_floor=(bpp * 1e6 / bw_best) / t_best, codec_numel=codec_numel))
+        del g, m, p, planes
+    return records
+
+
+def format_table(records: list[dict]) -> str:
+    if not records:
+        return "(no records)"
+    r0 = records[0]
+    lines = [f"kernels: {r0['numel'] / 1e6:.1f}M params, {r0['threads']} threads, isa={r0['isa']}, load avg "
+             f"{r0['loadavg_1min']:.1f} on {r0['nproc']} cores; ms per 1M params (medians); copy = read+write GB/s "
+             f"of a large copy_ timed round-robin with the fused kernels; best = fastest run vs fastest copy",
+             f"{'kernel':<18}{'dtype':<10}{'fused':>8}{'torch':>9}{'codec':>9}{'x torch':>9}{'x codec':>9}"
+             f"{'B/param':>9}{'copy':>7}{'floor':>8}{'of floor':>10}{'best':>7}"]
+    for r in records:
+        lines.append(f"{r['kernel']:<18}{r['dtype']:<10}{r['fused_s_per_1M'] * 1e3:>8.3f}"
+                     f"{r['unfused_s_per_1M'] * 1e3:>9.3f}{r['unfused_codec_s_per_1M'] * 1e3:>9.2f}"
+                     f"{r['speedup']:>9.1f}{r['speedup_vs_codec']:>9.1f}{r['bytes_per_param']:>9.2f}"
+                     f"{r['copy_GBps']:>7.2f}{r['floor_s_per_1M'] * 1e3:>8.3f}{r['fraction_of_floor'] * 100:>9.0f}%"
+                     f"{r['best_fraction_of_floor'] * 100:>6.0f}%")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m lioncub_ds.bench kernels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, default=None, help="write the records (a JSON list of flat dicts) here")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (<out>/kernels.json if no --json)")
+    ap.add_argument("--numel", type=int, default=16 << 20, help="parameters per kernel call (default 16M)")
+    ap.add_argument("--codec-numel", type=int, default=16 << 20, help="parameters for the slow codec baseline")
+    ap.add_argument("--repeat", type=int, default=7, help="timed runs per measurement (median)")
+    ap.add_argument("--threads", type=int, default=None, help="torch (and OpenMP) threads; default: torch's")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma list of float32,bfloat16")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtypes = [{"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+               "bf16": torch.bfloat16}[d.strip()] for d in args.dtypes.split(",") if d.strip()]
+    records = run(args.numel, args.repeat, args.codec_numel, dtypes)
+    print(format_table(records))
+    path = args.json or (args.out / f"{NAME}.json" if args.out else None)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(records, indent=1))
+        print(f"[bench {NAME}] wrote {len(records)} records to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

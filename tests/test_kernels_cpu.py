@@ -1,0 +1,454 @@
+"""The fused C++ CPU kernels equal the pure-torch reference (lioncub_ds.codec) bit for bit.
+
+Bit planes, lanes, int8 codes and counts must be identical; momenta, parameters and Δ must be
+identical element by element (compared as raw bits; NaN positions compared as a mask). Every
+test runs on fresh random inputs with planted exact zeros (g = m = 0), NaN/Inf, ties and
+abstentions. The C++ extension is built (or loaded from the cache) once; a build failure is a
+test error, never a skip.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from lioncub_ds import _native, codec, ops
+
+SMALL = [1, 7, 8, 9, 1000, 4097]   # several tensors per bucket, odd sizes
+BIG = 1048579
+NS = (1, 2, 3, 4, 7, 8)
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+GRAD_DTYPES = (F32, BF16, F16)
+STATE_DTYPES = (F32, BF16)
+TIE_VOTE = [("majority", "zero"), ("majority", "alternate"), ("majority", "hash"), ("average", "hash")]
+
+
+@pytest.fixture(scope="module")
+def be():
+    backend = _native.load("cpp")  # must build on this machine: an exception here fails the tests
+    assert backend.name == "cpp"
+    return backend
+
+
+@pytest.fixture(params=["avx2", "baseline"])
+def isa_be(be, request):
+    """The backend forced onto one instruction-set path (identical results are required)."""
+    be.set_isa(request.param)
+    yield be
+    be.set_isa("auto")
+
+
+def _gen(seed):
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+# ----------------------------------------------------------------------------- comparisons
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().reshape(-1)
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_same_float(a: torch.Tensor, b: torch.Tensor, what: str):
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    na, nb = torch.isnan(a), torch.isnan(b)
+    assert torch.equal(na, nb), f"{what}: NaN positions differ"
+    ia, ib = _bits(a)[~na.reshape(-1)], _bits(b)[~nb.reshape(-1)]
+    if not torch.equal(ia, ib):
+        bad = (ia != ib).nonzero().reshape(-1)
+        raise AssertionError(f"{what}: {bad.numel()} elements differ (first at {int(bad[0])}: "
+                             f"{a.reshape(-1)[~na.reshape(-1)][bad[0]].item()!r} vs "
+                             f"{b.reshape(-1)[~nb.reshape(-1)][bad[0]].item()!r})")
+
+
+def assert_same(a, b, what: str):
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: {a!r} vs {b!r}"
+        return
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), what
+        if a.is_floating_point():
+            assert_same_float(a, b, what)
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: {int((a != b).sum())} elements differ"
+        return
+    assert type(a) is type(b) and a == b, f"{what}: {a!r} vs {b!r}"
+
+
+# ----------------------------------------------------------------------------- inputs
+def layout(sizes):
+    offs, o = [], 0
+    for n in sizes:
+        offs.append(o)
+        o += (n + 7) // 8 * 8
+    return offs, (o + 63) // 64 * 64  # padded like a bucket of up to 8 ranks
+
+
+def make_bucket(sizes, gdt, mdt, seed, *, plant_zero=True, plant_bad=True):
+    """Random grads/momenta; planted exact zeros (g = m = 0 -> c == 0) and NaN/+-Inf grads."""
+    gen = _gen(seed)
+    grads, moms = [], []
+    for i, n in enumerate(sizes):
+        g = torch.randn(n, generator=gen) * 2.0
+        m = torch.randn(n, generator=gen) * 0.5
+        if plant_zero and n > 1:
+            idx = torch.randint(0, n, (max(1, n // 10),), generator=gen)
+            g[idx] = 0.0
+            m[idx] = 0.0
+            g[0] = -0.0
+            m[0] = 0.0
+        if plant_bad and n >= 9 and i % 2 == 0:
+            g[n // 3] = float("nan")
+            g[n // 2] = float("inf")
+            g[n - 1] = float("-inf")
+        grads.append(g.to(gdt))
+        moms.append(m.to(mdt))
+    offs, total = layout(sizes)
+    return grads, moms, offs, total
+
+
+def random_planes(n, nbytes, seed, *, abstain):
+    gen = _gen(seed)
+    sign = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+    if n % 2 == 0 and nbytes >= 8:
+        # planted exact ties: the first half of the ranks vote +, the second half -
+        sign[: n // 2, :4] = 0xFF
+        sign[n // 2:, :4] = 0x00
+    if not abstain:
+        return sign, None
+    nz = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+    nz |= torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)  # mostly voting
+    if nbytes >= 16:
+        nz[:, 8:10] = 0          # nobody voted: no move, whatever the tie rule
+        nz[:, 10:12] = 0xFF      # everyone voted
+    return sign, nz
+
+
+def make_params(sizes, dtypes, seed):
+    gen = _gen(seed)
+    return [(torch.randn(n, generator=gen) * 0.1).to(dtypes[i % len(dtypes)]) for i, n in enumerate(sizes)]
+
+
+def clone_all(ts):
+    return [t.clone() for t in ts]
+
+
+# ----------------------------------------------------------------------------- interface
+def test_backend_interface_matches_torch_backend(be):
+    ref = ops.TorchBackend
+    for name in ("local_step", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes", "lanes_apply",
+                 "int8_local_step", "int8_apply"):
+        want = list(inspect.signature(getattr(ref, name)).parameters.values())
+        got = list(inspect.signature(getattr(be, name)).parameters.values())
+        assert [(p.name, p.default) for p in got[:len(want)]] == [(p.name, p.default) for p in want], name
+        assert all(p.default is not inspect.Parameter.empty for p in got[len(want):]), name
+    assert be.name == "cpp"
+    assert be.isa in ("avx2", "baseline")
+
+
+def test_loader_forced_cpp(monkeypatch):
+    monkeypatch.setenv("LIONCUB_KERNELS", "cpp")
+    monkeypatch.setattr(ops, "_cache", {})
+    assert ops.backend_for("cpu").name == "cpp"
+
+
+def test_cuda_kind_is_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present; the CUDA loader is tested elsewhere")
+    with pytest.raises(RuntimeError, match="no CUDA device is available"):
+        _native.load("cuda")
+
+
+# ----------------------------------------------------------------------------- (a) local step
+@pytest.mark.parametrize("update", [False, True])
+@pytest.mark.parametrize("mdt", STATE_DTYPES)
+@pytest.mark.parametrize("gdt", GRAD_DTYPES)
+def test_local_step(isa_be, gdt, mdt, update):
+    seed = GRAD_DTYPES.index(gdt) * 10 + STATE_DTYPES.index(mdt) * 2 + int(update)
+    grads, moms, offs, total = make_bucket(SMALL, gdt, mdt, seed)
+    m_ref, m_cpp = clone_all(moms), clone_all(moms)
+    ref = codec.local_step(grads, m_ref, offs, total, 0.9, 0.99, update)
+    got = isa_be.local_step(grads, m_cpp, offs, total, 0.9, 0.99, update)
+    for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
+        assert_same(a, b, what)
+    assert ref[2] > 0 and ref[3] > 0  # the planted NaN/Inf and zeros are really there
+    for i, (a, b) in enumerate(zip(m_ref, m_cpp)):
+        assert_same_float(a, b, f"momentum[{i}]")
+
+
+@pytest.mark.parametrize("gdt,mdt,update", [(F32, F32, True), (BF16, BF16, True), (F16, F32, False)])
+def test_local_step_big(be, gdt, mdt, update):
+    grads, moms, offs, total = make_bucket([BIG, 9, 1000], gdt, mdt, 99, plant_bad=(gdt is F32))
+    m_ref, m_cpp = clone_all(moms), clone_all(moms)
+    ref = codec.local_step(grads, m_ref, offs, total, 0.95, 0.98, update)
+    got = be.local_step(grads, m_cpp, offs, total, 0.95, 0.98, update)
+    for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
+        assert_same(a, b, what)
+    for i, (a, b) in enumerate(zip(m_ref, m_cpp)):
+        assert_same_float(a, b, f"momentum[{i}]")
+
+
+def test_local_step_odd_betas_and_empty(be):
+    grads, moms, offs, total = make_bucket([5, 17], F32, F32, 3)
+    for b1, b2 in ((0.0, 0.0), (0.123456789, 0.987654321), (0.999, 0.5)):
+        m_ref, m_cpp = clone_all(moms), clone_all(moms)
+        ref = codec.local_step(grads, m_ref, offs, total, b1, b2, True)
+        got = be.local_step(grads, m_cpp, offs, total, b1, b2, True)
+        for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
+            assert_same(a, b, what)
+        for a, b in zip(m_ref, m_cpp):
+            assert_same_float(a, b, "momentum")
+    ref = codec.local_step([], [], [], 64, 0.9, 0.99, False)
+    got = be.local_step([], [], [], 64, 0.9, 0.99, False)
+    for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
+        assert_same(a, b, what)
+
+
+# ----------------------------------------------------------------------------- (b) momentum
+@pytest.mark.parametrize("mdt", STATE_DTYPES)
+@pytest.mark.parametrize("gdt", GRAD_DTYPES)
+def test_momentum_update_list(be, gdt, mdt):
+    sizes = SMALL + ([BIG] if gdt is BF16 else [])
+    grads, moms, _, _ = make_bucket(sizes, gdt, mdt, 7)
+    m_ref, m_cpp = clone_all(moms), clone_all(moms)
+    ops.TorchBackend.momentum_update_list(m_ref, grads, 0.99)
+    be.momentum_update_list(m_cpp, grads, 0.99)
+    for i, (a, b) in enumerate(zip(m_ref, m_cpp)):
+        assert_same_float(a, b, f"momentum[{i}]")
+
+
+# ----------------------------------------------------------------------------- (c) vote_apply
+@pytest.mark.parametrize("vote,tie", TIE_VOTE)
+@pytest.mark.parametrize("abstain", [False, True])
+@pytest.mark.parametrize("n", NS)
+def test_vote_apply(isa_be, n, abstain, vote, tie):
+    sizes = SMALL + [33]
+    offs, total = layout(sizes)
+    seed = 1000 + n * 16 + int(abstain) * 8 + TIE_VOTE.index((vote, tie))
+    sign, nz = random_planes(n, total // 8, seed, abstain=abstain)
+    params = make_params(sizes, (F32, BF16), seed)
+    wd = 0.1 if n % 2 else 0.0
+    for step in (n, n + 1):  # both step parities (alternate rule)
+        p_ref, p_cpp = clone_all(params), clone_all(params)
+        d_ref = codec.vote_apply(sign, nz, p_ref, offs, 3e-3, wd, step, tie, vote, n, base=12345)
+        d_cpp = isa_be.vote_apply(sign, nz, p_cpp, offs, 3e-3, wd, step, tie, vote, n, base=12345)
+        assert_same_float(d_ref, d_cpp, "delta")
+        for i, (a, b) in enumerate(zip(p_ref, p_cpp)):
+            assert_same_float(a, b, f"param[{i}]")
+        if vote == "majority" and n % 2 == 0 and tie != "zero" and not abstain:
+            # the planted ties were broken (no zero Δ among them)
+            assert bool((d_ref[:32] != 0).all())
+
+
+def test_vote_apply_one_dim_planes_and_no_delta(be):
+    sizes = [1000, 9]
+    offs, total = layout(sizes)
+    sign, nz = random_planes(1, total // 8, 5, abstain=True)
+    params = make_params(sizes, (BF16, F32), 5)
+    p_ref, p_cpp, p_nod = clone_all(params), clone_all(params), clone_all(params)
+    d_ref = codec.vote_apply(sign[0], nz[0], p_ref, offs, 1e-2, 0.5, 4, "hash", "majority", 1)
+    d_cpp = be.vote_apply(sign[0], nz[0], p_cpp, offs, 1e-2, 0.5, 4, "hash", "majority", 1)
+    assert be.vote_apply(sign[0], nz[0], p_nod, offs, 1e-2, 0.5, 4, "hash", "majority", 1, 0, False) is None
+    assert_same_float(d_ref, d_cpp, "delta")
+    for a, b, c in zip(p_ref, p_cpp, p_nod):
+        assert_same_float(a, b, "param")
+        assert_same_float(a, c, "param (return_delta=False)")
+
+
+@pytest.mark.parametrize("pdt", STATE_DTYPES)
+def test_vote_apply_big(be, pdt):
+    sizes = [BIG, 7]
+    offs, total = layout(sizes)
+    sign, nz = random_planes(4, total // 8, 77, abstain=True)
+    params = make_params(sizes, (pdt,), 77)
+    p_ref, p_cpp = clone_all(params), clone_all(params)
+    d_ref = codec.vote_apply(sign, nz, p_ref, offs, 1e-4, 0.1, 11, "hash", "majority", 4, base=2**32 - 100000)
+    d_cpp = be.vote_apply(sign, nz, p_cpp, offs, 1e-4, 0.1, 11, "hash", "majority", 4, base=2**32 - 100000)
+    assert_same_float(d_ref, d_cpp, "delta")
+    for a, b in zip(p_ref, p_cpp):
+        assert_same_float(a, b, "param")
+
+
+# ----------------------------------------------------------------------------- (d) shard_vote
+@pytest.mark.parametrize("tie", codec.TIE_RULES)
+@pytest.mark.parametrize("abstain", [False, True])
+@pytest.mark.parametrize("n", NS)
+def test_shard_vote(be, n, abstain, tie):
+    for nbytes in (1, 513):
+        sign, nz = random_planes(n, nbytes, 2000 + n + nbytes, abstain=abstain)
+        for step in (2, 3):
+            ref = codec.shard_vote(sign, nz, step, tie, 8 * nbytes * 3)
+            got = be.shard_vote(sign, nz, step, tie, 8 * nbytes * 3)
+            assert_same(ref[0], got[0], "result sign")
+            assert_same(ref[1], got[1], "result nonzero")
+
+
+# ----------------------------------------------------------------------------- (e) count_lanes
+@pytest.mark.parametrize("p", codec.LANE_WIDTHS)
+@pytest.mark.parametrize("abstain", [False, True])
+@pytest.mark.parametrize("n", NS)
+def test_count_lanes(be, n, abstain, p):
+    sign, nz = random_planes(n, 517, 3000 + n * 4 + p, abstain=abstain)
+    try:
+        ref = codec.count_lanes(sign, nz, p)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as info:
+            be.count_lanes(sign, nz, p)
+        assert str(info.value) == str(exc)
+        return
+    got = be.count_lanes(sign, nz, p)
+    assert_same(ref[0], got[0], "plus lanes")
+    assert_same(ref[1], got[1], "cnt lanes")
+
+
+def test_count_lanes_p1_with_abstentions_fits(be):
+    # N = 2 with nonzero planes where nobody has 2 voters: the data-dependent check passes
+    sign = torch.randint(0, 256, (2, 64), dtype=torch.uint8, generator=_gen(1))
+    nz = torch.zeros(2, 64, dtype=torch.uint8)
+    nz[0, :32] = 0xFF
+    nz[1, 32:] = 0xFF
+    ref = codec.count_lanes(sign, nz, 1)
+    got = be.count_lanes(sign, nz, 1)
+    assert_same(ref[0], got[0], "plus lanes")
+    assert_same(ref[1], got[1], "cnt lanes")
+
+
+# ----------------------------------------------------------------------------- (f) lanes_apply
+@pytest.mark.parametrize("vote,tie", TIE_VOTE)
+@pytest.mark.parametrize("abstain", [False, True])
+@pytest.mark.parametrize("n", NS)
+def test_lanes_apply(isa_be, n, abstain, vote, tie):
+    sizes = SMALL
+    offs, total = layout(sizes)
+    seed = 4000 + n * 16 + int(abstain) * 8 + TIE_VOTE.index((vote, tie))
+    sign, nz = random_planes(n, total // 8, seed, abstain=abstain)
+    params = make_params(sizes, (BF16, F32), seed)
+    for p in codec.LANE_WIDTHS:
+        if (1 << p) - 1 < n:
+            continue
+        # the pbit algorithm: every rank packs its own plane (N = 1), a SUM all-reduce adds the bytes
+        plus = torch.zeros(total // 8 * p, dtype=torch.uint8)
+        cnt = torch.zeros(total // 8 * p, dtype=torch.uint8) if abstain else None
+        for r in range(n):
+            pr, cr = codec.count_lanes(sign[r:r + 1], None if nz is None else nz[r:r + 1], p)
+            pr2, cr2 = isa_be.count_lanes(sign[r:r + 1], None if nz is None else nz[r:r + 1], p)
+            assert_same(pr, pr2, "p-bit pack")
+            assert_same(cr, cr2, "p-bit pack (cnt)")
+            plus += pr
+            if abstain:
+                cnt += cr
+        p_ref, p_cpp = clone_all(params), clone_all(params)
+        d_ref = codec.lanes_apply(plus, cnt, n, p, p_ref, offs, 1e-3, 0.2, n + p, tie, vote, 777)
+        d_cpp = isa_be.lanes_apply(plus, cnt, n, p, p_cpp, offs, 1e-3, 0.2, n + p, tie, vote, 777)
+        assert_same_float(d_ref, d_cpp, f"delta (p={p})")
+        for i, (a, b) in enumerate(zip(p_ref, p_cpp)):
+            assert_same_float(a, b, f"param[{i}] (p={p})")
+
+
+# ----------------------------------------------------------------------------- (g) int8 local step
+@pytest.mark.parametrize("kind", codec.SCALE_KINDS)
+@pytest.mark.parametrize("mdt", STATE_DTYPES)
+@pytest.mark.parametrize("gdt", GRAD_DTYPES)
+def test_int8_local_step(isa_be, gdt, mdt, kind):
+    ns = NS if (gdt, mdt) == (F32, F32) else ((3,) if gdt is F16 else (2, 7))
+    for n in ns:
+        levels = codec.int8_levels(n)
+        seed = 5000 + GRAD_DTYPES.index(gdt) * 100 + STATE_DTYPES.index(mdt) * 10 + n
+        grads, moms, offs, total = make_bucket(SMALL + [40000], gdt, mdt, seed)
+        ref = codec.int8_local_step(grads, moms, offs, total, 0.9, kind, levels)
+        got = isa_be.int8_local_step(grads, moms, offs, total, 0.9, kind, levels)
+        assert_same(ref[0], got[0], f"int8 codes (N={n})")
+        assert_same(ref[1], got[1], f"#non-finite (N={n})")
+
+
+def test_int8_zero_and_tiny_scales(be):
+    # an all-zero tensor (a == 0 -> q = 0), a single nonzero value, and huge values (c*(s/2) overflows)
+    grads = [torch.zeros(100), torch.zeros(9), torch.full((16,), 3e38)]
+    moms = [torch.zeros(100), torch.zeros(9), torch.full((16,), 3e38)]
+    grads[1][4] = 1e-30
+    offs, total = layout([100, 9, 16])
+    for kind in codec.SCALE_KINDS:
+        ref = codec.int8_local_step(grads, moms, offs, total, 0.9, kind, 63)
+        got = be.int8_local_step(grads, moms, offs, total, 0.9, kind, 63)
+        assert_same(ref[0], got[0], f"int8 codes ({kind})")
+        assert_same(ref[1], got[1], f"#non-finite ({kind})")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kind", codec.SCALE_KINDS)
+def test_int8_local_step_big(be, kind, threads):
+    # the l1/l0 scales follow torch's summation order, which depends on the thread count
+    if threads != 2 and kind == "linf":
+        pytest.skip("linf (a max) does not depend on the summation order")
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        grads, moms, offs, total = make_bucket([BIG, 70001], BF16 if threads == 3 else F32, F32, 6000 + threads)
+        ref = codec.int8_local_step(grads, moms, offs, total, 0.95, kind, 31)
+        got = be.int8_local_step(grads, moms, offs, total, 0.95, kind, 31)
+    finally:
+        torch.set_num_threads(old)
+    assert_same(ref[0], got[0], "int8 codes")
+    assert_same(ref[1], got[1], "#non-finite")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_torch_order_mean_replica(be, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = _gen(threads)
+        for n in (1, 3, 5, 8, 15, 17, 33, 64, 100, 513, 4097, 32767, 32768, 32769, 65537, 300001):
+            x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen).pow(8) * 1e3
+            assert float(x.abs().mean()) == be._ext.torch_mean_abs(x, be.vec_width), n
+    finally:
+        torch.set_num_threads(old)
+
+
+# ----------------------------------------------------------------------------- (h) int8 apply
+@pytest.mark.parametrize("pdt", STATE_DTYPES)
+def test_int8_apply(be, pdt):
+    sizes = SMALL + [BIG]
+    offs, total = layout(sizes)
+    q = torch.randint(-127, 128, (total,), dtype=torch.int8, generator=_gen(8))
+    q[::3] = 0
+    params = make_params(sizes, (pdt, F32), 8)
+    for wd in (0.0, 0.3):
+        p_ref, p_cpp = clone_all(params), clone_all(params)
+        d_ref = codec.int8_apply(q, p_ref, offs, 2e-3, wd)
+        d_cpp = be.int8_apply(q, p_cpp, offs, 2e-3, wd)
+        assert_same_float(d_ref, d_cpp, "delta")
+        for i, (a, b) in enumerate(zip(p_ref, p_cpp)):
+            assert_same_float(a, b, f"param[{i}]")
+
+
+# ----------------------------------------------------------------------------- fallbacks / checks
+def test_unsupported_layouts_fall_back_to_reference(be):
+    sizes = [64, 9]
+    offs, total = layout(sizes)
+    sign, nz = random_planes(3, total // 8, 9, abstain=True)
+    base = torch.randn(64, 2)
+    params = [base[:, 0], torch.randn(9, dtype=torch.float64)]  # non-contiguous, float64
+    p_ref, p_cpp = [params[0].clone(), params[1].clone()], [base.clone()[:, 0], params[1].clone()]
+    d_ref = codec.vote_apply(sign, nz, p_ref, offs, 1e-3, 0.0, 1, "hash", "majority", 3)
+    d_cpp = be.vote_apply(sign, nz, p_cpp, offs, 1e-3, 0.0, 1, "hash", "majority", 3)
+    assert_same_float(d_ref, d_cpp, "delta")
+    for a, b in zip(p_ref, p_cpp):
+        assert_same_float(a, b, "param")
+
+
+def test_binding_checks_name_the_argument(be):
+    with pytest.raises(RuntimeError, match="offsets"):
+        be._ext.local_step([torch.zeros(8)], [torch.zeros(8)], [4], 16, 0.9, 0.99, False)
+    with pytest.raises(RuntimeError, match="does not fit the bucket"):
+        be._ext.local_step([torch.zeros(16)], [torch.zeros(16)], [8], 16, 0.9, 0.99, False)
+    with pytest.raises(RuntimeError, match="momenta"):
+        be._ext.local_step([torch.zeros(8)], [torch.zeros(8, dtype=torch.float64)], [0], 8, 0.9, 0.99, False)
+    with pytest.raises(RuntimeError, match="sign"):
+        be._ext.shard_vote(torch.zeros(8, dtype=torch.uint8), None, 1, 0, 0)
+    with pytest.raises(RuntimeError, match="nonzero"):
+        be._ext.shard_vote(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(3, 8, dtype=torch.uint8), 1, 0, 0)
+    with pytest.raises(ValueError, match="tie_break"):
+        be.vote_apply(torch.zeros(1, 8, dtype=torch.uint8), None, [], [], 1e-3, 0.0, 1, "coin", "majority", 1)
