@@ -25,7 +25,6 @@ did not drop by --min-drop; 2 the parameters differ across ranks.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -46,6 +45,8 @@ import lioncub_ds.deepspeed as lds  # noqa: E402  (registers "type": "LionCub"; 
 from lioncub_ds import Lion  # noqa: E402
 from lioncub_ds.data import DEFAULT_MAX_BYTES, load_dataset  # noqa: E402
 from lioncub_ds.models import PRESETS, build_model  # noqa: E402
+from lioncub_ds.models.gpt import param_digest  # noqa: E402
+from lioncub_ds.telemetry import format_bytes  # noqa: E402
 
 PREFIX = "[pretrain]"
 
@@ -82,13 +83,6 @@ def parse_args(argv=None):
     return args
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return f"{n:.1f} GB"
-
 
 def load_config(args, world_size):
     with open(args.deepspeed_config) as f:
@@ -124,13 +118,6 @@ def prepare_kernels(device_type: str, rank: int) -> None:
     if local_rank != 0:
         ops.backend_for(device_type)
 
-
-def param_digest(model) -> str:
-    h = hashlib.sha1()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 @torch.no_grad()
@@ -242,8 +229,8 @@ def main(argv=None) -> int:
             extra = f" ({ring / sent:.0f}x less than the {grad_dtype} gradient all-reduce)" if sent \
                 and not args.baseline and stats.get("mode") == "local_momentum" else ""
             log(f"step {done:5d} | train loss {last_train:.4f} | lr {engine.get_lr()[0]:.2e} | {tps:,.0f} tok/s | "
-                f"sent {fmt_bytes(sent)}/step/rank{extra}")
-            bar.set_postfix_str(f"loss {last_train:.3f} | {tps:,.0f} tok/s | {fmt_bytes(sent)}/step", refresh=False)
+                f"sent {format_bytes(sent)}/step/rank{extra}")
+            bar.set_postfix_str(f"loss {last_train:.3f} | {tps:,.0f} tok/s | {format_bytes(sent)}/step", refresh=False)
         bar.update(1)
         if done % args.eval_interval == 0 or done == args.steps:
             vals.append((done, evaluate(engine, ds, args, seq_len, rank, world_size)))
@@ -268,7 +255,7 @@ def main(argv=None) -> int:
         "comm_stats": json.loads(json.dumps(stats, default=str)) if stats else None,
     }
     log(f"done | val loss {summary['first_val_loss']:.4f} -> {summary['last_val_loss']:.4f} | "
-        f"{summary['tokens_per_s']:,.0f} tok/s | sent {fmt_bytes(summary['bytes_sent_per_step'])}/step/rank | "
+        f"{summary['tokens_per_s']:,.0f} tok/s | sent {format_bytes(summary['bytes_sent_per_step'])}/step/rank | "
         f"params in sync: {'yes' if in_sync else 'NO'}")
     if is_main and args.json_out:
         with open(args.json_out, "w") as f:

@@ -18,7 +18,6 @@ and the benchmarks: it runs inside one already-initialized rank.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -33,6 +32,8 @@ import torch.distributed as dist
 
 from .data import DEFAULT_MAX_BYTES, load_dataset
 from .models import PRESETS, build_model
+from .models.gpt import param_digest
+from .telemetry import format_bytes
 
 __all__ = ["build_parser", "train", "make_optimizer", "main", "launch"]
 
@@ -107,13 +108,6 @@ def _lr_at(step: int, args) -> float:
     return lo + 0.5 * (args.lr - lo) * (1.0 + math.cos(math.pi * frac))
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return f"{n:.1f} GB"
-
 
 def _lioncub_class():
     try:
@@ -163,13 +157,6 @@ def _allreduce_grads(model, world_size: int) -> None:
         g.copy_(flat[off:off + n].view_as(g))
         off += n
 
-
-def _param_digest(model) -> str:
-    h = hashlib.sha1()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 @torch.no_grad()
@@ -289,8 +276,8 @@ def train(args, rank: int = 0, world_size: int = 1, device: str | torch.device =
                 ratio += f" | comm {1e3 * float(last['comm_time_s']):.1f} ms"
             tps = tokens_per_step * (step + 1) / train_time
             log(f"step {step + 1:5d} | train loss {last_train:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | "
-                f"sent {_fmt_bytes(sent)}/step{ratio}")
-            bar.set_postfix_str(f"loss {last_train:.3f} {tps:,.0f} tok/s tx {_fmt_bytes(sent)}/step{ratio}",
+                f"sent {format_bytes(sent)}/step{ratio}")
+            bar.set_postfix_str(f"loss {last_train:.3f} {tps:,.0f} tok/s tx {format_bytes(sent)}/step{ratio}",
                                 refresh=False)
         bar.update(1)
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
@@ -301,7 +288,7 @@ def train(args, rank: int = 0, world_size: int = 1, device: str | torch.device =
     bar.close()
     wall = time.perf_counter() - t0
 
-    digest = _param_digest(model)
+    digest = param_digest(model)
     in_sync = True
     if _is_dist():
         digests = [None] * world_size
@@ -329,8 +316,8 @@ def train(args, rank: int = 0, world_size: int = 1, device: str | torch.device =
         print(f"[lioncub_ds.demo] done in {wall:.1f} s | val loss {summary['first_val_loss']:.4f} -> "
               f"{summary['last_val_loss']:.4f} | {summary['tokens_per_s']:,.0f} tok/s | "
               f"{summary['step_s']:.3f} s/step (rank 0 CPU {summary['cpu_s_per_step_rank0']:.3f} s/step) | "
-              f"sent {_fmt_bytes(summary['bytes_sent_per_step'])}/step/rank "
-              f"(fp32 all-reduce: {_fmt_bytes(ar_fp32)}) | params in sync across ranks: "
+              f"sent {format_bytes(summary['bytes_sent_per_step'])}/step/rank "
+              f"(fp32 all-reduce: {format_bytes(ar_fp32)}) | params in sync across ranks: "
               f"{'yes' if in_sync else 'NO'}", flush=True)
         if args.json_out:
             with open(args.json_out, "w") as f:

@@ -24,7 +24,7 @@ from .codec import int8_levels, padded_numel
 from .comm import Collectives, VoteJob, make_algorithm
 from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
-from .config import LionCubConfig, LionCubConfigError, SIGN_ALGORITHMS
+from .config import LionCubConfig, LionCubConfigError
 from .lion import lion as lion_functional
 from .momentum_sync import MomentumSync, node_subgroup, select_params
 from .telemetry import CommStats

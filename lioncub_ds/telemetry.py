@@ -12,6 +12,15 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 
+def format_bytes(n: float) -> str:
+    """Human-readable bytes: 512 B, 27.1 KB, 5.0 MB."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} GB"
+
+
 def ring_bytes(kind: str, nbytes: int, world_size: int) -> int:
     """Bytes one rank sends for a collective over ``nbytes`` (the full tensor)."""
     n = world_size

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..telemetry import format_bytes
+
 __all__ = ["run_comparison", "format_comparison", "main", "DEMO_CONFIG"]
 
 # Used when configs/ds_cpu_demo.json is not next to the package (same content).
@@ -78,13 +80,6 @@ def _launcher() -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return f"{n:.1f} GB"
-
 
 def _run_one(mode: str, cfg_path: Path, out_json: Path, *, steps: int, preset: str, world_size: int,
              extra: list[str], timeout: float, verbose: bool) -> dict:
@@ -122,7 +117,7 @@ def format_comparison(lc: dict, base: dict) -> str:
         ("optimizer", "LionCub (ZeRO-0, local momentum)", "Lion + gradient all-reduce"),
         ("val loss: start", f"{lc['first_val_loss']:.4f}", f"{base['first_val_loss']:.4f}"),
         ("val loss: end", f"{lc['last_val_loss']:.4f}", f"{base['last_val_loss']:.4f}"),
-        ("bytes sent / step / rank", _fmt_bytes(lc["bytes_sent_per_step"]), _fmt_bytes(base["bytes_sent_per_step"])),
+        ("bytes sent / step / rank", format_bytes(lc["bytes_sent_per_step"]), format_bytes(base["bytes_sent_per_step"])),
         ("tokens / s", f"{lc['tokens_per_s']:,.0f}", f"{base['tokens_per_s']:,.0f}"),
         ("replicas identical", "yes" if lc["params_in_sync"] else "NO", "yes" if base["params_in_sync"] else "NO"),
         ("wall time (launch)", f"{lc['launch_s']:.0f} s", f"{base['launch_s']:.0f} s"),

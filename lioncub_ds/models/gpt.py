@@ -183,3 +183,14 @@ def build_model(preset: str = "demo", seed: int | None = 0, **overrides) -> GPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(cfg)
+
+
+def param_digest(model) -> str:
+    """SHA-1 over parameter names and values: equal digests = bit-identical replicas."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
