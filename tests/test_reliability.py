@@ -335,7 +335,12 @@ def test_survivors_fail_within_the_timeout_when_a_rank_dies_or_stalls(mode):
         if mode == "stall":  # only the timeout can end the wait on a live but silent peer
             waited = when - started
             assert waited >= TIMEOUT_S - 0.2, f"rank {r} failed after {waited:.1f} s in step {BAD_STEP}, before the timeout"
-            assert "Timed out" in msg or "timed out" in msg.lower(), msg
+            # The first survivor to time out exits and closes its connections, so a second survivor may
+            # see that closure instead of its own timeout, at the same moment: both are the timeout's doing.
+            timed_out = [q for q in survivors if "timed out" in reports.get(q, ("",) * 4)[3].lower()]
+            assert timed_out, f"no survivor reports a timeout: {reports}"
+            low = msg.lower()
+            assert "timed out" in low or "closed" in low or "reset" in low, msg
         # the message names the collective, the group size and the timeout
         assert "LionCub: all_reduce (control," in msg or "LionCub: all_to_all (1bit," in msg \
             or "LionCub: all_gather (1bit," in msg, msg
