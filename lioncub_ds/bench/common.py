@@ -1,0 +1,275 @@
+"""Shared by the comm / netns / converge / scaling benchmarks: spawn gloo ranks, print
+tables, write JSON records, draw PNG plots, describe the machine.
+
+Every benchmark module exposes ``build_parser()`` and ``main(argv=None) -> int`` and
+accepts ``--json PATH`` (a JSON list of flat records) and ``--out DIR`` (PNG plots).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+__all__ = ["free_port", "run_ranks", "print_table", "write_json", "machine_info", "add_output_args",
+           "finish", "line_plot", "fmt_bytes", "median", "RankError"]
+
+
+class RankError(RuntimeError):
+    """A spawned rank failed (the message carries its traceback)."""
+
+
+# ----------------------------------------------------------------------------- ranks
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue, env, threads):
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        buf = io.BytesIO()
+        torch.save(out, buf)  # plain bytes: shared-memory tensors die with this process
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException as exc:  # noqa: BLE001 - report any failure to the parent
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 1800.0, env: dict | None = None, threads: int = 1):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes on 127.0.0.1.
+
+    ``fn`` must be importable (module level). Returns the per-rank results (list by rank).
+    Any rank's exception raises :class:`RankError` with its traceback; the other ranks are killed.
+    """
+    import queue as _queue
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    base_env = {"MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(threads), "LOCAL_WORLD_SIZE": str(world_size)}
+    base_env.update(env or {})
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, base_env, threads), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, payload = q.get(timeout=1.0)
+            except _queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    errors.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout:.0f} s")
+                continue
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank}: {payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=2 if errors else 30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        raise RankError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------- output
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024.0
+    return f"{n:.2f} GB"
+
+
+def median(xs):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+
+
+def _cell(v, fmt=None):
+    if v is None:
+        return "-"
+    if fmt is not None:
+        try:
+            return format(v, fmt)
+        except (TypeError, ValueError):
+            return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def format_table(rows: list[dict], columns: list, title: str | None = None, markdown: bool = False) -> str:
+    """``columns``: keys or (key, header, format) tuples."""
+    cols = [(c, c, None) if isinstance(c, str) else (tuple(c) + (None,) * (3 - len(c)))[:3] for c in columns]
+    cells = [[_cell(r.get(k), f) for k, _, f in cols] for r in rows]
+    heads = [h for _, h, _ in cols]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(heads)]
+    lines = []
+    if markdown:
+        lines.append("| " + " | ".join(heads) + " |")
+        lines.append("|" + "|".join("---:" if i else "---" for i in range(len(heads))) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in cells]
+    else:
+        if title:
+            lines.append(title)
+        lines.append("  ".join(h.rjust(w) for h, w in zip(heads, widths)))
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def print_table(rows, columns, title=None) -> str:
+    text = format_table(rows, columns, title)
+    print(text, flush=True)
+    return text
+
+
+def write_json(path, records: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(records, f, indent=1, default=float)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_markdown(path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def machine_info() -> dict:
+    """What the README's result tables cite: CPU count, torch version, date."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.date.today().isoformat(), "loadavg_1m": round(load, 2)}
+
+
+def add_output_args(p: argparse.ArgumentParser, default_json: str | None = None) -> None:
+    p.add_argument("--json", default=default_json, help="write the records (a JSON list of flat dicts) here")
+    p.add_argument("--out", default=None, help="directory for PNG plots (and, if --json is not given, <name>.json)")
+
+
+def finish(name: str, args, records: list[dict], plot_fn=None, extra_md: str | None = None) -> None:
+    """Write ``--json`` (default ``<out>/<name>.json`` when only --out is given) and the plots."""
+    path = args.json or (os.path.join(args.out, f"{name}.json") if args.out else None)
+    if path:
+        write_json(path, records)
+        print(f"[bench {name}] wrote {len(records)} records to {path}", flush=True)
+    if args.out and plot_fn is not None:
+        os.makedirs(args.out, exist_ok=True)
+        try:
+            files = plot_fn(records, args.out) or []
+        except ImportError as exc:  # matplotlib missing: records are still written
+            print(f"[bench {name}] no plots ({exc})", file=sys.stderr)
+            files = []
+        for fpath in files:
+            print(f"[bench {name}] wrote {fpath}", flush=True)
+    if args.out and extra_md:
+        write_markdown(os.path.join(args.out, f"{name}.md"), extra_md)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def line_plot(path, series: dict, *, xlabel: str, ylabel: str, title: str, logx=False, logy=False,
+              markers=True, vlines: dict | None = None) -> str:
+    """``series``: label -> (xs, ys). Writes a PNG and returns its path."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o" if markers else None, markersize=3, linewidth=1.4, label=label)
+    for label, x in (vlines or {}).items():
+        ax.axvline(x, color="grey", linestyle=":", linewidth=1)
+        ax.text(x, ax.get_ylim()[1], label, rotation=90, va="top", ha="right", fontsize=7, color="grey")
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+class GracefulExit:
+    """Context manager: SIGINT/SIGTERM raise KeyboardInterrupt so ``finally`` blocks run."""
+
+    def __enter__(self):
+        self._old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            try:
+                self._old[sig] = signal.signal(sig, self._handler)
+            except (ValueError, OSError):  # not the main thread
+                pass
+        return self
+
+    @staticmethod
+    def _handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False

@@ -1,0 +1,419 @@
+"""``python -m lioncub_ds.bench netns``: step time on a slow network (SPEC §6), as root.
+
+The benchmark creates its own network namespace (unique name), brings its loopback up,
+puts a token bucket on it (``tc qdisc add dev lo root tbf rate 1gbit burst 512kb latency
+100ms``, then 10gbit), runs 4 gloo ranks inside it on 127.0.0.1 and deletes the namespace
+at the end, also on an error or Ctrl-C.
+
+Every variant trains the same GPT-style model on the bundled text, interleaved round by
+round (each round runs one step of every variant, in a rotating order) so machine noise
+hits all of them alike; the per-step time is the median over the measured rounds of the
+slowest rank's step (forward + backward + communication + update):
+
+* Lion + fp32 all-reduce, Lion + bf16 all-reduce: gradients summed by a manual bucketed
+  ``all_reduce`` (25 MB buckets, DDP's default), then the Lion update with the same fused
+  kernels LionCub uses (``--baseline-update reference``: the pure-torch lioncub_ds.Lion);
+* Distributed Lion, all-gathered votes: ``LionCub(comm="allgather")``;
+* Lion Cub ``1bit``, ``pbit``, ``int8`` (l1).
+
+Communication time: the time spent inside the collectives (LionCub's ``comm_stats()``
+comm_time_s; the baselines' all-reduce calls), after a barrier that absorbs the forward/
+backward skew; the minimum over ranks (the last rank to arrive waits only for the wire).
+Its floor is the wire bytes over the token bucket's rate: all ranks' traffic crosses the
+ONE shaped loopback, so floor = N · bytes_per_rank · 8 / rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from .common import GracefulExit, add_output_args, finish, median, print_table, run_ranks
+
+NAME = "netns"
+VARIANTS = ("lion_fp32_allreduce", "lion_bf16_allreduce", "dlion_allgather", "lioncub_1bit", "lioncub_pbit",
+            "lioncub_int8")
+LIONCUB_KW = {"dlion_allgather": dict(comm="allgather"), "lioncub_1bit": dict(comm="1bit"),
+              "lioncub_pbit": dict(comm="pbit"), "lioncub_int8": dict(comm="int8", quant="l1")}
+BASELINE = "lion_bf16_allreduce"
+BUCKET_NUMEL = 25 * 2**20 // 4
+
+# GPT-style, >= 20M parameters, cheap compute: 2 wide pre-LN blocks (d=1024, 16 heads), tied
+# byte-level embedding; ~25.5M parameters. Few tokens per rank per step keep the forward and
+# backward small next to the gradient traffic.
+MODEL = dict(preset="bench20m", n_layer=2, d_model=1024, n_head=16)
+
+
+# ----------------------------------------------------------------------------- ranks (inside the namespace)
+def _baseline_buckets(params):
+    """DDP-style 25 MB buckets: (params, 8-aligned offsets, padded size) in parameter order."""
+    buckets, cur, size = [], [], 0
+    for p in params + [None]:
+        if p is not None and (size + p.numel() <= BUCKET_NUMEL or not cur):
+            cur.append((p, size))
+            size += (p.numel() + 7) // 8 * 8
+            continue
+        buckets.append(([q for q, _ in cur], [o for _, o in cur], size))
+        cur, size = ([(p, 0)], (p.numel() + 7) // 8 * 8) if p is not None else ([], 0)
+    return buckets
+
+
+class AllReduceLion:
+    """Lion on all-reduced gradients: per bucket, the gradients are copied (cast) into one flat
+    ``dtype`` buffer, SUM-all-reduced, and the update runs on that buffer.
+
+    ``update="fused"``: the same fused kernels as LionCub (one local_step pass computes sign(c)
+    and advances the momentum, a 1-voter vote_apply moves the parameters); the 1/N of the
+    average is folded away (sign(c) does not change when g and m carry the same factor).
+    ``update="reference"``: 1/N applied, gradients copied back, then :class:`lioncub_ds.Lion`
+    (the pure-torch reference, unfused foreach ops).
+    """
+
+    def __init__(self, params, dtype, update, lr, betas):
+        from lioncub_ds import Lion, ops
+
+        self.params, self.dtype, self.update, self.lr, self.betas = params, dtype, update, lr, betas
+        self.buckets = _baseline_buckets(params)
+        self.momenta = [torch.zeros_like(p) for p in params]
+        self.mom = dict(zip(map(id, params), self.momenta))
+        self.be = ops.backend_for("cpu")
+        self.ref = Lion(params, lr=lr, betas=betas) if update == "reference" else None
+        self.step_count = 0
+
+    def step(self, n):
+        """Returns (seconds inside all_reduce, bytes this rank sent)."""
+        import torch.distributed as dist
+
+        from lioncub_ds.telemetry import ring_bytes
+
+        self.step_count += 1
+        comm_s, sent = 0.0, 0
+        for ps, offs, total in self.buckets:
+            flat = torch.zeros(total, dtype=self.dtype)
+            for p, o in zip(ps, offs):
+                flat[o:o + p.numel()].copy_(p.grad.reshape(-1))
+            t = time.perf_counter()
+            dist.all_reduce(flat)
+            comm_s += time.perf_counter() - t
+            sent += ring_bytes("all_reduce", total * flat.element_size(), n)
+            grads = [flat[o:o + p.numel()].view_as(p) for p, o in zip(ps, offs)]
+            if self.update == "fused":
+                moms = [self.mom[id(p)] for p in ps]
+                sign, nz, _, nzero = self.be.local_step(grads, moms, offs, total, self.betas[0], self.betas[1], True)
+                self.be.vote_apply(sign.view(1, -1), nz.view(1, -1) if nzero else None, ps, offs, self.lr, 0.0,
+                                   self.step_count, "zero", "majority", 1, 0)
+            else:
+                for p, g in zip(ps, grads):
+                    p.grad.copy_(g).div_(n)
+        if self.ref is not None:
+            self.ref.step()
+        return comm_s, sent
+
+
+def _rank_fn(rank, n, cfg):
+    import torch.distributed as dist
+
+    from lioncub_ds import LionCub
+    from lioncub_ds.data import load_dataset
+    from lioncub_ds.models import build_model
+
+    model = build_model(cfg["preset"], seed=0, n_layer=cfg["n_layer"], d_model=cfg["d_model"],
+                        n_head=cfg["n_head"], seq_len=cfg["seq_len"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    ds = load_dataset()
+    opts = {}
+    for v in cfg["variants"]:
+        if v in LIONCUB_KW:
+            opts[v] = LionCub(params, lr=1e-4, betas=(0.95, 0.98), **LIONCUB_KW[v])
+        else:
+            dtype = torch.float32 if "fp32" in v else torch.bfloat16
+            opts[v] = AllReduceLion(params, dtype, cfg["baseline_update"], 1e-4, (0.95, 0.98))
+    rows = []
+    variants = list(cfg["variants"])
+    for r in range(cfg["warmup"] + cfg["steps"]):
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:  # rotate the order each round
+            x, y = ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], rank, n, step=r, seed=0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            _, loss = model(x, y)
+            loss.backward()
+            t1 = time.perf_counter()
+            dist.barrier()  # compute skew ends here, not inside the first collective
+            t2 = time.perf_counter()
+            opt = opts[v]
+            if v in LIONCUB_KW:
+                opt.step()
+                last = opt.comm_stats()["last_step"]
+                comm_s, sent = last["comm_time_s"], last["bytes_sent"]
+                ncoll = last["collectives"]
+            else:
+                comm_s, sent = opt.step(n)
+                ncoll = None
+            t3 = time.perf_counter()
+            rows.append({"round": r, "variant": v, "step_s": t3 - t0, "compute_s": t1 - t0, "comm_s": comm_s,
+                         "update_s": t3 - t2, "bytes": sent, "collectives": ncoll, "loss": float(loss.detach())})
+    return {"rows": rows, "params": sum(p.numel() for p in params)}
+
+
+def inner(args) -> int:
+    """Runs inside the namespace: N ranks, all variants; writes the raw per-step rows to --result."""
+    cfg = dict(MODEL, seq_len=args.seq_len, batch_size=args.batch_size, warmup=args.warmup, steps=args.steps,
+               variants=list(args.variants), baseline_update=args.baseline_update)
+    for key in ("n_layer", "d_model", "n_head"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    res = run_ranks(_rank_fn, args.world_size, cfg, timeout=args.timeout)
+    out = {"params": res[0]["params"], "ranks": [r["rows"] for r in res], "cfg": cfg}
+    with open(args.result, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+def summarize(raw, bandwidth_gbit: float, world_size: int, warmup: int) -> list[dict]:
+    rows_by_rank = raw["ranks"]
+    variants = list(dict.fromkeys(r["variant"] for r in rows_by_rank[0]))
+    recs = []
+    for v in variants:
+        steps, comms, comms_max, comps, sent = [], [], [], [], []
+        idx = [i for i, r in enumerate(rows_by_rank[0]) if r["variant"] == v and r["round"] >= warmup]
+        for i in idx:
+            steps.append(max(rr[i]["step_s"] for rr in rows_by_rank))
+            # The last rank to reach a collective measures the network; the others also measure
+            # their wait for it (kernel-time skew: 4 ranks share 2 cores). Report the minimum.
+            comms.append(min(rr[i]["comm_s"] for rr in rows_by_rank))
+            comms_max.append(max(rr[i]["comm_s"] for rr in rows_by_rank))
+            comps.append(max(rr[i]["compute_s"] for rr in rows_by_rank))
+            sent.append(rows_by_rank[0][i]["bytes"])
+        bpr = median(sent)
+        floor = world_size * bpr * 8 / (bandwidth_gbit * 1e9)
+        recs.append({"bench": NAME, "variant": v, "bandwidth_gbit": bandwidth_gbit, "world_size": world_size,
+                     "params": raw["params"], "step_time_s": median(steps), "comm_time_s": median(comms),
+                     "floor_comm_time_s": floor, "speedup_vs_bf16_allreduce": None,
+                     "bytes_per_rank": int(bpr), "compute_time_s": median(comps),
+                     "comm_vs_floor": median(comms) / floor if floor else None, "measured_steps": len(idx),
+                     "comm_time_max_rank_s": median(comms_max),
+                     "step_time_min_s": min(steps) if steps else None, "step_time_max_s": max(steps) if steps else None,
+                     "tokens_per_rank": raw["cfg"]["batch_size"] * raw["cfg"]["seq_len"]})
+    base = next((r for r in recs if r["variant"] == BASELINE), None)
+    for r in recs:
+        if base is not None:
+            r["speedup_vs_bf16_allreduce"] = base["step_time_s"] / r["step_time_s"]
+    return recs
+
+
+# ----------------------------------------------------------------------------- namespace (the parent)
+def _sh(cmd, check=True, **kw):
+    return subprocess.run(cmd, check=check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def preflight() -> str | None:
+    """None when the benchmark can run; otherwise why not."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return ("bench netns needs root: it creates a network namespace (ip netns add) and shapes its loopback "
+                "with tc. Run it as root (e.g. sudo -E .venv/bin/python -m lioncub_ds.bench netns).")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return (f"bench netns needs the '{tool}' command (package iproute2: apt-get update && "
+                    "apt-get install -y iproute2).")
+    return None
+
+
+def _kill_group(proc):
+    if proc is None or proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)  # the child's own session: it and the ranks it spawned
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run(bandwidths=(1.0, 10.0), world_size=4, steps=4, warmup=1, seq_len=32, batch_size=1, variants=VARIANTS,
+        timeout=1200, model_overrides=None, verbose=True, baseline_update="fused"):
+    why = preflight()
+    if why:
+        raise PermissionError(why)
+    ns = f"lioncub-bench-{os.getpid()}-{secrets.token_hex(3)}"
+    child = None
+    records = []
+    with GracefulExit(), tempfile.TemporaryDirectory(prefix="lioncub_netns_") as tmp:
+        try:
+            _sh(["ip", "netns", "add", ns])
+            _sh(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"])
+            for bw in bandwidths:
+                rate = f"{bw:g}gbit"
+                _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate,
+                     "burst", "512kb", "latency", "100ms"])
+                qdisc = _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", "lo"]).stdout.strip()
+                if verbose:
+                    print(f"[bench netns] namespace {ns}: {qdisc}", flush=True)
+                result = os.path.join(tmp, f"raw_{bw:g}.json")
+                cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "lioncub_ds.bench.netns", "--inner",
+                       "--result", result, "--world-size", str(world_size), "--steps", str(steps),
+                       "--warmup", str(warmup), "--seq-len", str(seq_len), "--batch-size", str(batch_size),
+                       "--timeout", str(timeout), "--baseline-update", baseline_update, "--variants", *variants]
+                for key, val in (model_overrides or {}).items():
+                    cmd += [f"--{key.replace('_', '-')}", str(val)]
+                env = dict(os.environ, OMP_NUM_THREADS="1")
+                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d: "hostname cannot be retrieved" inside the netns
+                pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+                t0 = time.perf_counter()
+                child = subprocess.Popen(cmd, env=env, start_new_session=True)
+                rc = child.wait(timeout=timeout + 60)
+                child = None
+                if rc != 0:
+                    raise RuntimeError(f"bench netns: the ranks inside namespace {ns} failed (exit code {rc})")
+                with open(result) as f:
+                    raw = json.load(f)
+                recs = summarize(raw, bw, world_size, warmup)
+                load = os.getloadavg()[0]
+                for r in recs:
+                    r["qdisc"] = f"tbf rate {rate} burst 512kb latency 100ms"
+                    r["baseline_update"] = baseline_update
+                    r["loadavg_1m_after"] = round(load, 2)  # other work on the machine skews CPU time
+                records += recs
+                if verbose:
+                    print(f"[bench netns] {rate}: {len(recs)} variants in {time.perf_counter() - t0:.1f} s",
+                          flush=True)
+        finally:
+            _kill_group(child)
+            res = _sh(["ip", "netns", "del", ns], check=False)
+            if res.returncode != 0 and "No such file" not in res.stderr and verbose:
+                print(f"[bench netns] WARNING: could not delete namespace {ns}: {res.stderr.strip()}",
+                      file=sys.stderr)
+            elif verbose:
+                print(f"[bench netns] deleted namespace {ns}", flush=True)
+    return records
+
+
+TABLE = [("bandwidth_gbit", "Gbit/s"), ("variant", "variant"), ("step_time_s", "step s", ".3f"),
+         ("speedup_vs_bf16_allreduce", "x vs Lion+bf16 AR", ".2f"), ("compute_time_s", "fwd+bwd s", ".3f"),
+         ("comm_time_s", "comm s", ".3f"), ("floor_comm_time_s", "floor s", ".3f"),
+         ("comm_vs_floor", "comm/floor", ".2f"), ("bytes_per_rank", "bytes/rank/step")]
+
+
+def check_goal(records) -> list[str]:
+    out = []
+    for bw in sorted({r["bandwidth_gbit"] for r in records}):
+        cubs = [r for r in records if r["bandwidth_gbit"] == bw and r["variant"].startswith("lioncub")]
+        if not cubs:
+            continue
+        best = max(cubs, key=lambda r: r["speedup_vs_bf16_allreduce"] or 0)
+        out.append(f"{bw:g} Gbit/s: best Lion Cub ({best['variant']}) is {best['speedup_vs_bf16_allreduce']:.2f}x "
+                   f"faster per step than Lion + bf16 all-reduce"
+                   + (f" (goal >= 5x: {'OK' if best['speedup_vs_bf16_allreduce'] >= 5 else 'MISSED'})"
+                      if bw == 1 else ""))
+        for r in cubs:
+            out.append(f"{bw:g} Gbit/s: {r['variant']} communication = {r['comm_vs_floor']:.2f}x its wire-byte floor"
+                       f" (goal <= 1.3x: {'OK' if r['comm_vs_floor'] <= 1.3 else 'MISSED'})")
+    return out
+
+
+def plot(records, out):
+    plt = __import__("lioncub_ds.bench.common", fromlist=["pyplot"]).pyplot()
+    bws = sorted({r["bandwidth_gbit"] for r in records})
+    fig, axes = plt.subplots(1, len(bws), figsize=(6.5 * len(bws), 4.6), dpi=110, squeeze=False)
+    for ax, bw in zip(axes[0], bws):
+        rs = [r for r in records if r["bandwidth_gbit"] == bw]
+        names = [r["variant"].replace("_", "\n", 1) for r in rs]
+        comp = [r["compute_time_s"] for r in rs]
+        comm = [r["comm_time_s"] for r in rs]
+        other = [max(0.0, r["step_time_s"] - r["compute_time_s"] - r["comm_time_s"]) for r in rs]
+        xs = range(len(rs))
+        ax.bar(xs, comp, label="forward + backward", color="#9bbbd9")
+        ax.bar(xs, comm, bottom=comp, label="communication", color="#e07b5a")
+        ax.bar(xs, other, bottom=[a + b for a, b in zip(comp, comm)], label="rest (update, kernels, skew)",
+               color="#cccccc")
+        ax.scatter(xs, [c + r["floor_comm_time_s"] for c, r in zip(comp, rs)], marker="_", s=400, color="k",
+                   label="fwd+bwd + wire floor", zorder=3)
+        for x, r in zip(xs, rs):
+            ax.text(x, r["step_time_s"], f"{r['speedup_vs_bf16_allreduce']:.1f}x", ha="center", va="bottom",
+                    fontsize=8)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names, fontsize=7)
+        ax.set_ylabel("median step time (s)")
+        ax.set_title(f"{rs[0]['world_size']} ranks in a netns, loopback tbf {bw:g} Gbit/s, "
+                     f"{rs[0]['params'] / 1e6:.1f}M-param GPT", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out, "netns.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return [path]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench netns", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bandwidths", type=float, nargs="+", default=[1.0, 10.0], help="tbf rates in Gbit/s")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4, help="measured rounds (one step of every variant each)")
+    p.add_argument("--warmup", type=int, default=1, help="rounds not measured")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per step")
+    p.add_argument("--n-layer", type=int, default=None, help=f"model override (default {MODEL['n_layer']})")
+    p.add_argument("--d-model", type=int, default=None, help=f"model override (default {MODEL['d_model']})")
+    p.add_argument("--n-head", type=int, default=None, help=f"model override (default {MODEL['n_head']})")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--baseline-update", default="fused", choices=("fused", "reference"),
+                   help="the all-reduce baselines' Lion update: LionCub's fused kernels (fair: only the "
+                        "communication differs) or the pure-torch reference lioncub_ds.Lion")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per bandwidth before giving up")
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    add_output_args(p)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.inner:
+        return inner(args)
+    why = preflight()
+    if why:
+        print(f"[bench netns] {why}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    overrides = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head") if getattr(args, k) is not None}
+    try:
+        records = run(tuple(args.bandwidths), args.world_size, args.steps, args.warmup, args.seq_len,
+                      args.batch_size, tuple(args.variants), args.timeout, overrides,
+                      baseline_update=args.baseline_update)
+    except KeyboardInterrupt:
+        print("[bench netns] interrupted (namespace deleted)", file=sys.stderr)
+        return 130
+    except (subprocess.CalledProcessError, RuntimeError) as exc:
+        detail = getattr(exc, "stderr", None)
+        print(f"[bench netns] FAILED: {exc}" + (f": {detail.strip()}" if detail else ""), file=sys.stderr)
+        return 1
+    cfg = dict(MODEL, **overrides)
+    print_table(records, TABLE, title=f"[bench netns] {args.world_size} gloo ranks in a network namespace, GPT "
+                                      f"n_layer={cfg['n_layer']} d_model={cfg['d_model']} "
+                                      f"({records[0]['params']:,} params), {args.batch_size}x{args.seq_len} "
+                                      f"tokens/rank/step, median of {args.steps} interleaved rounds")
+    for m in check_goal(records):
+        print("[bench netns] " + m)
+    finish(NAME, args, records, plot)
+    print(f"[bench netns] done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
