@@ -144,8 +144,8 @@ def _rank_fn(rank, n, cfg):
     return out
 
 
-def run(variants=VARIANTS, seeds=(0, 1), world_size=4, steps=200, preset="tiny", seq_len=64, batch_size=8,
-        lion_lr=1e-3, adamw_lr=3e-3, lion_wd=0.5, adamw_wd=0.1, betas=(0.9, 0.99), warmup=20, eval_every=25,
+def run(variants=VARIANTS, seeds=(0, 1), world_size=4, steps=600, preset="tiny", seq_len=64, batch_size=8,
+        lion_lr=1e-3, adamw_lr=3e-3, lion_wd=0.5, adamw_wd=0.1, betas=(0.9, 0.99), warmup=20, eval_every=50,
         eval_iters=4, sync=None, verbose=True):
     from lioncub_ds.data import load_dataset
 
@@ -194,6 +194,24 @@ def check_goal(records) -> list[str]:
         out.append(f"seed {seed}: best Lion Cub with >= 16x fewer bytes: {best['variant']} val loss "
                    f"{best['val_loss']:.4f} ({gap:+.2f}% vs global Lion), {best['bytes_vs_global_lion']:.1f}x fewer "
                    f"bytes (goal within 2%: {'OK' if gap <= 2 else 'MISSED'})")
+    seeds = sorted({r["seed"] for r in records})
+    if len(seeds) > 1:
+        mean = {}
+        for v in dict.fromkeys(r["variant"] for r in records):
+            rs = [r for r in records if r["variant"] == v]
+            if len(rs) == len(seeds):
+                mean[v] = (sum(r["val_loss"] for r in rs) / len(rs),
+                           min(r["bytes_vs_global_lion"] or 0 for r in rs))
+        if "lion" in mean:
+            cubs = {v: m for v, m in mean.items() if v.startswith("lioncub") and m[1] >= 16}
+            for v, (loss, fewer) in mean.items():
+                out.append(f"mean over seeds {seeds}: {v:22s} val loss {loss:.4f} "
+                           f"({(loss / mean['lion'][0] - 1) * 100:+6.2f}% vs global Lion), {fewer:.1f}x fewer bytes")
+            if cubs:
+                v, (loss, fewer) = min(cubs.items(), key=lambda kv: kv[1][0])
+                gap = (loss / mean["lion"][0] - 1) * 100
+                out.append(f"mean over seeds: best Lion Cub with >= 16x fewer bytes: {v} {gap:+.2f}% vs global Lion "
+                           f"(goal within 2%: {'OK' if gap <= 2 else 'MISSED'})")
     return out
 
 
@@ -238,7 +256,7 @@ def build_parser():
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
@@ -247,7 +265,7 @@ def build_parser():
     p.add_argument("--lion-wd", type=float, default=0.5)
     p.add_argument("--adamw-wd", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=4, help="val batches per rank per evaluation")
     p.add_argument("--sync", default=json.dumps(DEFAULT_SYNC), help="momentum_sync policy (JSON) of the *_sync variants")
     add_output_args(p)
