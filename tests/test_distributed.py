@@ -162,6 +162,14 @@ def test_identical_data_reproduces_single_process_lion(n):
         assert all(res), f"rank {r}: LionCub with identical data differs from Lion ({res})"
 
 
+def _gathered_momenta(opt, model, n):
+    """Every rank's flat momentum, in rank order."""
+    m = torch.cat([opt._momentum(p).reshape(-1) for p in model.parameters()])
+    g = [torch.zeros_like(m) for _ in range(n)]
+    dist.all_gather(g, m)
+    return g
+
+
 def _sync_and_telemetry(rank, n):
     out = {}
     # every-K sync: equal right after a sync step, different between
@@ -175,9 +183,7 @@ def _sync_and_telemetry(rank, n):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(idx), y).backward()
         opt.step()
-        m = torch.cat([opt._momentum(p).reshape(-1) for p in model.parameters()])
-        g = [torch.zeros_like(m) for _ in range(n)]
-        dist.all_gather(g, m)
+        g = _gathered_momenta(opt, model, n)
         equal_after.append(all(torch.equal(g[0], x) for x in g))
     out["every5"] = equal_after
     # two-level: node pairs every step, everyone every 3rd step
@@ -192,9 +198,7 @@ def _sync_and_telemetry(rank, n):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(idx), y).backward()
             opt.step()
-            m = torch.cat([opt._momentum(p).reshape(-1) for p in model.parameters()])
-            g = [torch.zeros_like(m) for _ in range(n)]
-            dist.all_gather(g, m)
+            g = _gathered_momenta(opt, model, n)
             pattern.append((torch.equal(g[0], g[1]), torch.equal(g[2], g[3]), torch.equal(g[0], g[2])))
         out["node"] = pattern
     # layers: only fc2 synced
