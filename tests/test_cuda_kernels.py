@@ -635,3 +635,70 @@ def test_emulation_threads_do_not_matter():
         same(d, outs[0][0], "delta")
         for a, b in zip(params, outs[0][1]):
             same(a, b, "param")
+
+
+# ----------------------------------------------------------------------------- tie rule: layout independence
+TIE_PARAMS = {"a": 37, "b": 100, "c": 13}
+TIE_LAYOUTS = [[["a", "b", "c"]], [["c"], ["b", "a"]], [["b", "c", "a"]]]
+
+
+@pytest.mark.parametrize("n,abstain", [(2, False), (4, True)])
+def test_tie_outcome_independent_of_layout(backend, n, abstain):
+    """SPEC §4: the same votes give the same Δ per parameter whatever the bucket layout, through
+    vote_apply, shard_vote (+ 1-voter decode) and lanes_apply."""
+    be, dev, _ = backend
+    g = gen(900 + n)
+    votes = {}
+    for name, numel in TIE_PARAMS.items():
+        v = torch.where(torch.rand(n, numel, generator=g) < 0.5, 1, -1).to(torch.int8)
+        v[: n // 2, ::2], v[n // 2:, ::2] = 1, -1  # exact ties at every other element
+        if abstain:
+            v[0, 1::5] = 0
+        votes[name] = v
+    p = codec.lane_bits_for(n)
+
+    def run(layout, how):
+        params = {name: torch.zeros(numel, device=dev) for name, numel in TIE_PARAMS.items()}
+        for names in layout:
+            offs, o = [], 0
+            for name in names:
+                offs.append(o)
+                o += (TIE_PARAMS[name] + 7) // 8 * 8
+            total = codec.padded_numel(o, n)
+            full = torch.zeros(n, total, dtype=torch.int8)
+            for name, off in zip(names, offs):
+                full[:, off:off + TIE_PARAMS[name]] = votes[name]
+            sign = torch.stack([codec.pack_bits(r > 0) for r in full]).to(dev)
+            nz = torch.stack([codec.pack_bits(r != 0) for r in full]).to(dev) if abstain else None
+            ps = [params[nm] for nm in names]
+            if how == "vote_apply":
+                be.vote_apply(sign, nz, ps, offs, 1.0, 0.0, 3, "hash", "majority", n)
+            elif how == "shard_vote":
+                shard = total // 8 // n
+                rs, rz = [], []
+                for r in range(n):
+                    segs = codec.tie_segments(offs, start=r * shard * 8, stop=(r + 1) * shard * 8)
+                    s, z = be.shard_vote(sign[:, r * shard:(r + 1) * shard].contiguous(),
+                                         None if nz is None else nz[:, r * shard:(r + 1) * shard].contiguous(), 3,
+                                         "hash", segs)
+                    rs.append(s)
+                    rz.append(z)
+                be.vote_apply(torch.cat(rs).view(1, -1), torch.cat(rz).view(1, -1), ps, offs, 1.0, 0.0, 3, "hash",
+                              "majority", 1)
+            else:
+                plus = torch.zeros(total * p // 8, dtype=torch.uint8, device=dev)
+                cnt = torch.zeros_like(plus) if abstain else None
+                for r in range(n):
+                    pr, cr = be.count_lanes(sign[r:r + 1].contiguous(),
+                                            None if nz is None else nz[r:r + 1].contiguous(), p)
+                    plus += pr
+                    if abstain:
+                        cnt += cr
+                be.lanes_apply(plus, cnt, n, p, ps, offs, 1.0, 0.0, 3, "hash", "majority")
+        return params
+
+    for how in ("vote_apply", "shard_vote", "lanes_apply"):
+        res = [run(lay, how) for lay in TIE_LAYOUTS]
+        for k, r in enumerate(res[1:], 1):
+            for name in TIE_PARAMS:
+                same(r[name], res[0][name], f"{how}: parameter {name!r}, layout {k} vs 0")
