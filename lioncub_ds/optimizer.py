@@ -448,7 +448,7 @@ class LionCub(Optimizer):
             return
         for i, (b, (be, grads, momenta, sign, nz, codes)) in enumerate(zip(self._buckets, local)):
             g = self.param_groups[b.group_index]
-            job = VoteJob(b.params, b.offsets, b.numel, b.base, g["lr"], g["weight_decay"], step, cfg.tie_break,
+            job = VoteJob(b.params, b.offsets, b.numel, None, g["lr"], g["weight_decay"], step, cfg.tie_break,
                           cfg.vote, sign=sign, nonzero=nz if flags[1 + i] > 0 else None, codes=codes)
             b.algorithm.run(job, coll, be)
             be.momentum_update_list(momenta, grads, g["betas"][1])

@@ -23,7 +23,8 @@ ARCHS = ("80", "90")
 FLAGS = ("-c", "-std=c++17", "--fmad=false", "-O3")
 ALLOWED_INCLUDES = {"cuda_runtime.h", "cuda_runtime_api.h", "cuda_bf16.h", "cuda_fp16.h", "vector_types.h",
                     "stdint.h", "stddef.h", "string.h", "math.h", "cstdint", "cstddef", "cstring", "cmath",
-                    "lioncub_cuda.h", "lioncub_cuda_common.cuh"}
+                    "lioncub_cuda.h", "lioncub_cuda_common.cuh", "../common/lioncub_common.h"}
+COMMON = ROOT / "csrc" / "common" / "lioncub_common.h"
 
 
 def find_nvcc() -> str | None:
@@ -61,10 +62,12 @@ def compiled():
 
 def test_sources_exist():
     assert "lioncub_local.cu" in SOURCES and "lioncub_vote.cu" in SOURCES, SOURCES
-    assert (CUDA_DIR / "lioncub_cuda.h").exists()
+    assert (CUDA_DIR / "lioncub_cuda.h").exists() and COMMON.exists()
+    # the host emulation is test-only: it lives under tests/, never in csrc/ (the wheel ships csrc/)
+    assert not list(CUDA_DIR.glob("*emu*")) and (ROOT / "tests" / "cuda_emu" / "lioncub_cuda_emu.cpp").exists()
 
 
-@pytest.mark.parametrize("src", SOURCES + ["lioncub_cuda.h", "lioncub_cuda_common.cuh"])
+@pytest.mark.parametrize("src", SOURCES + ["lioncub_cuda.h", "lioncub_cuda_common.cuh", "../common/lioncub_common.h"])
 def test_sources_include_no_torch(src):
     text = (CUDA_DIR / src).read_text()
     includes = re.findall(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', text, flags=re.M)

@@ -46,57 +46,10 @@ namespace lioncub {
 namespace cpu {
 namespace detail {
 
-constexpr int64_t kGrain = 32768;  // at::internal::GRAIN_SIZE (torch's reduction split)
 constexpr int64_t kChunk = 32768;  // elements per work item of the streaming kernels (multiple of 64)
 constexpr int64_t kBlk = 512;      // elements per decision block of the apply kernels (multiple of 64; L1-sized)
 
-inline uint32_t f2u(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float u2f(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float bf16_to_f32(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
-// Round to nearest even; a NaN stays a quiet NaN with its sign and top payload bits.
-inline uint16_t f32_to_bf16(float f) {
-  const uint32_t u = f2u(f);
-  const uint32_t rne = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t nan = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>(f != f ? nan : rne);  // f != f: NaN (a single compare once vectorized)
-}
-// f rounded to bf16 (round to nearest even), returned as the fp32 value of that bf16.
-inline float round_bf16(float f) {
-  const uint32_t u = f2u(f);
-  const uint32_t rne = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  const uint32_t nan = (u | 0x00400000u) & 0xFFFF0000u;
-  return u2f(f != f ? nan : rne);
-}
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t ex = (h >> 10) & 0x1Fu;
-  const uint32_t man = h & 0x3FFu;
-  if (ex == 0x1Fu) return u2f(sign | 0x7F800000u | (man << 13));
-  if (ex == 0) {
-    const float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
-    return sign ? -f : f;
-  }
-  return u2f(sign | ((ex + 112u) << 23) | (man << 13));
-}
-
-// codec.tie_hash_sign: uint32 arithmetic mod 2**32; the vote is +1 when the low bit is set.
-inline uint32_t tie_hash(uint32_t step, uint32_t idx) {
-  uint32_t h = idx * 0x9E3779B1u + step * 0x85EBCA77u + 0x165667B1u;
-  h ^= h >> 15;
-  h *= 0x2C1B3C6Du;
-  h ^= h >> 12;
-  h *= 0x297A2D39u;
-  h ^= h >> 15;
-  return h;
-}
+// f2u / u2f, the bf16 / fp16 conversions and the tie hash: csrc/common/lioncub_common.h (lcc).
 
 // spread[v]: byte j = bit j of v (used to turn bit-sliced counter planes into byte counts).
 struct SpreadTable {
@@ -112,12 +65,6 @@ struct SpreadTable {
 inline const uint64_t* spread() {
   static const SpreadTable table;
   return table.t;
-}
-
-// utils::CeilLog2 of ATen (cascade-sum level size).
-inline int64_t ceil_log2(int64_t x) {
-  if (x <= 2) return 1;
-  return 64 - __builtin_clzll(static_cast<unsigned long long>(x - 1));
 }
 
 inline int64_t divup(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -156,188 +103,6 @@ inline void parallel_for_static(int64_t n, int nthreads, const F& f) {
   }
 #endif
   for (int64_t i = 0; i < n; ++i) f(i);
-}
-
-// How torch splits a full reduction of L elements over T threads (TensorIteratorBase::parallel_reduce
-// -> two_pass_reduction -> at::parallel_for with GRAIN_SIZE): chunk c is [c*cs, min(L, (c+1)*cs)).
-struct SumPlan {
-  int64_t L = 0;
-  int T = 1;
-  bool serial = true;
-  int64_t cs = 0;
-  int64_t nchunks = 0;
-};
-inline SumPlan plan_sum(int64_t L, int T) {
-  SumPlan p;
-  p.L = L;
-  p.T = std::max(1, T);
-  if (L <= 0) {
-    p.nchunks = 0;
-    return p;
-  }
-  if (L < kGrain || p.T == 1) {
-    p.serial = true;
-    p.cs = L;
-    p.nchunks = 1;
-  } else {
-    const int64_t nthr = std::min<int64_t>(p.T, divup(L, kGrain));
-    p.serial = false;
-    p.cs = divup(L, nthr);
-    p.nchunks = divup(L, p.cs);
-  }
-  return p;
-}
-
-// ATen's cascade_sum for one contiguous chunk of L values fed in order (SumKernel.cpp:
-// vectorized_inner_sum -> row_sum -> multi_row_sum with 4 levels, 4 columns of W-lane vectors).
-// W = 1 reproduces the scalar row_sum used when L < Vectorized::size().
-template <typename T, int W>
-struct CascadeSum {
-  static constexpr int R = 4 * W;  // values per row (4 vectors)
-  int64_t L, vec_size, rows_end, vec_end;
-  int lp;
-  int64_t lmask;
-  int64_t pos = 0, nrows = 0;
-  bool finalized = false;
-  T acc[4][4][W];
-  T fin = T(0);
-  T buf[R];
-  int bufn = 0;
-
-  explicit CascadeSum(int64_t len) : L(len) {
-    vec_size = L / W;
-    const int64_t rows = vec_size / 4;
-    rows_end = rows * R;
-    vec_end = vec_size * W;
-    lp = static_cast<int>(std::max<int64_t>(4, ceil_log2(rows) / 4));
-    lmask = (int64_t(1) << lp) - 1;
-    for (int j = 0; j < 4; ++j)
-      for (int k = 0; k < 4; ++k)
-        for (int l = 0; l < W; ++l) acc[j][k][l] = T(0);
-  }
-  inline void add_row(const T* x) {
-    for (int k = 0; k < 4; ++k)
-      for (int l = 0; l < W; ++l) acc[0][k][l] += x[k * W + l];
-    ++nrows;
-    if ((nrows & lmask) == 0) {
-      for (int j = 1; j < 4; ++j) {
-        for (int k = 0; k < 4; ++k)
-          for (int l = 0; l < W; ++l) {
-            acc[j][k][l] += acc[j - 1][k][l];
-            acc[j - 1][k][l] = T(0);
-          }
-        if ((nrows & (lmask << (j * lp))) != 0) break;
-      }
-    }
-  }
-  inline void finalize_rows() {
-    for (int j = 1; j < 4; ++j)
-      for (int k = 0; k < 4; ++k)
-        for (int l = 0; l < W; ++l) acc[0][k][l] += acc[j][k][l];
-    finalized = true;
-  }
-  void feed(const T* x, int64_t n) {
-    while (n > 0) {
-      if (pos < rows_end) {
-        if (bufn == 0) {
-          const int64_t nr = std::min(n / R, (rows_end - pos) / R);
-          for (int64_t r = 0; r < nr; ++r) add_row(x + r * R);
-          if (nr > 0) {
-            x += nr * R;
-            n -= nr * R;
-            pos += nr * R;
-            continue;
-          }
-        }
-        const int64_t take = std::min<int64_t>(std::min<int64_t>(n, R - bufn), rows_end - pos);
-        for (int64_t i = 0; i < take; ++i) buf[bufn + i] = x[i];
-        bufn += static_cast<int>(take);
-        x += take;
-        n -= take;
-        pos += take;
-        if (bufn == R) {
-          add_row(buf);
-          bufn = 0;
-        }
-        continue;
-      }
-      if (!finalized) finalize_rows();
-      if (pos < vec_end) {
-        const int64_t take = std::min<int64_t>(std::min<int64_t>(n, W - bufn), vec_end - pos);
-        for (int64_t i = 0; i < take; ++i) buf[bufn + i] = x[i];
-        bufn += static_cast<int>(take);
-        x += take;
-        n -= take;
-        pos += take;
-        if (bufn == W) {
-          for (int l = 0; l < W; ++l) acc[0][0][l] += buf[l];
-          bufn = 0;
-        }
-        continue;
-      }
-      fin += *x;  // scalar tail of vectorized_inner_sum
-      ++x;
-      --n;
-      ++pos;
-    }
-  }
-  T finish() {
-    if (!finalized) finalize_rows();
-    for (int k = 1; k < 4; ++k)
-      for (int l = 0; l < W; ++l) acc[0][0][l] += acc[0][k][l];
-    T r = fin;
-    for (int l = 0; l < W; ++l) r += acc[0][0][l];
-    return r;
-  }
-};
-
-// Sum of one chunk of L values produced in order by gen(n, out), in torch's order for a
-// `vec_width`-lane Vectorized<T>.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // gen() fills tmp before feed() reads it
-#endif
-template <typename T, int W, class Gen>
-inline T cascade_chunk_w(int64_t L, Gen& gen) {
-  CascadeSum<T, W> s(L);
-  T tmp[512];
-  int64_t left = L;
-  while (left > 0) {
-    const int64_t n = std::min<int64_t>(512, left);
-    gen(n, tmp);
-    s.feed(tmp, n);
-    left -= n;
-  }
-  return s.finish();
-}
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-template <typename T, class Gen>
-inline T cascade_chunk(int64_t L, int vec_width, Gen& gen) {
-  if (L < vec_width) return cascade_chunk_w<T, 1>(L, gen);
-  switch (vec_width) {
-    case 4: return cascade_chunk_w<T, 4>(L, gen);
-    case 8: return cascade_chunk_w<T, 8>(L, gen);
-    case 16: return cascade_chunk_w<T, 16>(L, gen);
-    default: return cascade_chunk_w<T, 1>(L, gen);
-  }
-}
-// Combine per-chunk results like two_pass_reduction: buffer[T] (identity 0), then a cascade sum
-// of the buffer, then out = 0 + that.
-template <typename T>
-inline T combine_chunks(const SumPlan& p, const T* partials, int vec_width) {
-  if (p.nchunks == 0) return T(0);
-  if (p.serial) return T(0) + partials[0];
-  std::vector<T> buffer(p.T, T(0));
-  for (int64_t c = 0; c < p.nchunks; ++c) buffer[c] = T(0) + partials[c];
-  int64_t i = 0;
-  auto gen = [&](int64_t n, T* out) {
-    for (int64_t j = 0; j < n; ++j) out[j] = buffer[i + j];
-    i += n;
-  };
-  const T r = cascade_chunk<T>(p.T, vec_width, gen);
-  return T(0) + r;
 }
 
 }  // namespace detail
@@ -428,8 +193,10 @@ void vote_apply(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, in
 }
 
 void shard_vote(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t shard_bytes, int64_t step,
-                int32_t tie, int64_t base, uint8_t* out_sign, uint8_t* out_nonzero, int nthreads) {
-  LC_CALL(shard_vote_impl, sign, nonzero, nplanes, shard_bytes, step, tie, base, out_sign, out_nonzero, nthreads);
+                int32_t tie, const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign, uint8_t* out_nonzero,
+                int nthreads) {
+  LC_CALL(shard_vote_impl, sign, nonzero, nplanes, shard_bytes, step, tie, tie_rows, tie_nrows, out_sign,
+          out_nonzero, nthreads);
 }
 
 int64_t count_lanes(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t shard_bytes, int p,
@@ -443,32 +210,13 @@ void lanes_apply(const uint8_t* plus, const uint8_t* cnt, int64_t lane_bytes, in
 }
 
 int64_t int8_local_step(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total, double beta1,
-                        int32_t kind, int32_t levels, int vec_width, int torch_threads, int8_t* q_out,
-                        int nthreads) {
-  return LC_CALL(int8_local_step_impl, grads, momenta, ntensors, total, beta1, kind, levels, vec_width,
-                 torch_threads, q_out, nthreads);
+                        int32_t kind, int32_t levels, int8_t* q_out, int nthreads) {
+  return LC_CALL(int8_local_step_impl, grads, momenta, ntensors, total, beta1, kind, levels, q_out, nthreads);
 }
 
 void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, double lr,
                 double weight_decay, float* delta_out, int nthreads) {
   LC_CALL(int8_apply_impl, qsum, numel, params, nparams, lr, weight_decay, delta_out, nthreads);
-}
-
-float torch_mean_abs(const float* x, int64_t n, int vec_width, int torch_threads) {
-  using namespace detail;
-  const SumPlan plan = plan_sum(n, torch_threads);
-  std::vector<float> part(std::max<int64_t>(1, plan.nchunks), 0.f);
-  for (int64_t c = 0; c < plan.nchunks; ++c) {
-    const int64_t b = c * plan.cs, e = std::min(n, b + plan.cs);
-    int64_t i = b;
-    auto gen = [&](int64_t k, float* out) {
-      for (int64_t j = 0; j < k; ++j) out[j] = std::fabs(x[i + j]);
-      i += k;
-    };
-    part[c] = cascade_chunk<float>(e - b, vec_width, gen);
-  }
-  const float s = combine_chunks<float>(plan, part.data(), vec_width);
-  return n ? s / static_cast<float>(n) : 0.f;
 }
 
 #undef LC_CALL
@@ -843,14 +591,16 @@ struct PlaneCounter {
 struct DecideArgs {
   int32_t vote, tie;
   float world_f;    // (float)world_size, the average divisor
-  uint32_t step32;  // step mod 2**32 (hash)
+  uint64_t step;    // hash tie rule
   int32_t alt;      // +1 on odd steps, -1 on even steps
-  uint64_t base;    // flat index of bucket element 0
+  const int64_t* tie_rows;  // tie-index table (lcc::tie_index)
+  int64_t tie_nrows;
 };
 
+// Δ of n elements whose tie indices are idx0, idx0 + 1, ... (one tie-index segment).
 template <int VOTE, int TIE, bool HASCNT>
 inline void decide_t(const int32_t* __restrict plus, const int32_t* __restrict cnt, int32_t cnt_const, int64_t n,
-                     const DecideArgs& a, int64_t e0, float* __restrict delta) {
+                     const DecideArgs& a, uint64_t idx0, float* __restrict delta) {
   if constexpr (VOTE == kAverage) {
     const float w = a.world_f;
     for (int64_t j = 0; j < n; ++j) {
@@ -859,8 +609,7 @@ inline void decide_t(const int32_t* __restrict plus, const int32_t* __restrict c
       delta[j] = static_cast<float>(d) / w;
     }
   } else {
-    const uint32_t idx0 = static_cast<uint32_t>(a.base + static_cast<uint64_t>(e0));
-    const uint32_t step32 = a.step32;
+    const uint64_t step = a.step;
     const int32_t alt = a.alt;
     for (int64_t j = 0; j < n; ++j) {
       const int32_t c = HASCNT ? cnt[j] : cnt_const;
@@ -872,10 +621,29 @@ inline void decide_t(const int32_t* __restrict plus, const int32_t* __restrict c
         s += tie * alt;
       } else if constexpr (TIE == kTieHash) {
         const int32_t tie = static_cast<int32_t>(d == 0) & static_cast<int32_t>(c > 0);
-        const int32_t hv = static_cast<int32_t>((tie_hash(step32, idx0 + static_cast<uint32_t>(j)) & 1u) << 1) - 1;
+        const int32_t hv = static_cast<int32_t>((tie_hash(step, idx0 + static_cast<uint64_t>(j)) & 1u) << 1) - 1;
         s += tie * hv;
       }
       delta[j] = static_cast<float>(s);
+    }
+  }
+}
+
+template <int VOTE, int TIE, bool HASCNT>
+inline void decide_seg(const int32_t* plus, const int32_t* cnt, int32_t cnt_const, int64_t n, const DecideArgs& a,
+                       int64_t e0, float* delta) {
+  if constexpr (TIE != kTieHash) {
+    decide_t<VOTE, TIE, HASCNT>(plus, cnt, cnt_const, n, a, 0, delta);
+  } else {
+    // split [e0, e0 + n) where a new tie-index segment starts (a parameter boundary)
+    int64_t j = 0;
+    while (j < n) {
+      const int64_t pos = e0 + j;
+      const int64_t next = tie_next_start(a.tie_rows, a.tie_nrows, pos);
+      const int64_t len = std::min(n - j, next - pos);
+      decide_t<VOTE, TIE, HASCNT>(plus + j, HASCNT ? cnt + j : cnt, cnt_const, len, a,
+                                  tie_index(a.tie_rows, a.tie_nrows, pos), delta + j);
+      j += len;
     }
   }
 }
@@ -884,8 +652,8 @@ inline void decide(const int32_t* plus, const int32_t* cnt, int32_t cnt_const, i
                    int64_t e0, float* delta) {
   const bool hc = cnt != nullptr;
   if (a.vote == kAverage) {
-    if (hc) decide_t<kAverage, kTieZero, true>(plus, cnt, cnt_const, n, a, e0, delta);
-    else decide_t<kAverage, kTieZero, false>(plus, cnt, cnt_const, n, a, e0, delta);
+    if (hc) decide_seg<kAverage, kTieZero, true>(plus, cnt, cnt_const, n, a, e0, delta);
+    else decide_seg<kAverage, kTieZero, false>(plus, cnt, cnt_const, n, a, e0, delta);
     return;
   }
   // Without per-element voter counts and with an odd count, 2*plus - cnt is never 0: no tie can
@@ -893,28 +661,30 @@ inline void decide(const int32_t* plus, const int32_t* cnt, int32_t cnt_const, i
   const int32_t tie = (!hc && (cnt_const & 1)) ? static_cast<int32_t>(kTieZero) : a.tie;
   switch (tie) {
     case kTieAlternate:
-      if (hc) decide_t<kMajority, kTieAlternate, true>(plus, cnt, cnt_const, n, a, e0, delta);
-      else decide_t<kMajority, kTieAlternate, false>(plus, cnt, cnt_const, n, a, e0, delta);
+      if (hc) decide_seg<kMajority, kTieAlternate, true>(plus, cnt, cnt_const, n, a, e0, delta);
+      else decide_seg<kMajority, kTieAlternate, false>(plus, cnt, cnt_const, n, a, e0, delta);
       break;
     case kTieHash:
-      if (hc) decide_t<kMajority, kTieHash, true>(plus, cnt, cnt_const, n, a, e0, delta);
-      else decide_t<kMajority, kTieHash, false>(plus, cnt, cnt_const, n, a, e0, delta);
+      if (hc) decide_seg<kMajority, kTieHash, true>(plus, cnt, cnt_const, n, a, e0, delta);
+      else decide_seg<kMajority, kTieHash, false>(plus, cnt, cnt_const, n, a, e0, delta);
       break;
     default:
-      if (hc) decide_t<kMajority, kTieZero, true>(plus, cnt, cnt_const, n, a, e0, delta);
-      else decide_t<kMajority, kTieZero, false>(plus, cnt, cnt_const, n, a, e0, delta);
+      if (hc) decide_seg<kMajority, kTieZero, true>(plus, cnt, cnt_const, n, a, e0, delta);
+      else decide_seg<kMajority, kTieZero, false>(plus, cnt, cnt_const, n, a, e0, delta);
       break;
   }
 }
 
-DecideArgs make_decide_args(int32_t vote, int32_t tie, int64_t world_size, int64_t step, int64_t base) {
+DecideArgs make_decide_args(int32_t vote, int32_t tie, int64_t world_size, int64_t step, const int64_t* tie_rows,
+                            int64_t tie_nrows) {
   DecideArgs a;
   a.vote = vote;
   a.tie = tie;
   a.world_f = static_cast<float>(static_cast<double>(world_size));
-  a.step32 = static_cast<uint32_t>(static_cast<uint64_t>(step));
+  a.step = static_cast<uint64_t>(step);
   a.alt = (step & 1) ? 1 : -1;
-  a.base = static_cast<uint64_t>(base);
+  a.tie_rows = tie_rows;
+  a.tie_nrows = tie_nrows;
   return a;
 }
 
@@ -939,14 +709,21 @@ inline uint64_t bs_ge_const(const uint64_t* P, int nb, int64_t k) {
   return gt | eq;
 }
 
-// 64 tie-break bits of codec.tie_hash_sign (1 = +1) for flat indices idx0 .. idx0+63.
-inline uint64_t hash_bits64(uint32_t step32, uint32_t idx0) {
-  alignas(64) uint32_t hv[64];
-  for (int j = 0; j < 64; ++j) hv[j] = tie_hash(step32, idx0 + static_cast<uint32_t>(j)) & 1u;
-  uint32_t lo = 0, hi = 0;
-  for (int j = 0; j < 32; ++j) lo |= hv[j] << j;
-  for (int j = 0; j < 32; ++j) hi |= hv[32 + j] << j;
-  return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+// 64 tie-break bits of codec.tie_hash_sign (1 = +1) for positions e .. e+63 under a tie-index table.
+inline uint64_t hash_bits64(uint64_t step, const int64_t* rows, int64_t nrows, int64_t e) {
+  const uint64_t idx0 = tie_index(rows, nrows, e);
+  if (tie_next_start(rows, nrows, e) >= e + 64) {  // one segment (the common case): vectorizes
+    alignas(64) uint32_t hv[64];
+    for (int j = 0; j < 64; ++j) hv[j] = tie_hash(step, idx0 + static_cast<uint64_t>(j)) & 1u;
+    uint32_t lo = 0, hi = 0;
+    for (int j = 0; j < 32; ++j) lo |= hv[j] << j;
+    for (int j = 0; j < 32; ++j) hi |= hv[32 + j] << j;
+    return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+  }
+  uint64_t out = 0;
+  for (int j = 0; j < 64; ++j)
+    out |= static_cast<uint64_t>(tie_hash(step, tie_index(rows, nrows, e + j)) & 1u) << j;
+  return out;
 }
 
 // Δ of 64 elements as float -1/0/+1 from the final (pos, neg) masks.
@@ -977,9 +754,10 @@ struct MajorityCounter {
   int64_t N, B;
   int nbits;
   int32_t tie;
-  uint32_t step32;
+  uint64_t step;
   int32_t alt;
-  uint64_t base;
+  const int64_t* tie_rows;  // tie-index table (lcc::tie_index)
+  int64_t tie_nrows;
 
   // final (pos, neg) masks of the 64 elements starting at element e (e % 64 == 0)
   template <int NB, bool NZ>
@@ -1025,7 +803,7 @@ struct MajorityCounter {
       if (tie == kTieAlternate) {
         if (alt > 0) pos |= ties; else neg |= ties;
       } else if (tie == kTieHash) {
-        const uint64_t hb = hash_bits64(step32, static_cast<uint32_t>(base + static_cast<uint64_t>(e)));
+        const uint64_t hb = hash_bits64(step, tie_rows, tie_nrows, e);
         pos |= ties & hb;
         neg |= ties & ~hb;
       }
@@ -1047,7 +825,7 @@ struct MajorityCounter {
 };
 
 MajorityCounter make_majority(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t bytes,
-                              int32_t tie, int64_t step, int64_t base) {
+                              int32_t tie, int64_t step, const int64_t* tie_rows, int64_t tie_nrows) {
   MajorityCounter mc;
   mc.sign = sign;
   mc.nz = nonzero;
@@ -1055,9 +833,10 @@ MajorityCounter make_majority(const uint8_t* sign, const uint8_t* nonzero, int64
   mc.B = bytes;
   mc.nbits = bit_length(nplanes);
   mc.tie = tie;
-  mc.step32 = static_cast<uint32_t>(static_cast<uint64_t>(step));
+  mc.step = static_cast<uint64_t>(step);
   mc.alt = (step & 1) ? 1 : -1;
-  mc.base = static_cast<uint64_t>(base);
+  mc.tie_rows = tie_rows;
+  mc.tie_nrows = tie_nrows;
   return mc;
 }
 
@@ -1158,7 +937,8 @@ void apply_driver(int64_t numel, const Slot* params, int64_t nparams, double lr,
 void vote_apply_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t plane_bytes,
                      const Slot* params, int64_t nparams, const ApplyArgs& args, float* delta_out, int nthreads) {
   if (args.vote == kMajority) {
-    const MajorityCounter mc = make_majority(sign, nonzero, nplanes, plane_bytes, args.tie, args.step, args.base);
+    const MajorityCounter mc = make_majority(sign, nonzero, nplanes, plane_bytes, args.tie, args.step, args.tie_rows,
+                                              args.tie_nrows);
     auto prod = [&](int64_t e0, int64_t n, float* delta) {
       for (int64_t w0 = 0; w0 < n; w0 += 64) {  // delta has room for whole words (kBlk % 64 == 0)
         uint64_t pos, neg;
@@ -1170,7 +950,8 @@ void vote_apply_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t nplane
     return;
   }
   const PlaneCounter pc{sign, nonzero, nplanes, plane_bytes, bit_length(nplanes)};
-  const DecideArgs da = make_decide_args(args.vote, args.tie, args.world_size, args.step, args.base);
+  const DecideArgs da =
+      make_decide_args(args.vote, args.tie, args.world_size, args.step, args.tie_rows, args.tie_nrows);
   const int32_t cnt_const = static_cast<int32_t>(nplanes);
   auto prod = [&](int64_t e0, int64_t n, float* delta) {
     alignas(64) int32_t plus[kBlk], cnt[kBlk];
@@ -1182,11 +963,11 @@ void vote_apply_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t nplane
 
 // ------------------------------------------------------------------ (d) shard_vote
 void shard_vote_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t shard_bytes,
-                     int64_t step, int32_t tie, int64_t base, uint8_t* out_sign, uint8_t* out_nonzero,
-                     int nthreads) {
+                     int64_t step, int32_t tie, const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign,
+                     uint8_t* out_nonzero, int nthreads) {
   const int64_t numel = shard_bytes * 8;
   if (numel <= 0) return;
-  const MajorityCounter mc = make_majority(sign, nonzero, nplanes, shard_bytes, tie, step, base);
+  const MajorityCounter mc = make_majority(sign, nonzero, nplanes, shard_bytes, tie, step, tie_rows, tie_nrows);
   const int64_t nblocks = divup(numel, kBlk);
   parallel_for_static(nblocks, threads_for(numel * nplanes / 4, nthreads), [&](int64_t b) {
     const int64_t e0 = b * kBlk;
@@ -1243,7 +1024,8 @@ int64_t count_lanes_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t np
 void lanes_apply_impl(const uint8_t* plus, const uint8_t* cnt, int64_t lane_bytes, int p, const Slot* params,
                       int64_t nparams, const ApplyArgs& args, float* delta_out, int nthreads) {
   const int64_t numel = lane_bytes * 8 / p;
-  const DecideArgs da = make_decide_args(args.vote, args.tie, args.world_size, args.step, args.base);
+  const DecideArgs da =
+      make_decide_args(args.vote, args.tie, args.world_size, args.step, args.tie_rows, args.tie_nrows);
   const int32_t cnt_const = static_cast<int32_t>(args.world_size);
   const uint32_t mask = (1u << p) - 1u;
   auto prod = [&](int64_t e0, int64_t n, float* delta) {
@@ -1294,72 +1076,45 @@ inline int64_t c_block(const void* g, const void* m, int64_t i0, int64_t n, floa
   return bad;
 }
 
+// Partial statistics of one block of kSumBlock elements of one tensor (lcc: the defined order).
+struct SumAcc {
+  double s = 0.0;    // l1: ordered sum of |c| over the block; l0: of log(m); linf: max |c|
+  int64_t nnz = 0;   // l0: #nonzero |c|
+  int64_t esum = 0;  // l0: sum of the exponents e (exact)
+  int64_t bad = 0;   // #non-finite c
+};
+
 template <int GT, int MT>
 struct Int8Tensor {
-  // l1: torch-order partial sum of |c| over [b, e); counts non-finite.
-  static float l1_chunk(const Slot& g, const Slot& m, int64_t b, int64_t e, float b1, float ob1, int vw,
-                        int64_t& bad) {
-    int64_t i = b;
-    int64_t nb = 0;
-    auto gen = [&](int64_t n, float* out) {
-      nb += c_block<GT, MT, true>(g.data, m.data, i, n, b1, ob1, out);
-      i += n;
-    };
-    const float r = cascade_chunk<float>(e - b, vw, gen);
-    bad += nb;
-    return r;
-  }
-  static float linf_chunk(const Slot& g, const Slot& m, int64_t b, int64_t e, float b1, float ob1, int64_t& bad) {
+  // The block [b, e) (b a multiple of kSumBlock): lane l adds elements b + l + 256k in index order.
+  static SumAcc block(const Slot& g, const Slot& m, int64_t b, int64_t e, float b1, float ob1, int kind) {
     alignas(64) float tmp[512];
+    alignas(64) double acc[kSumLanes];
+    for (int l = 0; l < kSumLanes; ++l) acc[l] = 0.0;
+    SumAcc r;
     float mx = 0.0f;
-    int64_t nb = 0;
-    for (int64_t i = b; i < e; i += 512) {
+    for (int64_t i = b; i < e; i += 512) {  // i - b is a multiple of 512: element i + j is in lane j & 255
       const int64_t n = std::min<int64_t>(512, e - i);
-      nb += c_block<GT, MT, true>(g.data, m.data, i, n, b1, ob1, tmp);
-      for (int64_t j = 0; j < n; ++j) mx = tmp[j] > mx ? tmp[j] : mx;
-    }
-    bad += nb;
-    return mx;
-  }
-  // l0 pass 1: #non-finite and #(|c| > 0) over [b, e).
-  static int64_t nnz_block(const Slot& g, const Slot& m, int64_t b, int64_t e, float b1, float ob1, int64_t& bad) {
-    alignas(64) float tmp[512];
-    int64_t nz = 0, nb = 0;
-    for (int64_t i = b; i < e; i += 512) {
-      const int64_t n = std::min<int64_t>(512, e - i);
-      nb += c_block<GT, MT, true>(g.data, m.data, i, n, b1, ob1, tmp);
-      for (int64_t j = 0; j < n; ++j) nz += tmp[j] > 0.0f ? 1 : 0;
-    }
-    bad += nb;
-    return nz;
-  }
-  // l0 pass 2: torch-order sum of log(|c|) (double) over the nonzero values with compacted index
-  // in [cb, ce); the first of them lies at or after element `start`, after `skip` nonzeros.
-  static double l0_chunk(const Slot& g, const Slot& m, int64_t start, int64_t skip, int64_t count, float b1,
-                         float ob1, int vw) {
-    alignas(64) float ebuf[512];
-    int64_t eb_n = 0, eb_pos = 0, i = start;
-    const int64_t numel = m.numel;
-    auto gen = [&](int64_t n, double* out) {
-      int64_t k = 0;
-      while (k < n) {
-        if (eb_pos == eb_n) {
-          eb_n = std::min<int64_t>(512, numel - i);
-          c_block<GT, MT, true>(g.data, m.data, i, eb_n, b1, ob1, ebuf);
-          i += eb_n;
-          eb_pos = 0;
-        }
-        const float a = ebuf[eb_pos++];
-        if (a > 0.0f) {
-          if (skip > 0) {
-            --skip;
-          } else {
-            out[k++] = std::log(static_cast<double>(a));
+      r.bad += c_block<GT, MT, true>(g.data, m.data, i, n, b1, ob1, tmp);
+      if (kind == kScaleL1) {
+        const int64_t n0 = std::min<int64_t>(n, kSumLanes);
+        for (int64_t j = 0; j < n0; ++j) acc[j] += static_cast<double>(tmp[j]);
+        for (int64_t j = kSumLanes; j < n; ++j) acc[j - kSumLanes] += static_cast<double>(tmp[j]);
+      } else if (kind == kScaleL0) {
+        for (int64_t j = 0; j < n; ++j) {
+          if (tmp[j] > 0.0f) {
+            double lm;
+            r.esum += log_parts(tmp[j], &lm);
+            r.nnz += 1;
+            acc[j & (kSumLanes - 1)] += lm;
           }
         }
+      } else {
+        for (int64_t j = 0; j < n; ++j) mx = tmp[j] > mx ? tmp[j] : mx;
       }
-    };
-    return cascade_chunk<double>(count, vw, gen);
+    }
+    r.s = kind == kScaleLinf ? static_cast<double>(mx) : lane_tree(acc);
+    return r;
   }
   static void quantize(const Slot& g, const Slot& m, int64_t b, int64_t e, float b1, float ob1, float hs,
                        float scale, float lv, int8_t* q) {
@@ -1382,13 +1137,11 @@ struct Int8Tensor {
 }  // namespace
 
 int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total,
-                             double beta1, int32_t kind, int32_t levels, int vec_width, int torch_threads,
-                             int8_t* q_out, int nthreads) {
+                             double beta1, int32_t kind, int32_t levels, int8_t* q_out, int nthreads) {
   (void)total;
   const float b1 = static_cast<float>(beta1), ob1 = static_cast<float>(1.0 - beta1);
   const float hs = static_cast<float>(static_cast<double>(levels) / 2.0);
   const float lv = static_cast<float>(levels);
-  const int vw = vec_width > 0 ? vec_width : 8;
   int64_t work = 0;
   for (int64_t t = 0; t < ntensors; ++t) work += momenta[t].numel;
   const int nthr = threads_for(work, nthreads);
@@ -1396,7 +1149,7 @@ int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t nte
   int64_t bad_total = 0;
 
   struct Task {
-    int64_t t, b, e, c;
+    int64_t t, b, e;
   };
 #define LC_INT8(G, M, BODY)                  \
   do {                                       \
@@ -1414,107 +1167,36 @@ int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t nte
     else if (lc_key_ == kF16 * 4 + kBF16) LC_INT8(kF16, kBF16, BODY);                \
   } while (0)
 
-  if (kind == kScaleL1 || kind == kScaleLinf) {
-    std::vector<SumPlan> plans(ntensors);
-    std::vector<Task> tasks;
-    std::vector<int64_t> first(ntensors + 1, 0);
-    for (int64_t t = 0; t < ntensors; ++t) {
-      const int64_t n = momenta[t].numel;
-      first[t] = static_cast<int64_t>(tasks.size());
-      if (kind == kScaleL1) {
-        plans[t] = plan_sum(n, torch_threads);
-        for (int64_t c = 0; c < plans[t].nchunks; ++c)
-          tasks.push_back({t, c * plans[t].cs, std::min(n, (c + 1) * plans[t].cs), c});
-      } else {
-        for (int64_t b = 0, c = 0; b < n; b += kChunk, ++c) tasks.push_back({t, b, std::min(n, b + kChunk), c});
-      }
+  // pass 1: the statistics of every block of kSumBlock elements (in parallel, any order)
+  std::vector<Task> tasks;
+  std::vector<int64_t> first(ntensors + 1, 0);
+  for (int64_t t = 0; t < ntensors; ++t) {
+    first[t] = static_cast<int64_t>(tasks.size());
+    const int64_t n = momenta[t].numel;
+    for (int64_t b = 0; b < n; b += kSumBlock) tasks.push_back({t, b, std::min(n, b + kSumBlock)});
+  }
+  first[ntensors] = static_cast<int64_t>(tasks.size());
+  std::vector<SumAcc> part(tasks.size());
+  parallel_for_dynamic(static_cast<int64_t>(tasks.size()), nthr, [&](int64_t i) {
+    const Task& T = tasks[i];
+    const Slot& g = grads[T.t];
+    const Slot& m = momenta[T.t];
+    LC_I8_SWITCH(g.dtype, m.dtype, part[i] = K::block(g, m, T.b, T.e, b1, ob1, kind));
+  });
+  // pass 2: per tensor, the block results in block order (the defined order)
+  for (int64_t t = 0; t < ntensors; ++t) {
+    double s = 0.0;
+    int64_t nnz = 0, esum = 0;
+    for (int64_t i = first[t]; i < first[t + 1]; ++i) {
+      bad_total += part[i].bad;
+      if (kind == kScaleLinf) s = part[i].s > s ? part[i].s : s;
+      else s += part[i].s;
+      nnz += part[i].nnz;
+      esum += part[i].esum;
     }
-    first[ntensors] = static_cast<int64_t>(tasks.size());
-    std::vector<float> part(tasks.size(), 0.0f);
-    std::vector<int64_t> bad(tasks.size(), 0);
-    parallel_for_dynamic(static_cast<int64_t>(tasks.size()), nthr, [&](int64_t i) {
-      const Task& T = tasks[i];
-      const Slot& g = grads[T.t];
-      const Slot& m = momenta[T.t];
-      if (kind == kScaleL1) {
-        LC_I8_SWITCH(g.dtype, m.dtype, part[i] = K::l1_chunk(g, m, T.b, T.e, b1, ob1, vw, bad[i]));
-      } else {
-        LC_I8_SWITCH(g.dtype, m.dtype, part[i] = K::linf_chunk(g, m, T.b, T.e, b1, ob1, bad[i]));
-      }
-    });
-    for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i) bad_total += bad[i];
-    for (int64_t t = 0; t < ntensors; ++t) {
-      const int64_t n = momenta[t].numel;
-      if (n == 0) continue;
-      if (kind == kScaleL1) {
-        const float s = combine_chunks<float>(plans[t], part.data() + first[t], vw);
-        scale[t] = s / static_cast<float>(n);  // mean = sum.div_(numel): fp32 division by (float)numel
-      } else {
-        float mx = 0.0f;
-        for (int64_t i = first[t]; i < first[t + 1]; ++i) mx = part[i] > mx ? part[i] : mx;
-        scale[t] = mx;
-      }
-    }
-  } else {  // l0
-    // pass 1: per block of kChunk elements, #non-finite and #nonzero |c|
-    std::vector<Task> blocks;
-    std::vector<int64_t> first(ntensors + 1, 0);
-    for (int64_t t = 0; t < ntensors; ++t) {
-      first[t] = static_cast<int64_t>(blocks.size());
-      const int64_t n = momenta[t].numel;
-      for (int64_t b = 0, c = 0; b < n; b += kChunk, ++c) blocks.push_back({t, b, std::min(n, b + kChunk), c});
-    }
-    first[ntensors] = static_cast<int64_t>(blocks.size());
-    std::vector<int64_t> nnz(blocks.size(), 0), bad(blocks.size(), 0);
-    parallel_for_dynamic(static_cast<int64_t>(blocks.size()), nthr, [&](int64_t i) {
-      const Task& T = blocks[i];
-      const Slot& g = grads[T.t];
-      const Slot& m = momenta[T.t];
-      LC_I8_SWITCH(g.dtype, m.dtype, nnz[i] = K::nnz_block(g, m, T.b, T.e, b1, ob1, bad[i]));
-    });
-    for (size_t i = 0; i < blocks.size(); ++i) bad_total += bad[i];
-    // pass 2: torch-order sum of log|c| over the compacted nonzero values of each tensor
-    std::vector<SumPlan> plans(ntensors);
-    std::vector<std::vector<int64_t>> prefix(ntensors);
-    struct L0Task {
-      int64_t t, start, skip, count;
-    };
-    std::vector<L0Task> tasks;
-    std::vector<int64_t> tfirst(ntensors + 1, 0);
-    for (int64_t t = 0; t < ntensors; ++t) {
-      std::vector<int64_t>& pre = prefix[t];
-      const int64_t nb = first[t + 1] - first[t];
-      pre.assign(nb + 1, 0);
-      for (int64_t k = 0; k < nb; ++k) pre[k + 1] = pre[k] + nnz[first[t] + k];
-      const int64_t total_nz = pre[nb];
-      plans[t] = plan_sum(total_nz, torch_threads);
-      tfirst[t] = static_cast<int64_t>(tasks.size());
-      for (int64_t c = 0; c < plans[t].nchunks; ++c) {
-        const int64_t cb = c * plans[t].cs, ce = std::min(total_nz, cb + plans[t].cs);
-        // block k holds compacted indices [pre[k], pre[k+1])
-        const int64_t k = static_cast<int64_t>(std::upper_bound(pre.begin(), pre.end(), cb) - pre.begin()) - 1;
-        tasks.push_back({t, k * kChunk, cb - pre[k], ce - cb});
-      }
-    }
-    tfirst[ntensors] = static_cast<int64_t>(tasks.size());
-    std::vector<double> part(tasks.size(), 0.0);
-    const int vwd = std::max(1, vw / 2);  // Vectorized<double>::size()
-    parallel_for_dynamic(static_cast<int64_t>(tasks.size()), nthr, [&](int64_t i) {
-      const L0Task& T = tasks[i];
-      const Slot& g = grads[T.t];
-      const Slot& m = momenta[T.t];
-      LC_I8_SWITCH(g.dtype, m.dtype, part[i] = K::l0_chunk(g, m, T.start, T.skip, T.count, b1, ob1, vwd));
-    });
-    for (int64_t t = 0; t < ntensors; ++t) {
-      const int64_t total_nz = prefix[t].empty() ? 0 : prefix[t].back();
-      if (total_nz == 0) {
-        scale[t] = 0.0f;
-        continue;
-      }
-      const double s = combine_chunks<double>(plans[t], part.data() + tfirst[t], vwd);
-      const double mean = s / static_cast<double>(total_nz);
-      scale[t] = static_cast<float>(std::exp(mean));
-    }
+    if (kind == kScaleL1) scale[t] = l1_scale(s, momenta[t].numel);
+    else if (kind == kScaleL0) scale[t] = l0_scale(esum, s, nnz);
+    else scale[t] = static_cast<float>(s);
   }
 
   // quantize
@@ -1523,7 +1205,7 @@ int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t nte
     const float a = scale[t];
     if (!(a > 0.0f) || !std::isfinite(a)) continue;  // a == 0 or non-finite: q stays 0
     const int64_t n = momenta[t].numel;
-    for (int64_t b = 0; b < n; b += kChunk) qtasks.push_back({t, b, std::min(n, b + kChunk), 0});
+    for (int64_t b = 0; b < n; b += kChunk) qtasks.push_back({t, b, std::min(n, b + kChunk)});
   }
   parallel_for_dynamic(static_cast<int64_t>(qtasks.size()), nthr, [&](int64_t i) {
     const Task& T = qtasks[i];

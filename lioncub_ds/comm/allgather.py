@@ -18,7 +18,7 @@ class AllGatherVote(VoteAlgorithm):
         nonzero = gathered[:, nbytes:] if job.nonzero is not None else None
         backend.vote_apply(sign.contiguous(), None if nonzero is None else nonzero.contiguous(), job.params,
                            job.offsets, job.lr, job.weight_decay, job.step, job.tie_break, job.vote,
-                           coll.world_size, job.base, return_delta=False)
+                           coll.world_size, job.segments(), return_delta=False)
 
     def wire_bytes(self, numel, world_size, *, abstain=False, vote="majority", tie_break="hash"):
         planes = 2 if abstain else 1

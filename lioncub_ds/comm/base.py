@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..codec import tie_segments
 from ..groups import broadcast
 from ..telemetry import CommStats
 
@@ -118,7 +119,9 @@ class VoteJob:
     params: list          # the bucket's parameters
     offsets: list         # element offset of each parameter in the bucket (multiples of 8)
     numel: int            # padded bucket size: a multiple of 8·N
-    base: int             # flat index of the bucket's first element (for the hash tie rule)
+    # index inside its parameter of each parameter's first element in this bucket (the hash tie
+    # rule keys on the parameter-local index, SPEC §4); None: every parameter starts whole, at 0
+    param_starts: list | None
     lr: float
     weight_decay: float
     step: int             # 1-based optimizer step
@@ -127,6 +130,15 @@ class VoteJob:
     sign: torch.Tensor | None = None     # uint8 [numel/8]
     nonzero: torch.Tensor | None = None  # uint8 [numel/8], only when some rank abstains somewhere
     codes: torch.Tensor | None = None    # int8 [numel] (int8 algorithm)
+
+    def __post_init__(self):
+        if self.param_starts is not None and not isinstance(self.param_starts, (list, tuple)):
+            raise TypeError("VoteJob.param_starts must be None or one parameter-local start index per parameter, "
+                            f"got {self.param_starts!r} (the hash tie rule no longer takes a flat bucket base)")
+
+    def segments(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tie-index table of bucket positions [start, stop) (codec.tie_segments)."""
+        return tie_segments(self.offsets, self.param_starts, start, stop)
 
 
 class VoteAlgorithm:

@@ -34,7 +34,8 @@ class OneBitVote(VoteAlgorithm):
         recv = coll.all_to_all(send, self.name)
         sign = recv[:, :shard].contiguous()
         nonzero = recv[:, shard:].contiguous() if job.nonzero is not None else None
-        shard_base = job.base + rank * shard * 8
+        # the tie-index table of this rank's shard: parameter-local indices, whatever the layout
+        shard_segments = job.segments(rank * shard * 8, (rank + 1) * shard * 8)
         abstain = job.nonzero is not None
         if job.vote == "average":
             p = lane_bits_for(n)
@@ -44,16 +45,16 @@ class OneBitVote(VoteAlgorithm):
             plus_all = gathered[:, :lanes].reshape(-1)
             cnt_all = gathered[:, lanes:].reshape(-1) if cnt is not None else None
             backend.lanes_apply(plus_all, cnt_all, n, p, job.params, job.offsets, job.lr, job.weight_decay,
-                                job.step, job.tie_break, "average", job.base, return_delta=False)
+                                job.step, job.tie_break, "average", job.segments(), return_delta=False)
             return
-        res_sign, res_nz = backend.shard_vote(sign, nonzero, job.step, job.tie_break, shard_base)
+        res_sign, res_nz = backend.shard_vote(sign, nonzero, job.step, job.tie_break, shard_segments)
         send_nz = phase2_needs_nonzero(n, abstain, job.tie_break)
         gathered = coll.all_gather(stack_planes(res_sign, res_nz if send_nz else None), self.name)
         full_sign = gathered[:, :shard].reshape(1, -1)
         full_nz = gathered[:, shard:].reshape(1, -1) if send_nz else None
         # One "voter" (the agreed result): counting it reproduces Δ exactly, no tie is possible.
         backend.vote_apply(full_sign, full_nz, job.params, job.offsets, job.lr, job.weight_decay, job.step,
-                           job.tie_break, "majority", 1, job.base, return_delta=False)
+                           job.tie_break, "majority", 1, job.segments(), return_delta=False)
 
     def wire_bytes(self, numel, world_size, *, abstain=False, vote="majority", tie_break="hash"):
         n = world_size

@@ -38,7 +38,7 @@ class PBitVote(VoteAlgorithm):
         summed = coll.all_reduce_(stack_planes(plus, cnt).clone(), self.name)
         lanes = plus.numel()
         backend.lanes_apply(summed[:lanes], summed[lanes:] if cnt is not None else None, n, p, job.params,
-                            job.offsets, job.lr, job.weight_decay, job.step, job.tie_break, job.vote, job.base,
+                            job.offsets, job.lr, job.weight_decay, job.step, job.tie_break, job.vote, job.segments(),
                             return_delta=False)
 
     def wire_bytes(self, numel, world_size, *, abstain=False, vote="majority", tie_break="hash"):
