@@ -11,6 +11,7 @@ The optimizer knows nothing of DeepSpeed or Megatron; they set ``process_group``
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -18,15 +19,16 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from . import ops
-from .codec import int8_levels, padded_numel
-from .comm import Collectives, VoteJob, make_algorithm
+from .codec import padded_numel
+from .comm import Collectives, make_algorithm
+from .comm.abstain import list_capacity, real_mask
 from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
 from .config import LionCubConfig, LionCubConfigError
 from .lion import lion as lion_functional
 from .groups import consecutive_blocks, create_on_all_ranks, group_ranks
 from .momentum_sync import MomentumSync, node_group_size, select_params
+from .pipeline import VotePipeline, comm_batches
 from .telemetry import CommStats
 
 log = logging.getLogger("lioncub_ds")
@@ -62,6 +64,9 @@ class Bucket:
     real_numel: int
     base: int
     algorithm: object = None
+    mask: object = None      # uint8 plane: bit 1 at real elements (abstention lists are relative to it)
+    capacity: int = 0        # entries of an abstention list (0: the plane always travels)
+    mode: str = "list"       # how abstentions travel this step: "list" or "plane" (agreed, see _finish)
 
 
 def check_world_size(cfg: LionCubConfig, n: int) -> None:
@@ -123,6 +128,10 @@ class LionCub(Optimizer):
         drift_action: "raise" or "resync" (broadcast from rank 0, with a warning).
         timeout_s: collective timeout; a dead rank makes the others fail after this long.
         foreach: single-process path: None (auto), True, False.
+        comm_bucket_mb: MB of packed votes per communication batch: one collective per phase for a
+            whole batch of parameter buckets (default 4).
+        overlap: start each bucket's vote from gradient-ready hooks during backward (like DDP);
+            ``no_sync()`` for gradient accumulation. Bit-identical to overlap=False.
 
     Process groups (the timeout group, node subgroups) are created here, on every rank of the
     world in the same order, when torch.distributed is initialized (else at the first step),
@@ -133,14 +142,14 @@ class LionCub(Optimizer):
                  quant="sign", tie_break="hash", momentum_sync=None, process_group=None,
                  momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
                  nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
-                 **unknown):
+                 comm_bucket_mb=4.0, overlap=False, **unknown):
         # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
         # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
         settings = dict(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
                         tie_break=tie_break, momentum_sync=momentum_sync, momentum_dtype=momentum_dtype,
                         bucket_size_mb=bucket_size_mb, pbit_bits=pbit_bits, nonfinite=nonfinite,
                         drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
-                        foreach=foreach, **unknown)
+                        foreach=foreach, comm_bucket_mb=comm_bucket_mb, overlap=overlap, **unknown)
         if network is not None:
             settings["network"] = network
         self.config = LionCubConfig.from_kwargs(**settings)
@@ -158,6 +167,9 @@ class LionCub(Optimizer):
                                          "model.named_parameters() or param groups carrying 'param_names'")
         super().__init__(groups, defaults)
         self._buckets = None
+        self._pipe = None
+        self._no_sync_depth = 0
+        self._warned_revote = False
         self._step_count = 0
         self.stats = CommStats()
         self._plan_logged = False
@@ -260,7 +272,15 @@ class LionCub(Optimizer):
             else:
                 name = cfg.comm
             b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits)
+            if b.algorithm.encoding == "bits":
+                b.mask = real_mask(b.offsets, [p.numel() for p in b.params], b.numel, b.params[0].device)
+                b.capacity = list_capacity(b.numel // 8, n)
+                b.mode = "list" if b.capacity > 0 else "plane"
         self._buckets = buckets
+        self._batches = comm_batches(buckets, cfg.comm_bucket_mb, n)
+        self._pipe = VotePipeline(self)
+        if cfg.overlap:
+            self._install_hooks()
         # Frozen at the first step: not in the buckets. A gradient showing up there later would be
         # ignored silently, so step() checks them (a cheap loop over a usually empty list).
         self._frozen = frozen
@@ -290,7 +310,7 @@ class LionCub(Optimizer):
         cost = CostModel.from_network(cfg.network["bandwidth_gbit"], cfg.network["latency_us"])
         return [{"bucket": i, "group": b.group_index, "numel": b.real_numel, "padded_numel": b.numel,
                  "algorithm": b.algorithm.name,
-                 "wire_bytes": b.algorithm.wire_bytes(b.numel, n, vote=cfg.vote, tie_break=cfg.tie_break),
+                 "wire_bytes": b.algorithm.wire_bytes(b.numel, n, mode=b.mode, vote=cfg.vote, tie_break=cfg.tie_break),
                  "predicted_s": cost.predict(b.algorithm.name, b.real_numel, n, vote=cfg.vote,
                                              tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)}
                 for i, b in enumerate(self._buckets)]
@@ -367,20 +387,13 @@ class LionCub(Optimizer):
                 self.state[p]["step"] += 1
         self._step_count += 1
 
-    def _check_step_inputs(self) -> str | None:
+    def _frozen_param_error(self) -> str | None:
         """This rank's reason to refuse the step, or None (agreed through the flags before raising)."""
         for p, name in self._frozen:
             if p.grad is not None:
                 return (f"LionCub: parameter {name or tuple(p.shape)} had requires_grad=False at the first step (so it "
                         "has no place in the vote buckets) but now has a gradient on this rank; set requires_grad "
                         "before the first step, or clear its .grad")
-        for b in self._buckets:
-            for p, name in zip(b.params, b.names):
-                gr = p.grad
-                if gr is not None and (gr.is_sparse or gr.shape != p.shape or gr.device != p.device):
-                    return (f"LionCub: the gradient of parameter {name or tuple(p.shape)} is "
-                            f"{'sparse' if gr.is_sparse else f'{tuple(gr.shape)} on {gr.device}'}; allowed: a dense "
-                            f"gradient of the parameter's shape {tuple(p.shape)} on {p.device}")
         return None
 
     @property
@@ -401,58 +414,37 @@ class LionCub(Optimizer):
         cfg = self.config
         if self._buckets is None:
             self._build_buckets()
-        group, n, rank = self._dist
-        coll = self._coll
+        n = self.world_size
+        pipe = self._pipe
         step = self._step_count + 1
-        input_error = self._check_step_inputs()
-        levels = int8_levels(n) if cfg.quant != "sign" else None
-        local, bad = [], 0
-        zero_flags = []
-        for b in (self._buckets if input_error is None else []):
-            g = self.param_groups[b.group_index]
-            b1, b2 = g["betas"]
-            be = ops.backend_for(b.params[0].device.type)
-            grads = self._grads(b)
-            momenta = [self._momentum(p) for p in b.params]
-            if b.algorithm.encoding == "int8":
-                codes, nb = be.int8_local_step(grads, momenta, b.offsets, b.numel, b1, cfg.quant, levels)
-                local.append((be, grads, momenta, None, None, codes))
-                zero_flags.append(0)
-            else:
-                sign, nz, nb, nzero = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, False)
-                local.append((be, grads, momenta, sign, nz, None))
-                zero_flags.append(1 if nzero > 0 else 0)
-            bad += nb
-        # One tiny all-reduce, the step's only host read: how many ranks have a NaN/Inf, which
-        # buckets have abstentions, and how many ranks found an unusable input (raised below on
-        # every rank together: an error raised on one rank alone would leave the others waiting).
-        zero_flags += [0] * (len(self._buckets) - len(zero_flags))
-        flags = torch.tensor([1 if bad else 0] + zero_flags + [1 if input_error else 0], dtype=torch.int32,
-                             device=self._device)
-        coll.all_reduce_(flags, "control")
-        flags = flags.tolist()
-        if flags[-1] > 0:
+        if pipe.stale or (pipe.busy and pipe.changed_since_vote()):
+            # A gradient changed after its bucket voted during backward (a second backward without
+            # no_sync(), or clipping in place): vote again from the gradients as they are now.
+            if not self._warned_revote:
+                log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward (a "
+                            "second backward without opt.no_sync(), or in-place clipping); voting again in step()")
+                self._warned_revote = True
+            pipe.drain()
+        flags, input_error, nonfinite = pipe.finish(self._frozen_param_error())
+        if flags[1] > 0:
+            pipe.drain()
             self.stats.end_step()
             raise StepInputError(
                 (input_error + "; " if input_error else "LionCub: ") +
-                f"{flags[-1]} of {n} ranks found an unusable input at step {step}; every rank raises this, no "
+                f"{flags[1]} of {n} ranks found an unusable input at step {step}; every rank raises this, no "
                 "state was changed")
         if flags[0] > 0:
+            pipe.drain()
             self._skipped_steps += 1
             self.stats.end_step()
             if cfg.nonfinite == "raise":
                 raise NonFiniteError(f"LionCub: non-finite gradient or momentum on {flags[0]} of {n} ranks at step "
-                                     f"{step} (this rank: {bad} values); nonfinite='raise'. No state was changed.")
+                                     f"{step} (this rank: {nonfinite} values); nonfinite='raise'. No state was "
+                                     "changed.")
             log.warning("LionCub: non-finite gradient/momentum on %d of %d ranks at step %d: step skipped on every rank",
                         flags[0], n, step)
             return
-        for i, (b, (be, grads, momenta, sign, nz, codes)) in enumerate(zip(self._buckets, local)):
-            g = self.param_groups[b.group_index]
-            job = VoteJob(b.params, b.offsets, b.numel, None, g["lr"], g["weight_decay"], step, cfg.tie_break,
-                          cfg.vote, sign=sign, nonzero=nz if flags[1 + i] > 0 else None, codes=codes)
-            b.algorithm.run(job, coll, be)
-            be.momentum_update_list(momenta, grads, g["betas"][1])
-            self.stats.add_baseline(b.real_numel, n)
+        pipe.complete(flags)
         self._step_count = step
         for b in self._buckets:
             for p in b.params:
@@ -464,6 +456,46 @@ class LionCub(Optimizer):
         self.stats.end_step()
         if cfg.drift_check_every and step % cfg.drift_check_every == 0:
             self.check_replicas()  # its bytes count towards the next step
+
+    # ------------------------------------------------------------------ overlap with backward
+    def _install_hooks(self):
+        self._hook_handles = []
+        for i, b in enumerate(self._buckets):
+            for p in b.params:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param, i=i: self._on_grad_ready(i, param)))
+
+    def _on_grad_ready(self, i, p):
+        if self._no_sync_depth == 0:
+            self._pipe.grad_ready(i, p)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation with ``overlap=True``: backward passes inside this context only
+        accumulate gradients; the backward after it (the last micro-batch) starts the votes.
+        Without overlap it changes nothing (votes always start in ``step()``)."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def prepare_step(self):
+        """Start every vote now (the local steps of buckets without one yet, and their launches),
+        so communication runs while the caller does other work before ``step()``. Collective:
+        call it on every rank, or on none."""
+        if not self.distributed:
+            return
+        if self._buckets is None:
+            self._build_buckets()
+        self._pipe.launch_all()
+
+    def zero_grad(self, set_to_none: bool = True):
+        # Votes started in backward for gradients that are now being discarded: finish their
+        # collectives (every rank does the same) and forget them.
+        if self._pipe is not None and self._pipe.busy:
+            self._pipe.drain()
+        super().zero_grad(set_to_none=set_to_none)
 
     def sync_momenta(self, scope: str = "world") -> None:
         """Average the momenta now (fp32 all-reduce then divide), over the vote group
