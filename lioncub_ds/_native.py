@@ -217,15 +217,19 @@ def check_bucket(tensors, offsets, limit, name, others=None, others_name=None) -
                 raise ValueError(f"lioncub kernels: {name}[{i}] has {a.numel()} elements but {others_name}[{i}] has "
                                  f"{b.numel()}")
     spans = []
+    ordered = True
     for i, (t, o) in enumerate(zip(tensors, offs)):
+        n = t.numel()
         if o < 0 or o % 8:
             raise ValueError(f"lioncub kernels: offsets[{i}]={o} must be a non-negative multiple of 8")
-        if limit is not None and o + t.numel() > limit:
-            raise ValueError(f"lioncub kernels: {name}[{i}] ({t.numel()} elements at offset {o}) does not fit the "
+        if limit is not None and o + n > limit:
+            raise ValueError(f"lioncub kernels: {name}[{i}] ({n} elements at offset {o}) does not fit the "
                              f"bucket of {limit} elements")
-        if t.numel():
-            spans.append((o, o + t.numel(), i))
-    spans.sort()
+        if n:
+            ordered = ordered and (not spans or o >= spans[-1][0])
+            spans.append((o, o + n, i))
+    if not ordered:
+        spans.sort()
     for (a0, a1, i), (b0, _, j) in zip(spans, spans[1:]):
         if b0 < a1:
             raise ValueError(f"lioncub kernels: {name}[{i}] and {name}[{j}] overlap in the bucket "

@@ -279,6 +279,12 @@ def test_vote_apply_big(be, pdt):
     assert_same_float(d_ref, d_cpp, "delta")
     for a, b in zip(p_ref, p_cpp):
         assert_same_float(a, b, "param")
+    # the same indices through lanes_apply (its decision loop splits runs where the low word wraps)
+    plus = codec.count_lanes(sign, nz, 4)
+    p_ref, p_cpp = clone_all(params), clone_all(params)
+    d_ref = codec.lanes_apply(plus[0], plus[1], 4, 4, p_ref, offs, 1e-4, 0.1, 11, "hash", "majority", segs)
+    d_cpp = be.lanes_apply(plus[0], plus[1], 4, 4, p_cpp, offs, 1e-4, 0.1, 11, "hash", "majority", segs)
+    assert_same_float(d_ref, d_cpp, "delta (lanes)")
 
 
 # ----------------------------------------------------------------------------- (d) shard_vote

@@ -149,15 +149,22 @@ LC_HD uint16_t f32_to_f16(float f) {
 // The hash tie rule keys on (step, i) where i is the element's index INSIDE ITS PARAMETER,
 // never a position in a bucket: codec.tie_hash_sign. uint32 arithmetic mod 2**32; the tied
 // coordinate takes +1 when bit 0 of the hash is set, -1 otherwise.
-LC_HD uint32_t tie_hash(uint64_t step, uint64_t index) {
-  uint32_t h = static_cast<uint32_t>(index) * 0x9E3779B1u + static_cast<uint32_t>(index >> 32) * 0xC2B2AE3Du +
-               static_cast<uint32_t>(step) * 0x85EBCA77u + 0x165667B1u;
+// The hash split for vector loops: tie_hash(step, i) == tie_hash_mix(lo(i) * 0x9E3779B1 +
+// tie_hash_base(step, hi(i))), so a run of indices with one high word is a 32-bit loop.
+LC_HD uint32_t tie_hash_base(uint64_t step, uint32_t hi) {
+  return hi * 0xC2B2AE3Du + static_cast<uint32_t>(step) * 0x85EBCA77u + 0x165667B1u;
+}
+LC_HD uint32_t tie_hash_mix(uint32_t h) {
   h ^= h >> 15;
   h *= 0x2C1B3C6Du;
   h ^= h >> 12;
   h *= 0x297A2D39u;
   h ^= h >> 15;
   return h;
+}
+LC_HD uint32_t tie_hash(uint64_t step, uint64_t index) {
+  return tie_hash_mix(static_cast<uint32_t>(index) * 0x9E3779B1u +
+                      tie_hash_base(step, static_cast<uint32_t>(index >> 32)));
 }
 
 // Tie-index table (codec.tie_segments): `nrows` rows of int64 (pos, index), sorted by pos with

@@ -128,7 +128,8 @@ inline void decide_t(const int32_t* __restrict plus, const int32_t* __restrict c
       delta[j] = static_cast<float>(d) / w;
     }
   } else {
-    const uint64_t step = a.step;
+    const uint32_t lo0 = static_cast<uint32_t>(idx0);
+    const uint32_t hb = tie_hash_base(a.step, static_cast<uint32_t>(idx0 >> 32));
     const int32_t alt = a.alt;
     for (int64_t j = 0; j < n; ++j) {
       const int32_t c = HASCNT ? cnt[j] : cnt_const;
@@ -139,8 +140,10 @@ inline void decide_t(const int32_t* __restrict plus, const int32_t* __restrict c
         const int32_t tie = static_cast<int32_t>(d == 0) & static_cast<int32_t>(c > 0);
         s += tie * alt;
       } else if constexpr (TIE == kTieHash) {
+        // the caller guarantees one high word over the run: lo(idx0) + n - 1 does not wrap
         const int32_t tie = static_cast<int32_t>(d == 0) & static_cast<int32_t>(c > 0);
-        const int32_t hv = static_cast<int32_t>((tie_hash(step, idx0 + static_cast<uint64_t>(j)) & 1u) << 1) - 1;
+        const uint32_t h = tie_hash_mix((lo0 + static_cast<uint32_t>(j)) * 0x9E3779B1u + hb);
+        const int32_t hv = static_cast<int32_t>((h & 1u) << 1) - 1;
         s += tie * hv;
       }
       delta[j] = static_cast<float>(s);
@@ -154,14 +157,16 @@ inline void decide_seg(const int32_t* plus, const int32_t* cnt, int32_t cnt_cons
   if constexpr (TIE != kTieHash) {
     decide_t<VOTE, TIE, HASCNT>(plus, cnt, cnt_const, n, a, 0, delta);
   } else {
-    // split [e0, e0 + n) where a new tie-index segment starts (a parameter boundary)
+    // split [e0, e0 + n) where a new tie-index segment starts (a parameter boundary) and where the
+    // low 32 bits of the index wrap (so each run has one high word)
     int64_t j = 0;
     while (j < n) {
       const int64_t pos = e0 + j;
       const int64_t next = tie_next_start(a.tie_rows, a.tie_nrows, pos);
-      const int64_t len = std::min(n - j, next - pos);
-      decide_t<VOTE, TIE, HASCNT>(plus + j, HASCNT ? cnt + j : cnt, cnt_const, len, a,
-                                  tie_index(a.tie_rows, a.tie_nrows, pos), delta + j);
+      const uint64_t idx = tie_index(a.tie_rows, a.tie_nrows, pos);
+      const int64_t to_wrap = static_cast<int64_t>(0x100000000ull - (idx & 0xFFFFFFFFull));
+      const int64_t len = std::min(std::min(n - j, next - pos), to_wrap);
+      decide_t<VOTE, TIE, HASCNT>(plus + j, HASCNT ? cnt + j : cnt, cnt_const, len, a, idx, delta + j);
       j += len;
     }
   }
@@ -231,9 +236,12 @@ inline uint64_t bs_ge_const(const uint64_t* P, int nb, int64_t k) {
 // 64 tie-break bits of codec.tie_hash_sign (1 = +1) for positions e .. e+63 under a tie-index table.
 inline uint64_t hash_bits64(uint64_t step, const int64_t* rows, int64_t nrows, int64_t e) {
   const uint64_t idx0 = tie_index(rows, nrows, e);
-  if (tie_next_start(rows, nrows, e) >= e + 64) {  // one segment (the common case): vectorizes
+  const uint32_t lo0 = static_cast<uint32_t>(idx0);
+  if (tie_next_start(rows, nrows, e) >= e + 64 && lo0 <= 0xFFFFFFFFu - 63u) {
+    // one segment and one high word (the common case): a 32-bit loop that vectorizes
+    const uint32_t hb = tie_hash_base(step, static_cast<uint32_t>(idx0 >> 32));
     alignas(64) uint32_t hv[64];
-    for (int j = 0; j < 64; ++j) hv[j] = tie_hash(step, idx0 + static_cast<uint64_t>(j)) & 1u;
+    for (int j = 0; j < 64; ++j) hv[j] = tie_hash_mix((lo0 + static_cast<uint32_t>(j)) * 0x9E3779B1u + hb) & 1u;
     uint32_t lo = 0, hi = 0;
     for (int j = 0; j < 32; ++j) lo |= hv[j] << j;
     for (int j = 0; j < 32; ++j) hi |= hv[32 + j] << j;
