@@ -153,6 +153,14 @@ def test_backend_interface_matches_torch_backend(be):
         assert all(p.default is not inspect.Parameter.empty for p in got[len(want):]), name
     assert be.name == "cpp"
     assert be.isa in ("avx2", "baseline")
+    from lioncub_ds._native_cuda import CudaBackend
+
+    for backend in (be, ops.TorchBackend(), CudaBackend(None)):
+        assert isinstance(backend, ops.Backend), backend
+    for name in ("vote_apply", "shard_vote", "lanes_apply", "int8_local_step"):  # the Protocol is the reference's
+        want = [p.name for p in inspect.signature(getattr(codec, name)).parameters.values()]
+        got = [p.name for p in inspect.signature(getattr(ops.Backend, name)).parameters.values()][1:]
+        assert got == want, name
 
 
 def test_loader_forced_cpp(monkeypatch):
