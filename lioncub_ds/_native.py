@@ -253,8 +253,8 @@ def check_planes(sign, nonzero, two_d: bool, max_rows=None) -> None:
 
 def check_world(world_size) -> int:
     w = int(world_size)
-    if w < 1:
-        raise ValueError(f"lioncub kernels: world_size must be >= 1, got {world_size!r}")
+    if not 1 <= w < 2**31:
+        raise ValueError(f"lioncub kernels: world_size must be in 1..2**31-1, got {world_size!r}")
     return w
 
 

@@ -27,6 +27,59 @@
 #error "lioncub kernels assume a little-endian machine (bit planes are read as little-endian words)"
 #endif
 
+// ----------------------------------------------------------------------------- argument structs
+// One ABI for the CPU and the CUDA kernels (C layout; csrc/cuda/lioncub_cuda.h uses the same).
+//
+// The scalars of an apply (vote_apply, lanes_apply, int8_apply), computed on the host by
+// lc_make_apply_args exactly like codec.apply_update does: decay = (float)(1.0 - lr*wd) in
+// double, apply_decay = ((1.0 - lr*wd) != 1.0) in double, neg_lr = (float)(-lr).
+typedef struct lc_apply_args {
+  float neg_lr;
+  float decay;
+  int32_t apply_decay;
+  int32_t tie;         // lcc::TieRule
+  int32_t vote;        // lcc::VoteMode
+  int32_t world_size;  // divisor of the average vote (and cnt of lanes_apply without cnt lanes)
+  int64_t step;        // tie rules alternate / hash
+  // hash tie rule: the tie-index table, tie_nrows rows of int64 (pos, index) sorted by pos,
+  // rows[0].pos == 0 (codec.tie_segments; lcc::tie_index), in the kernels' memory (host for the
+  // CPU, device for CUDA); tie_nrows == 0 (tie_rows NULL): the index is the position
+  const int64_t* tie_rows;
+  int64_t tie_nrows;
+} lc_apply_args;
+
+// The scalars of a local step: b1 = (float)beta1, omb1 = (float)(1.0 - beta1) computed in
+// double, likewise b2 / omb2 (exactly what `m.float().mul(beta1)` and
+// `g.float().mul(1.0 - beta1)` use).
+typedef struct lc_lion_args {
+  float b1, omb1, b2, omb2;
+} lc_lion_args;
+
+inline lc_apply_args lc_make_apply_args(double lr, double weight_decay, int64_t step, int32_t tie, int32_t vote,
+                                        int32_t world_size, const int64_t* tie_rows, int64_t tie_nrows) {
+  const double decay = 1.0 - lr * weight_decay;  // exactly codec.apply_update
+  lc_apply_args a;
+  a.neg_lr = static_cast<float>(-lr);
+  a.decay = static_cast<float>(decay);
+  a.apply_decay = decay != 1.0 ? 1 : 0;
+  a.tie = tie;
+  a.vote = vote;
+  a.world_size = world_size;
+  a.step = step;
+  a.tie_rows = tie_rows;
+  a.tie_nrows = tie_nrows;
+  return a;
+}
+
+inline lc_lion_args lc_make_lion_args(double beta1, double beta2) {
+  lc_lion_args la;
+  la.b1 = static_cast<float>(beta1);
+  la.omb1 = static_cast<float>(1.0 - beta1);
+  la.b2 = static_cast<float>(beta2);
+  la.omb2 = static_cast<float>(1.0 - beta2);
+  return la;
+}
+
 namespace lcc {
 
 // ----------------------------------------------------------------------------- enums

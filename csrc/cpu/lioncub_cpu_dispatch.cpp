@@ -19,8 +19,8 @@
                         int64_t nparams, const ApplyArgs& args, float* delta_out, int nthreads);                    \
   int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total,             \
                                double beta1, int32_t kind, int32_t levels, int8_t* q_out, int nthreads);            \
-  void int8_apply_impl(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, double lr,           \
-                       double weight_decay, float* delta_out, int nthreads);
+  void int8_apply_impl(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams,                      \
+                       const ApplyArgs& args, float* delta_out, int nthreads);
 
 namespace lioncub {
 namespace cpu {
@@ -114,9 +114,9 @@ int64_t int8_local_step(const Slot* grads, const Slot* momenta, int64_t ntensors
   return LC_CALL(int8_local_step_impl, grads, momenta, ntensors, total, beta1, kind, levels, q_out, nthreads);
 }
 
-void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, double lr,
-                double weight_decay, float* delta_out, int nthreads) {
-  LC_CALL(int8_apply_impl, qsum, numel, params, nparams, lr, weight_decay, delta_out, nthreads);
+void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, const ApplyArgs& args,
+                float* delta_out, int nthreads) {
+  LC_CALL(int8_apply_impl, qsum, numel, params, nparams, args, delta_out, nthreads);
 }
 
 #undef LC_CALL

@@ -402,13 +402,12 @@ inline void apply_range(const Slot& s, int64_t i0, const float* d, int64_t n, bo
 // Runs prod(e0, n, delta) for every block of kBlk bucket elements that a parameter covers (all
 // blocks when delta_out is given), writes Δ to delta_out and applies it to the parameters.
 template <class Prod>
-void apply_driver(int64_t numel, const Slot* params, int64_t nparams, double lr, double wd, float* delta_out,
+void apply_driver(int64_t numel, const Slot* params, int64_t nparams, const ApplyArgs& args, float* delta_out,
                   int nthreads, const Prod& prod) {
   if (numel <= 0) return;
-  const double decay_d = 1.0 - lr * wd;
-  const bool decay = decay_d != 1.0;
-  const float df = static_cast<float>(decay_d);
-  const float nl = static_cast<float>(-lr);
+  const bool decay = args.apply_decay != 0;
+  const float df = args.decay;
+  const float nl = args.neg_lr;
   std::vector<int64_t> order;
   order.reserve(nparams);
   for (int64_t i = 0; i < nparams; ++i)
@@ -473,7 +472,7 @@ void vote_apply_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t nplane
         expand_delta(pos, neg, delta + w0);
       }
     };
-    apply_driver(plane_bytes * 8, params, nparams, args.lr, args.weight_decay, delta_out, nthreads, prod);
+    apply_driver(plane_bytes * 8, params, nparams, args, delta_out, nthreads, prod);
     return;
   }
   const PlaneCounter pc{sign, nonzero, nplanes, plane_bytes, bit_length(nplanes)};
@@ -485,7 +484,7 @@ void vote_apply_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t nplane
     pc.count(e0, n, plus, nonzero ? cnt : nullptr);
     decide(plus, nonzero ? cnt : nullptr, cnt_const, n, da, e0, delta);
   };
-  apply_driver(plane_bytes * 8, params, nparams, args.lr, args.weight_decay, delta_out, nthreads, prod);
+  apply_driver(plane_bytes * 8, params, nparams, args, delta_out, nthreads, prod);
 }
 
 // ------------------------------------------------------------------ (d) shard_vote
@@ -572,15 +571,15 @@ void lanes_apply_impl(const uint8_t* plus, const uint8_t* cnt, int64_t lane_byte
     }
     decide(pl, cnt ? cn : nullptr, cnt_const, n, da, e0, delta);
   };
-  apply_driver(numel, params, nparams, args.lr, args.weight_decay, delta_out, nthreads, prod);
+  apply_driver(numel, params, nparams, args, delta_out, nthreads, prod);
 }
 
 // ------------------------------------------------------------------ (h) int8_apply
-void int8_apply_impl(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, double lr,
-                     double weight_decay, float* delta_out, int nthreads) {
+void int8_apply_impl(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, const ApplyArgs& args,
+                     float* delta_out, int nthreads) {
   auto prod = [&](int64_t e0, int64_t n, float* delta) {
     const int8_t* q = qsum + e0;
     for (int64_t j = 0; j < n; ++j) delta[j] = static_cast<float>((q[j] > 0) - (q[j] < 0));
   };
-  apply_driver(numel, params, nparams, lr, weight_decay, delta_out, nthreads, prod);
+  apply_driver(numel, params, nparams, args, delta_out, nthreads, prod);
 }
