@@ -122,18 +122,10 @@ lc::ApplyArgs apply_args(double lr, double wd, int64_t step, int64_t tie, int64_
                          const at::Tensor& segments) {
   TORCH_CHECK(tie >= 0 && tie <= 2, "lioncub cpp kernels: tie rule code must be 0..2, got ", tie);
   TORCH_CHECK(vote == 0 || vote == 1, "lioncub cpp kernels: vote mode code must be 0 or 1, got ", vote);
-  TORCH_CHECK(world >= 1, "lioncub cpp kernels: world_size must be >= 1, got ", world);
-  lc::ApplyArgs a;
-  a.lr = lr;
-  a.weight_decay = wd;
-  a.step = step;
-  a.tie = static_cast<int32_t>(tie);
-  a.vote = static_cast<int32_t>(vote);
-  a.world_size = world;
+  TORCH_CHECK(world >= 1 && world <= INT32_MAX, "lioncub cpp kernels: world_size must be in 1..2**31-1, got ", world);
   const auto tt = tie_table(segments);
-  a.tie_rows = tt.first;
-  a.tie_nrows = tt.second;
-  return a;
+  return lc_make_apply_args(lr, wd, step, static_cast<int32_t>(tie), static_cast<int32_t>(vote),
+                            static_cast<int32_t>(world), tt.first, tt.second);
 }
 
 // ------------------------------------------------------------------------------------ kernels
@@ -289,7 +281,8 @@ c10::optional<at::Tensor> int8_apply(const at::Tensor& qsum, const std::vector<a
   if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
   {
     pybind11::gil_scoped_release nogil;
-    lc::int8_apply(qsum.data_ptr<int8_t>(), numel, prm.data(), static_cast<int64_t>(prm.size()), lr, weight_decay,
+    const lc::ApplyArgs a = lc_make_apply_args(lr, weight_decay, 0, 0, 0, 1, nullptr, 0);
+    lc::int8_apply(qsum.data_ptr<int8_t>(), numel, prm.data(), static_cast<int64_t>(prm.size()), a,
                    return_delta ? delta.data_ptr<float>() : nullptr, threads());
   }
   if (return_delta) return delta;
@@ -414,14 +407,7 @@ static Meta build_meta(const std::vector<at::Tensor>& a, const std::vector<at::T
   return m;
 }
 
-static lc_lion_args lion_args(double beta1, double beta2) {
-  lc_lion_args la;
-  la.b1 = static_cast<float>(beta1);
-  la.omb1 = static_cast<float>(1.0 - beta1);
-  la.b2 = static_cast<float>(beta2);
-  la.omb2 = static_cast<float>(1.0 - beta2);
-  return la;
-}
+static lc_lion_args lion_args(double beta1, double beta2) { return lc_make_lion_args(beta1, beta2); }
 
 // The tie-index table (int64 [K, 2] on the CPU, validated by codec.as_segments) copied to the
 // device through pinned memory without a host sync; keep the returned tensor alive until the
@@ -440,18 +426,9 @@ static lc_apply_args apply_args(double lr, double weight_decay, int64_t step, in
   TORCH_CHECK(tie >= 0 && tie <= 2, "tie code must be 0 (zero), 1 (alternate) or 2 (hash), got ", tie);
   TORCH_CHECK(vote == 0 || vote == 1, "vote code must be 0 (majority) or 1 (average), got ", vote);
   TORCH_CHECK(world_size >= 1 && world_size <= INT32_MAX, "world_size must be >= 1, got ", world_size);
-  const double decay = 1.0 - lr * weight_decay;  // exactly codec.apply_update
-  lc_apply_args a;
-  a.neg_lr = static_cast<float>(-lr);
-  a.decay = static_cast<float>(decay);
-  a.apply_decay = decay != 1.0 ? 1 : 0;
-  a.tie = static_cast<int32_t>(tie);
-  a.vote = static_cast<int32_t>(vote);
-  a.world_size = static_cast<int32_t>(world_size);
-  a.step = step;
-  a.tie_rows = table.defined() ? table.data_ptr<int64_t>() : nullptr;
-  a.tie_nrows = table.defined() ? table.size(0) : 0;
-  return a;
+  return lc_make_apply_args(lr, weight_decay, step, static_cast<int32_t>(tie), static_cast<int32_t>(vote),
+                            static_cast<int32_t>(world_size), table.defined() ? table.data_ptr<int64_t>() : nullptr,
+                            table.defined() ? table.size(0) : 0);
 }
 
 // [rows, row_bytes] view of a 1-D or 2-D packed plane (codec.vote_apply accepts 1-D as one row).

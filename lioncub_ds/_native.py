@@ -4,21 +4,20 @@
 return values of :class:`lioncub_ds.ops.TorchBackend` (the pure-torch reference in
 :mod:`lioncub_ds.codec`), computed by the fused kernels of ``csrc/``. It uses, in order:
 
-1. the module prebuilt by ``LIONCUB_BUILD_EXT=1 pip install .`` (``lioncub_ds._lioncub_cpu``),
-   unless the sources next to the package are newer than what it was built from;
+1. the module prebuilt by ``LIONCUB_BUILD_EXT=1 pip install .`` (``lioncub_ds._lioncub_cpu``;
+   with ``LIONCUB_BUILD_CUDA=1`` also ``lioncub_ds._lioncub_cuda``), unless the sources next to
+   the package differ from what it was built from;
 2. a JIT build with :func:`torch.utils.cpp_extension.load` (ninja; cached in
    ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; ~30-60 s the first time).
 
-Flags: ``-O3 -fopenmp -ffp-contract=off`` and no ``-march``: the cache may move between
-machines, and the kernels pick their AVX2 path at run time. ``-ffp-contract=off`` is part of
-the contract: a fused multiply-add would change results in the last bit.
+Sources and flags: :mod:`lioncub_ds.kernels.build` (the one table; setup.py reads it too).
 
 Anything the kernels do not handle (non-contiguous tensors, float64/fp16 parameters, ...)
-falls back to the reference functions, so results are always those of the torch path.
+falls back to the reference functions, so results are always those of the torch path; bad
+arguments raise a ValueError in Python before any extension call.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import logging
 import os
@@ -29,15 +28,16 @@ from pathlib import Path
 import torch
 
 from . import codec
+from .kernels import build as _build
 
 log = logging.getLogger("lioncub_ds")
 
-EXT_NAME = "lioncub_cpu"
-PREBUILT_MODULE = "lioncub_ds._lioncub_cpu"
-CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
-LDFLAGS = ["-fopenmp"]
-SOURCES = ("bindings.cpp", "cpu/lioncub_cpu.cpp")
-HEADERS = ("cpu/lioncub_cpu.h",)
+EXT_NAME = _build.CPP_EXT_NAME
+PREBUILT_MODULE = _build.CPP_MODULE
+CFLAGS = list(_build.CFLAGS)
+LDFLAGS = list(_build.LDFLAGS)
+SOURCES = _build.CPP_SOURCES
+HEADERS = _build.CPP_HEADERS
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -57,27 +57,24 @@ def csrc_dir() -> Path | None:
     return None
 
 
-def source_hash(root: Path | None = None) -> str:
+def source_hash(root: Path | None = None, cuda: bool = False) -> str:
     """sha1 of the kernel sources (a built module's ``src_hash()`` is ``"h" + source_hash()``)."""
     root = root or csrc_dir()
     if root is None:
         return ""
-    h = hashlib.sha1()
-    for rel in SOURCES + HEADERS:
-        h.update(rel.encode())
-        h.update((root / rel).read_bytes())
-    return h.hexdigest()
+    if cuda:
+        return _build.source_hash(root, _build.CUDA_SOURCES, _build.CUDA_HEADERS)
+    return _build.source_hash(root)
 
 
-def _prebuilt():
+def _prebuilt(module=PREBUILT_MODULE, cuda=False):
     try:
-        mod = importlib.import_module(PREBUILT_MODULE)
+        mod = importlib.import_module(module)
     except ImportError:
         return None
     root = csrc_dir()
-    if root is not None and getattr(mod, "src_hash", lambda: "")() not in ("", "h" + source_hash(root)):
-        log.info("lioncub_ds: prebuilt %s is older than the sources in %s; JIT-building instead",
-                 PREBUILT_MODULE, root)
+    if root is not None and getattr(mod, "src_hash", lambda: "")() not in ("", "h" + source_hash(root, cuda)):
+        log.info("lioncub_ds: prebuilt %s is older than the sources in %s; JIT-building instead", module, root)
         return None
     return mod
 
@@ -123,8 +120,8 @@ def build_cpp_extension():
         return _loaded["cpp_ext"]
 
 
-CUDA_SOURCES = ("bindings.cpp", "cpu/lioncub_cpu.cpp", "cuda/lioncub_local.cu", "cuda/lioncub_vote.cu")
-CUDA_CFLAGS = ["-O3", "-std=c++17", "--fmad=false"]  # no FMA: the same bits as the CPU path
+CUDA_SOURCES = _build.CUDA_SOURCES
+CUDA_CFLAGS = list(_build.NVCC_FLAGS)
 
 
 def _load_cuda():
@@ -143,10 +140,12 @@ def _load_cuda():
         if "cuda" not in _loaded:
             from ._native_cuda import CudaBackend
 
-            ext = cpp_load(name="lioncub_cuda", sources=[str(root / s) for s in CUDA_SOURCES],
-                           extra_include_paths=[str(root)], extra_cflags=CFLAGS + ["-DLIONCUB_WITH_CUDA"],
-                           extra_ldflags=LDFLAGS, extra_cuda_cflags=CUDA_CFLAGS,
-                           verbose=os.environ.get("LIONCUB_BUILD_VERBOSE", "0") == "1")
+            ext = _prebuilt(_build.CUDA_MODULE, cuda=True)  # LIONCUB_BUILD_CUDA=1 pip install .
+            if ext is None:
+                ext = cpp_load(name=_build.CUDA_EXT_NAME, sources=[str(root / s) for s in CUDA_SOURCES],
+                               extra_include_paths=[str(root)], extra_cflags=CFLAGS + list(_build.CUDA_DEFINES),
+                               extra_ldflags=LDFLAGS, extra_cuda_cflags=CUDA_CFLAGS,
+                               verbose=os.environ.get("LIONCUB_BUILD_VERBOSE", "0") == "1")
             if not getattr(ext, "has_cuda", False):
                 raise RuntimeError("the lioncub_cuda extension was built without CUDA")
             _loaded["cuda"] = CudaBackend(ext)
@@ -218,15 +217,19 @@ def check_bucket(tensors, offsets, limit, name, others=None, others_name=None) -
                 raise ValueError(f"lioncub kernels: {name}[{i}] has {a.numel()} elements but {others_name}[{i}] has "
                                  f"{b.numel()}")
     spans = []
+    ordered = True
     for i, (t, o) in enumerate(zip(tensors, offs)):
+        n = t.numel()
         if o < 0 or o % 8:
             raise ValueError(f"lioncub kernels: offsets[{i}]={o} must be a non-negative multiple of 8")
-        if limit is not None and o + t.numel() > limit:
-            raise ValueError(f"lioncub kernels: {name}[{i}] ({t.numel()} elements at offset {o}) does not fit the "
+        if limit is not None and o + n > limit:
+            raise ValueError(f"lioncub kernels: {name}[{i}] ({n} elements at offset {o}) does not fit the "
                              f"bucket of {limit} elements")
-        if t.numel():
-            spans.append((o, o + t.numel(), i))
-    spans.sort()
+        if n:
+            ordered = ordered and (not spans or o >= spans[-1][0])
+            spans.append((o, o + n, i))
+    if not ordered:
+        spans.sort()
     for (a0, a1, i), (b0, _, j) in zip(spans, spans[1:]):
         if b0 < a1:
             raise ValueError(f"lioncub kernels: {name}[{i}] and {name}[{j}] overlap in the bucket "
@@ -250,8 +253,8 @@ def check_planes(sign, nonzero, two_d: bool, max_rows=None) -> None:
 
 def check_world(world_size) -> int:
     w = int(world_size)
-    if w < 1:
-        raise ValueError(f"lioncub kernels: world_size must be >= 1, got {world_size!r}")
+    if not 1 <= w < 2**31:
+        raise ValueError(f"lioncub kernels: world_size must be in 1..2**31-1, got {world_size!r}")
     return w
 
 

@@ -153,6 +153,14 @@ def test_backend_interface_matches_torch_backend(be):
         assert all(p.default is not inspect.Parameter.empty for p in got[len(want):]), name
     assert be.name == "cpp"
     assert be.isa in ("avx2", "baseline")
+    from lioncub_ds._native_cuda import CudaBackend
+
+    for backend in (be, ops.TorchBackend(), CudaBackend(None)):
+        assert isinstance(backend, ops.Backend), backend
+    for name in ("vote_apply", "shard_vote", "lanes_apply", "int8_local_step"):  # the Protocol is the reference's
+        want = [p.name for p in inspect.signature(getattr(codec, name)).parameters.values()]
+        got = [p.name for p in inspect.signature(getattr(ops.Backend, name)).parameters.values()][1:]
+        assert got == want, name
 
 
 def test_loader_forced_cpp(monkeypatch):
@@ -279,6 +287,12 @@ def test_vote_apply_big(be, pdt):
     assert_same_float(d_ref, d_cpp, "delta")
     for a, b in zip(p_ref, p_cpp):
         assert_same_float(a, b, "param")
+    # the same indices through lanes_apply (its decision loop splits runs where the low word wraps)
+    plus = codec.count_lanes(sign, nz, 4)
+    p_ref, p_cpp = clone_all(params), clone_all(params)
+    d_ref = codec.lanes_apply(plus[0], plus[1], 4, 4, p_ref, offs, 1e-4, 0.1, 11, "hash", "majority", segs)
+    d_cpp = be.lanes_apply(plus[0], plus[1], 4, 4, p_cpp, offs, 1e-4, 0.1, 11, "hash", "majority", segs)
+    assert_same_float(d_ref, d_cpp, "delta (lanes)")
 
 
 # ----------------------------------------------------------------------------- (d) shard_vote

@@ -27,6 +27,59 @@
 #error "lioncub kernels assume a little-endian machine (bit planes are read as little-endian words)"
 #endif
 
+// ----------------------------------------------------------------------------- argument structs
+// One ABI for the CPU and the CUDA kernels (C layout; csrc/cuda/lioncub_cuda.h uses the same).
+//
+// The scalars of an apply (vote_apply, lanes_apply, int8_apply), computed on the host by
+// lc_make_apply_args exactly like codec.apply_update does: decay = (float)(1.0 - lr*wd) in
+// double, apply_decay = ((1.0 - lr*wd) != 1.0) in double, neg_lr = (float)(-lr).
+typedef struct lc_apply_args {
+  float neg_lr;
+  float decay;
+  int32_t apply_decay;
+  int32_t tie;         // lcc::TieRule
+  int32_t vote;        // lcc::VoteMode
+  int32_t world_size;  // divisor of the average vote (and cnt of lanes_apply without cnt lanes)
+  int64_t step;        // tie rules alternate / hash
+  // hash tie rule: the tie-index table, tie_nrows rows of int64 (pos, index) sorted by pos,
+  // rows[0].pos == 0 (codec.tie_segments; lcc::tie_index), in the kernels' memory (host for the
+  // CPU, device for CUDA); tie_nrows == 0 (tie_rows NULL): the index is the position
+  const int64_t* tie_rows;
+  int64_t tie_nrows;
+} lc_apply_args;
+
+// The scalars of a local step: b1 = (float)beta1, omb1 = (float)(1.0 - beta1) computed in
+// double, likewise b2 / omb2 (exactly what `m.float().mul(beta1)` and
+// `g.float().mul(1.0 - beta1)` use).
+typedef struct lc_lion_args {
+  float b1, omb1, b2, omb2;
+} lc_lion_args;
+
+inline lc_apply_args lc_make_apply_args(double lr, double weight_decay, int64_t step, int32_t tie, int32_t vote,
+                                        int32_t world_size, const int64_t* tie_rows, int64_t tie_nrows) {
+  const double decay = 1.0 - lr * weight_decay;  // exactly codec.apply_update
+  lc_apply_args a;
+  a.neg_lr = static_cast<float>(-lr);
+  a.decay = static_cast<float>(decay);
+  a.apply_decay = decay != 1.0 ? 1 : 0;
+  a.tie = tie;
+  a.vote = vote;
+  a.world_size = world_size;
+  a.step = step;
+  a.tie_rows = tie_rows;
+  a.tie_nrows = tie_nrows;
+  return a;
+}
+
+inline lc_lion_args lc_make_lion_args(double beta1, double beta2) {
+  lc_lion_args la;
+  la.b1 = static_cast<float>(beta1);
+  la.omb1 = static_cast<float>(1.0 - beta1);
+  la.b2 = static_cast<float>(beta2);
+  la.omb2 = static_cast<float>(1.0 - beta2);
+  return la;
+}
+
 namespace lcc {
 
 // ----------------------------------------------------------------------------- enums
@@ -149,15 +202,22 @@ LC_HD uint16_t f32_to_f16(float f) {
 // The hash tie rule keys on (step, i) where i is the element's index INSIDE ITS PARAMETER,
 // never a position in a bucket: codec.tie_hash_sign. uint32 arithmetic mod 2**32; the tied
 // coordinate takes +1 when bit 0 of the hash is set, -1 otherwise.
-LC_HD uint32_t tie_hash(uint64_t step, uint64_t index) {
-  uint32_t h = static_cast<uint32_t>(index) * 0x9E3779B1u + static_cast<uint32_t>(index >> 32) * 0xC2B2AE3Du +
-               static_cast<uint32_t>(step) * 0x85EBCA77u + 0x165667B1u;
+// The hash split for vector loops: tie_hash(step, i) == tie_hash_mix(lo(i) * 0x9E3779B1 +
+// tie_hash_base(step, hi(i))), so a run of indices with one high word is a 32-bit loop.
+LC_HD uint32_t tie_hash_base(uint64_t step, uint32_t hi) {
+  return hi * 0xC2B2AE3Du + static_cast<uint32_t>(step) * 0x85EBCA77u + 0x165667B1u;
+}
+LC_HD uint32_t tie_hash_mix(uint32_t h) {
   h ^= h >> 15;
   h *= 0x2C1B3C6Du;
   h ^= h >> 12;
   h *= 0x297A2D39u;
   h ^= h >> 15;
   return h;
+}
+LC_HD uint32_t tie_hash(uint64_t step, uint64_t index) {
+  return tie_hash_mix(static_cast<uint32_t>(index) * 0x9E3779B1u +
+                      tie_hash_base(step, static_cast<uint32_t>(index >> 32)));
 }
 
 // Tie-index table (codec.tie_segments): `nrows` rows of int64 (pos, index), sorted by pos with

@@ -42,19 +42,9 @@ struct LocalStepCounts {
   int64_t n_zero;       // #c == 0 (real elements only; -0 counts)
 };
 
-// Decision + apply parameters shared by the apply kernels.
-struct ApplyArgs {
-  double lr = 0.0;
-  double weight_decay = 0.0;
-  int64_t step = 0;
-  int32_t tie = kTieZero;
-  int32_t vote = kMajority;
-  int64_t world_size = 1;  // divisor of the average vote (and cnt when no cnt lanes are given)
-  // tie-index table (hash tie rule): tie_nrows rows of int64 (pos, index), sorted, rows[0].pos == 0
-  // (lcc::tie_index); tie_nrows == 0: index = position
-  const int64_t* tie_rows = nullptr;
-  int64_t tie_nrows = 0;
-};
+// Decision + apply parameters: the one argument struct of both backends (csrc/common,
+// lc_make_apply_args); tie_rows is a host pointer here.
+using ApplyArgs = ::lc_apply_args;
 
 // (a) c = fl(fl(b1*m) + fl((1-b1)*g)) per tensor -> sign / nonzero planes (total/8 bytes each,
 //     zero-initialised by the caller). grads[i].offset is ignored; momenta[i].offset is the
@@ -99,9 +89,9 @@ void lanes_apply(const uint8_t* plus, const uint8_t* cnt, int64_t lane_bytes, in
 int64_t int8_local_step(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total, double beta1,
                         int32_t kind, int32_t levels, int8_t* q_out, int nthreads);
 
-// (h) summed int8 codes -> Δ = sign(Σq) -> apply.
-void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, double lr,
-                double weight_decay, float* delta_out, int nthreads);
+// (h) summed int8 codes -> Δ = sign(Σq) -> apply (args: only neg_lr / decay / apply_decay used).
+void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, const ApplyArgs& args,
+                float* delta_out, int nthreads);
 
 // Instruction-set path: 0 = auto (AVX2 when the CPU has it), 1 = portable baseline, 2 = AVX2.
 // Both paths give identical results; the switch exists for tests and benchmarks.

@@ -28,6 +28,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../common/lioncub_common.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -59,30 +61,9 @@ typedef struct lc_tensor_meta {
 
 static inline int64_t lc_num_chunks(int64_t numel) { return (numel + LC_CHUNK - 1) / LC_CHUNK; }
 
-// The scalars of an apply (vote_apply, lanes_apply, int8_apply), computed on the host
-// exactly like codec.apply_update does: decay = (float)(1.0 - lr*wd) in double,
-// apply_decay = ((1.0 - lr*wd) != 1.0) in double, neg_lr = (float)(-lr).
-typedef struct lc_apply_args {
-  float neg_lr;
-  float decay;
-  int32_t apply_decay;
-  int32_t tie;         // lc_tie
-  int32_t vote;        // lc_vote
-  int32_t world_size;  // divisor of the average vote (and cnt of lanes_apply without cnt lanes)
-  int64_t step;        // tie rules alternate / hash
-  // hash tie rule: DEVICE pointer to the tie-index table, tie_nrows rows of int64 (pos, index)
-  // sorted by pos, rows[0].pos == 0 (codec.tie_segments; lcc::tie_index); tie_nrows == 0 (and
-  // tie_rows NULL): the index is the position
-  const int64_t* tie_rows;
-  int64_t tie_nrows;
-} lc_apply_args;
-
-// The scalars of a local step: b1 = (float)beta1, omb1 = (float)(1.0 - beta1) computed in
-// double, likewise b2 / omb2 (exactly what `m.float().mul(beta1)` and
-// `g.float().mul(1.0 - beta1)` use).
-typedef struct lc_lion_args {
-  float b1, omb1, b2, omb2;
-} lc_lion_args;
+// lc_apply_args (the scalars of an apply + the tie-index table, DEVICE pointer here) and
+// lc_lion_args (the scalars of a local step): csrc/common/lioncub_common.h, the one ABI shared
+// with the CPU kernels, filled by lc_make_apply_args / lc_make_lion_args.
 
 // ----------------------------------------------------------------------------- local step
 // codec.local_step over one bucket of `total` elements (multiple of 8):
