@@ -88,7 +88,7 @@ def _jit_build():
 
     verbose = os.environ.get("LIONCUB_BUILD_VERBOSE", "0") == "1"
     return cpp_load(
-        name=EXT_NAME,
+        name=f"{EXT_NAME}_{source_hash(root)[:12]}",  # keyed by the sources: checkouts never evict each other
         sources=[str(root / s) for s in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
@@ -142,10 +142,11 @@ def _load_cuda():
 
             ext = _prebuilt(_build.CUDA_MODULE, cuda=True)  # LIONCUB_BUILD_CUDA=1 pip install .
             if ext is None:
-                ext = cpp_load(name=_build.CUDA_EXT_NAME, sources=[str(root / s) for s in CUDA_SOURCES],
-                               extra_include_paths=[str(root)], extra_cflags=CFLAGS + list(_build.CUDA_DEFINES),
-                               extra_ldflags=LDFLAGS, extra_cuda_cflags=CUDA_CFLAGS,
-                               verbose=os.environ.get("LIONCUB_BUILD_VERBOSE", "0") == "1")
+                ext = _retry(lambda: cpp_load(
+                    name=f"{_build.CUDA_EXT_NAME}_{source_hash(root, cuda=True)[:12]}", sources=[str(root / s) for s in CUDA_SOURCES],
+                    extra_include_paths=[str(root)], extra_cflags=CFLAGS + list(_build.CUDA_DEFINES),
+                    extra_ldflags=LDFLAGS, extra_cuda_cflags=CUDA_CFLAGS,
+                    verbose=os.environ.get("LIONCUB_BUILD_VERBOSE", "0") == "1"))
             if not getattr(ext, "has_cuda", False):
                 raise RuntimeError("the lioncub_cuda extension was built without CUDA")
             _loaded["cuda"] = CudaBackend(ext)
