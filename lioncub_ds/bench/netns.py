@@ -233,6 +233,64 @@ def _rank_fn(rank, n, cfg):
     return {"rows": rows, "params": sum(p.numel() for p in params)}
 
 
+def count_zeros(world_size=4, steps=20, seq_len=32, batch_size=1, model_overrides=None, lr=1e-4,
+                betas=(0.95, 0.98)) -> list[dict]:
+    """Exact zeros in the bench model's gradients (``--count-zeros``; one process, no network).
+
+    Simulates Distributed Lion on the bench's model and data in one process: for each of the N
+    ranks' batches (the same ``get_batch`` calls as the timed run), the local gradient g_i, the
+    local momentum m_i and c_i = β1·m_i + (1−β1)·g_i; then the majority vote
+    Δ = sign(Σ sign(c_i)) (ties: 0) moves the one parameter copy. Records, per step, rank and
+    parameter with any zero: how many coordinates of g_i and of c_i are exactly 0 (a rank
+    abstains where c_i == 0, and a 1-bit bucket holding such a coordinate also sends its nonzero
+    plane)."""
+    from lioncub_ds.data import load_dataset
+    from lioncub_ds.models import build_model
+
+    cfg = dict(MODEL, **(model_overrides or {}))
+    model = build_model(cfg["preset"], seed=0, n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"],
+                        seq_len=seq_len)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ds = load_dataset()
+    moms = [[torch.zeros_like(p) for _, p in named] for _ in range(world_size)]
+    b1, b2 = betas
+    recs = []
+    for step in range(steps):
+        votes = [torch.zeros_like(p) for _, p in named]
+        for rank in range(world_size):
+            x, y = ds.get_batch("train", batch_size, seq_len, rank, world_size, step=step, seed=0)
+            model.zero_grad(set_to_none=True)
+            _, loss = model(x, y)
+            loss.backward()
+            for j, (name, p) in enumerate(named):
+                g, m = p.grad, moms[rank][j]
+                c = m * b1 + g * (1 - b1)
+                gz, cz = int(torch.count_nonzero(g == 0)), int(torch.count_nonzero(c == 0))
+                if gz or cz:
+                    recs.append({"bench": "netns_zeros", "step": step, "rank": rank, "param": name,
+                                 "numel": p.numel(), "grad_zeros": gz, "c_zeros": cz})
+                votes[j] += torch.sign(c)
+                m.mul_(b2).add_(g * (1 - b2))
+        with torch.no_grad():
+            for (_, p), v in zip(named, votes):
+                p.add_(torch.sign(v), alpha=-lr)
+    return recs
+
+
+def summarize_zeros(recs: list[dict], steps: int, world_size: int) -> list[dict]:
+    """Per parameter: min / median / max over (step, rank) of the exact zeros in c (0 where none)."""
+    out = []
+    for name in dict.fromkeys(r["param"] for r in recs):
+        rs = [r for r in recs if r["param"] == name]
+        cz = [r["c_zeros"] for r in rs] + [0] * (steps * world_size - len(rs))
+        gz = [r["grad_zeros"] for r in rs] + [0] * (steps * world_size - len(rs))
+        out.append({"bench": "netns_zeros_summary", "param": name, "numel": rs[0]["numel"], "steps": steps,
+                    "world_size": world_size, "c_zeros_min": min(cz), "c_zeros_median": median(cz),
+                    "c_zeros_max": max(cz), "grad_zeros_min": min(gz), "grad_zeros_max": max(gz),
+                    "steps_ranks_with_c_zeros": sum(1 for v in cz if v)})
+    return out
+
+
 def inner(args) -> int:
     """Runs inside the namespace: N ranks, all variants; writes the raw per-step rows to --result."""
     cfg = dict(MODEL, seq_len=args.seq_len, batch_size=args.batch_size, warmup=args.warmup, steps=args.steps,
@@ -528,6 +586,9 @@ def build_parser():
                    help="the all-reduce baselines' Lion update: LionCub's fused kernels (fair: only the "
                         "communication differs) or the pure-torch reference lioncub_ds.Lion")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per bandwidth before giving up")
+    p.add_argument("--count-zeros", action="store_true",
+                   help="no timing, no root: count the exact zeros in every parameter's gradient and local c per "
+                        "step and rank (one process simulating the N ranks; --steps steps), table + JSON")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     add_output_args(p)
@@ -538,6 +599,21 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.inner:
         return inner(args)
+    if args.count_zeros:
+        overrides = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head") if getattr(args, k) is not None}
+        t0 = time.perf_counter()
+        recs = count_zeros(args.world_size, args.steps, args.seq_len, args.batch_size, overrides)
+        summ = summarize_zeros(recs, args.steps, args.world_size)
+        print_table(summ, [("param", "parameter"), ("numel", "numel"), ("c_zeros_min", "c==0 min"),
+                           ("c_zeros_median", "median"), ("c_zeros_max", "max"),
+                           ("steps_ranks_with_c_zeros", "(step,rank)s with zeros"),
+                           ("grad_zeros_min", "g==0 min"), ("grad_zeros_max", "g==0 max")],
+                    title=f"[bench netns --count-zeros] exact zeros per step and rank, {args.world_size} simulated "
+                          f"ranks, {args.steps} steps, {args.batch_size}x{args.seq_len} tokens/rank/step "
+                          f"(parameters with no zero at all are not listed)")
+        finish("netns_zeros", args, summ + recs)
+        print(f"[bench netns] done in {time.perf_counter() - t0:.1f} s")
+        return 0
     why = preflight()
     if why:
         print(f"[bench netns] {why}", file=sys.stderr)
