@@ -537,7 +537,7 @@ def plot(records, out):
     fig, axes = plt.subplots(1, len(bws), figsize=(7.5 * len(bws), 5.0), dpi=110, squeeze=False)
     for ax, bw in zip(axes[0], bws):
         rs = [r for r in records if r["bandwidth_gbit"] == bw]
-        names = [r["variant"].replace("_", "\n", 1) for r in rs]
+        names = [r["variant"].replace("_", "\n") for r in rs]
         comp = [r["compute_time_s"] for r in rs]
         comm = [r["comm_time_s"] or 0.0 for r in rs]
         kern = [max(0.0, r["kernel_time_s"]) for r in rs]
