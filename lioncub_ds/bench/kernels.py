@@ -13,7 +13,7 @@ For fp32 and bf16 (gradients, momenta and parameters of that dtype) it times, pe
 
 Baselines: ``unfused``: the same math written with plain torch ops (a few large tensor ops,
 vectorized pack by a multiply trick) into buffers allocated once and reused (``out=`` and
-in-place ops), timed round-robin with its own copy; checked in the run to produce the fused
+in-place ops), timed in the same round-robin as the fused kernels and the copy; checked in the run to produce the fused
 kernels' planes, counts and momenta (``baseline_*_match``); ``speedup`` = unfused / fused.
 ``unfused_alloc``: the same ops allocating fresh temporaries on every call; for 16M-element
 temporaries that mostly measures the allocator's page faults (glibc returns large blocks to
@@ -255,11 +255,15 @@ def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
                                  lambda: codec.vote_apply(planes_c, None, [pc], [0], LR, WD, 3, "hash", "majority",
                                                           N_VOTERS)),
         }
-        # fused kernels and the copy floor, round-robin; then the (slow) baselines
-        fused = _interleaved(dict({"copy": copy_fn}, **{k: v[1] for k, v in cases.items()}), repeat)
-        slow_rounds = max(3, repeat // 2)
+        # fused kernels, the preallocated torch baseline and the copy floor in ONE round-robin (a busy
+        # machine slows all of them alike, so the speedup is a side-by-side ratio); then the slow ones
         base = ("local_step", "vote_apply")
-        plain = _interleaved(dict({"copy": copy_fn}, **{k: v[2] for k, v in cases.items() if k in base}), repeat)
+        rr = _interleaved(dict({"copy": copy_fn}, **{k: v[1] for k, v in cases.items()},
+                               **{"torch:" + k: v[2] for k, v in cases.items() if k in base}), repeat)
+        fused = {k: v for k, v in rr.items() if not k.startswith("torch:")}
+        plain = {k[len("torch:"):]: v for k, v in rr.items() if k.startswith("torch:")}
+        plain["copy"] = rr["copy"]
+        slow_rounds = max(3, repeat // 2)
         alloc = _interleaved({k: v[3] for k, v in cases.items() if k in base}, slow_rounds)
         for d in (plain, alloc):
             d["local_step_2pass"] = d["local_step"]
@@ -276,7 +280,6 @@ def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
             floor = bpp * 1e6 / bw
             records.append(dict(common, kernel=kernel, dtype=dname, fused_s_per_1M=t_f, unfused_s_per_1M=t_u,
                                 unfused_alloc_s_per_1M=t_a, speedup_vs_unfused_alloc=t_a / t_f,
-                                unfused_copy_GBps=copy_bytes / statistics.median(plain["copy"]) / 1e9,
                                 baseline_bits_match=bits_match, baseline_momentum_match=mom_match,
                                 baseline_vote_match_alloc=vote_match,
                                 unfused_codec_s_per_1M=t_c, speedup=t_u / t_f, speedup_vs_codec=t_c / t_f,
