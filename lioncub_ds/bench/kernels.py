@@ -262,7 +262,6 @@ def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
                                **{"torch:" + k: v[2] for k, v in cases.items() if k in base}), repeat)
         fused = {k: v for k, v in rr.items() if not k.startswith("torch:")}
         plain = {k[len("torch:"):]: v for k, v in rr.items() if k.startswith("torch:")}
-        plain["copy"] = rr["copy"]
         slow_rounds = max(3, repeat // 2)
         alloc = _interleaved({k: v[3] for k, v in cases.items() if k in base}, slow_rounds)
         for d in (plain, alloc):
