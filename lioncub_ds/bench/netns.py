@@ -557,6 +557,7 @@ def plot(records, out):
         ax.set_xticks(list(xs))
         ax.set_xticklabels(names, fontsize=7)
         ax.set_ylabel("median step time (s)")
+        ax.set_ylim(0, 1.1 * max(max(r["step_time_s"], a + b + c) for r, a, b, c in zip(rs, comp, comm, kern)))
         ref = "DDP bf16" if any(r.get("speedup_vs_ddp_lion_bf16") for r in rs) else "Lion + bf16 AR"
         ax.set_title(f"{rs[0]['world_size']} ranks in a netns sharing ONE tbf of {bw:g} Gbit/s "
                      f"({bw / rs[0]['world_size']:.3g}/rank), {rs[0]['params'] / 1e6:.1f}M-param GPT; "
