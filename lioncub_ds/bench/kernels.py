@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -318,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lioncub_ds.bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None, help="write the records (a JSON list of flat dicts) here")
     ap.add_argument("--out", type=Path, default=None, help="output directory (<out>/kernels.json if no --json)")
-    ap.add_argument("--numel", type=int, default=16 << 20, help="parameters per kernel call (default 16M)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cpu: the C++ kernels (this table); cuda: lioncub_ds.bench.kernels_cuda.run_cuda (needs a GPU)")
+    ap.add_argument("--numel", type=int, default=None, help="parameters per kernel call (default 16M; cuda 64M)")
     ap.add_argument("--codec-numel", type=int, default=16 << 20, help="parameters for the slow codec baseline")
     ap.add_argument("--repeat", type=int, default=7, help="timed runs per measurement (median)")
     ap.add_argument("--threads", type=int, default=None, help="torch (and OpenMP) threads; default: torch's")
@@ -332,9 +335,22 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     dtypes = [{"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                "bf16": torch.bfloat16}[d.strip()] for d in args.dtypes.split(",") if d.strip()]
-    records = run(args.numel, args.repeat, args.codec_numel, dtypes)
-    print(format_table(records))
     path = args.json or (args.out / f"{NAME}.json" if args.out else None)
+    if args.device == "cuda":
+        from .kernels_cuda import run_cuda
+
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+        try:
+            run_cuda(path, numel=args.numel or (1 << 26), repeats=max(args.repeat, 5),
+                     dtypes=[names[d] for d in dtypes])
+        except RuntimeError as exc:
+            print(f"[bench {NAME}] {exc}", file=sys.stderr)
+            return 2
+        if path is not None:
+            print(f"[bench {NAME}] wrote {path}")
+        return 0
+    records = run(args.numel or (16 << 20), args.repeat, args.codec_numel, dtypes)
+    print(format_table(records))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(records, indent=1))
