@@ -29,6 +29,9 @@ absorbs the forward/backward skew; for ``ddp_lion_bf16`` its forward+backward mi
 bytes over the token bucket's rate: floor = N · bytes_per_rank · 8 / rate. Bytes are reported
 twice: the telemetry's ring formula and the namespace's ``lo`` tx counter read before and after
 each step (all ranks; TCP/IP headers and two barriers included).
+
+``--count-zeros`` (no root, no timing): counts the exact zeros of every parameter's gradient
+and local c per step and rank on the same model and data (see :func:`count_zeros`).
 """
 from __future__ import annotations
 
