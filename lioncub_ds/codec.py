@@ -212,7 +212,7 @@ def tie_segments(offsets, param_starts=None, start: int = 0, stop: int | None = 
         k += 1
     out = [(0, rows[k][1] + (start - rows[k][0]))]
     out += [(pos - start, idx) for pos, idx in rows[k + 1:] if stop is None or pos < stop]
-    return torch.tensor(out, dtype=torch.int64).reshape(-1, 2)
+    return torch.tensor(out, dtype=torch.int64, device="cpu").reshape(-1, 2)  # a host table
 
 
 def as_segments(segments) -> torch.Tensor:
@@ -220,14 +220,15 @@ def as_segments(segments) -> torch.Tensor:
     (pos, index) pairs), None (the table [[0, 0]]: index = position) or an int b (the single
     row [[0, b]]: one parameter whose element 0 has index b). Validated; int64 [K, 2] on CPU."""
     if segments is None:
-        return torch.zeros(1, 2, dtype=torch.int64)
+        return torch.zeros(1, 2, dtype=torch.int64, device="cpu")
     if isinstance(segments, bool):
         raise TypeError(f"tie segments must be a table, an int or None, got {segments!r}")
     if isinstance(segments, int):
         if segments < 0:
             raise ValueError(f"a tie index must be >= 0, got {segments}")
-        return torch.tensor([[0, segments]], dtype=torch.int64)
-    t = torch.as_tensor(segments, dtype=torch.int64).detach().cpu().reshape(-1, 2).contiguous()
+        return torch.tensor([[0, segments]], dtype=torch.int64, device="cpu")
+    where = segments.device if isinstance(segments, torch.Tensor) else "cpu"  # never the default device
+    t = torch.as_tensor(segments, dtype=torch.int64, device=where).detach().cpu().reshape(-1, 2).contiguous()
     if t.shape[0] == 0 or int(t[0, 0]) != 0:
         raise ValueError("a tie-index table needs a first row at position 0 (codec.tie_segments builds one)")
     if t.shape[0] > 1 and not bool((t[1:, 0] > t[:-1, 0]).all()):
@@ -430,7 +431,7 @@ def det_exp(y: float) -> float:
 
 
 def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float64).float())
+    return float(torch.tensor(x, dtype=torch.float64, device="cpu").float())
 
 
 def int8_scale(c: torch.Tensor, kind: str) -> float:

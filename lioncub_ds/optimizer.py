@@ -275,7 +275,7 @@ class LionCub(Optimizer):
             if b.algorithm.encoding == "bits":
                 b.mask = real_mask(b.offsets, [p.numel() for p in b.params], b.numel, b.params[0].device)
                 b.capacity = list_capacity(b.numel // 8, n)
-                b.mode = "list" if b.capacity > 0 else "plane"
+                b.mode = "list"  # a count alone (capacity 0) when the bucket is small
         self._buckets = buckets
         self._batches = comm_batches(buckets, cfg.comm_bucket_mb, n)
         self._pipe = VotePipeline(self)
@@ -327,7 +327,7 @@ class LionCub(Optimizer):
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=self.config.momentum_dtype,
                                                 memory_format=torch.contiguous_format)
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")  # a host counter, as in torch.optim
         return state["exp_avg"]
 
     def state_dict(self):

@@ -223,7 +223,7 @@ class VotePipeline:
                 else:
                     job.planes = job.payloads_from(recv)
                 # Many abstentions travel as the plane next step; few as a list (agreed: same on every rank).
-                b.mode = "plane" if overflow > 0 or b.capacity == 0 else "list"
+                b.mode = "plane" if overflow > 0 else "list"
         for k, batch in enumerate(opt._batches):
             jobs = [self.local[i].job for i in batch]
             opt._buckets[batch[0]].algorithm.complete(self.launched[k], jobs, coll, self.local[batch[0]].backend)

@@ -245,11 +245,13 @@ def test_momentum_sync_and_telemetry(n):
     assert not res["layers"]["fc1.weight"]
     P = 1000
     padded = (P + 8 * n - 1) // (8 * n) * (8 * n)
-    control = 2 * (n - 1) * 4 * 2 // n  # flag all-reduce: [non-finite, abstain-per-bucket] int32
+    # flag all-reduce, int32: [non-finite, unusable input, and per bucket: overflow, abstains]
+    control = 2 * (n - 1) * 4 * 4 // n
     p_lane = codec.lane_bits_for(n)
-    formulas = {"allgather": (n - 1) * padded // 8,
-                "1bit": 2 * ((n - 1) * (padded // 8) // n),
-                "pbit": 2 * (n - 1) * (padded * p_lane // 8) // n,
+    lst = 4  # a small bucket's abstention list: the count alone (no rank abstains here)
+    formulas = {"allgather": (n - 1) * (padded // 8 + lst),
+                "1bit": (n - 1) * (padded // 8 // n + lst) + (n - 1) * (padded // 8 // n),
+                "pbit": 2 * (n - 1) * (padded * p_lane // 8 + n * lst) // n,
                 "int8": 2 * (n - 1) * padded // n}
     for comm, st in res["telemetry"].items():
         assert st["by_algorithm"][comm] == formulas[comm], comm
@@ -257,8 +259,9 @@ def test_momentum_sync_and_telemetry(n):
         assert st["fp32_allreduce_bytes"] == 2 * (n - 1) * 4 * P // n
         assert st["bf16_allreduce_bytes"] == 2 * (n - 1) * 2 * P // n
     onebit = res["telemetry"]["1bit"]["by_algorithm"]["1bit"]
-    assert onebit <= 2 * (n - 1) / n * padded / 8
-    assert res["telemetry"]["1bit"]["fp32_allreduce_bytes"] / onebit >= 30
+    assert onebit <= 2 * (n - 1) / n * padded / 8 + (n - 1) * lst
+    # 32x at scale; at P = 1000 the 4-byte count every rank sends weighs up to 3%
+    assert res["telemetry"]["1bit"]["fp32_allreduce_bytes"] / onebit >= 29
 
 
 def test_geometric_schedule_matches_formula():

@@ -175,7 +175,7 @@ def _overlap_vs_plain(rank, n):
             model = Net()
             opt = lioncub_ds.LionCub(model.parameters(), lr=1e-2, comm=comm, vote=vote,
                                      quant="l1" if comm == "int8" else "sign", bucket_size_mb=0.004,
-                                     comm_bucket_mb=0.0004, overlap=overlap)
+                                     comm_bucket_mb=0.0002, overlap=overlap)
             gen = torch.Generator().manual_seed(50 + rank)
             res[overlap] = _train(model, opt, gen, rank, overlap)
             res[f"batches_{overlap}"] = len(opt._batches)

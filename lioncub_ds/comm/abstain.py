@@ -9,8 +9,9 @@ from the mask, byte by byte. Per bucket and step, every rank uses the same mode:
   plane differ from the mask; the first K of them (in index order) are listed as (byte index,
   plane byte); unused slots hold idx = -1. A rank with count > K *overflows*: the step's flag
   all-reduce says so, and that bucket's planes are then all-gathered in full (exact either way).
-* ``plane``: the whole nonzero plane. Used for buckets too small for a list (K = 0), and for
-  the step after a bucket overflowed.
+  A small bucket has K = 0: its list is the count alone (4 bytes).
+* ``plane``: the whole nonzero plane, for the step after a bucket overflowed (many
+  abstentions tend to persist, e.g. embedding rows nobody has used yet).
 
 The capacity K is fixed per bucket (from its size and N), so every message has the same size on
 every rank: no size exchange, no host synchronisation. Pure torch: the same code on every
@@ -30,7 +31,7 @@ def list_capacity(plane_bytes: int, world_size: int) -> int:
 
     A list reaches every other rank, so N lists cost (N−1)·4·(1+2K) bytes per rank: with
     K = plane_bytes / (256·N) that is below 1/32 of the 1bit vote's own 2·(N−1)/N·plane_bytes.
-    0 for small buckets (they always send the plane)."""
+    0 for small buckets (a count alone)."""
     return plane_bytes // (256 * max(1, world_size))
 
 
