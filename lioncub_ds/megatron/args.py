@@ -71,6 +71,9 @@ def add_lioncub_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     a("--lioncub-checkpoint-mode", choices=CHECKPOINT_MODES, default="per_rank",
       help="per_rank: every rank's momentum in its own file next to the checkpoint; sync: average momenta "
            "right before saving (Megatron keeps one replica per data-parallel group)")
+    a("--lioncub-reshard", choices=("average", "error"), default="average",
+      help="resume with another data-parallel size: average = every rank starts from the mean of the saved "
+           "momenta; error = refuse")
     a("--lioncub-keep-grad-allreduce", action="store_true",
       help="baseline only: keep DDP's gradient all-reduce (all ranks then vote alike = global Lion)")
     return parser

@@ -28,20 +28,31 @@ Megatron settings and what they become:
   (the reported grad norm is this rank's local norm); 0 turns clipping off.
 
 With a loss scaler (fp16, or ``loss_scale``) a step is skipped when *any* rank found an
-inf/NaN (one extra 4-byte all-reduce over the world), so data-parallel peers never
-disagree about whether to vote.
+inf/NaN: ONE extra 4-byte all-reduce over the world per step, issued by the
+``ChainedOptimizer`` (not per wrapper), so every rank issues it exactly once whatever its
+number of sub-optimizers (a rank with no expert parameters has no expert optimizer, as in
+Megatron), and data-parallel peers never disagree about whether to vote.
+
+Process groups (NCCL contract, SPEC §5): every group LionCub needs (the vote groups with
+``timeout_s``, the per-node momentum-sync subgroups) is created here, at construction, by
+EVERY rank of the world, in one order that all ranks compute alike (one
+``all_gather_object`` tells every rank every rank's data-parallel groups); a step never
+creates a group. See :func:`premake_process_groups`.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import types
 
+import torch
 import torch.distributed as dist
 
+from .. import optimizer as _core
 from ..config import LionCubConfig, LionCubConfigError
-from ..optimizer import LionCub
+from ..optimizer import LionCub, check_world_size
 from . import _compat
 from .ddp import LocalMomentumConfigError, disable_dp_grad_reduction
 
@@ -75,6 +86,50 @@ class MegatronLionCub(LionCub):
     megatron_kind = "dense"
     megatron_tag = None
     _full = False
+
+    def __init__(self, params, *args, megatron_groups: dict | None = None, **kwargs):
+        # Groups made by the factory on every rank (premake_process_groups): {"vote": group or
+        # None (= Megatron's own group), "node": group or None}. With them, LionCub never
+        # creates a process group itself (not here, not in the first step).
+        self._premade = megatron_groups
+        with self._use_premade_node_group():
+            super().__init__(params, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _use_premade_node_group(self):
+        premade = getattr(self, "_premade", None)
+        if premade is None:
+            yield
+            return
+        node = premade.get("node")
+
+        def premade_node_subgroup(group, group_size, timeout=None):
+            if node is None:
+                raise RuntimeError("lioncub_ds.megatron: momentum_sync.group='node' but the factory made no node "
+                                   "subgroup (internal error: groups must be made at construction)")
+            return node, group_size
+
+        saved = _core.node_subgroup
+        _core.node_subgroup = premade_node_subgroup
+        try:
+            yield
+        finally:
+            _core.node_subgroup = saved
+
+    def _resolve_group(self):
+        premade = getattr(self, "_premade", None)
+        if premade is None:
+            return super()._resolve_group()
+        group = self._process_group
+        n = dist.get_world_size(group)
+        check_world_size(self.config, n)
+        vote = premade.get("vote") or group
+        self._dist = (vote, n, dist.get_rank(group))
+        return self._dist
+
+    def _build_buckets(self):
+        with self._use_premade_node_group():
+            return super()._build_buckets()
 
     def state_dict(self):
         sd = super().state_dict()
@@ -172,6 +227,66 @@ def _momentum_sync_for_group(settings, group):
     return out
 
 
+def _node_size(settings, ranks) -> int | None:
+    ms = settings.get("momentum_sync")
+    if not isinstance(ms, dict) or ms.get("group") != "node":
+        return None
+    if ms.get("group_size") is not None:
+        return int(ms["group_size"])
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is None:
+        raise LionCubConfigError("LionCub: momentum_sync.group='node' under Megatron needs "
+                                 "momentum_sync.group_size (data-parallel peers per node) or LOCAL_WORLD_SIZE "
+                                 "(set by torchrun)")
+    return ranks_per_node(list(ranks), int(env))
+
+
+def premake_process_groups(settings: dict, local: dict) -> dict:
+    """Create every process group LionCub will use, on ALL ranks, in one order; return this rank's.
+
+    ``local``: ``{kind: vote group or None}`` for the kinds ("dense", "expert") this rank has
+    parameters of. Every rank calls this (collective): one ``all_gather_object`` over the world
+    tells every rank which data-parallel groups hold dense / expert parameters; then every rank
+    calls ``dist.new_group`` for each needed group in the same sorted order (the timeout vote
+    group of every data-parallel group when ``timeout_s`` is set; the per-node subgroups when
+    ``momentum_sync.group='node'``), members or not. Returns ``{kind: {"vote": group or None,
+    "node": group or None}}`` for this rank's kinds. Nothing is created later (no lazy group
+    in a step, no group created by some ranks only).
+    """
+    world = dist.get_world_size()
+    me = dist.get_rank()
+
+    def ranks_of(group):
+        return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
+
+    mine = {kind: ranks_of(g) for kind, g in local.items()}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    timeout_s = settings.get("timeout_s")
+    timeout = datetime.timedelta(seconds=float(timeout_s)) if timeout_s else None
+    kw = {"timeout": timeout} if timeout is not None else {}
+    out = {kind: {"vote": None, "node": None} for kind in mine}
+    for kind in ("dense", "expert"):
+        groups = sorted({info[kind] for info in everyone if kind in info})
+        for ranks in groups:
+            if timeout is not None and len(ranks) > 1:
+                g = dist.new_group(list(ranks), **kw)
+                if mine.get(kind) == ranks:
+                    out[kind]["vote"] = g
+            size = _node_size(settings, ranks)
+            if size is None:
+                continue
+            if size < 1 or len(ranks) % size:
+                raise LionCubConfigError(f"LionCub: momentum_sync.group_size={size} must divide the {kind} "
+                                         f"data-parallel group size {len(ranks)} (group {list(ranks)})")
+            for start in range(0, len(ranks), size):
+                members = list(ranks[start:start + size])
+                g = dist.new_group(members, **kw)
+                if mine.get(kind) == ranks and me in members:
+                    out[kind]["node"] = g
+    return out
+
+
 def _init_state_fn(opt, config=None):
     """Create LionCub's state for every parameter (Megatron calls this before loading a checkpoint)."""
     if opt is None:
@@ -203,16 +318,50 @@ def _prepare_groups(param_groups, names, config):
     return out
 
 
-def _sync_found_inf_over_world(wrapper):
-    """Skip decisions must agree on every rank once gradients are local (see module doc)."""
-    orig = wrapper._unscale_main_grads_and_check_for_nan
+def _flag_device(optimizers):
+    for w in optimizers:
+        t = getattr(w, "found_inf", None)
+        if isinstance(t, torch.Tensor):
+            return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
-    def patched(self):
-        orig()
-        dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX)
-        return self.found_inf.item() > 0
 
-    wrapper._unscale_main_grads_and_check_for_nan = types.MethodType(patched, wrapper)
+def agree_found_inf_once_per_step(chained, config) -> None:
+    """Skip decisions must agree on every rank once gradients are local (see module doc).
+
+    Megatron's wrappers each reduce ``found_inf`` over their own model-parallel group and
+    update their grad scaler with it. Here every wrapper's scaler update is deferred; the
+    ChainedOptimizer then issues ONE world all-reduce (MAX) of "any wrapper found inf/NaN"
+    per step and updates every scaler with the agreed flag. The all-reduce is issued whenever
+    the config has a loss scaler (the same on every rank), independent of how many
+    sub-optimizers (dense, expert) this rank has.
+    """
+    if not (config.fp16 or config.loss_scale):
+        return
+    wrappers = list(chained.chained_optimizers)
+    scalers = []
+    for w in wrappers:
+        scaler = getattr(w, "grad_scaler", None)
+        if scaler is None or hasattr(scaler, "_lioncub_update"):
+            continue
+        scaler._lioncub_update = scaler.update
+        scaler.update = lambda found_inf: None  # deferred: the ChainedOptimizer updates it
+        scalers.append(scaler)
+    orig = chained.prepare_grads
+    device = _flag_device(wrappers)
+
+    def prepare_grads(self):
+        local = bool(orig())
+        flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        found = flag.item() > 0
+        for scaler in scalers:
+            scaler._lioncub_update(found)
+        return found
+
+    chained.prepare_grads = types.MethodType(prepare_grads, chained)
 
 
 def _wrap(config, inner, stats_group, tp_group, expert_tp_group):
@@ -233,8 +382,6 @@ def _wrap(config, inner, stats_group, tp_group, expert_tp_group):
         for group in getattr(opt, "fp32_from_float16_groups", []):
             for main_param in group:
                 main_param.requires_grad_(True)
-        if grad_scaler is not None:
-            _sync_found_inf_over_world(opt)
     else:
         opt = FP32Optimizer(inner, config, init_state_fn)
     opt.grad_stats_parallel_group = stats_group
@@ -292,17 +439,20 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
     dense = _prepare_groups([g for g in all_groups if not g["is_expert_parallel"]], names, config)
     expert = _prepare_groups([g for g in all_groups if g["is_expert_parallel"]], names, config)
 
+    kinds = (("dense", dense, groups["dp_cp"], groups["mp"], groups["tp"]),
+             ("expert", expert, groups["expt_dp"], groups["expt_mp"], groups["expt_tp"]))
+    local = {kind: vote_group for kind, pgroups, vote_group, _, _ in kinds if pgroups}
+    premade = premake_process_groups(settings, local) if dist.is_initialized() else {}
+
     optimizers = []
-    for kind, pgroups, vote_group, stats_group, tp_group in (
-            ("dense", dense, groups["dp_cp"], groups["mp"], groups["tp"]),
-            ("expert", expert, groups["expt_dp"], groups["expt_mp"], groups["expt_tp"])):
+    for kind, pgroups, vote_group, stats_group, tp_group in kinds:
         if kind == "expert" and not pgroups:
-            continue
+            continue  # as in Megatron: no expert optimizer where this rank has no expert parameters
         inner = None
         if pgroups:
             kw = _momentum_sync_for_group(settings, vote_group)
             inner = MegatronLionCub(pgroups, lr=config.lr, betas=betas, weight_decay=config.weight_decay,
-                                    process_group=vote_group, **kw)
+                                    process_group=vote_group, megatron_groups=premade.get(kind), **kw)
             inner.megatron_kind = kind
             inner.megatron_tag = _model_parallel_tag(kind, groups)
         optimizers.append(_wrap(config, inner, stats_group, tp_group, groups["expt_tp"]))
@@ -312,7 +462,9 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
         log.info("LionCub (Megatron): %s; betas=%s; settings=%s", ", ".join(
             f"{o.optimizer.megatron_kind}: {sum(p.numel() for p in o.get_parameters())} params voting over "
             f"{o.optimizer.world_size} ranks" for o in optimizers if o.optimizer is not None), betas, settings)
-    return ChainedOptimizer(optimizers)
+    chained = ChainedOptimizer(optimizers)
+    agree_found_inf_once_per_step(chained, config)
+    return chained
 
 
 def _dump_param_map(model_chunks, param_groups, path):
