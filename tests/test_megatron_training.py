@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
 import types
 
 import pytest
@@ -282,8 +283,8 @@ def _gpt(tp=1, pp=1, moe_layers=None, dtype=torch.float32, seed=1234):
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     moe = dict(num_moe_experts=2, moe_layer_freq=list(moe_layers), moe_router_topk=1, moe_router_pre_softmax=True,
-               add_bias_linear=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0) \
-        if moe_layers else {}
+               add_bias_linear=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+               expert_model_parallel_size=ps.get_expert_model_parallel_world_size()) if moe_layers else {}
     cfg = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=2 * HIDDEN,
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
@@ -481,12 +482,13 @@ def test_checkpoint_order_resume_finetune_and_missing_files(tmp_path):
 
 # ----------------------------------------------------------------------------- groups at construction
 def _groups_rank(rank, world):
-    """PP=2 x DP=2, experts on the last stage only, fp16 loss scaling, timeout_s, node momentum sync."""
+    """PP=2 x DP=2 (EP=2: expert parameters are expert-parallel only with EP > 1), experts on the last
+    stage only, fp16 loss scaling, timeout_s, node momentum sync."""
     _shim()
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
-    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, expert_model_parallel_size=2)
     _, ddp = _gpt(pp=2, moe_layers=[0, 1], dtype=torch.float16)
     log = {"new_group": [], "collectives": []}
     phase = ["construct"]
@@ -509,7 +511,9 @@ def _groups_rank(rank, world):
             if group is None:
                 group = next((x for x in a if isinstance(x, dist.ProcessGroup)), None)
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
-            log["collectives"].append((phase[0], _name, ranks))
+            caller = sys._getframe(1).f_code.co_filename.replace(os.sep, "/")
+            ours = caller.endswith("lioncub_ds/megatron/optimizer.py")
+            log["collectives"].append((phase[0], _name + (" (lioncub_ds.megatron)" if ours else ""), ranks))
             return _orig(*a, **k)
         setattr(dist, name, wrapped)
     dist.new_group = new_group
@@ -519,7 +523,8 @@ def _groups_rank(rank, world):
             lioncub={"betas": (0.95, 0.98), "timeout_s": 60,
                      "momentum_sync": {"group": "node", "every": 1, "inter_every": 2}})
         phase[0] = "step"
-        kinds = sorted(o.megatron_kind for o in lioncub_optimizers(opt))
+        kinds = sorted((o.megatron_kind, sum(p.numel() for g in o.param_groups for p in g["params"]) > 0)
+                       for o in lioncub_optimizers(opt))
         for _ in range(3):  # zero gradients are enough: the collectives are what is checked
             ddp.zero_grad_buffer()
             opt.zero_grad()
@@ -535,8 +540,11 @@ def _groups_rank(rank, world):
 @needs_megatron
 def test_groups_made_at_construction_on_all_ranks_with_uneven_experts():
     res = run_ranks(_groups_rank, 4, timeout=400)
+    # Experts on stage 1 only. megatron-core (0.16 - main) aligns parameter groups over the world
+    # (_get_param_groups all-gathers their keys), so stage 0 also gets an expert optimizer, with empty
+    # groups; the checks below do not depend on that (one found_inf agreement per step at the chain).
     kinds = [r["kinds"] for r in res]
-    assert kinds == [["dense"], ["dense"], ["dense", "expert"], ["dense", "expert"]]  # experts on stage 1 only
+    assert kinds == [[("dense", True), ("expert", False)]] * 2 + [[("dense", True), ("expert", True)]] * 2
     lioncub_groups = [[g for g in r["new_group"]] for r in res]
     for r in res:
         assert all(phase == "construct" for phase, _, _ in r["new_group"]), r["new_group"]  # none in a step
@@ -554,5 +562,5 @@ def test_groups_made_at_construction_on_all_ranks_with_uneven_experts():
         members = [seqs.get(m, []) for m in ranks]
         assert all(s == members[0] for s in members), (ranks, seqs)
     world = tuple(range(4))
-    world_seq = by_group[world][0]
-    assert world_seq.count("all_reduce") == 3  # one found_inf agreement per step, whatever the sub-optimizers
+    ours = [name for name in by_group[world][0] if name.endswith("(lioncub_ds.megatron)")]
+    assert ours == ["all_reduce (lioncub_ds.megatron)"] * 3  # one found_inf agreement per step (3 steps)
