@@ -564,3 +564,57 @@ def test_groups_made_at_construction_on_all_ranks_with_uneven_experts():
     world = tuple(range(4))
     ours = [name for name in by_group[world][0] if name.endswith("(lioncub_ds.megatron)")]
     assert ours == ["all_reduce (lioncub_ds.megatron)"] * 3  # one found_inf agreement per step (3 steps)
+
+
+# ----------------------------------------------------------------------------- real Megatron-LM (opt-in)
+MEGATRON_LM_DIR = os.environ.get("LIONCUB_MEGATRON_LM_DIR")
+
+
+@pytest.mark.skipif(not (HAVE_MEGATRON and MEGATRON_LM_DIR and os.path.isfile(os.path.join(MEGATRON_LM_DIR or "",
+                                                                                          "pretrain_gpt.py"))),
+                    reason="set LIONCUB_MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1) to run "
+                           "Megatron-LM's own pretrain_gpt.py")
+def test_real_megatron_lm_pretrain_gpt_on_cpu(tmp_path):
+    """Megatron-LM's unmodified pretrain_gpt.py through ``lioncub_ds.megatron.run`` on 2 CPU ranks (gloo):
+    train 4 of 6 iterations (--exit-interval 4) with checkpoints, then resume to 6 from the per-rank files;
+    and the one early error for a recipe's incompatible flags. Needs ``six`` importable (Megatron-LM)."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(here)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [repo, MEGATRON_LM_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    ckpt = str(tmp_path / "ckpt")
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "6", "--lr", "1e-3", "--lr-decay-style", "constant", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--transformer-impl", "local",
+            "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+            "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+            "--distributed-backend", "gloo", "--use-cpu-initialization", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--eval-interval", "1000", "--eval-iters", "0", "--log-interval", "1",
+            "--ckpt-format", "torch", "--save", ckpt, "--save-interval", "2",
+            "--lioncub-beta1", "0.9", "--lioncub-beta2", "0.99", "--lioncub-comm", "1bit"]
+
+    def run(nproc, extra, port):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(port), os.path.join(here, "megatron_lm_cpu_launcher.py"), "pretrain_gpt.py"] + base + extra
+        return subprocess.run(cmd, cwd=MEGATRON_LM_DIR, env=env, capture_output=True, text=True, timeout=600)
+
+    from dist_helpers import free_port
+    first = run(2, ["--exit-interval", "4"], free_port())
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "voting over 2 ranks" in first.stdout + first.stderr
+    for it in (2, 4):
+        for r in (0, 1):
+            assert os.path.isfile(os.path.join(ckpt, f"iter_{it:07d}", "lioncub", "dense", "mp00000",
+                                               f"lioncub-rank{r:05d}-of-00002.pt"))
+    second = run(2, ["--load", ckpt], free_port())
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "restored every rank's momentum from" in out and "iteration        6/       6" in out
+    bad = run(1, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], free_port())
+    out = bad.stdout + bad.stderr
+    assert bad.returncode != 0 and "LionCubMegatronArgsError" in out
+    assert all(f in out for f in ("--use-distributed-optimizer:", "--overlap-grad-reduce:", "--overlap-param-gather:"))
+    assert "building GPT model" not in out

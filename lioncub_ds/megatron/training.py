@@ -72,8 +72,8 @@ INCOMPATIBLE_FLAGS = (
      "DDP's backward hooks issue reduce collectives"),
     ("overlap_param_gather", _on("overlap_param_gather"), _NEEDS_DIST_OPT),
     ("overlap_param_gather_with_optimizer_step", _on("overlap_param_gather_with_optimizer_step"), _NEEDS_DIST_OPT),
-    ("fp8_param_gather", _on("fp8_param_gather"), "fp8 parameter all-gather " + _NEEDS_DIST_OPT + " (or FSDP)"),
-    ("fp4_param_gather", _on("fp4_param_gather"), "fp4 parameter all-gather " + _NEEDS_DIST_OPT + " (or FSDP)"),
+    ("fp8_param_gather", _on("fp8_param_gather"), "the fp8 parameter all-gather needs the distributed optimizer (or FSDP)"),
+    ("fp4_param_gather", _on("fp4_param_gather"), "the fp4 parameter all-gather needs the distributed optimizer (or FSDP)"),
     ("reuse_grad_buf_for_mxfp8_param_ag", _on("reuse_grad_buf_for_mxfp8_param_ag"), _NEEDS_DIST_OPT),
     ("num_distributed_optimizer_instances", lambda a: (getattr(a, "num_distributed_optimizer_instances", 1) or 1) > 1,
      _NEEDS_DIST_OPT),
@@ -201,6 +201,11 @@ def _patch(module, name, new):
     return old
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _get_args(training):
     fn = getattr(training, "get_args", None)
     if fn is None:
@@ -297,8 +302,12 @@ def install(*, training=None, checkpointing=None, arguments=None, initialize=Non
         found = loaded_iteration_dir(args, checkpointing, load_arg, iteration)
         if found is None:
             return result  # no checkpoint, or a release checkpoint (no optimizer state)
-        mckpt.after_checkpoint_load(optimizer, found, getattr(args, "lioncub_checkpoint_mode", "per_rank"),
-                                    reshard=getattr(args, "lioncub_reshard", "average"), iteration=iteration)
+        mode = getattr(args, "lioncub_checkpoint_mode", "per_rank")
+        mckpt.after_checkpoint_load(optimizer, found, mode, reshard=getattr(args, "lioncub_reshard", "average"),
+                                    iteration=iteration)
+        if _rank() == 0:
+            log.info("LionCub: %s (iteration %s)", f"restored every rank's momentum from {found}/{mckpt.SUBDIR}"
+                     if mode == "per_rank" else "momenta from Megatron's checkpoint (sync mode)", iteration)
         return result
 
     _patch(training, "load_checkpoint", load_checkpoint)
