@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 
 import torch
@@ -242,3 +243,28 @@ def after_checkpoint_load(optimizer, checkpoint_dir: str, mode: str = "per_rank"
     _check_mode(mode)
     if mode == "per_rank":
         load_lioncub_states(optimizer, checkpoint_dir, reshard=reshard, iteration=iteration)
+
+
+class _DropNonEmptyWarning(logging.Filter):
+    def filter(self, record):
+        return not str(record.getMessage()).startswith("Overwriting old incomplete / corrupted checkpoint")
+
+
+@contextlib.contextmanager
+def quiet_nonempty_dir_warning(iter_dir):
+    """dist_checkpointing.save warns "Overwriting old incomplete / corrupted checkpoint" when the
+    directory is not empty; with only our lioncub/ folder in it, that warning would be misleading."""
+    try:
+        only_ours = sorted(os.listdir(iter_dir)) == [SUBDIR]
+    except OSError:
+        only_ours = False
+    if not only_ours:
+        yield
+        return
+    logger = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+    f = _DropNonEmptyWarning()
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)

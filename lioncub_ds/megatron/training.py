@@ -33,7 +33,6 @@ or in a script of your own: ``lioncub_ds.megatron.training.install()`` before Me
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import importlib
 import logging
@@ -42,7 +41,6 @@ import os
 from ..config import LionCubConfigError
 from . import _compat
 from .args import add_lioncub_args, lioncub_settings_from_args
-from .checkpoint import SUBDIR
 
 log = logging.getLogger("lioncub_ds")
 
@@ -282,7 +280,7 @@ def install(*, training=None, checkpointing=None, arguments=None, initialize=Non
         iter_dir = save_iteration_dir(args, checkpointing, iteration, non_persistent=kw.get("non_persistent_ckpt", False),
                                       release=kw.get("release", False))
         mckpt.before_checkpoint_save(optimizer, mode, checkpoint_dir=iter_dir)
-        with _quiet_nonempty_warning(iter_dir):
+        with mckpt.quiet_nonempty_dir_warning(iter_dir):
             return orig_save(iteration, model, optimizer, *a, **kw)
 
     _patch(training, "save_checkpoint", save_checkpoint)
@@ -312,31 +310,6 @@ def install(*, training=None, checkpointing=None, arguments=None, initialize=Non
 
     _patch(training, "load_checkpoint", load_checkpoint)
     _state["installed"] = True
-
-
-class _DropNonEmptyWarning(logging.Filter):
-    def filter(self, record):
-        return not str(record.getMessage()).startswith("Overwriting old incomplete / corrupted checkpoint")
-
-
-@contextlib.contextmanager
-def _quiet_nonempty_warning(iter_dir):
-    """dist_checkpointing.save warns "Overwriting old incomplete / corrupted checkpoint" when the
-    directory is not empty; with only our lioncub/ folder in it, that warning would be misleading."""
-    try:
-        only_ours = sorted(os.listdir(iter_dir)) == [SUBDIR]
-    except OSError:
-        only_ours = False
-    if not only_ours:
-        yield
-        return
-    logger = logging.getLogger("megatron.core.dist_checkpointing.serialization")
-    f = _DropNonEmptyWarning()
-    logger.addFilter(f)
-    try:
-        yield
-    finally:
-        logger.removeFilter(f)
 
 
 def uninstall() -> None:
