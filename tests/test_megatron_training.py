@@ -223,12 +223,16 @@ def test_early_check_passes_good_args_and_runs_megatron_validation(standins):
     assert standins.validate_calls == ["megatron"]
 
 
-def test_optimizer_choice_and_beta_rules(standins):
+def test_optimizer_choice_and_beta_rules(standins, monkeypatch):
+    from lioncub_ds.megatron import _compat
     from lioncub_ds.megatron.training import LionCubMegatronArgsError, megatron_args_problems
     p = standins.arguments.parse_args
     assert any(x.startswith("--optimizer muon") for x in megatron_args_problems(p(argv=GOOD + ["--optimizer", "muon"])))
-    # --optimizer lion (Megatron-LM >= 0.17): Lion's own betas, no --lioncub-beta* needed
+    # --optimizer lion (Megatron-LM >= 0.18): Lion's own betas, no --lioncub-beta* needed; 0.17 cannot build it
+    monkeypatch.setattr(_compat, "megatron_version", lambda: (0, 18, 2))
     assert megatron_args_problems(p(argv=["--lr", "1", "--optimizer", "lion"])) == []
+    monkeypatch.setattr(_compat, "megatron_version", lambda: (0, 17, 1))
+    assert any("before 0.18" in x for x in megatron_args_problems(p(argv=["--lr", "1", "--optimizer", "lion"])))
     # Adam betas the user changed are taken; Megatron's defaults (0.9, 0.999) are refused
     assert megatron_args_problems(p(argv=["--lr", "1", "--adam-beta2", "0.98"])) == []
     assert any("0.999" in x for x in megatron_args_problems(p(argv=["--lr", "1"])))

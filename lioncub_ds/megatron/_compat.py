@@ -11,7 +11,9 @@ Supported: megatron-core 0.16.x (Python 3.10/3.11: the newest pip gives on 3.11)
 * ``ProcessGroupCollection.setup_process_groups_for_optimizer``: 0.19 adds
   ``expt_tp_pp_with_egtp_remat_group`` (the expert model-parallel group Megatron then
   uses for gradient statistics); older versions have ``expt_tp_pp_group`` only.
-* ``OptimizerConfig.lion_beta1/2`` exist from 0.19 (Megatron's own ``--optimizer lion``).
+* ``OptimizerConfig.lion_beta1/2`` exist from 0.17 (megatron-core's own Lion, through emerging-optimizers);
+  Megatron-LM's training loop builds a config for ``--optimizer lion`` from 0.18 (0.17 raises
+  "Invalid optimizer type!" in ``get_megatron_optimizer_config``).
 * The bucket groups' ``finish_grad_sync`` sets ``grad_reduce_finished`` from 0.19.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ Megatron settings and what they become:
   sets it from then on); ``min_lr`` -> the groups' ``min_lr`` (scheduler);
   ``weight_decay`` -> decoupled weight decay (times each group's ``wd_mult``);
 * betas: ``lioncub['betas']`` if given, else ``(lion_beta1, lion_beta2)`` when
-  ``config.optimizer == 'lion'`` (megatron-core >= 0.19), else ``(adam_beta1, adam_beta2)``;
+  ``config.optimizer == 'lion'`` (OptimizerConfig has them from megatron-core 0.17), else ``(adam_beta1, adam_beta2)``;
 * ``bf16`` / ``fp16`` -> ``Float16OptimizerWithFloat16Params`` (LionCub steps the fp32 main
   params; momentum dtype is LionCub's ``momentum_dtype``, fp32 by default);
   ``params_dtype`` only shapes the model; ``loss_scale`` / dynamic fp16 scaling as in Megatron;

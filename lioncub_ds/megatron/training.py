@@ -91,6 +91,9 @@ INCOMPATIBLE_FLAGS = (
     ("optimizer", lambda a: getattr(a, "optimizer", "adam") not in LIONCUB_OPTIMIZER_CHOICES,
      "LionCub replaces the optimizer Megatron builds for --optimizer adam (or lion); other values build "
      "Megatron's own optimizer elsewhere and LionCub would silently not run"),
+    ("optimizer", lambda a: getattr(a, "optimizer", "adam") == "lion" and (_compat.megatron_version() or (0, 99)) < (0, 18),
+     "Megatron-LM before 0.18 builds no optimizer config for --optimizer lion (\"Invalid optimizer type!\"); use "
+     "--optimizer adam with --lioncub-beta1 / --lioncub-beta2"),
     ("non_persistent_ckpt_type",
      lambda a: getattr(a, "non_persistent_ckpt_type", None) == "local"
      and getattr(a, "non_persistent_save_interval", None)
