@@ -622,3 +622,25 @@ def test_real_megatron_lm_pretrain_gpt_on_cpu(tmp_path):
     assert bad.returncode != 0 and "LionCubMegatronArgsError" in out
     assert all(f in out for f in ("--use-distributed-optimizer:", "--overlap-grad-reduce:", "--overlap-param-gather:"))
     assert "building GPT model" not in out
+
+
+def test_run_finds_the_script(tmp_path, monkeypatch):
+    """``python -m lioncub_ds.megatron.run [SCRIPT] ARGS``: cwd, then $MEGATRON_LM_DIR, then sys.path."""
+    from lioncub_ds.megatron import run
+    mlm = tmp_path / "Megatron-LM"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("import sys\nRESULT = list(sys.argv)\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="cannot find the Megatron-LM script 'pretrain_gpt.py'"):
+        run.find_script("pretrain_gpt.py")
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(mlm))
+    assert run.find_script("pretrain_gpt.py") == str(mlm / "pretrain_gpt.py")
+    seen = {}
+    monkeypatch.setattr("lioncub_ds.megatron.training.install", lambda: seen.setdefault("installed", True))
+    monkeypatch.setattr("runpy.run_path", lambda path, run_name: seen.update(path=path, argv=list(sys.argv),
+                                                                             run_name=run_name))
+    monkeypatch.setattr(sys, "argv", ["run"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    run.main(["--lr", "1e-3", "--lioncub-comm", "1bit"])  # no script given: pretrain_gpt.py
+    assert seen == {"installed": True, "path": str(mlm / "pretrain_gpt.py"), "run_name": "__main__",
+                    "argv": [str(mlm / "pretrain_gpt.py"), "--lr", "1e-3", "--lioncub-comm", "1bit"]}
