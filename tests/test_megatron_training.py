@@ -644,3 +644,16 @@ def test_run_finds_the_script(tmp_path, monkeypatch):
     run.main(["--lr", "1e-3", "--lioncub-comm", "1bit"])  # no script given: pretrain_gpt.py
     assert seen == {"installed": True, "path": str(mlm / "pretrain_gpt.py"), "run_name": "__main__",
                     "argv": [str(mlm / "pretrain_gpt.py"), "--lr", "1e-3", "--lioncub-comm", "1bit"]}
+
+
+def test_install_is_all_or_nothing():
+    """A Megatron-LM without one of the names (an unsupported version) leaves nothing half-patched."""
+    from lioncub_ds.megatron import training as lt
+    lt.uninstall()
+    s = make_standins()
+    del s.training.load_checkpoint
+    add, opt = s.arguments.add_megatron_arguments, s.training.get_megatron_optimizer
+    with pytest.raises(AttributeError):
+        lt.install(**{k: getattr(s, k) for k in ("training", "checkpointing", "arguments", "initialize")})
+    assert not lt.installed()
+    assert s.arguments.add_megatron_arguments is add and s.training.get_megatron_optimizer is opt

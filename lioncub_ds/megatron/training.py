@@ -222,7 +222,16 @@ def install(*, training=None, checkpointing=None, arguments=None, initialize=Non
     """
     if _state["installed"]:
         return
-    training, checkpointing, arguments, initialize = _modules(training, checkpointing, arguments, initialize)
+    modules = _modules(training, checkpointing, arguments, initialize)
+    try:
+        _install(*modules)
+    except BaseException:
+        uninstall()  # all or nothing
+        raise
+    _state["installed"] = True
+
+
+def _install(training, checkpointing, arguments, initialize) -> None:
     from . import checkpoint as mckpt
     from .optimizer import get_megatron_lioncub_optimizer, lioncub_optimizers
 
@@ -312,7 +321,6 @@ def install(*, training=None, checkpointing=None, arguments=None, initialize=Non
         return result
 
     _patch(training, "load_checkpoint", load_checkpoint)
-    _state["installed"] = True
 
 
 def uninstall() -> None:
