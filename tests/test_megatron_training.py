@@ -205,8 +205,8 @@ RECIPE = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-par
 @pytest.mark.parametrize("where", ["arguments", "initialize"])  # 0.18+ / 0.16-0.17 call sites
 def test_one_early_error_lists_every_incompatible_flag(standins, where):
     from lioncub_ds.megatron.training import LionCubMegatronArgsError
-    args = standins.arguments.parse_args(argv=["--lr", "1e-3"] + RECIPE + ["--optimizer-cpu-offload",
-                                                                           "--num-distributed-optimizer-instances", "2"])
+    more = ["--optimizer-cpu-offload", "--num-distributed-optimizer-instances", "2"]
+    args = standins.arguments.parse_args(argv=["--lr", "1e-3"] + RECIPE + more)
     with pytest.raises(LionCubMegatronArgsError) as info:
         getattr(standins, where).validate_args(args, {})
     msg = str(info.value)

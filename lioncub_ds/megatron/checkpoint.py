@@ -158,8 +158,8 @@ def load_lioncub_states(optimizer, checkpoint_dir: str, reshard: str = "average"
             t = torch.tensor([1 if missing else 0], dtype=torch.int64, device=device)
             dist.all_reduce(t)
             count = int(t.item())
-        raise lc_checkpoint.CheckpointError(missing_files_message(checkpoint_dir, count, missing[0] if missing else None,
-                                                                  iteration))
+        example = missing[0] if missing else None
+        raise lc_checkpoint.CheckpointError(missing_files_message(checkpoint_dir, count, example, iteration))
     error, paths = None, []
     try:
         paths = [lc_checkpoint.load(opt, rank_directory(checkpoint_dir, opt), reshard=reshard)

@@ -60,6 +60,7 @@ def _on(name):
 
 
 _NEEDS_DIST_OPT = "needs the distributed optimizer, which LionCub replaces"
+_NEEDS_DIST_OPT_OR_FSDP = "needs the distributed optimizer (or FSDP)"
 INCOMPATIBLE_FLAGS = (
     ("use_distributed_optimizer", _on("use_distributed_optimizer"),
      "the distributed optimizer reduce-scatters gradients and shards optimizer state over data-parallel ranks; "
@@ -70,8 +71,8 @@ INCOMPATIBLE_FLAGS = (
      "DDP's backward hooks issue reduce collectives"),
     ("overlap_param_gather", _on("overlap_param_gather"), _NEEDS_DIST_OPT),
     ("overlap_param_gather_with_optimizer_step", _on("overlap_param_gather_with_optimizer_step"), _NEEDS_DIST_OPT),
-    ("fp8_param_gather", _on("fp8_param_gather"), "the fp8 parameter all-gather needs the distributed optimizer (or FSDP)"),
-    ("fp4_param_gather", _on("fp4_param_gather"), "the fp4 parameter all-gather needs the distributed optimizer (or FSDP)"),
+    ("fp8_param_gather", _on("fp8_param_gather"), "the fp8 parameter all-gather " + _NEEDS_DIST_OPT_OR_FSDP),
+    ("fp4_param_gather", _on("fp4_param_gather"), "the fp4 parameter all-gather " + _NEEDS_DIST_OPT_OR_FSDP),
     ("reuse_grad_buf_for_mxfp8_param_ag", _on("reuse_grad_buf_for_mxfp8_param_ag"), _NEEDS_DIST_OPT),
     ("num_distributed_optimizer_instances", lambda a: (getattr(a, "num_distributed_optimizer_instances", 1) or 1) > 1,
      _NEEDS_DIST_OPT),
@@ -91,7 +92,8 @@ INCOMPATIBLE_FLAGS = (
     ("optimizer", lambda a: getattr(a, "optimizer", "adam") not in LIONCUB_OPTIMIZER_CHOICES,
      "LionCub replaces the optimizer Megatron builds for --optimizer adam (or lion); other values build "
      "Megatron's own optimizer elsewhere and LionCub would silently not run"),
-    ("optimizer", lambda a: getattr(a, "optimizer", "adam") == "lion" and (_compat.megatron_version() or (0, 99)) < (0, 18),
+    ("optimizer", lambda a: getattr(a, "optimizer", "adam") == "lion"
+     and (_compat.megatron_version() or (0, 99)) < (0, 18),
      "Megatron-LM before 0.18 builds no optimizer config for --optimizer lion (\"Invalid optimizer type!\"); use "
      "--optimizer adam with --lioncub-beta1 / --lioncub-beta2"),
     ("non_persistent_ckpt_type",
@@ -289,7 +291,8 @@ def _install(training, checkpointing, arguments, initialize) -> None:
         mode = getattr(args, "lioncub_checkpoint_mode", "per_rank")
         if optimizer is None or not lioncub_optimizers(optimizer) or getattr(args, "no_save_optim", False):
             return orig_save(iteration, model, optimizer, *a, **kw)
-        iter_dir = save_iteration_dir(args, checkpointing, iteration, non_persistent=kw.get("non_persistent_ckpt", False),
+        iter_dir = save_iteration_dir(args, checkpointing, iteration,
+                                      non_persistent=kw.get("non_persistent_ckpt", False),
                                       release=kw.get("release", False))
         mckpt.before_checkpoint_save(optimizer, mode, checkpoint_dir=iter_dir)
         with mckpt.quiet_nonempty_dir_warning(iter_dir):
