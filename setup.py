@@ -5,8 +5,8 @@ The C++ CPU kernels are JIT-built on first use by ``lioncub_ds.ops`` (ninja, cac
 --no-build-isolation .``; torch must be importable); add ``LIONCUB_BUILD_CUDA=1`` to also build
 the CUDA kernels (needs nvcc and a CUDA torch).
 """
-import hashlib
 import os
+import runpy
 import shutil
 import sysconfig
 from pathlib import Path
@@ -16,18 +16,9 @@ from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
-# Keep in sync with lioncub_ds/_native.py (SOURCES, HEADERS, CFLAGS, source_hash).
-SOURCES = ("bindings.cpp", "cpu/lioncub_cpu.cpp")
-HEADERS = ("cpu/lioncub_cpu.h",)
-CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
-
-
-def source_hash() -> str:
-    h = hashlib.sha1()
-    for rel in SOURCES + HEADERS:
-        h.update(rel.encode())
-        h.update((CSRC / rel).read_bytes())
-    return h.hexdigest()
+# The one table of sources and flags, shared with the JIT loader (lioncub_ds/_native.py); read with
+# runpy so that setup.py needs neither torch nor the package importable.
+BUILD = runpy.run_path(str(HERE / "lioncub_ds" / "kernels" / "build.py"))
 
 
 class BuildPyWithSources(build_py):
@@ -43,28 +34,30 @@ ext_modules, cmdclass = [], {"build_py": BuildPyWithSources}
 if os.environ.get("LIONCUB_BUILD_EXT") == "1":
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
+    cpp_hash = BUILD["source_hash"](CSRC, BUILD["CPP_SOURCES"], BUILD["CPP_HEADERS"])
     ext_modules.append(
         CppExtension(
-            name="lioncub_ds._lioncub_cpu",  # loaded first by lioncub_ds._native
-            sources=[f"csrc/{s}" for s in SOURCES],
+            name=BUILD["CPP_MODULE"],  # loaded first by lioncub_ds._native
+            sources=[f"csrc/{s}" for s in BUILD["CPP_SOURCES"]],
             include_dirs=[str(CSRC)],
-            extra_compile_args=CFLAGS + [f"-DLIONCUB_SRC_HASH=h{source_hash()}"],
-            extra_link_args=["-fopenmp"],
+            extra_compile_args=list(BUILD["CFLAGS"]) + [f"-DLIONCUB_SRC_HASH=h{cpp_hash}"],
+            extra_link_args=list(BUILD["LDFLAGS"]),
         )
     )
     cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
     if os.environ.get("LIONCUB_BUILD_CUDA") == "1":
         from torch.utils.cpp_extension import CUDAExtension
 
-        # Keep in sync with lioncub_ds/_native.py (CUDA_SOURCES, CUDA_CFLAGS).
+        cuda_hash = BUILD["source_hash"](CSRC, BUILD["CUDA_SOURCES"], BUILD["CUDA_HEADERS"])
         ext_modules.append(
             CUDAExtension(
-                name="lioncub_ds._lioncub_cuda",
-                sources=[f"csrc/{s}" for s in SOURCES + ("cuda/lioncub_local.cu", "cuda/lioncub_vote.cu")],
+                name=BUILD["CUDA_MODULE"],  # what lioncub_ds._native loads for the cuda backend
+                sources=[f"csrc/{s}" for s in BUILD["CUDA_SOURCES"]],
                 include_dirs=[str(CSRC)],
-                extra_compile_args={"cxx": CFLAGS + ["-DLIONCUB_WITH_CUDA"],
-                                    "nvcc": ["-O3", "-std=c++17", "--fmad=false"]},
-                extra_link_args=["-fopenmp"],
+                extra_compile_args={"cxx": list(BUILD["CFLAGS"]) + list(BUILD["CUDA_DEFINES"])
+                                    + [f"-DLIONCUB_SRC_HASH=h{cuda_hash}"],
+                                    "nvcc": list(BUILD["NVCC_FLAGS"])},
+                extra_link_args=list(BUILD["LDFLAGS"]),
             )
         )
 

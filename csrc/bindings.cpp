@@ -109,19 +109,23 @@ void check_same_planes(const c10::optional<at::Tensor>& nz, int64_t n, int64_t b
               "] must match the sign planes [", n, ", ", b, "]");
 }
 
-lc::ApplyArgs apply_args(double lr, double wd, int64_t step, int64_t tie, int64_t vote, int64_t world, int64_t base) {
+// The tie-index table: int64 [K, 2] (pos, index) rows on the CPU, rows[0].pos == 0
+// (lioncub_ds/codec.py as_segments builds and validates it before any call).
+std::pair<const int64_t*, int64_t> tie_table(const at::Tensor& t) {
+  check_cpu_contig(t, "segments");
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.size(1) == 2 && t.size(0) >= 1,
+              "lioncub cpp kernels: segments must be an int64 [K, 2] tensor with K >= 1");
+  return {t.data_ptr<int64_t>(), t.size(0)};
+}
+
+lc::ApplyArgs apply_args(double lr, double wd, int64_t step, int64_t tie, int64_t vote, int64_t world,
+                         const at::Tensor& segments) {
   TORCH_CHECK(tie >= 0 && tie <= 2, "lioncub cpp kernels: tie rule code must be 0..2, got ", tie);
   TORCH_CHECK(vote == 0 || vote == 1, "lioncub cpp kernels: vote mode code must be 0 or 1, got ", vote);
-  TORCH_CHECK(world >= 1, "lioncub cpp kernels: world_size must be >= 1, got ", world);
-  lc::ApplyArgs a;
-  a.lr = lr;
-  a.weight_decay = wd;
-  a.step = step;
-  a.tie = static_cast<int32_t>(tie);
-  a.vote = static_cast<int32_t>(vote);
-  a.world_size = world;
-  a.base = base;
-  return a;
+  TORCH_CHECK(world >= 1 && world <= INT32_MAX, "lioncub cpp kernels: world_size must be in 1..2**31-1, got ", world);
+  const auto tt = tie_table(segments);
+  return lc_make_apply_args(lr, wd, step, static_cast<int32_t>(tie), static_cast<int32_t>(vote),
+                            static_cast<int32_t>(world), tt.first, tt.second);
 }
 
 // ------------------------------------------------------------------------------------ kernels
@@ -159,12 +163,12 @@ void momentum_update_list(const std::vector<at::Tensor>& momenta, const std::vec
 c10::optional<at::Tensor> vote_apply(const at::Tensor& sign, const c10::optional<at::Tensor>& nonzero,
                                      const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
                                      double lr, double weight_decay, int64_t step, int64_t tie, int64_t vote,
-                                     int64_t world_size, int64_t base, bool return_delta) {
+                                     int64_t world_size, const at::Tensor& segments, bool return_delta) {
   const auto [n, b] = plane_shape(sign, "sign", false);
   check_same_planes(nonzero, n, b, false);
   const int64_t numel = b * 8;
   auto p = make_slots(params, offsets, "params", false, numel);
-  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, base);
+  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, segments);
   at::Tensor delta;
   if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
   {
@@ -178,18 +182,19 @@ c10::optional<at::Tensor> vote_apply(const at::Tensor& sign, const c10::optional
 }
 
 std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const c10::optional<at::Tensor>& nonzero,
-                                              int64_t step, int64_t tie, int64_t base) {
+                                              int64_t step, int64_t tie, const at::Tensor& segments) {
   const auto [n, s] = plane_shape(sign, "sign", true);
   check_same_planes(nonzero, n, s, true);
   TORCH_CHECK(tie >= 0 && tie <= 2, "lioncub cpp kernels: tie rule code must be 0..2, got ", tie);
+  const auto tt = tie_table(segments);
   auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
   at::Tensor out_sign = at::zeros({s}, opts);
   at::Tensor out_nz = at::zeros({s}, opts);
   {
     pybind11::gil_scoped_release nogil;
     lc::shard_vote(sign.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n, s,
-                   step, static_cast<int32_t>(tie), base, out_sign.data_ptr<uint8_t>(), out_nz.data_ptr<uint8_t>(),
-                   threads());
+                   step, static_cast<int32_t>(tie), tt.first, tt.second, out_sign.data_ptr<uint8_t>(),
+                   out_nz.data_ptr<uint8_t>(), threads());
   }
   return {out_sign, out_nz};
 }
@@ -218,7 +223,8 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t> count_lanes(const at:
 c10::optional<at::Tensor> lanes_apply(const at::Tensor& plus, const c10::optional<at::Tensor>& cnt,
                                       int64_t world_size, int64_t p, const std::vector<at::Tensor>& params,
                                       const std::vector<int64_t>& offsets, double lr, double weight_decay,
-                                      int64_t step, int64_t tie, int64_t vote, int64_t base, bool return_delta) {
+                                      int64_t step, int64_t tie, int64_t vote, const at::Tensor& segments,
+                                      bool return_delta) {
   check_u8(plus, "plus_lanes");
   TORCH_CHECK(p == 1 || p == 2 || p == 4 || p == 8, "lioncub cpp kernels: lane width p must be 1, 2, 4 or 8, got ",
               p);
@@ -230,7 +236,7 @@ c10::optional<at::Tensor> lanes_apply(const at::Tensor& plus, const c10::optiona
   }
   const int64_t numel = bytes * 8 / p;
   auto prm = make_slots(params, offsets, "params", false, numel);
-  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, base);
+  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, segments);
   at::Tensor delta;
   if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
   {
@@ -246,12 +252,10 @@ c10::optional<at::Tensor> lanes_apply(const at::Tensor& plus, const c10::optiona
 std::tuple<at::Tensor, int64_t> int8_local_step(const std::vector<at::Tensor>& grads,
                                                 const std::vector<at::Tensor>& momenta,
                                                 const std::vector<int64_t>& offsets, int64_t total, double beta1,
-                                                int64_t kind, int64_t levels, int64_t vec_width) {
+                                                int64_t kind, int64_t levels) {
   TORCH_CHECK(total >= 0, "lioncub cpp kernels: total must be >= 0, got ", total);
   TORCH_CHECK(kind >= 0 && kind <= 2, "lioncub cpp kernels: scale kind code must be 0..2, got ", kind);
   TORCH_CHECK(levels >= 1 && levels <= 127, "lioncub cpp kernels: levels must be 1..127, got ", levels);
-  TORCH_CHECK(vec_width == 4 || vec_width == 8 || vec_width == 16,
-              "lioncub cpp kernels: vec_width must be 4, 8 or 16, got ", vec_width);
   check_pairs(grads, "grads", momenta, "momenta");
   auto g = make_slots(grads, offsets, "grads", true, total);
   auto m = make_slots(momenta, offsets, "momenta", false, total);
@@ -261,8 +265,7 @@ std::tuple<at::Tensor, int64_t> int8_local_step(const std::vector<at::Tensor>& g
   {
     pybind11::gil_scoped_release nogil;
     bad = lc::int8_local_step(g.data(), m.data(), static_cast<int64_t>(g.size()), total, beta1,
-                              static_cast<int32_t>(kind), static_cast<int32_t>(levels), static_cast<int>(vec_width),
-                              tt, q.data_ptr<int8_t>(), tt);
+                              static_cast<int32_t>(kind), static_cast<int32_t>(levels), q.data_ptr<int8_t>(), tt);
   }
   return {q, bad};
 }
@@ -278,17 +281,12 @@ c10::optional<at::Tensor> int8_apply(const at::Tensor& qsum, const std::vector<a
   if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
   {
     pybind11::gil_scoped_release nogil;
-    lc::int8_apply(qsum.data_ptr<int8_t>(), numel, prm.data(), static_cast<int64_t>(prm.size()), lr, weight_decay,
+    const lc::ApplyArgs a = lc_make_apply_args(lr, weight_decay, 0, 0, 0, 1, nullptr, 0);
+    lc::int8_apply(qsum.data_ptr<int8_t>(), numel, prm.data(), static_cast<int64_t>(prm.size()), a,
                    return_delta ? delta.data_ptr<float>() : nullptr, threads());
   }
   if (return_delta) return delta;
   return c10::nullopt;
-}
-
-double torch_mean_abs(const at::Tensor& x, int64_t vec_width) {
-  check_cpu_contig(x, "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "lioncub cpp kernels: x must be float32");
-  return lc::torch_mean_abs(x.data_ptr<float>(), x.numel(), static_cast<int>(vec_width), threads());
 }
 
 }  // namespace
@@ -409,31 +407,28 @@ static Meta build_meta(const std::vector<at::Tensor>& a, const std::vector<at::T
   return m;
 }
 
-static lc_lion_args lion_args(double beta1, double beta2) {
-  lc_lion_args la;
-  la.b1 = static_cast<float>(beta1);
-  la.omb1 = static_cast<float>(1.0 - beta1);
-  la.b2 = static_cast<float>(beta2);
-  la.omb2 = static_cast<float>(1.0 - beta2);
-  return la;
+static lc_lion_args lion_args(double beta1, double beta2) { return lc_make_lion_args(beta1, beta2); }
+
+// The tie-index table (int64 [K, 2] on the CPU, validated by codec.as_segments) copied to the
+// device through pinned memory without a host sync; keep the returned tensor alive until the
+// launch is queued.
+static at::Tensor device_table(const at::Tensor& segments, const at::Device& dev) {
+  TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
+                  segments.size(1) == 2 && segments.size(0) >= 1,
+              "segments must be an int64 [K, 2] CPU tensor with K >= 1");
+  at::Tensor host = at::empty({segments.size(0), 2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  host.copy_(segments);
+  return host.to(dev, /*non_blocking=*/true);
 }
 
 static lc_apply_args apply_args(double lr, double weight_decay, int64_t step, int64_t tie, int64_t vote,
-                                int64_t world_size, int64_t base) {
+                                int64_t world_size, const at::Tensor& table) {
   TORCH_CHECK(tie >= 0 && tie <= 2, "tie code must be 0 (zero), 1 (alternate) or 2 (hash), got ", tie);
   TORCH_CHECK(vote == 0 || vote == 1, "vote code must be 0 (majority) or 1 (average), got ", vote);
   TORCH_CHECK(world_size >= 1 && world_size <= INT32_MAX, "world_size must be >= 1, got ", world_size);
-  const double decay = 1.0 - lr * weight_decay;  // exactly codec.apply_update
-  lc_apply_args a;
-  a.neg_lr = static_cast<float>(-lr);
-  a.decay = static_cast<float>(decay);
-  a.apply_decay = decay != 1.0 ? 1 : 0;
-  a.tie = static_cast<int32_t>(tie);
-  a.vote = static_cast<int32_t>(vote);
-  a.world_size = static_cast<int32_t>(world_size);
-  a.step = step;
-  a.base = base;
-  return a;
+  return lc_make_apply_args(lr, weight_decay, step, static_cast<int32_t>(tie), static_cast<int32_t>(vote),
+                            static_cast<int32_t>(world_size), table.defined() ? table.data_ptr<int64_t>() : nullptr,
+                            table.defined() ? table.size(0) : 0);
 }
 
 // [rows, row_bytes] view of a 1-D or 2-D packed plane (codec.vote_apply accepts 1-D as one row).
@@ -477,7 +472,7 @@ void momentum_update(const std::vector<at::Tensor>& momenta, const std::vector<a
 std::optional<at::Tensor> vote_apply(const at::Tensor& sign, const std::optional<at::Tensor>& nonzero,
                                      const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
                                      double lr, double weight_decay, int64_t step, int64_t tie, int64_t vote,
-                                     int64_t world_size, int64_t base, bool return_delta) {
+                                     int64_t world_size, const at::Tensor& segments, bool return_delta) {
   const at::Device dev = sign.device();
   const c10::cuda::CUDAGuard guard(dev);
   check_plane(sign, "sign", dev, at::kByte);
@@ -488,18 +483,19 @@ std::optional<at::Tensor> vote_apply(const at::Tensor& sign, const std::optional
                 nonzero->sizes());
   }
   const Meta meta = build_meta(params, nullptr, &offsets, row_bytes * 8, "params", "", dev);
+  const at::Tensor table = device_table(segments, dev);
   std::optional<at::Tensor> delta;
   if (return_delta) delta = at::empty({row_bytes * 8}, at::TensorOptions().dtype(at::kFloat).device(dev));
   LC_CUDA_CHECK(lc_vote_apply(sign.data_ptr<uint8_t>(), nonzero ? nonzero->data_ptr<uint8_t>() : nullptr, rows,
                               row_bytes, meta.ptr(), meta.n,
-                              apply_args(lr, weight_decay, step, tie, vote, world_size, base),
+                              apply_args(lr, weight_decay, step, tie, vote, world_size, table),
                               delta ? delta->data_ptr<float>() : nullptr, at::cuda::getCurrentCUDAStream()),
                 "vote_apply");
   return delta;
 }
 
 std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const std::optional<at::Tensor>& nonzero,
-                                              int64_t step, int64_t tie, int64_t base) {
+                                              int64_t step, int64_t tie, const at::Tensor& segments) {
   const at::Device dev = sign.device();
   const c10::cuda::CUDAGuard guard(dev);
   check_plane(sign, "sign", dev, at::kByte);
@@ -512,15 +508,19 @@ std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const std:
   }
   TORCH_CHECK(tie >= 0 && tie <= 2, "tie code must be 0 (zero), 1 (alternate) or 2 (hash), got ", tie);
   at::Tensor out_sign = uint8_like(row_bytes, dev), out_nz = uint8_like(row_bytes, dev);
+  const at::Tensor table = device_table(segments, dev);
   LC_CUDA_CHECK(lc_shard_vote(sign.data_ptr<uint8_t>(), nonzero ? nonzero->data_ptr<uint8_t>() : nullptr, rows,
-                              row_bytes, static_cast<int>(tie), step, base, out_sign.data_ptr<uint8_t>(),
+                              row_bytes, static_cast<int>(tie), step, table.data_ptr<int64_t>(), table.size(0),
+                              out_sign.data_ptr<uint8_t>(),
                               out_nz.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream()),
                 "shard_vote");
   return {out_sign, out_nz};
 }
 
-std::tuple<at::Tensor, std::optional<at::Tensor>> count_lanes(const at::Tensor& sign,
-                                                               const std::optional<at::Tensor>& nonzero, int64_t p) {
+// Returns (plus, cnt, overflow): overflow is a device int32 [1] flag (nonzero where a count did not
+// fit its lane) when a count could overflow, else None; Python raises (never a C++ exception here).
+std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> count_lanes(
+    const at::Tensor& sign, const std::optional<at::Tensor>& nonzero, int64_t p) {
   const at::Device dev = sign.device();
   const c10::cuda::CUDAGuard guard(dev);
   check_plane(sign, "sign", dev, at::kByte);
@@ -540,21 +540,21 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> count_lanes(const at::Tensor& 
   std::optional<at::Tensor> cnt;
   if (nonzero) cnt = uint8_like(row_bytes * p, dev);
   const bool check = nonzero.has_value() && rows > top && row_bytes > 0;  // only then can a lane overflow
-  at::Tensor overflow;
+  std::optional<at::Tensor> overflow;
   if (check) overflow = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(dev));
   LC_CUDA_CHECK(lc_count_lanes(sign.data_ptr<uint8_t>(), nonzero ? nonzero->data_ptr<uint8_t>() : nullptr, rows,
                                row_bytes, static_cast<int>(p), plus.data_ptr<uint8_t>(),
-                               cnt ? cnt->data_ptr<uint8_t>() : nullptr, check ? overflow.data_ptr<int32_t>() : nullptr,
+                               cnt ? cnt->data_ptr<uint8_t>() : nullptr, check ? overflow->data_ptr<int32_t>() : nullptr,
                                at::cuda::getCurrentCUDAStream()),
                 "count_lanes");
-  if (check) TORCH_CHECK_VALUE(overflow.item<int32_t>() == 0, "a count does not fit a ", p, "-bit lane");
-  return {plus, cnt};
+  return {plus, cnt, overflow};
 }
 
 std::optional<at::Tensor> lanes_apply(const at::Tensor& plus_lanes, const std::optional<at::Tensor>& cnt_lanes,
                                       int64_t world_size, int64_t p, const std::vector<at::Tensor>& params,
                                       const std::vector<int64_t>& offsets, double lr, double weight_decay,
-                                      int64_t step, int64_t tie, int64_t vote, int64_t base, bool return_delta) {
+                                      int64_t step, int64_t tie, int64_t vote, const at::Tensor& segments,
+                                      bool return_delta) {
   const at::Device dev = plus_lanes.device();
   const c10::cuda::CUDAGuard guard(dev);
   check_plane(plus_lanes, "plus_lanes", dev, at::kByte);
@@ -566,11 +566,12 @@ std::optional<at::Tensor> lanes_apply(const at::Tensor& plus_lanes, const std::o
   }
   const int64_t numel = plus_lanes.numel() * 8 / p;
   const Meta meta = build_meta(params, nullptr, &offsets, numel, "params", "", dev);
+  const at::Tensor table = device_table(segments, dev);
   std::optional<at::Tensor> delta;
   if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(dev));
   LC_CUDA_CHECK(lc_lanes_apply(plus_lanes.data_ptr<uint8_t>(), cnt_lanes ? cnt_lanes->data_ptr<uint8_t>() : nullptr,
                                numel, static_cast<int>(p), meta.ptr(), meta.n,
-                               apply_args(lr, weight_decay, step, tie, vote, world_size, base),
+                               apply_args(lr, weight_decay, step, tie, vote, world_size, table),
                                delta ? delta->data_ptr<float>() : nullptr, at::cuda::getCurrentCUDAStream()),
                 "lanes_apply");
   return delta;
@@ -612,7 +613,8 @@ std::optional<at::Tensor> int8_apply(const at::Tensor& qsum, const std::vector<a
   std::optional<at::Tensor> delta;
   if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(dev));
   LC_CUDA_CHECK(lc_int8_apply(qsum.data_ptr<int8_t>(), numel, meta.ptr(), meta.n,
-                              apply_args(lr, weight_decay, 0, 0, 0, 1, 0), delta ? delta->data_ptr<float>() : nullptr,
+                              apply_args(lr, weight_decay, 0, 0, 0, 1, at::Tensor()),
+                              delta ? delta->data_ptr<float>() : nullptr,
                               at::cuda::getCurrentCUDAStream()),
                 "int8_apply");
   return delta;
@@ -626,13 +628,13 @@ void register_cuda(pybind11::module_& m) {
         py::arg("grads"), py::arg("beta2"));
   m.def("cuda_vote_apply", &vote_apply, "vote + apply (CUDA)", py::arg("sign"), py::arg("nonzero"),
         py::arg("params"), py::arg("offsets"), py::arg("lr"), py::arg("weight_decay"), py::arg("step"),
-        py::arg("tie"), py::arg("vote"), py::arg("world_size"), py::arg("base"), py::arg("return_delta"));
+        py::arg("tie"), py::arg("vote"), py::arg("world_size"), py::arg("segments"), py::arg("return_delta"));
   m.def("cuda_shard_vote", &shard_vote, "two-phase vote, phase 1 (CUDA)", py::arg("sign"), py::arg("nonzero"),
-        py::arg("step"), py::arg("tie"), py::arg("base"));
+        py::arg("step"), py::arg("tie"), py::arg("segments"));
   m.def("cuda_count_lanes", &count_lanes, "p-bit counts (CUDA)", py::arg("sign"), py::arg("nonzero"), py::arg("p"));
   m.def("cuda_lanes_apply", &lanes_apply, "summed lanes + apply (CUDA)", py::arg("plus_lanes"),
         py::arg("cnt_lanes"), py::arg("world_size"), py::arg("p"), py::arg("params"), py::arg("offsets"),
-        py::arg("lr"), py::arg("weight_decay"), py::arg("step"), py::arg("tie"), py::arg("vote"), py::arg("base"),
+        py::arg("lr"), py::arg("weight_decay"), py::arg("step"), py::arg("tie"), py::arg("vote"), py::arg("segments"),
         py::arg("return_delta"));
   m.def("cuda_int8_local_step", &int8_local_step, "int8 local step (CUDA)", py::arg("grads"), py::arg("momenta"),
         py::arg("offsets"), py::arg("total"), py::arg("beta1"), py::arg("kind"), py::arg("levels"));
@@ -655,7 +657,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes_apply", &lanes_apply, "summed p-bit lanes -> Δ -> apply");
   m.def("int8_local_step", &int8_local_step, "scaled int8 codes of c");
   m.def("int8_apply", &int8_apply, "summed int8 codes -> Δ -> apply");
-  m.def("torch_mean_abs", &torch_mean_abs, "torch-order mean(|x|) (test hook for the reduction replica)");
   m.def("set_isa", [](int64_t isa) { lc::set_isa(static_cast<int>(isa)); }, "0 auto, 1 baseline, 2 avx2");
   m.def("isa", []() { return std::string(lc::isa_name()); });
   m.def("src_hash", []() { return std::string(LIONCUB_SRC_HASH_STR); });

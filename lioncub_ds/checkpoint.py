@@ -96,7 +96,7 @@ def payload_digest(obj) -> str:
 
 
 def _rank_info(optimizer):
-    return (optimizer._dist[2], optimizer._dist[1]) if optimizer.distributed else (0, 1)
+    return optimizer.rank, optimizer.world_size
 
 
 def _shapes(optimizer):
@@ -199,10 +199,12 @@ def _agree(optimizer, failed: bool, step: int) -> tuple[int, int, int]:
     """All ranks of the optimizer's group: (#failed, max step, min step)."""
     if not optimizer.distributed:
         return int(failed), step, step
-    flags = torch.tensor([int(failed), step, -step], dtype=torch.int64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=optimizer._dist[0])
+    # On the parameters' device: an NCCL group takes only CUDA tensors.
+    flags = torch.tensor([int(failed), step, -step], dtype=torch.int64, device=optimizer._device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=optimizer.vote_group)
     # MAX of the failure flag says "some rank failed"; count is not needed
-    return int(flags[0]), int(flags[1]), -int(flags[2])
+    failed, hi, neg_lo = flags.tolist()
+    return failed, hi, -neg_lo
 
 
 def load(optimizer, directory: str, reshard: str = "average") -> str:

@@ -13,13 +13,24 @@ Conventions (SPEC §4), identical in torch, C++ and CUDA:
   majority: sign(diff); diff == 0 -> 0 if cnt == 0 (nobody voted: no move),
   otherwise the tie rule. average: diff / N (fp32).
 * **Tie rules** (``tie_break``): ``"zero"`` no move; ``"alternate"`` +1 on odd steps,
-  -1 on even steps; ``"hash"`` +1 or -1 from a 32-bit integer hash of
-  (step, flat index) -- see :func:`tie_hash_sign`.
+  -1 on even steps; ``"hash"`` +1 or -1 from a 32-bit integer hash of (step, the
+  element's index INSIDE ITS PARAMETER) -- see :func:`tie_hash_sign`. The index never
+  depends on the bucket layout: a *tie-index table* (:func:`tie_segments`) maps each
+  position of a bucket (or of a 1bit shard) to its parameter-local index, so bucket
+  size, parameter order, rank layout and pipeline stage do not change which way a tie
+  breaks. Padding and the gaps between parameters continue the numbering of the
+  parameter before them (they never tie in a real step: they abstain or vote -1 on
+  every rank).
 * **Apply**: theta <- fl(theta * decay) with decay = fl32(1 - lr*wd), then
   theta <- fl(theta + fl32(-lr * delta)); every op is rounded to the parameter
   dtype (fp32 math, no fused multiply-add), exactly like ``p.mul_(); p.add_()``.
 * **Momentum**: m <- fl(fl(beta2*m) + fl((1-beta2)*g)) in fp32, then rounded to
   the momentum dtype once. c = fl(fl(beta1*m) + fl((1-beta1)*g)) in fp32.
+
+* **int8 scales** (SPEC §4): L1 = fp32(S / n) with S the fp64 sum of |c| in the order
+  of :func:`ordered_sum`; L0 = fp32(exp(mean log|c|)) over the nonzero |c|, with the log
+  and exp written out in IEEE fp64 operations (:func:`log_parts`, :func:`det_exp`) so
+  that torch, C++ and CUDA give the same bits; Linf = max|c| (order-free).
 
 All functions work on flat contiguous tensors; padding elements carry zeros.
 """
@@ -29,10 +40,26 @@ import math
 
 import torch
 
+# The one Python declaration of the rule / mode / kind names; the code the kernels use for a
+# name is its position here (csrc/common/lioncub_common.h declares the same enums).
 TIE_RULES = ("zero", "alternate", "hash")
 VOTE_MODES = ("majority", "average")
 SCALE_KINDS = ("l1", "l0", "linf")
 LANE_WIDTHS = (1, 2, 4, 8)
+TIE_CODES = {name: i for i, name in enumerate(TIE_RULES)}
+VOTE_CODES = {name: i for i, name in enumerate(VOTE_MODES)}
+SCALE_CODES = {name: i for i, name in enumerate(SCALE_KINDS)}
+
+
+def enum_code(kind: str, value) -> int:
+    """The kernel code of ``value`` for ``kind`` ('tie_break', 'vote' or 'quant scale'); a
+    ValueError that names the argument and the allowed values otherwise."""
+    table, names = {"tie_break": (TIE_CODES, TIE_RULES), "vote": (VOTE_CODES, VOTE_MODES),
+                    "quant scale": (SCALE_CODES, SCALE_KINDS)}[kind]
+    try:
+        return table[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"{kind} must be one of {names}, got {value!r}") from None
 
 _M32 = 0xFFFFFFFF
 
@@ -135,26 +162,98 @@ def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=Fal
 
 
 # ----------------------------------------------------------------------------- votes
-def tie_hash_sign(step: int, index: torch.Tensor) -> torch.Tensor:
-    """+1/-1 (int32) from a 32-bit hash of (step, flat index); uint32 arithmetic mod 2**32."""
-    i = index.to(torch.int64) & _M32
-    h = (i * 0x9E3779B1 + (step & _M32) * 0x85EBCA77 + 0x165667B1) & _M32
+def tie_hash(step: int, index: torch.Tensor) -> torch.Tensor:
+    """The 32-bit tie hash (as int64 values in [0, 2**32)) of (step, index), index = the
+    element's index inside its parameter (int64 >= 0). uint32 arithmetic mod 2**32 (SPEC §4):
+
+    h = lo(i)*0x9E3779B1 + hi(i)*0xC2B2AE3D + lo(step)*0x85EBCA77 + 0x165667B1
+    h ^= h >> 15; h *= 0x2C1B3C6D; h ^= h >> 12; h *= 0x297A2D39; h ^= h >> 15
+    (lo/hi: the low/high 32 bits). :func:`tie_hash_sign`: +1 if h is odd, else -1.
+    """
+    i = index.to(torch.int64)
+    lo, hi = i & _M32, (i >> 32) & _M32
+    h = (lo * 0x9E3779B1 + hi * 0xC2B2AE3D + (step & _M32) * 0x85EBCA77 + 0x165667B1) & _M32
     h = h ^ (h >> 15)
     h = (h * 0x2C1B3C6D) & _M32
     h = h ^ (h >> 12)
     h = (h * 0x297A2D39) & _M32
-    h = h ^ (h >> 15)
-    return ((h & 1) * 2 - 1).to(torch.int32)
+    return h ^ (h >> 15)
 
 
-def tie_values(tie_break: str, step: int, base: int, numel: int, device) -> torch.Tensor:
-    """The value a tied coordinate takes: int32 tensor of -1/0/+1 for indices base..base+numel."""
+def tie_hash_sign(step: int, index: torch.Tensor) -> torch.Tensor:
+    """+1/-1 (int32): the value a tie at (step, parameter-local index) takes under
+    tie_break='hash': +1 where :func:`tie_hash` is odd, -1 where it is even."""
+    return ((tie_hash(step, index) & 1) * 2 - 1).to(torch.int32)
+
+
+def tie_segments(offsets, param_starts=None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """The tie-index table of a bucket (or of the slice [start, stop) of it, e.g. a 1bit shard).
+
+    ``offsets``: bucket position of each parameter (piece); ``param_starts``: the index inside
+    its parameter of each piece's first element (None: every parameter starts whole, at 0).
+    Returns int64 [K, 2] rows (pos, index), sorted by pos, rows[0].pos == 0, positions relative
+    to ``start``: position p has tie index rows[k].index + (p - rows[k].pos) for the last row k
+    with rows[k].pos <= p. Positions before the first parameter count from 0; padding and gaps
+    continue the numbering of the parameter before them. Parameters at the same offset (empty
+    ones) give one row: the first listed.
+    """
+    offs = [int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
+    firsts = [0] * len(offs) if param_starts is None else [int(v) for v in param_starts]
+    if len(firsts) != len(offs):
+        raise ValueError(f"param_starts has {len(firsts)} entries but offsets has {len(offs)}")
+    by_pos = {}
+    for pos, idx in zip(offs, firsts):  # an empty parameter shares its offset with the next one: one row
+        by_pos[pos] = idx if pos not in by_pos else by_pos[pos]
+    rows = sorted(by_pos.items())
+    if not rows or rows[0][0] > 0:
+        rows.insert(0, (0, 0))
+    k = 0
+    while k + 1 < len(rows) and rows[k + 1][0] <= start:
+        k += 1
+    out = [(0, rows[k][1] + (start - rows[k][0]))]
+    out += [(pos - start, idx) for pos, idx in rows[k + 1:] if stop is None or pos < stop]
+    return torch.tensor(out, dtype=torch.int64).reshape(-1, 2)
+
+
+def as_segments(segments) -> torch.Tensor:
+    """A tie-index table from what the vote functions accept: a table (tensor or list of
+    (pos, index) pairs), None (the table [[0, 0]]: index = position) or an int b (the single
+    row [[0, b]]: one parameter whose element 0 has index b). Validated; int64 [K, 2] on CPU."""
+    if segments is None:
+        return torch.zeros(1, 2, dtype=torch.int64)
+    if isinstance(segments, bool):
+        raise TypeError(f"tie segments must be a table, an int or None, got {segments!r}")
+    if isinstance(segments, int):
+        if segments < 0:
+            raise ValueError(f"a tie index must be >= 0, got {segments}")
+        return torch.tensor([[0, segments]], dtype=torch.int64)
+    t = torch.as_tensor(segments, dtype=torch.int64).detach().cpu().reshape(-1, 2).contiguous()
+    if t.shape[0] == 0 or int(t[0, 0]) != 0:
+        raise ValueError("a tie-index table needs a first row at position 0 (codec.tie_segments builds one)")
+    if t.shape[0] > 1 and not bool((t[1:, 0] > t[:-1, 0]).all()):
+        raise ValueError("tie-index table positions must increase strictly")
+    if bool((t[:, 1] < 0).any()):
+        raise ValueError("tie indices must be >= 0")
+    return t
+
+
+def tie_index(segments, numel: int, device) -> torch.Tensor:
+    """The tie index (int64) of positions 0..numel-1 under a tie-index table."""
+    t = as_segments(segments).to(device)
+    pos = torch.arange(numel, dtype=torch.int64, device=device)
+    k = torch.searchsorted(t[:, 0].contiguous(), pos, right=True) - 1
+    return t[k, 1] + (pos - t[k, 0])
+
+
+def tie_values(tie_break: str, step: int, segments, numel: int, device) -> torch.Tensor:
+    """The value a tied coordinate takes: int32 tensor of -1/0/+1 for positions 0..numel-1
+    (``segments``: a tie-index table, see :func:`as_segments`)."""
     if tie_break == "zero":
         return torch.zeros(numel, dtype=torch.int32, device=device)
     if tie_break == "alternate":
         return torch.full((numel,), 1 if step % 2 == 1 else -1, dtype=torch.int32, device=device)
     if tie_break == "hash":
-        return tie_hash_sign(step, torch.arange(base, base + numel, dtype=torch.int64, device=device))
+        return tie_hash_sign(step, tie_index(segments, numel, device))
     raise ValueError(f"tie_break must be one of {TIE_RULES}, got {tie_break!r}")
 
 
@@ -167,8 +266,9 @@ def count_votes(sign: torch.Tensor, nonzero: torch.Tensor | None, numel: int):
     return (s & z).sum(0, dtype=torch.int32), z.sum(0, dtype=torch.int32)
 
 
-def decide(plus, cnt, world_size, vote, tie_break, step, base):
-    """(plus, cnt) counts -> fp32 Δ for every element (SPEC §2, §4)."""
+def decide(plus, cnt, world_size, vote, tie_break, step, segments=None):
+    """(plus, cnt) counts -> fp32 Δ for every element (SPEC §2, §4); ``segments``: the
+    tie-index table of the elements (:func:`as_segments`)."""
     diff = 2 * plus - cnt
     if vote == "average":
         return diff.float() / float(world_size)
@@ -177,7 +277,7 @@ def decide(plus, cnt, world_size, vote, tie_break, step, base):
     delta = torch.sign(diff)
     ties = (diff == 0) & (cnt > 0)
     if tie_break != "zero" and bool(ties.any()):
-        tv = tie_values(tie_break, step, base, diff.numel(), diff.device)
+        tv = tie_values(tie_break, step, segments, diff.numel(), diff.device)
         delta = torch.where(ties, tv, delta)
     return delta.float()
 
@@ -192,28 +292,34 @@ def apply_update(params, offsets, delta: torch.Tensor, lr: float, weight_decay: 
         p.add_(d.mul(-lr))
 
 
-def vote_apply(sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size, base=0,
+def vote_apply(sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size, segments=None,
                return_delta=True):
-    """N packed vote planes -> Δ -> apply to params. Returns Δ (fp32 flat), or None without ``return_delta``."""
+    """N packed vote planes -> Δ -> apply to params. Returns Δ (fp32 flat), or None without ``return_delta``.
+
+    ``segments``: the tie-index table of the planes' elements; None: ``tie_segments(offsets)``
+    (whole parameters, each numbered from 0)."""
     numel = sign.shape[-1] * 8
     plus, cnt = count_votes(sign.reshape(sign.shape[0] if sign.dim() > 1 else 1, -1),
                             None if nonzero is None else nonzero.reshape(nonzero.shape[0] if nonzero.dim() > 1 else 1, -1),
                             numel)
-    delta = decide(plus, cnt, world_size, vote, tie_break, step, base)
+    segs = tie_segments(offsets) if segments is None else segments
+    delta = decide(plus, cnt, world_size, vote, tie_break, step, segs)
     apply_update(params, offsets, delta, lr, weight_decay)
     return delta if return_delta else None
 
 
-def shard_vote(sign, nonzero, step, tie_break, base):
+def shard_vote(sign, nonzero, step, tie_break, segments):
     """Two-phase vote, phase 1 (majority): N packed chunks [N, S] -> packed result planes.
 
-    Returns (sign bits, nonzero bits or None). The nonzero plane is returned only when
-    the result can be 0 somewhere (abstentions or tie_break='zero' with a tie), so a
-    phase-2 all-gather carries 1 bit per element whenever Δ is never 0.
+    ``segments``: the tie-index table of the shard (``tie_segments(offsets, start=shard
+    start, stop=shard end)``). Returns (sign bits, nonzero bits). The caller sends the
+    nonzero plane in phase 2 only when the result can be 0 somewhere (abstentions or
+    tie_break='zero' with an even N), so phase 2 carries 1 bit per element whenever Δ is
+    never 0.
     """
     numel = sign.shape[1] * 8
     plus, cnt = count_votes(sign, nonzero, numel)
-    delta = decide(plus, cnt, sign.shape[0], "majority", tie_break, step, base)
+    delta = decide(plus, cnt, sign.shape[0], "majority", tie_break, step, segments)
     out_sign = pack_bits(delta > 0)
     out_nz = pack_bits(delta != 0)
     return out_sign, out_nz
@@ -233,13 +339,15 @@ def count_lanes(sign, nonzero, p):
     return pack_lanes(plus, p), (None if nonzero is None else pack_lanes(cnt, p))
 
 
-def lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break, vote, base=0,
-                return_delta=True):
-    """Summed p-bit lanes (counts of +1 votes, and of voters) -> Δ -> apply. Returns Δ."""
+def lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break, vote,
+                segments=None, return_delta=True):
+    """Summed p-bit lanes (counts of +1 votes, and of voters) -> Δ -> apply. Returns Δ.
+    ``segments`` as in :func:`vote_apply`."""
     numel = plus_lanes.numel() * 8 // p
     plus = unpack_lanes(plus_lanes, p, numel)
     cnt = unpack_lanes(cnt_lanes, p, numel) if cnt_lanes is not None else torch.full_like(plus, world_size)
-    delta = decide(plus, cnt, world_size, vote, tie_break, step, base)
+    segs = tie_segments(offsets) if segments is None else segments
+    delta = decide(plus, cnt, world_size, vote, tie_break, step, segs)
     apply_update(params, offsets, delta, lr, weight_decay)
     return delta if return_delta else None
 
@@ -253,19 +361,102 @@ def int8_levels(world_size: int) -> int:
     return s
 
 
+SUM_BLOCK = 16384  # elements per block of the ordered sum (csrc/common: kSumBlock)
+SUM_LANES = 256    # lanes per block (kSumLanes)
+_LN2 = float.fromhex("0x1.62e42fefa39efp-1")
+_SQRT2 = float.fromhex("0x1.6a09e667f3bcdp+0")
+_INV_LN2 = float.fromhex("0x1.71547652b82fep+0")
+_LOG_COEF = [1.0 / (2 * k + 1) for k in range(11)]           # 1/(2k+1), k = 0..10
+_EXP_COEF = [1.0 / math.factorial(k) for k in range(15)]     # 1/k!, k = 0..14
+
+
+def ordered_sum(values: torch.Tensor) -> float:
+    """The fp64 sum of a flat fp64 tensor in the order this project defines (SPEC §4).
+
+    Blocks of SUM_BLOCK elements from element 0. In a block, lane l (0..255) adds elements
+    l, l+256, l+512, ... in index order, starting from +0.0 (missing elements of the last
+    block add nothing); then for s = 128, 64, ..., 1: lane[l] = lane[l] + lane[l+s] (l < s);
+    the block's sum is lane[0]. The result adds the block sums in block order, from +0.0.
+    Every add is one IEEE fp64 addition; nothing depends on the ISA, threads or GPU model.
+    """
+    n = values.numel()
+    if n == 0:
+        return 0.0
+    nb = -(-n // SUM_BLOCK)
+    x = torch.zeros(nb * SUM_BLOCK, dtype=torch.float64, device=values.device)
+    x[:n] = values.reshape(-1).to(torch.float64)
+    x = x.view(nb, SUM_BLOCK // SUM_LANES, SUM_LANES)
+    acc = torch.zeros(nb, SUM_LANES, dtype=torch.float64, device=values.device)
+    for k in range(SUM_BLOCK // SUM_LANES):  # adding a padding +0.0 leaves a lane unchanged
+        acc = acc + x[:, k, :]
+    s = SUM_LANES // 2
+    while s > 0:
+        acc[:, :s] = acc[:, :s] + acc[:, s:2 * s]
+        s //= 2
+    total = 0.0
+    for b in acc[:, 0].tolist():  # not sum(): Python's sum() of floats is compensated
+        total += b
+    return total
+
+
+def log_parts(a: torch.Tensor):
+    """a: fp32 > 0, finite -> (e int64, log(m) fp64) with a = m * 2**e, m in (sqrt2/2, sqrt2].
+
+    log(m) = 2*atanh(s), s = (m-1)/(m+1): t = 1/21; t = t*s^2 + 1/(2k+1) for k = 9..0;
+    log(m) = (s+s)*t -- IEEE fp64 operations only, so C++ and CUDA give the same bits."""
+    b = a.to(torch.float64).view(torch.int64)
+    e = ((b >> 52) & 0x7FF) - 1023
+    m = ((b & 0x000FFFFFFFFFFFFF) | 0x3FF0000000000000).view(torch.float64)
+    big = m > _SQRT2
+    m = torch.where(big, m * 0.5, m)
+    e = e + big.to(torch.int64)
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    t = torch.full_like(s, _LOG_COEF[10])
+    for k in range(9, -1, -1):
+        t = t * z + _LOG_COEF[k]
+    return e, (s + s) * t
+
+
+def det_exp(y: float) -> float:
+    """exp(y) in IEEE fp64 operations: k = floor(y*(1/ln2) + 0.5), r = y - k*ln2,
+    p = 1/14!; p = p*r + 1/j! (j = 13..0); p * 2**k."""
+    k = math.floor(y * _INV_LN2 + 0.5)
+    r = y - k * _LN2
+    p = _EXP_COEF[14]
+    for j in range(13, -1, -1):
+        p = p * r + _EXP_COEF[j]
+    return math.ldexp(p, k)
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float64).float())
+
+
 def int8_scale(c: torch.Tensor, kind: str) -> float:
-    """Per-tensor scale a of |c| (fp32): l1 mean, l0 geometric mean (of nonzero |c|), linf max."""
-    a = c.abs()
+    """Per-tensor scale a of |c| as an fp32 value (SPEC §4; c finite):
+
+    * l1: fp32(S / n), S = :func:`ordered_sum` of |c| (fp64), n = numel;
+    * l0: over the nnz nonzero |c| = m * 2**e (:func:`log_parts`): E = sum of e (exact
+      int64), M = ordered sum of log(m) (zeros contribute nothing to their lane);
+      fp32(det_exp((E*ln2 + M) / nnz)), each operation one fp64 rounding; 0 if nnz == 0;
+    * linf: max |c| (order-free).
+    """
+    a = c.reshape(-1).float().abs()
     if kind == "l1":
-        v = a.mean() if a.numel() else torch.zeros(())
-    elif kind == "linf":
-        v = a.max() if a.numel() else torch.zeros(())
-    elif kind == "l0":
-        nz = a[a > 0]
-        v = torch.exp(torch.log(nz.double()).mean()).float() if nz.numel() else torch.zeros(())
-    else:
-        raise ValueError(f"quant scale must be one of {SCALE_KINDS}, got {kind!r}")
-    return float(v)
+        return _f32(ordered_sum(a) / a.numel()) if a.numel() else 0.0
+    if kind == "linf":
+        return float(a.max()) if a.numel() else 0.0
+    if kind == "l0":
+        nz = a > 0
+        nnz = int(nz.sum())
+        if nnz == 0:
+            return 0.0
+        e, logm = log_parts(torch.where(nz, a, torch.ones_like(a)))
+        esum = int(torch.where(nz, e, torch.zeros_like(e)).sum())
+        msum = ordered_sum(torch.where(nz, logm, torch.zeros_like(logm)))
+        return _f32(det_exp((float(esum) * _LN2 + msum) / nnz))
+    raise ValueError(f"quant scale must be one of {SCALE_KINDS}, got {kind!r}")
 
 
 def int8_quantize(c: torch.Tensor, scale: float, levels: int) -> torch.Tensor:

@@ -145,6 +145,8 @@ class LionCubConfig:
     drift_action: str = "raise"
     timeout_s: float | None = None
     foreach: bool | None = None
+    comm_bucket_mb: float = 4.0
+    overlap: bool = False
 
     def __post_init__(self):
         validate_common(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
@@ -184,6 +186,10 @@ class LionCubConfig:
             raise _err("network.latency_us", lat, "a number >= 0")
         if not _is_int(self.drift_check_every) or self.drift_check_every < 0:
             raise _err("drift_check_every", self.drift_check_every, "an integer >= 0 (0 = off)")
+        if not _is_real(self.comm_bucket_mb) or not self.comm_bucket_mb > 0 or not math.isfinite(self.comm_bucket_mb):
+            raise _err("comm_bucket_mb", self.comm_bucket_mb, "a number > 0 (MB of packed votes per communication batch)")
+        if not isinstance(self.overlap, bool):
+            raise _err("overlap", self.overlap, "True or False")
         if self.timeout_s is not None and (not _is_real(self.timeout_s) or not 0 < self.timeout_s < math.inf):
             raise _err("timeout_s", self.timeout_s, "None or a number of seconds > 0")
 

@@ -83,12 +83,22 @@ def _backend(device_type: str) -> str:
     return name
 
 
+def _torch_version() -> str:
+    try:
+        import torch
+        return str(torch.__version__)
+    except Exception as exc:  # noqa: BLE001 - a broken install is reported, not raised
+        return f"error: {type(exc).__name__}: {exc}"
+
+
 def collect(probe_cuda_backend: bool = True) -> dict:
     """Everything the report shows, as a JSON-able dict."""
     info: dict = {
         "python": f"{platform.python_version()} ({sys.executable})",
         "platform": platform.platform(),
-        "torch": _version_of("torch"),
+        # torch's own version string (with its local tag, e.g. "2.11.0+cu130"): the package
+        # metadata may drop the tag, and the tag says which build (CPU, CUDA 13) this is.
+        "torch": _torch_version(),
         "deepspeed": _version_of("deepspeed"),
         "megatron-core": _version_of("megatron.core", "megatron-core"),
         "lioncub_ds": _version_of("lioncub_ds"),

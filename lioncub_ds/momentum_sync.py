@@ -21,7 +21,6 @@ import os
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 
 from .config import LionCubConfigError, MomentumSyncConfig
 
@@ -60,10 +59,8 @@ def select_params(cfg: MomentumSyncConfig, named: list[tuple[str | None, torch.T
     return [p for name, p in named if any(fnmatch.fnmatchcase(name, pat) for pat in cfg.layers)]
 
 
-def node_subgroup(group, group_size: int | None, timeout=None):
-    """This rank's subgroup of consecutive ranks (created by its members only)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    n = len(ranks)
+def node_group_size(group_size: int | None, n: int) -> int:
+    """The node subgroup size: ``group_size`` or ``LOCAL_WORLD_SIZE``; must divide the group size ``n``."""
     if group_size is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None:
@@ -72,11 +69,7 @@ def node_subgroup(group, group_size: int | None, timeout=None):
         group_size = int(env)
     if group_size < 1 or n % group_size:
         raise LionCubConfigError(f"LionCub: momentum_sync.group_size={group_size} must divide the group size {n}")
-    me = dist.get_rank(group)
-    start = me // group_size * group_size
-    members = ranks[start:start + group_size]
-    kw = {"timeout": timeout} if timeout is not None else {}
-    return dist.new_group(members, use_local_synchronization=True, **kw), group_size
+    return group_size
 
 
 class MomentumSync:
@@ -96,7 +89,8 @@ class MomentumSync:
             return self.node if on_schedule(cfg, s) else None
         return self.world if on_schedule(cfg, s) else None
 
-    def average(self, momenta: list[torch.Tensor], coll, chunk_numel: int) -> None:
+    @staticmethod
+    def average_over(coll, momenta: list[torch.Tensor], chunk_numel: int) -> None:
         """Average momenta over ``coll``'s group in fp32, a few big all-reduces."""
         if not momenta or coll.world_size <= 1:
             return

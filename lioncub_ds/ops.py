@@ -7,13 +7,15 @@ cannot be built), ``torch`` (pure-torch reference, never builds), ``cpp`` or ``c
 
 Every backend exposes the same functions as :mod:`lioncub_ds.codec` (which *is* the
 torch backend): local_step, momentum_update_list, vote_apply, shard_vote, count_lanes,
-lanes_apply, int8_local_step, int8_apply.
+lanes_apply, int8_local_step, int8_apply (:class:`Backend`). The native backends validate
+their arguments in Python before any extension call (docs/kernels.md).
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+from typing import Protocol, runtime_checkable
 
 from . import codec
 
@@ -22,6 +24,32 @@ log = logging.getLogger("lioncub_ds")
 BACKENDS = ("auto", "torch", "cpp", "cuda")
 _lock = threading.Lock()
 _cache: dict = {}
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the optimizer and the comm algorithms call; torch, cpp and cuda implement it with the
+    signatures of :mod:`lioncub_ds.codec` (``segments``: a tie-index table, codec.tie_segments)."""
+
+    name: str
+
+    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False): ...
+
+    def momentum_update_list(self, momenta, grads, beta2): ...
+
+    def vote_apply(self, sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size,
+                   segments=None, return_delta=True): ...
+
+    def shard_vote(self, sign, nonzero, step, tie_break, segments): ...
+
+    def count_lanes(self, sign, nonzero, p): ...
+
+    def lanes_apply(self, plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break,
+                    vote, segments=None, return_delta=True): ...
+
+    def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels): ...
+
+    def int8_apply(self, qsum, params, offsets, lr, weight_decay, return_delta=True): ...
 
 
 class TorchBackend:

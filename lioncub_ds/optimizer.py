@@ -11,7 +11,7 @@ The optimizer knows nothing of DeepSpeed or Megatron; they set ``process_group``
 """
 from __future__ import annotations
 
-import datetime
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -19,14 +19,16 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from . import ops
-from .codec import int8_levels, padded_numel
-from .comm import Collectives, VoteJob, make_algorithm
+from .codec import padded_numel
+from .comm import Collectives, make_algorithm
+from .comm.abstain import list_capacity, real_mask
 from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
 from .config import LionCubConfig, LionCubConfigError
 from .lion import lion as lion_functional
-from .momentum_sync import MomentumSync, node_subgroup, select_params
+from .groups import consecutive_blocks, create_on_all_ranks, group_ranks
+from .momentum_sync import MomentumSync, node_group_size, select_params
+from .pipeline import VotePipeline, comm_batches
 from .telemetry import CommStats
 
 log = logging.getLogger("lioncub_ds")
@@ -42,6 +44,16 @@ class ReplicaDriftError(RuntimeError):
     """Parameters differ across ranks."""
 
 
+class StepInputError(RuntimeError):
+    """A step's input is unusable on some rank (e.g. a gradient on a parameter frozen at the
+    first step). Agreed through the step's flag all-reduce, so every rank raises it together
+    and no rank is left waiting in a collective; no state was changed."""
+
+
+# Checksums of the drift check are computed in chunks of this many elements (bounded memory).
+FINGERPRINT_CHUNK = 1 << 20
+
+
 @dataclass
 class Bucket:
     group_index: int
@@ -52,6 +64,9 @@ class Bucket:
     real_numel: int
     base: int
     algorithm: object = None
+    mask: object = None      # uint8 plane: bit 1 at real elements (abstention lists are relative to it)
+    capacity: int = 0        # entries of an abstention list (0: the plane always travels)
+    mode: str = "list"       # how abstentions travel this step: "list" or "plane" (agreed, see _finish)
 
 
 def check_world_size(cfg: LionCubConfig, n: int) -> None:
@@ -113,20 +128,37 @@ class LionCub(Optimizer):
         drift_action: "raise" or "resync" (broadcast from rank 0, with a warning).
         timeout_s: collective timeout; a dead rank makes the others fail after this long.
         foreach: single-process path: None (auto), True, False.
+        comm_bucket_mb: MB of packed votes per communication batch: one collective per phase for a
+            whole batch of parameter buckets (default 4).
+        overlap: start each bucket's vote from gradient-ready hooks during backward (like DDP);
+            ``no_sync()`` for gradient accumulation. Bit-identical to overlap=False.
+
+    Process groups (the timeout group, node subgroups) are created here, on every rank of the
+    world in the same order, when torch.distributed is initialized (else at the first step),
+    and again by :meth:`set_process_group`. So every rank must construct its LionCub.
     """
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, vote="majority", comm="auto",
                  quant="sign", tie_break="hash", momentum_sync=None, process_group=None,
-                 momentum_dtype=torch.float32, **extra):
-        # Validate everything before any state exists.
-        self.config = LionCubConfig.from_kwargs(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm,
-                                                quant=quant, tie_break=tie_break, momentum_sync=momentum_sync,
-                                                momentum_dtype=momentum_dtype, **extra)
+                 momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
+                 nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
+                 comm_bucket_mb=4.0, overlap=False, **unknown):
+        # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
+        # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
+        settings = dict(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
+                        tie_break=tie_break, momentum_sync=momentum_sync, momentum_dtype=momentum_dtype,
+                        bucket_size_mb=bucket_size_mb, pbit_bits=pbit_bits, nonfinite=nonfinite,
+                        drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
+                        foreach=foreach, comm_bucket_mb=comm_bucket_mb, overlap=overlap, **unknown)
+        if network is not None:
+            settings["network"] = network
+        self.config = LionCubConfig.from_kwargs(**settings)
         groups = _split_named(params)
         cfg = self.config
         defaults = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self._process_group = process_group
-        self._dist = None  # resolved lazily: (group, world_size, rank)
+        self._dist = None  # resolved at construction or lazily: (vote group, world_size, rank)
+        self._node_group = None
         if dist.is_available() and dist.is_initialized():
             self._resolve_group()  # fails now (before state) on e.g. a pbit width too small for N
         if cfg.momentum_sync is not None and cfg.momentum_sync.layers:
@@ -135,6 +167,9 @@ class LionCub(Optimizer):
                                          "model.named_parameters() or param groups carrying 'param_names'")
         super().__init__(groups, defaults)
         self._buckets = None
+        self._pipe = None
+        self._no_sync_depth = 0
+        self._warned_revote = False
         self._step_count = 0
         self.stats = CommStats()
         self._plan_logged = False
@@ -150,16 +185,40 @@ class LionCub(Optimizer):
         self._resolve_group()
 
     def _resolve_group(self):
+        """Check N-dependent settings, then create this optimizer's groups (collective, all ranks)."""
         cfg = self.config
         group = self._process_group
         n = dist.get_world_size(group)
-        check_world_size(cfg, n)  # before creating anything (the timeout group below)
+        check_world_size(cfg, n)  # before creating anything (the groups below)
+        ranks = group_ranks(group)
+        ms = cfg.momentum_sync
+        wanted = []
         if cfg.timeout_s is not None and n > 1:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                                   use_local_synchronization=True)
+            wanted.append(ranks)  # the vote group again, with LionCub's timeout
+        if ms is not None and ms.group == "node" and n > 1:
+            size = node_group_size(ms.group_size, n)
+            me = dist.get_rank(group)
+            wanted.append(consecutive_blocks(ranks, size)[me // size])
+        # Collective over the world whenever the settings (the same on every rank) need a group:
+        # every rank takes part in every group creation, in the same order.
+        created = create_on_all_ranks(wanted, cfg.timeout_s) if wanted else []
+        if cfg.timeout_s is not None and n > 1:
+            group = created.pop(0)
+        self._node_group = created[0] if created else None
         self._dist = (group, n, dist.get_rank(group))
         return self._dist
+
+    @property
+    def vote_group(self):
+        """The process group whose ranks vote together (None: the world, or not distributed)."""
+        if not self.distributed:
+            return None
+        return self._dist[0]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside :attr:`vote_group` (0 when not distributed)."""
+        return self._dist[2] if self.distributed else 0
 
     @property
     def world_size(self) -> int:
@@ -177,7 +236,7 @@ class LionCub(Optimizer):
     def _build_buckets(self):
         cfg = self.config
         group, n, _ = self._dist
-        stats_coll = Collectives(group, self.stats)
+        stats_coll = Collectives(group, self.stats, cfg.timeout_s)
         self._coll = stats_coll
         cost = CostModel.from_network(cfg.network.get("bandwidth_gbit", 10.0), cfg.network.get("latency_us", 50.0))
         buckets, base, frozen = [], 0, []
@@ -213,18 +272,22 @@ class LionCub(Optimizer):
             else:
                 name = cfg.comm
             b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits)
+            if b.algorithm.encoding == "bits":
+                b.mask = real_mask(b.offsets, [p.numel() for p in b.params], b.numel, b.params[0].device)
+                b.capacity = list_capacity(b.numel // 8, n)
+                b.mode = "list" if b.capacity > 0 else "plane"
         self._buckets = buckets
+        self._batches = comm_batches(buckets, cfg.comm_bucket_mb, n)
+        self._pipe = VotePipeline(self)
+        if cfg.overlap:
+            self._install_hooks()
         # Frozen at the first step: not in the buckets. A gradient showing up there later would be
         # ignored silently, so step() checks them (a cheap loop over a usually empty list).
         self._frozen = frozen
         ms = cfg.momentum_sync
         self._msync = None
         if ms is not None:
-            node = None
-            if ms.group == "node":
-                timeout = datetime.timedelta(seconds=cfg.timeout_s) if cfg.timeout_s else None
-                sub, _ = node_subgroup(group, ms.group_size, timeout)
-                node = Collectives(sub, self.stats)
+            node = Collectives(self._node_group, self.stats, cfg.timeout_s) if ms.group == "node" else None
             self._msync = MomentumSync(ms, stats_coll, node)
             named = []
             for g in self.param_groups:
@@ -247,7 +310,7 @@ class LionCub(Optimizer):
         cost = CostModel.from_network(cfg.network["bandwidth_gbit"], cfg.network["latency_us"])
         return [{"bucket": i, "group": b.group_index, "numel": b.real_numel, "padded_numel": b.numel,
                  "algorithm": b.algorithm.name,
-                 "wire_bytes": b.algorithm.wire_bytes(b.numel, n, vote=cfg.vote, tie_break=cfg.tie_break),
+                 "wire_bytes": b.algorithm.wire_bytes(b.numel, n, mode=b.mode, vote=cfg.vote, tie_break=cfg.tie_break),
                  "predicted_s": cost.predict(b.algorithm.name, b.real_numel, n, vote=cfg.vote,
                                              tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)}
                 for i, b in enumerate(self._buckets)]
@@ -324,6 +387,24 @@ class LionCub(Optimizer):
                 self.state[p]["step"] += 1
         self._step_count += 1
 
+    def _frozen_param_error(self) -> str | None:
+        """This rank's reason to refuse the step, or None (agreed through the flags before raising)."""
+        for p, name in self._frozen:
+            if p.grad is not None:
+                return (f"LionCub: parameter {name or tuple(p.shape)} had requires_grad=False at the first step (so it "
+                        "has no place in the vote buckets) but now has a gradient on this rank; set requires_grad "
+                        "before the first step, or clear its .grad")
+        return None
+
+    @property
+    def _device(self):
+        """Where the step's small tensors (flags, checksums) live: the parameters' device (NCCL
+        takes only CUDA tensors)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device
+        return torch.device("cpu")
+
     def _grads(self, bucket):
         # A parameter without a gradient on this rank votes with g = 0 (its momentum still
         # decays); every rank must run the same collectives, whatever its batch used.
@@ -333,53 +414,37 @@ class LionCub(Optimizer):
         cfg = self.config
         if self._buckets is None:
             self._build_buckets()
-        group, n, rank = self._dist
-        coll = self._coll
-        for p, name in self._frozen:
-            if p.grad is not None:
-                raise RuntimeError(f"LionCub: parameter {name or tuple(p.shape)} had requires_grad=False at the first "
-                                   "step (so it has no place in the vote buckets) but now has a gradient; set "
-                                   "requires_grad before the first step, or clear its .grad")
+        n = self.world_size
+        pipe = self._pipe
         step = self._step_count + 1
-        levels = int8_levels(n) if cfg.quant != "sign" else None
-        local, bad = [], 0
-        zero_flags = []
-        for b in self._buckets:
-            g = self.param_groups[b.group_index]
-            b1, b2 = g["betas"]
-            be = ops.backend_for(b.params[0].device.type)
-            grads = self._grads(b)
-            momenta = [self._momentum(p) for p in b.params]
-            if b.algorithm.encoding == "int8":
-                codes, nb = be.int8_local_step(grads, momenta, b.offsets, b.numel, b1, cfg.quant, levels)
-                local.append((be, grads, momenta, None, None, codes))
-                zero_flags.append(0)
-            else:
-                sign, nz, nb, nzero = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, False)
-                local.append((be, grads, momenta, sign, nz, None))
-                zero_flags.append(1 if nzero > 0 else 0)
-            bad += nb
-        # One tiny all-reduce: does any rank have a NaN/Inf, and which buckets have abstentions?
-        dev = self._buckets[0].params[0].device if self._buckets else torch.device("cpu")
-        flags = torch.tensor([1 if bad else 0] + zero_flags, dtype=torch.int32, device=dev)
-        coll.all_reduce_(flags, "control")
-        flags = flags.tolist()
+        if pipe.stale or (pipe.busy and pipe.changed_since_vote()):
+            # A gradient changed after its bucket voted during backward (a second backward without
+            # no_sync(), or clipping in place): vote again from the gradients as they are now.
+            if not self._warned_revote:
+                log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward (a "
+                            "second backward without opt.no_sync(), or in-place clipping); voting again in step()")
+                self._warned_revote = True
+            pipe.drain()
+        flags, input_error, nonfinite = pipe.finish(self._frozen_param_error())
+        if flags[1] > 0:
+            pipe.drain()
+            self.stats.end_step()
+            raise StepInputError(
+                (input_error + "; " if input_error else "LionCub: ") +
+                f"{flags[1]} of {n} ranks found an unusable input at step {step}; every rank raises this, no "
+                "state was changed")
         if flags[0] > 0:
+            pipe.drain()
             self._skipped_steps += 1
             self.stats.end_step()
             if cfg.nonfinite == "raise":
                 raise NonFiniteError(f"LionCub: non-finite gradient or momentum on {flags[0]} of {n} ranks at step "
-                                     f"{step} (this rank: {bad} values); nonfinite='raise'. No state was changed.")
+                                     f"{step} (this rank: {nonfinite} values); nonfinite='raise'. No state was "
+                                     "changed.")
             log.warning("LionCub: non-finite gradient/momentum on %d of %d ranks at step %d: step skipped on every rank",
                         flags[0], n, step)
             return
-        for i, (b, (be, grads, momenta, sign, nz, codes)) in enumerate(zip(self._buckets, local)):
-            g = self.param_groups[b.group_index]
-            job = VoteJob(b.params, b.offsets, b.numel, b.base, g["lr"], g["weight_decay"], step, cfg.tie_break,
-                          cfg.vote, sign=sign, nonzero=nz if flags[1 + i] > 0 else None, codes=codes)
-            b.algorithm.run(job, coll, be)
-            be.momentum_update_list(momenta, grads, g["betas"][1])
-            self.stats.add_baseline(b.real_numel, n)
+        pipe.complete(flags)
         self._step_count = step
         for b in self._buckets:
             for p in b.params:
@@ -387,20 +452,86 @@ class LionCub(Optimizer):
         if self._msync is not None:
             where = self._msync.scope(step - 1)
             if where is not None:
-                self._msync.average([self._momentum(p) for p in self._sync_params], where, cfg.bucket_numel)
+                MomentumSync.average_over(where, [self._momentum(p) for p in self._sync_params], cfg.bucket_numel)
         self.stats.end_step()
         if cfg.drift_check_every and step % cfg.drift_check_every == 0:
             self.check_replicas()  # its bytes count towards the next step
 
+    # ------------------------------------------------------------------ overlap with backward
+    def _install_hooks(self):
+        self._hook_handles = []
+        for i, b in enumerate(self._buckets):
+            for p in b.params:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param, i=i: self._on_grad_ready(i, param)))
+
+    def _on_grad_ready(self, i, p):
+        if self._no_sync_depth == 0:
+            self._pipe.grad_ready(i, p)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation with ``overlap=True``: backward passes inside this context only
+        accumulate gradients; the backward after it (the last micro-batch) starts the votes.
+        Without overlap it changes nothing (votes always start in ``step()``)."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def prepare_step(self):
+        """Start every vote now (the local steps of buckets without one yet, and their launches),
+        so communication runs while the caller does other work before ``step()``. Collective:
+        call it on every rank, or on none."""
+        if not self.distributed:
+            return
+        if self._buckets is None:
+            self._build_buckets()
+        self._pipe.launch_all()
+
+    def zero_grad(self, set_to_none: bool = True):
+        # Votes started in backward for gradients that are now being discarded: finish their
+        # collectives (every rank does the same) and forget them.
+        if self._pipe is not None and self._pipe.busy:
+            self._pipe.drain()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def sync_momenta(self, scope: str = "world") -> None:
+        """Average the momenta now (fp32 all-reduce then divide), over the vote group
+        (``scope="world"``) or this rank's node subgroup (``scope="node"``, needs
+        momentum_sync.group='node'). Collective: every rank of the group must call it.
+        Which momenta: those momentum_sync.layers selects (all when it is not set)."""
+        if scope not in ("world", "node"):
+            raise LionCubConfigError(f"LionCub.sync_momenta: invalid scope={scope!r}; allowed: 'world' | 'node'")
+        if not self.distributed:
+            return
+        if self._buckets is None:
+            self._build_buckets()
+        if scope == "node" and self._node_group is None:
+            raise LionCubConfigError("LionCub.sync_momenta(scope='node') needs momentum_sync={'group': 'node', ...}")
+        if self._msync is not None:
+            coll, params = (self._msync.world if scope == "world" else self._msync.node), self._sync_params
+        else:
+            coll, params = self._coll, [p for b in self._buckets for p in b.params]
+        MomentumSync.average_over(coll, [self._momentum(p) for p in params], self.config.bucket_numel)
+
     # ------------------------------------------------------------------ drift guard
     def _fingerprints(self, params):
-        out = []
-        for p in params:
+        """Two int64 checksums per parameter: the sum of its bit patterns and a position-weighted
+        sum, computed in chunks of FINGERPRINT_CHUNK elements (memory bounded by the chunk,
+        whatever the parameter's size). Integer sums wrap identically on every rank."""
+        out = torch.zeros(len(params), 2, dtype=torch.int64, device=self._device)
+        for i, p in enumerate(params):
             flat = p.detach().reshape(-1)
-            ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16).to(torch.int64)
-            idx = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device) % 65521
-            out.append(torch.stack([ints.sum(), (ints * idx).sum()]))
-        return torch.stack(out).reshape(-1) if out else torch.zeros(0, dtype=torch.int64)
+            ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16)
+            for start in range(0, ints.numel(), FINGERPRINT_CHUNK):
+                chunk = ints[start:start + FINGERPRINT_CHUNK].to(torch.int64)
+                idx = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
+                idx.remainder_(65521)
+                out[i, 0] += chunk.sum()
+                out[i, 1] += chunk.mul_(idx).sum()
+        return out.reshape(-1)
 
     def check_replicas(self, action: str | None = None) -> bool:
         """Compare parameter checksums across ranks. True if identical.

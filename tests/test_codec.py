@@ -22,6 +22,14 @@ def test_lanes_round_trip_and_lane_order(p, n):
         assert codec.pack_lanes(torch.tensor([3, 12] + [0] * 6), 4)[0].item() == 3 | (12 << 4)
 
 
+def test_literal_lane_patterns():
+    # p = 2: lanes 1, 2, 3, 0 -> 0b00_11_10_01; p = 1 is pack_bits; p = 8 is the bytes themselves
+    assert codec.pack_lanes(torch.tensor([1, 2, 3, 0]), 2).tolist() == [0b00111001]
+    assert codec.pack_lanes(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1]), 1).tolist() == [0b10001101]
+    assert codec.pack_lanes(torch.tensor([7, 200]), 8).tolist() == [7, 200]
+    assert codec.unpack_lanes(torch.tensor([0b11100100], dtype=torch.uint8), 2).tolist() == [0, 1, 2, 3]
+
+
 def test_padding_and_lane_width_choice():
     assert codec.padded_numel(1, 3) == 24 and codec.padded_numel(25, 3) == 48 and codec.padded_numel(0, 4) == 0
     assert [codec.lane_bits_for(n) for n in (1, 2, 3, 4, 15, 16, 255)] == [1, 2, 2, 4, 4, 8, 8]
@@ -57,15 +65,64 @@ def test_majority_ties_and_abstentions():
     assert avg.tolist() == [1.0, 0.0, 0.0, 0.5, 0.25, 0.0, -1.0, -1.0]
 
 
-def test_tie_hash_is_fixed_and_balanced():
-    idx = torch.arange(0, 100000)
-    h = codec.tie_hash_sign(7, idx)
-    assert set(h.unique().tolist()) == {-1, 1}
+def test_tie_hash_pinned_values():
+    """The tie hash of SPEC §4, pinned on values computed independently of codec."""
+    m32 = 0xFFFFFFFF
+    # (step=1, index=0) by hand, every intermediate written out:
+    h = (0 * 0x9E3779B1 + 0 * 0xC2B2AE3D + 1 * 0x85EBCA77 + 0x165667B1) & m32
+    assert h == 0x9C423228
+    h ^= h >> 15
+    assert h == 0x9C430AAC
+    h = (h * 0x2C1B3C6D) & m32
+    assert h == 0xEF2FDB3C
+    h ^= h >> 12
+    assert h == 0xEF2129C1
+    h = (h * 0x297A2D39) & m32
+    assert h == 0xE1B338F9
+    h ^= h >> 15
+    assert h == 0xE1B2FB9F  # odd: a tie at (step 1, index 0) takes +1
+    # the same formula in plain Python integers, for a few more pairs (index >= 2**32 uses the high word)
+    def plain(step, i):
+        x = ((i & m32) * 0x9E3779B1 + (i >> 32) * 0xC2B2AE3D + (step & m32) * 0x85EBCA77 + 0x165667B1) & m32
+        x ^= x >> 15
+        x = (x * 0x2C1B3C6D) & m32
+        x ^= x >> 12
+        x = (x * 0x297A2D39) & m32
+        return x ^ (x >> 15)
+
+    pairs = [(1, 0), (1, 1), (1, 7), (2, 0), (3, 5), (3, 2**33 + 5), (1000, 123456789), (2**32 + 1, 1)]
+    pinned = [0xE1B2FB9F, 0x92AC13BD, 0xB52EDB7E, 0x7B069B49, 0x64AC9B13, 0x8FEF6A2E, 0x488675C6, 0x92AC13BD]
+    assert [plain(s, i) for s, i in pairs] == pinned
+    for (step, i), want in zip(pairs, pinned):
+        assert codec.tie_hash(step, torch.tensor([i])).item() == want
+        assert codec.tie_hash_sign(step, torch.tensor([i])).item() == (1 if want & 1 else -1)
+    assert codec.tie_hash_sign(1, torch.arange(16)).tolist() == [1, 1, -1, -1, -1, -1, -1, -1, 1, 1, 1, -1, -1, -1,
+                                                                 -1, 1]
+    # the high word counts: 2**33 + 5 does not alias 5
+    assert codec.tie_hash(3, torch.tensor([2**33 + 5])).item() != codec.tie_hash(3, torch.tensor([5])).item()
+    h = codec.tie_hash_sign(7, torch.arange(0, 100000))
     assert abs(int(h.sum())) < 2000  # balanced
-    assert not torch.equal(h, codec.tie_hash_sign(8, idx))
-    # pinned values: the C++/CUDA paths must reproduce these exactly
-    assert codec.tie_hash_sign(1, torch.arange(8)).tolist() == codec.tie_hash_sign(1, torch.arange(8)).tolist()
-    assert codec.tie_hash_sign(3, torch.tensor([2**33 + 5])).item() == codec.tie_hash_sign(3, torch.tensor([5])).item()
+
+
+def test_tie_segments_map_positions_to_parameter_indices():
+    # parameters of 5, 16 and 3 elements at offsets 0, 8, 24 (8-aligned), bucket of 32
+    segs = codec.tie_segments([0, 8, 24])
+    assert segs.tolist() == [[0, 0], [8, 0], [24, 0]]
+    idx = codec.tie_index(segs, 32, "cpu").tolist()
+    assert idx == [0, 1, 2, 3, 4, 5, 6, 7] + list(range(16)) + list(range(8))  # gaps continue the numbering
+    # the same parameters in another order / another bucket: the same index per element
+    other = codec.tie_index(codec.tie_segments([16, 0, 40]), 48, "cpu").tolist()
+    assert other[16:21] == idx[0:5] and other[0:16] == idx[8:24] and other[40:43] == idx[24:27]
+    # a shard [12, 28) of the first bucket, and a piece of a parameter that starts at its element 100
+    shard = codec.tie_segments([0, 8, 24], start=12, stop=28)
+    assert shard.tolist() == [[0, 4], [12, 0]]
+    assert codec.tie_index(shard, 16, "cpu").tolist() == idx[12:28]
+    assert codec.tie_segments([0], [100]).tolist() == [[0, 100]]
+    assert codec.as_segments(7).tolist() == [[0, 7]] and codec.as_segments(None).tolist() == [[0, 0]]
+    with pytest.raises(ValueError, match="position 0"):
+        codec.as_segments([[4, 0]])
+    with pytest.raises(ValueError, match="increase"):
+        codec.as_segments([[0, 0], [8, 1], [8, 2]])
 
 
 def test_int8_levels_never_overflow():
@@ -87,6 +144,6 @@ def test_shard_vote_then_single_voter_decode_equals_direct_vote():
     s = torch.stack([codec.pack_bits(torch.randint(0, 2, (numel,))) for _ in range(n)])
     for tie in codec.TIE_RULES:
         direct = codec.decide(*codec.count_votes(s, None, numel), n, "majority", tie, 3, 16)
-        rs, rz = codec.shard_vote(s, None, 3, tie, 16)
+        rs, rz = codec.shard_vote(s, None, 3, tie, 16)  # an int: the one-row table [[0, 16]]
         decoded = codec.decide(*codec.count_votes(rs.view(1, -1), rz.view(1, -1), numel), 1, "majority", tie, 3, 16)
         assert torch.equal(direct, decoded)

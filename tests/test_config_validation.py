@@ -330,16 +330,6 @@ def test_int8_world_size_limit_fails_in_constructor(fake_world, optimizer_inits)
     LionCub(model.parameters(), comm="int8", quant="l1")
 
 
-def test_timeout_creates_a_group_with_that_timeout(fake_world):
-    created = fake_world(3)
-    model = _Model()
-    LionCub(model.parameters(), timeout_s=7.5)
-    assert len(created) == 1
-    args, kwargs = created[0]
-    assert args[0] == [0, 1, 2]
-    assert kwargs["timeout"].total_seconds() == 7.5
-
-
 # ----------------------------------------------------------------------------- DeepSpeed entry point
 @pytest.fixture(scope="module")
 def split_params():

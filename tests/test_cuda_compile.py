@@ -23,7 +23,8 @@ ARCHS = ("80", "90")
 FLAGS = ("-c", "-std=c++17", "--fmad=false", "-O3")
 ALLOWED_INCLUDES = {"cuda_runtime.h", "cuda_runtime_api.h", "cuda_bf16.h", "cuda_fp16.h", "vector_types.h",
                     "stdint.h", "stddef.h", "string.h", "math.h", "cstdint", "cstddef", "cstring", "cmath",
-                    "lioncub_cuda.h", "lioncub_cuda_common.cuh"}
+                    "lioncub_cuda.h", "lioncub_cuda_common.cuh", "../common/lioncub_common.h"}
+COMMON = ROOT / "csrc" / "common" / "lioncub_common.h"
 
 
 def find_nvcc() -> str | None:
@@ -61,10 +62,12 @@ def compiled():
 
 def test_sources_exist():
     assert "lioncub_local.cu" in SOURCES and "lioncub_vote.cu" in SOURCES, SOURCES
-    assert (CUDA_DIR / "lioncub_cuda.h").exists()
+    assert (CUDA_DIR / "lioncub_cuda.h").exists() and COMMON.exists()
+    # the host emulation is test-only: it lives under tests/, never in csrc/ (the wheel ships csrc/)
+    assert not list(CUDA_DIR.glob("*emu*")) and (ROOT / "tests" / "cuda_emu" / "lioncub_cuda_emu.cpp").exists()
 
 
-@pytest.mark.parametrize("src", SOURCES + ["lioncub_cuda.h", "lioncub_cuda_common.cuh"])
+@pytest.mark.parametrize("src", SOURCES + ["lioncub_cuda.h", "lioncub_cuda_common.cuh", "../common/lioncub_common.h"])
 def test_sources_include_no_torch(src):
     text = (CUDA_DIR / src).read_text()
     includes = re.findall(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', text, flags=re.M)
@@ -93,3 +96,23 @@ def test_cuda_backend_has_the_reference_signatures():
         ref = [p for p in inspect.signature(getattr(TorchBackend, name)).parameters if p != "self"]
         got = [p for p in inspect.signature(getattr(CudaBackend, name)).parameters if p != "self"]
         assert got[:len(ref)] == ref or got == ref, (name, ref, got)
+
+
+def test_one_build_table():
+    """lioncub_ds/kernels/build.py is the only list of sources and flags: setup.py reads it (via
+    runpy, no torch), the JIT loader uses it, it covers every file under csrc/ (so the source hash
+    sees every change), and the CUDA build produces the module the CUDA loader loads."""
+    import runpy
+
+    from lioncub_ds import _native
+
+    table = runpy.run_path(str(ROOT / "lioncub_ds" / "kernels" / "build.py"))
+    listed = set(table["CUDA_SOURCES"]) | set(table["CUDA_HEADERS"])
+    on_disk = {str(p.relative_to(ROOT / "csrc")) for p in (ROOT / "csrc").rglob("*") if p.is_file()}
+    assert on_disk == listed, f"csrc/ files not in the build table: {on_disk - listed}; listed but absent: {listed - on_disk}"
+    assert _native.SOURCES == table["CPP_SOURCES"] and _native.CUDA_SOURCES == table["CUDA_SOURCES"]
+    assert table["CUDA_MODULE"] == "lioncub_ds._lioncub_cuda" and table["CPP_MODULE"] == _native.PREBUILT_MODULE
+    setup_text = (ROOT / "setup.py").read_text()
+    assert "kernels\" / \"build.py\"" in setup_text or "kernels/build.py" in setup_text
+    assert "cpu/" not in setup_text and ".cu\"" not in setup_text, "setup.py must not list sources itself"
+    assert 'BUILD["CUDA_MODULE"]' in setup_text

@@ -70,7 +70,13 @@ def _brute_force(opt, before, grads, momenta, n):
             else:
                 delta = torch.sign(diff).float()
                 ties = (diff == 0) & (cnt > 0)
-                tie = codec.tie_values(cfg.tie_break, opt.step_count + 1, b.base, b.numel, "cpu").float()
+                # the tie rule keys on (step, index inside the parameter), whatever the bucket layout
+                tie = torch.zeros(b.numel)
+                for p, off in zip(b.params, b.offsets):
+                    idx = torch.arange(p.numel(), dtype=torch.int64)
+                    tie[off:off + p.numel()] = codec.tie_values(cfg.tie_break, opt.step_count + 1, [(0, 0)],
+                                                                p.numel(), "cpu").float() \
+                        if cfg.tie_break != "hash" else codec.tie_hash_sign(opt.step_count + 1, idx).float()
                 delta = torch.where(ties, tie, delta)
         else:
             q = torch.zeros(b.numel, dtype=torch.int32)

@@ -34,7 +34,7 @@ def py_pack_lanes(values, p):
 
 
 def py_tie_hash(step, index):
-    h = (index * 0x9E3779B1 + (step & M32) * 0x85EBCA77 + 0x165667B1) & M32
+    h = ((index & M32) * 0x9E3779B1 + (index >> 32) * 0xC2B2AE3D + (step & M32) * 0x85EBCA77 + 0x165667B1) & M32
     h ^= h >> 15
     h = (h * 0x2C1B3C6D) & M32
     h ^= h >> 12

@@ -7,7 +7,8 @@
 //     -ffp-contract=off); scalars such as beta1 and 1 - beta1 are computed in double and then
 //     rounded to float, exactly what torch does with a python scalar;
 //   * bf16 stored as uint16_t: bf16 -> f32 by a 16-bit shift, f32 -> bf16 round-to-nearest-even
-//     (a NaN stays a NaN: quiet bit set, sign and top payload bits kept).
+//     (any NaN -> 0x7FC0, as torch). The scalar contract (conversions, tie hash, enums, the
+//     int8 scale arithmetic) is csrc/common/lioncub_common.h, shared with the CUDA kernels.
 //
 // Tensors are passed as raw pointers with element counts and dtype codes. Buckets are flat
 // element ranges; each tensor starts at an element offset (a multiple of 8) inside its bucket.
@@ -20,13 +21,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../common/lioncub_common.h"
+
 namespace lioncub {
 namespace cpu {
 
-enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-enum TieRule : int32_t { kTieZero = 0, kTieAlternate = 1, kTieHash = 2 };
-enum VoteMode : int32_t { kMajority = 0, kAverage = 1 };
-enum ScaleKind : int32_t { kScaleL1 = 0, kScaleL0 = 1, kScaleLinf = 2 };
+// DType, TieRule, VoteMode, ScaleKind and the scalar helpers: csrc/common/lioncub_common.h.
+using namespace ::lcc;
 
 // A flat tensor placed in a bucket: `numel` elements of `dtype` at element `offset`.
 struct Slot {
@@ -41,16 +42,9 @@ struct LocalStepCounts {
   int64_t n_zero;       // #c == 0 (real elements only; -0 counts)
 };
 
-// Decision + apply parameters shared by the apply kernels.
-struct ApplyArgs {
-  double lr = 0.0;
-  double weight_decay = 0.0;
-  int64_t step = 0;
-  int32_t tie = kTieZero;
-  int32_t vote = kMajority;
-  int64_t world_size = 1;  // divisor of the average vote (and cnt when no cnt lanes are given)
-  int64_t base = 0;        // flat index of bucket element 0 (hash tie rule)
-};
+// Decision + apply parameters: the one argument struct of both backends (csrc/common,
+// lc_make_apply_args); tie_rows is a host pointer here.
+using ApplyArgs = ::lc_apply_args;
 
 // (a) c = fl(fl(b1*m) + fl((1-b1)*g)) per tensor -> sign / nonzero planes (total/8 bytes each,
 //     zero-initialised by the caller). grads[i].offset is ignored; momenta[i].offset is the
@@ -70,8 +64,10 @@ void vote_apply(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, in
                 const Slot* params, int64_t nparams, const ApplyArgs& args, float* delta_out, int nthreads);
 
 // (d) phase 1 of the two-phase majority vote: [nplanes, shard_bytes] -> result sign and nonzero planes.
+//     tie_rows / tie_nrows: the shard's tie-index table (as in ApplyArgs).
 void shard_vote(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t shard_bytes, int64_t step,
-                int32_t tie, int64_t base, uint8_t* out_sign, uint8_t* out_nonzero, int nthreads);
+                int32_t tie, const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign, uint8_t* out_nonzero,
+                int nthreads);
 
 // (e) [nplanes, shard_bytes] planes -> p-bit lanes of plus counts (shard_bytes*p bytes) and, when
 //     nonzero planes are given, of voter counts. Returns the largest voter count (nplanes when
@@ -87,18 +83,15 @@ void lanes_apply(const uint8_t* plus, const uint8_t* cnt, int64_t lane_bytes, in
 // (g) per tensor: scale a of |c| (l1 mean, l0 geometric mean of nonzero, linf max), then
 //     q = clip(round_half_even(fl(fl(c*(s/2))/a)), -s, s) into q_out (total int8, zeroed by the
 //     caller). Non-finite c count and quantize as 0. Returns #non-finite c.
-//     The l1 / l0 reductions reproduce torch's CPU summation order (cascade sum of
-//     `vec_width`-lane vectors, split over `torch_threads` chunks as at::parallel_reduce does),
-//     so the scale equals torch's `c.abs().mean()` bit for bit.
+//     The l1 / l0 scales use the project's own fixed summation order and fp64 arithmetic
+//     (lcc::kSumBlock / lane_tree / log_parts / det_exp; codec.int8_scale): the same bits for
+//     either ISA path, any thread count, and on the GPU.
 int64_t int8_local_step(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total, double beta1,
-                        int32_t kind, int32_t levels, int vec_width, int torch_threads, int8_t* q_out, int nthreads);
+                        int32_t kind, int32_t levels, int8_t* q_out, int nthreads);
 
-// (h) summed int8 codes -> Δ = sign(Σq) -> apply.
-void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, double lr,
-                double weight_decay, float* delta_out, int nthreads);
-
-// torch-order mean of |x| over a flat fp32 array (exposed for tests of the replica).
-float torch_mean_abs(const float* x, int64_t n, int vec_width, int torch_threads);
+// (h) summed int8 codes -> Δ = sign(Σq) -> apply (args: only neg_lr / decay / apply_decay used).
+void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, const ApplyArgs& args,
+                float* delta_out, int nthreads);
 
 // Instruction-set path: 0 = auto (AVX2 when the CPU has it), 1 = portable baseline, 2 = AVX2.
 // Both paths give identical results; the switch exists for tests and benchmarks.

@@ -2,7 +2,8 @@
 //
 // The contract of every launcher is the pure-torch reference lioncub_ds/codec.py
 // (SPEC §3, §4): LSB-first bit order, (sign, nonzero) vote planes, plus/cnt counting,
-// diff = 2*plus - cnt, tie rules zero/alternate/hash, average = (float)diff/(float)N,
+// diff = 2*plus - cnt, tie rules zero/alternate/hash (hash of the step and the element's
+// index inside its parameter, via a tie-index table), average = (float)diff/(float)N,
 // apply theta <- fl(theta*decay); theta <- fl(theta + fl(neg_lr*delta)) rounded to the
 // parameter dtype after each op, fp32 math, one rounding per op, no fused multiply-add.
 //
@@ -27,11 +28,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../common/lioncub_common.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 // ----------------------------------------------------------------------------- enums
+// The C spelling of the codes of csrc/common/lioncub_common.h (lcc::DType, TieRule, VoteMode,
+// ScaleKind; lioncub_cuda_common.cuh static_asserts that they agree).
 typedef enum lc_dtype { LC_FLOAT32 = 0, LC_BFLOAT16 = 1, LC_FLOAT16 = 2 } lc_dtype;
 typedef enum lc_tie { LC_TIE_ZERO = 0, LC_TIE_ALTERNATE = 1, LC_TIE_HASH = 2 } lc_tie;
 typedef enum lc_vote { LC_VOTE_MAJORITY = 0, LC_VOTE_AVERAGE = 1 } lc_vote;
@@ -56,26 +61,9 @@ typedef struct lc_tensor_meta {
 
 static inline int64_t lc_num_chunks(int64_t numel) { return (numel + LC_CHUNK - 1) / LC_CHUNK; }
 
-// The scalars of an apply (vote_apply, lanes_apply, int8_apply), computed on the host
-// exactly like codec.apply_update does: decay = (float)(1.0 - lr*wd) in double,
-// apply_decay = ((1.0 - lr*wd) != 1.0) in double, neg_lr = (float)(-lr).
-typedef struct lc_apply_args {
-  float neg_lr;
-  float decay;
-  int32_t apply_decay;
-  int32_t tie;         // lc_tie
-  int32_t vote;        // lc_vote
-  int32_t world_size;  // divisor of the average vote (and cnt of lanes_apply without cnt lanes)
-  int64_t step;        // tie rules alternate / hash
-  int64_t base;        // flat index of element 0 of this bucket/shard for the hash tie rule
-} lc_apply_args;
-
-// The scalars of a local step: b1 = (float)beta1, omb1 = (float)(1.0 - beta1) computed in
-// double, likewise b2 / omb2 (exactly what `m.float().mul(beta1)` and
-// `g.float().mul(1.0 - beta1)` use).
-typedef struct lc_lion_args {
-  float b1, omb1, b2, omb2;
-} lc_lion_args;
+// lc_apply_args (the scalars of an apply + the tie-index table, DEVICE pointer here) and
+// lc_lion_args (the scalars of a local step): csrc/common/lioncub_common.h, the one ABI shared
+// with the CPU kernels, filled by lc_make_apply_args / lc_make_lion_args.
 
 // ----------------------------------------------------------------------------- local step
 // codec.local_step over one bucket of `total` elements (multiple of 8):
@@ -107,11 +95,11 @@ cudaError_t lc_vote_apply(const uint8_t* sign, const uint8_t* nonzero, int rows,
                           cudaStream_t stream);
 
 // codec.shard_vote (phase 1 of the two-phase vote, majority): [rows, row_bytes] planes ->
-// out_sign (Δ > 0) and out_nonzero (Δ != 0), row_bytes bytes each; tie: lc_tie, base:
-// flat index of element 0 of the shard (hash tie rule).
+// out_sign (Δ > 0) and out_nonzero (Δ != 0), row_bytes bytes each; tie: lc_tie; tie_rows /
+// tie_nrows: the shard's tie-index table on the device (as in lc_apply_args).
 cudaError_t lc_shard_vote(const uint8_t* sign, const uint8_t* nonzero, int rows, int64_t row_bytes,
-                          int tie, int64_t step, int64_t base, uint8_t* out_sign, uint8_t* out_nonzero,
-                          cudaStream_t stream);
+                          int tie, int64_t step, const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign,
+                          uint8_t* out_nonzero, cudaStream_t stream);
 
 // codec.count_lanes: [rows, row_bytes] planes -> plus counts (and cnt counts when nonzero
 // != NULL) in p-bit lanes (p in 1,2,4,8), row_bytes*p bytes each. rows == 1 is the p-bit
@@ -133,9 +121,10 @@ cudaError_t lc_lanes_apply(const uint8_t* plus_lanes, const uint8_t* cnt_lanes, 
 size_t lc_int8_workspace_bytes(int64_t n_chunks);
 
 // codec.int8_local_step: per tensor c (non-finite c counted into *n_bad -- device int64,
-// zeroed by the caller -- and treated as 0), scale a (l1: mean|c| = fp32(sum)/numel with a
-// double-precision deterministic sum; linf: max|c|; l0: exp(mean(log|c|)) over nonzero
-// |c| in double) written to scales_out[i] for meta[i] (device fp32, n_tensors), then
+// zeroed by the caller -- and treated as 0), scale a (codec.int8_scale: l1 fp32(S/numel) and
+// l0 fp32(exp(mean log|c|)) with the project's fixed fp64 summation order and its
+// deterministic log/exp (lcc::lane_tree, log_parts, det_exp), bit-identical to the CPU;
+// linf: max|c|) written to scales_out[i] for meta[i] (device fp32, n_tensors), then
 // q = clip(rint(fl(fl(c*(s/2)) / a)), -s, s) (s = levels) as int8 into q_out
 // (total bytes, padding and gaps 0); a not > 0 or not finite gives q = 0. Three launches
 // (chunk partials, per-tensor scale, quantize), deterministic (fixed reduction order).

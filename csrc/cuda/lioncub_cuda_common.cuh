@@ -18,6 +18,7 @@
 #include <vector_types.h>
 
 #include "lioncub_cuda.h"
+#include "../common/lioncub_common.h"
 
 #include <cmath>
 
@@ -41,27 +42,23 @@ namespace lc {
 
 // Threads per block of every kernel; the chunked reductions need exactly this many.
 constexpr int kThreads = 256;
+// The int8 scale's defined order: one block of the sum = one LC_CHUNK chunk, one lane = one thread.
+static_assert(kThreads == lcc::kSumLanes && LC_CHUNK == lcc::kSumBlock, "int8 sum order (csrc/common)");
+#define LC_SAME(a, b) (static_cast<int>(a) == static_cast<int>(b))
+static_assert(LC_SAME(LC_FLOAT32, lcc::kF32) && LC_SAME(LC_BFLOAT16, lcc::kBF16) && LC_SAME(LC_FLOAT16, lcc::kF16),
+              "dtype codes");
+static_assert(LC_SAME(LC_TIE_ZERO, lcc::kTieZero) && LC_SAME(LC_TIE_ALTERNATE, lcc::kTieAlternate) &&
+                  LC_SAME(LC_TIE_HASH, lcc::kTieHash),
+              "tie codes");
+static_assert(LC_SAME(LC_VOTE_MAJORITY, lcc::kMajority) && LC_SAME(LC_VOTE_AVERAGE, lcc::kAverage), "vote codes");
+static_assert(LC_SAME(LC_SCALE_L1, lcc::kScaleL1) && LC_SAME(LC_SCALE_L0, lcc::kScaleL0) &&
+                  LC_SAME(LC_SCALE_LINF, lcc::kScaleLinf),
+              "scale codes");
+#undef LC_SAME
 
 // ----------------------------------------------------------------------------- scalar fp32
-LC_HD uint32_t f2u(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-
-LC_HD float u2f(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-#endif
-}
+using lcc::f2u;
+using lcc::u2f;
 
 // One correctly rounded op each; never contracted into an FMA.
 LC_HD float fmul(float a, float b) {
@@ -116,22 +113,6 @@ LC_HD float fmax_(float a, float b) {
 #endif
 }
 
-LC_HD double dlog(double x) {
-#ifdef __CUDA_ARCH__
-  return log(x);
-#else
-  return std::log(x);
-#endif
-}
-
-LC_HD double dexp(double x) {
-#ifdef __CUDA_ARCH__
-  return exp(x);
-#else
-  return std::exp(x);
-#endif
-}
-
 // Index of the lowest set bit of a nonzero word.
 LC_HD int ctz32(uint32_t x) {
 #ifdef __CUDA_ARCH__
@@ -145,50 +126,12 @@ LC_HD bool is_finite(float x) { return (f2u(x) & 0x7f800000u) != 0x7f800000u; }
 LC_HD float fabs_(float x) { return u2f(f2u(x) & 0x7fffffffu); }
 
 // ----------------------------------------------------------------------------- 16-bit floats
-LC_HD float bf16_to_f(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
-
-// Round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's scalar rule).
-LC_HD uint16_t f_to_bf16(float f) {
-  uint32_t u = f2u(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0u;
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-LC_HD float h_to_f(uint16_t h) {
-#ifdef __CUDA_ARCH__
-  return __half2float(__ushort_as_half(h));
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0) {
-    float v = static_cast<float>(m) * 5.9604644775390625e-08f;  // m * 2^-24, exact
-    return u2f(f2u(v) | sign);
-  }
-  if (e == 31) return u2f(sign | 0x7f800000u | (m << 13));
-  return u2f(sign | ((e + 112u) << 23) | (m << 13));
-#endif
-}
-
-LC_HD uint16_t f_to_h(float f) {
-#ifdef __CUDA_ARCH__
-  return __half_as_ushort(__float2half_rn(f));
-#else
-  const uint32_t x = f2u(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  const uint32_t ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
-  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: inf
-  if (ax < 0x38800000u) {  // below 2^-14: subnormal half (or 0), round(|f| * 2^24)
-    float v = u2f(ax) * 16777216.0f;  // exact: a power-of-two scale-up
-    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(v)));
-  }
-  uint32_t h = ((((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13));
-  const uint32_t rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return static_cast<uint16_t>(sign | h);
-#endif
-}
+// The conversions of the scalar contract (csrc/common): bf16 RNE with NaN -> 0x7FC0 (torch's
+// rule), fp16 RNE. Integer-only, so the device gives the host's bits.
+LC_HD float bf16_to_f(uint16_t h) { return lcc::bf16_to_f32(h); }
+LC_HD uint16_t f_to_bf16(float f) { return lcc::f32_to_bf16(f); }
+LC_HD float h_to_f(uint16_t h) { return lcc::f16_to_f32(h); }
+LC_HD uint16_t f_to_h(float f) { return lcc::f32_to_f16(f); }
 
 LC_HD float from16(int dt, uint16_t h) { return dt == LC_BFLOAT16 ? bf16_to_f(h) : h_to_f(h); }
 LC_HD uint16_t to16(int dt, float f) { return dt == LC_BFLOAT16 ? f_to_bf16(f) : f_to_h(f); }
@@ -396,22 +339,13 @@ LC_HD void momentum_unit(const Tensor& T, int64_t j, int n, const lc_lion_args& 
 }
 
 // ----------------------------------------------------------------------------- votes
-// +1 (1) or -1 (0) from the 32-bit hash of (step, flat index): codec.tie_hash_sign.
-LC_HD uint32_t tie_hash_bit(int64_t step, int64_t index) {
-  uint32_t h = static_cast<uint32_t>(index) * 0x9E3779B1u + static_cast<uint32_t>(step) * 0x85EBCA77u + 0x165667B1u;
-  h ^= h >> 15;
-  h *= 0x2C1B3C6Du;
-  h ^= h >> 12;
-  h *= 0x297A2D39u;
-  h ^= h >> 15;
-  return h & 1u;
-}
+// The tie index of bucket/shard position e (the element's index inside its parameter).
+LC_HD uint64_t tie_index_of(const lc_apply_args& a, int64_t e) { return lcc::tie_index(a.tie_rows, a.tie_nrows, e); }
 
-// The value a tied coordinate takes (flat index idx = base + element).
-LC_HD float tie_value(int tie, int64_t step, int64_t idx) {
-  if (tie == LC_TIE_ALTERNATE) return (step & 1) ? 1.0f : -1.0f;
-  if (tie == LC_TIE_HASH) return tie_hash_bit(step, idx) ? 1.0f : -1.0f;
-  return 0.0f;
+// The value a tied coordinate at position e takes.
+LC_HD float tie_value_at(const lc_apply_args& a, int64_t e) {
+  if (a.tie == LC_TIE_ZERO) return 0.0f;
+  return static_cast<float>(lcc::tie_value(a.tie, a.step, a.tie == LC_TIE_HASH ? tie_index_of(a, e) : 0));
 }
 
 // codec.decide for one element (bucket element index e).
@@ -421,7 +355,7 @@ LC_HD float decide(int plus, int cnt, const lc_apply_args& a, int64_t e) {
   if (diff > 0) return 1.0f;
   if (diff < 0) return -1.0f;
   if (cnt == 0) return 0.0f;
-  return tie_value(a.tie, a.step, a.base + e);
+  return tie_value_at(a, e);
 }
 
 // 32-bit word w of a packed row of row_bytes bytes (bytes past the end read as 0).
@@ -516,7 +450,7 @@ LC_HD void majority_delta8(uint32_t pos, uint32_t neg, uint32_t tie, int sel, co
     float v = 0.0f;
     if ((pb >> i) & 1u) v = 1.0f;
     else if ((nb >> i) & 1u) v = -1.0f;
-    else if ((tb >> i) & 1u) v = tie_value(a.tie, a.step, a.base + e0 + i);
+    else if ((tb >> i) & 1u) v = tie_value_at(a, e0 + i);
     d[i] = v;
   }
 }
@@ -532,9 +466,10 @@ LC_HD void average_delta8(const uint32_t* P, const uint32_t* C, int sel, const l
   }
 }
 
-// Result planes of a majority shard vote for one word: sign (Δ > 0) and nonzero (Δ != 0).
-LC_HD void shard_word(uint32_t pos, uint32_t neg, uint32_t tie, int tie_rule, int64_t step, int64_t idx0,
-                      uint32_t& out_sign, uint32_t& out_nz) {
+// Result planes of a majority shard vote for one word: sign (Δ > 0) and nonzero (Δ != 0);
+// e0: shard position of the word's first element; rows / nrows: the shard's tie-index table.
+LC_HD void shard_word(uint32_t pos, uint32_t neg, uint32_t tie, int tie_rule, int64_t step, int64_t e0,
+                      const int64_t* rows, int64_t nrows, uint32_t& out_sign, uint32_t& out_nz) {
   uint32_t tplus = 0u, tminus = 0u;
   if (tie_rule == LC_TIE_ALTERNATE) {
     if (step & 1) tplus = tie;
@@ -544,7 +479,7 @@ LC_HD void shard_word(uint32_t pos, uint32_t neg, uint32_t tie, int tie_rule, in
     while (m) {
       const int b = ctz32(m);
       m &= m - 1u;
-      if (tie_hash_bit(step, idx0 + b)) tplus |= 1u << b;
+      if (lcc::tie_hash(static_cast<uint64_t>(step), lcc::tie_index(rows, nrows, e0 + b)) & 1u) tplus |= 1u << b;
     }
     tminus = tie & ~tplus;
   }
@@ -687,61 +622,64 @@ LC_HD void apply_at(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0,
 
 // ----------------------------------------------------------------------------- int8
 struct Acc {
-  double s;     // l1: sum |c|; linf: max |c|; l0: sum log|c| over nonzero |c|
-  long long n;  // l0: number of nonzero |c|
+  double s;        // l1: ordered sum |c|; linf: max |c|; l0: ordered sum of log(m) over nonzero |c|
+  long long n;     // l0: number of nonzero |c|
+  long long esum;  // l0: sum of the exponents e of the nonzero |c| = m * 2^e (exact)
 };
 
+// l1 / l0 add (the lane tree and the block order of lcc), linf takes the max.
 LC_HD Acc acc_combine(Acc x, Acc y, int kind) {
   if (kind == LC_SCALE_LINF) {
     x.s = y.s > x.s ? y.s : x.s;
   } else {
-    x.s += y.s;
+    x.s = lcc::dadd(x.s, y.s);
     x.n += y.n;
+    x.esum += y.esum;
   }
   return x;
 }
 
-// The share of thread `tid` (of nthreads) of elements [c0, c1) of tensor T: its partial
-// scale statistic and its number of non-finite c. Fixed order: deterministic.
-LC_HD Acc int8_thread_partial(const Tensor& T, int64_t c0, int64_t c1, int tid, int nthreads, const lc_lion_args& la,
-                              int kind, int& nbad) {
+// Element j of a tensor of dtype dt at addr, as fp32.
+LC_HD float load1(uint64_t addr, int dt, int64_t j) {
+  if (dt == LC_FLOAT32) return reinterpret_cast<const float*>(addr)[j];
+  return from16(dt, reinterpret_cast<const uint16_t*>(addr)[j]);
+}
+
+// Lane `lane` (0..kThreads-1) of the chunk [c0, c1) of tensor T (c0 a multiple of LC_CHUNK): the
+// elements c0 + lane + kThreads*k in index order (lcc's defined order), its partial statistic
+// of |c| and its number of non-finite c.
+LC_HD Acc int8_thread_partial(const Tensor& T, int64_t c0, int64_t c1, int lane, const lc_lion_args& la, int kind,
+                              int& nbad) {
   Acc acc;
   acc.s = 0.0;
   acc.n = 0;
-  for (int64_t j = c0 + 8 * static_cast<int64_t>(tid); j < c1; j += 8 * static_cast<int64_t>(nthreads)) {
-    const int64_t rem = c1 - j;
-    const int n = rem < 8 ? static_cast<int>(rem) : 8;
-    float g[8], m[8];
-    load8(T.a, T.dta, j, n, g);
-    load8(T.b, T.dtb, j, n, m);
-    LC_UNROLL
-    for (int i = 0; i < 8; ++i) {
-      if (i >= n) break;
-      float c = lion_c(m[i], g[i], la);
-      if (!is_finite(c)) {
-        ++nbad;
-        c = 0.0f;
-      }
-      const float ac = fabs_(c);
-      if (kind == LC_SCALE_L1) {
-        acc.s += static_cast<double>(ac);
-      } else if (kind == LC_SCALE_LINF) {
-        if (static_cast<double>(ac) > acc.s) acc.s = static_cast<double>(ac);
-      } else if (ac > 0.0f) {
-        acc.s += dlog(static_cast<double>(ac));
-        acc.n += 1;
-      }
+  acc.esum = 0;
+  for (int64_t j = c0 + lane; j < c1; j += kThreads) {
+    float c = lion_c(load1(T.b, T.dtb, j), load1(T.a, T.dta, j), la);
+    if (!is_finite(c)) {
+      ++nbad;
+      c = 0.0f;
+    }
+    const float ac = fabs_(c);
+    if (kind == LC_SCALE_L1) {
+      acc.s = lcc::dadd(acc.s, static_cast<double>(ac));
+    } else if (kind == LC_SCALE_LINF) {
+      if (static_cast<double>(ac) > acc.s) acc.s = static_cast<double>(ac);
+    } else if (ac > 0.0f) {
+      double lm;
+      acc.esum += lcc::log_parts(ac, &lm);
+      acc.s = lcc::dadd(acc.s, lm);
+      acc.n += 1;
     }
   }
   return acc;
 }
 
-// The per-tensor scale from the reduced statistic: l1 fp32(sum)/numel in fp32, linf max,
-// l0 exp(mean log) in double then fp32.
+// The per-tensor scale from the reduced statistic (codec.int8_scale).
 LC_HD float int8_scale_of(Acc tot, int64_t numel, int kind) {
-  if (kind == LC_SCALE_L1) return numel > 0 ? fdiv(static_cast<float>(tot.s), static_cast<float>(numel)) : 0.0f;
+  if (kind == LC_SCALE_L1) return lcc::l1_scale(tot.s, numel);
   if (kind == LC_SCALE_LINF) return static_cast<float>(tot.s);
-  return tot.n > 0 ? static_cast<float>(dexp(tot.s / static_cast<double>(tot.n))) : 0.0f;
+  return lcc::l0_scale(tot.esum, tot.s, tot.n);
 }
 
 // Codes of the unit at bucket element e0 (gaps and padding: 0).

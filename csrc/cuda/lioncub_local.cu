@@ -77,12 +77,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// int8 pass 1: per chunk, the block's deterministic partial statistic of |c| + #non-finite.
+// int8 pass 1: per chunk (one block of lcc's defined sum order), thread = lane: the lane sums in
+// index order, then the fixed lane tree (lcc::lane_tree) in shared memory; + #non-finite.
 __global__ void __launch_bounds__(kThreads)
     int8_partials_kernel(const lc_tensor_meta* __restrict__ meta, int nt, int64_t n_chunks, lc_lion_args la, int kind,
                          Acc* __restrict__ partials, int64_t* __restrict__ n_bad) {
   __shared__ double ss[kThreads];
   __shared__ long long sn[kThreads];
+  __shared__ long long se[kThreads];
   const int tid = threadIdx.x;
   unsigned long long bad = 0;
   for (int64_t ch = blockIdx.x; ch < n_chunks; ch += gridDim.x) {
@@ -90,19 +92,21 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t c0 = (ch - T.chunk_start) * LC_CHUNK;
     const int64_t c1 = T.numel < c0 + LC_CHUNK ? T.numel : c0 + LC_CHUNK;
     int nb = 0;
-    const Acc acc = int8_thread_partial(T, c0, c1, tid, kThreads, la, kind, nb);
+    const Acc acc = int8_thread_partial(T, c0, c1, tid, la, kind, nb);
     bad += static_cast<unsigned long long>(nb);
     ss[tid] = acc.s;
     sn[tid] = acc.n;
+    se[tid] = acc.esum;
     __syncthreads();
     for (int s = kThreads / 2; s > 0; s >>= 1) {
       if (tid < s) {
         Acc x, y;
-        x.s = ss[tid]; x.n = sn[tid];
-        y.s = ss[tid + s]; y.n = sn[tid + s];
+        x.s = ss[tid]; x.n = sn[tid]; x.esum = se[tid];
+        y.s = ss[tid + s]; y.n = sn[tid + s]; y.esum = se[tid + s];
         x = acc_combine(x, y, kind);
         ss[tid] = x.s;
         sn[tid] = x.n;
+        se[tid] = x.esum;
       }
       __syncthreads();
     }
@@ -110,6 +114,7 @@ __global__ void __launch_bounds__(kThreads)
       Acc r;
       r.s = ss[0];
       r.n = sn[0];
+      r.esum = se[0];
       partials[ch] = r;
     }
     __syncthreads();
@@ -117,41 +122,21 @@ __global__ void __launch_bounds__(kThreads)
   block_add_counts(bad, 0ull, n_bad, false);
 }
 
-// int8 pass 2: one block per tensor reduces its chunk partials (fixed order) -> scale.
+// int8 pass 2: one thread per tensor adds its chunk results in chunk order (lcc's defined
+// order: a sequential fp64 sum of the block sums) -> scale.
 __global__ void __launch_bounds__(kThreads)
     int8_scale_kernel(const lc_tensor_meta* __restrict__ meta, int nt, const Acc* __restrict__ partials, int kind,
                       float* __restrict__ scales) {
-  __shared__ double ss[kThreads];
-  __shared__ long long sn[kThreads];
-  const int tid = threadIdx.x;
-  for (int t = blockIdx.x; t < nt; t += gridDim.x) {
+  const int stride = static_cast<int>(gridDim.x * blockDim.x);
+  for (int t = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); t < nt; t += stride) {
     const Tensor T = read_meta(meta, t);
     const int64_t nch = (T.numel + LC_CHUNK - 1) / LC_CHUNK;
     Acc acc;
     acc.s = 0.0;
     acc.n = 0;
-    for (int64_t k = tid; k < nch; k += kThreads) acc = acc_combine(acc, partials[T.chunk_start + k], kind);
-    ss[tid] = acc.s;
-    sn[tid] = acc.n;
-    __syncthreads();
-    for (int s = kThreads / 2; s > 0; s >>= 1) {
-      if (tid < s) {
-        Acc x, y;
-        x.s = ss[tid]; x.n = sn[tid];
-        y.s = ss[tid + s]; y.n = sn[tid + s];
-        x = acc_combine(x, y, kind);
-        ss[tid] = x.s;
-        sn[tid] = x.n;
-      }
-      __syncthreads();
-    }
-    if (tid == 0) {
-      Acc r;
-      r.s = ss[0];
-      r.n = sn[0];
-      scales[t] = int8_scale_of(r, T.numel, kind);
-    }
-    __syncthreads();
+    acc.esum = 0;
+    for (int64_t k = 0; k < nch; ++k) acc = acc_combine(acc, partials[T.chunk_start + k], kind);
+    scales[t] = int8_scale_of(acc, T.numel, kind);
   }
 }
 
@@ -213,8 +198,9 @@ extern "C" cudaError_t lc_int8_local_step(const lc_tensor_meta* meta, int n_tens
                                                                                       kind, partials, n_bad);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    lc::int8_scale_kernel<<<lc::grid_for(n_tensors, 1), lc::kThreads, 0, stream>>>(meta, n_tensors, partials, kind,
-                                                                                    scales_out);
+    lc::int8_scale_kernel<<<lc::grid_for(n_tensors, lc::kThreads), lc::kThreads, 0, stream>>>(meta, n_tensors,
+                                                                                                partials, kind,
+                                                                                                scales_out);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }

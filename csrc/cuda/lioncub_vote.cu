@@ -76,15 +76,16 @@ __global__ void __launch_bounds__(kThreads)
 template <int KB>
 __global__ void __launch_bounds__(kThreads)
     shard_vote_kernel(const uint8_t* __restrict__ sign, const uint8_t* __restrict__ nonzero, int rows,
-                      int64_t row_bytes, int aligned, int tie_rule, int64_t step, int64_t base,
-                      uint8_t* __restrict__ out_sign, uint8_t* __restrict__ out_nz, int out_aligned) {
+                      int64_t row_bytes, int aligned, int tie_rule, int64_t step, const int64_t* __restrict__ tie_rows,
+                      int64_t tie_nrows, uint8_t* __restrict__ out_sign, uint8_t* __restrict__ out_nz,
+                      int out_aligned) {
   const int64_t nwords = (row_bytes + 3) >> 2;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < nwords; w += stride) {
     uint32_t P[KB], C[KB], pos, neg, tie, os, oz;
     count_word<KB>(sign, nonzero, rows, row_bytes, w, aligned != 0, P, C);
     majority_masks<KB>(P, C, pos, neg, tie);
-    shard_word(pos, neg, tie, tie_rule, step, base + w * 32, os, oz);
+    shard_word(pos, neg, tie, tie_rule, step, w * 32, tie_rows, tie_nrows, os, oz);
     store_words(out_sign, w * 4, row_bytes, &os, 1, out_aligned != 0);
     store_words(out_nz, w * 4, row_bytes, &oz, 1, out_aligned != 0);
   }
@@ -171,12 +172,13 @@ cudaError_t launch_vote_apply(const uint8_t* sign, const uint8_t* nonzero, int r
 
 template <int KB>
 cudaError_t launch_shard_vote(const uint8_t* sign, const uint8_t* nonzero, int rows, int64_t row_bytes, int tie,
-                              int64_t step, int64_t base, uint8_t* out_sign, uint8_t* out_nz, cudaStream_t stream) {
+                              int64_t step, const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign,
+                              uint8_t* out_nz, cudaStream_t stream) {
   const int aligned = aligned4(sign) && (nonzero == nullptr || aligned4(nonzero)) && row_bytes % 4 == 0;
   const int out_aligned = aligned4(out_sign) && aligned4(out_nz);
   const int64_t nwords = (row_bytes + 3) / 4;
   shard_vote_kernel<KB><<<grid_for(nwords, kThreads), kThreads, 0, stream>>>(
-      sign, nonzero, rows, row_bytes, aligned, tie, step, base, out_sign, out_nz, out_aligned);
+      sign, nonzero, rows, row_bytes, aligned, tie, step, tie_rows, tie_nrows, out_sign, out_nz, out_aligned);
   return cudaGetLastError();
 }
 
@@ -193,6 +195,7 @@ cudaError_t launch_count_lanes(const uint8_t* sign, const uint8_t* nonzero, int 
 
 bool valid_apply_args(const lc_apply_args& a) {
   if (a.tie != LC_TIE_ZERO && a.tie != LC_TIE_ALTERNATE && a.tie != LC_TIE_HASH) return false;
+  if (a.tie_nrows < 0 || (a.tie_nrows > 0 && a.tie_rows == nullptr)) return false;
   return a.vote == LC_VOTE_MAJORITY || a.vote == LC_VOTE_AVERAGE;
 }
 
@@ -217,19 +220,23 @@ extern "C" cudaError_t lc_vote_apply(const uint8_t* sign, const uint8_t* nonzero
 }
 
 extern "C" cudaError_t lc_shard_vote(const uint8_t* sign, const uint8_t* nonzero, int rows, int64_t row_bytes,
-                                     int tie, int64_t step, int64_t base, uint8_t* out_sign, uint8_t* out_nonzero,
-                                     cudaStream_t stream) {
-  if (rows < 1 || row_bytes < 0 || (tie != LC_TIE_ZERO && tie != LC_TIE_ALTERNATE && tie != LC_TIE_HASH))
+                                     int tie, int64_t step, const int64_t* tie_rows, int64_t tie_nrows,
+                                     uint8_t* out_sign, uint8_t* out_nonzero, cudaStream_t stream) {
+  if (rows < 1 || row_bytes < 0 || (tie != LC_TIE_ZERO && tie != LC_TIE_ALTERNATE && tie != LC_TIE_HASH) ||
+      tie_nrows < 0 || (tie_nrows > 0 && tie_rows == nullptr))
     return cudaErrorInvalidValue;
   if (row_bytes == 0) return cudaSuccess;
   if (sign == nullptr || out_sign == nullptr || out_nonzero == nullptr) return cudaErrorInvalidValue;
   switch (lc::levels_for_rows(rows)) {
     case 4:
-      return lc::launch_shard_vote<4>(sign, nonzero, rows, row_bytes, tie, step, base, out_sign, out_nonzero, stream);
+      return lc::launch_shard_vote<4>(sign, nonzero, rows, row_bytes, tie, step, tie_rows, tie_nrows, out_sign,
+                                      out_nonzero, stream);
     case 8:
-      return lc::launch_shard_vote<8>(sign, nonzero, rows, row_bytes, tie, step, base, out_sign, out_nonzero, stream);
+      return lc::launch_shard_vote<8>(sign, nonzero, rows, row_bytes, tie, step, tie_rows, tie_nrows, out_sign,
+                                      out_nonzero, stream);
     case 16:
-      return lc::launch_shard_vote<16>(sign, nonzero, rows, row_bytes, tie, step, base, out_sign, out_nonzero, stream);
+      return lc::launch_shard_vote<16>(sign, nonzero, rows, row_bytes, tie, step, tie_rows, tie_nrows, out_sign,
+                                       out_nonzero, stream);
     default: return cudaErrorInvalidValue;
   }
 }

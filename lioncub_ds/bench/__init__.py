@@ -13,4 +13,6 @@ BENCHMARKS: dict[str, str] = {
     "netns": "lioncub_ds.bench.netns",        # step time on a rate-limited loopback (network namespace)
     "converge": "lioncub_ds.bench.converge",  # validation loss of a small GPT, per optimizer
     "scaling": "lioncub_ds.bench.scaling",    # alpha-beta model: predicted comm time vs world size
+    "zero": "lioncub_ds.bench.zero",          # ZeRO-1 sign all-gather vs DeepSpeed's parameter all-gather
+    "startup": "lioncub_ds.bench.startup",    # interpreter start-up with / without the DeepSpeed .pth hook
 }

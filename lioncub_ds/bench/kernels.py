@@ -12,7 +12,12 @@ For fp32 and bf16 (gradients, momenta and parameters of that dtype) it times, pe
 * ``vote_apply+delta``: the same, also returning Δ (the reference contract; 4 more bytes/param).
 
 Baselines: ``unfused``: the same math written with plain torch ops (a few large tensor ops,
-vectorized pack by a multiply trick; the fairest torch baseline); ``unfused_codec``: the
+vectorized pack by a multiply trick) into buffers allocated once and reused (``out=`` and
+in-place ops), timed in the same round-robin as the fused kernels and the copy; checked in the run to produce the fused
+kernels' planes, counts and momenta (``baseline_*_match``); ``speedup`` = unfused / fused.
+``unfused_alloc``: the same ops allocating fresh temporaries on every call; for 16M-element
+temporaries that mostly measures the allocator's page faults (glibc returns large blocks to
+the OS), kept for reference only. ``unfused_codec``: the
 pure-torch reference ``lioncub_ds.codec`` (3 runs; ``--codec-numel`` params, default all). The floor is the bytes a
 kernel must move per parameter divided by the copy bandwidth (read+write bytes per second of a
 large ``torch.Tensor.copy_``), timed round-robin with the fused kernels in the same run so that a
@@ -27,6 +32,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -76,8 +82,8 @@ def torch_local_step(g, m, b1, b2, update_momentum=True):
     fin = torch.isfinite(c)
     sign = _pack((c > 0) & fin)
     nz = _pack((c != 0) & fin)
-    n_bad = int((~fin).sum())
-    n_zero = int((c == 0).sum())
+    n_bad = c.numel() - int(torch.count_nonzero(fin))  # (count_nonzero: bool.sum() is ~15x slower)
+    n_zero = int(torch.count_nonzero(c == 0))
     if update_momentum:
         if m.dtype == torch.float32:
             m.mul_(b2).add_(gf, alpha=1.0 - b2)
@@ -98,6 +104,80 @@ def torch_vote_apply(planes, p, lr, wd, step):
         p.mul_(decay)
     p.add_(delta, alpha=-lr)
     return delta
+
+
+class TorchPrealloc:
+    """The same plain-torch math as :func:`torch_local_step` / :func:`torch_vote_apply`, with every
+    temporary allocated once and reused (``out=`` and in-place ops): the fair unfused baseline.
+    Fresh temporaries of 16M elements are fresh ``mmap`` pages for glibc's allocator, so the
+    allocating version mostly measures page faults (``unfused_alloc`` in the records)."""
+
+    def __init__(self, numel: int, dtype, n_voters: int):
+        f32 = torch.float32
+        self.numel, self.dtype = numel, dtype
+        self.gf = torch.empty(numel, dtype=f32) if dtype != f32 else None
+        self.mf = torch.empty(numel, dtype=f32) if dtype != f32 else None
+        self.c, self.t = torch.empty(numel, dtype=f32), torch.empty(numel, dtype=f32)
+        self.fin, self.b = torch.empty(numel, dtype=torch.bool), torch.empty(numel, dtype=torch.bool)
+        self.packed64 = torch.empty(numel // 8, dtype=torch.int64)
+        self.sign = torch.empty(numel // 8, dtype=torch.uint8)
+        self.nz = torch.empty(numel // 8, dtype=torch.uint8)
+        self.shifts = torch.arange(8, dtype=torch.uint8)
+        self.unpacked = torch.empty(numel // 8, 8, dtype=torch.uint8)
+        self.count = torch.empty(numel, dtype=torch.int16)
+        self.delta = torch.empty(numel, dtype=f32)
+        self.n_voters = n_voters
+
+    def _pack_into(self, bits, out):
+        torch.mul(bits.view(torch.uint8).view(torch.int64), _PACK_MAGIC, out=self.packed64)
+        self.packed64.bitwise_right_shift_(56)
+        out.copy_(self.packed64)
+        return out
+
+    def local_step(self, g, m, b1, b2):
+        if self.gf is not None:
+            gf, mf = self.gf.copy_(g), self.mf.copy_(m)
+        else:
+            gf, mf = g, m
+        c, t = self.c, self.t
+        torch.mul(mf, b1, out=c)
+        torch.mul(gf, 1.0 - b1, out=t)
+        c.add_(t)
+        torch.abs(c, out=t)
+        torch.lt(t, float("inf"), out=self.fin)  # finite (NaN compares false)
+        torch.gt(c, 0, out=self.b)
+        self.b.logical_and_(self.fin)
+        self._pack_into(self.b, self.sign)
+        torch.ne(c, 0, out=self.b)
+        self.b.logical_and_(self.fin)
+        n_nonzero = int(torch.count_nonzero(self.b))  # (bool.sum() is ~15x slower than count_nonzero)
+        self._pack_into(self.b, self.nz)
+        n_bad = self.numel - int(torch.count_nonzero(self.fin))
+        n_zero = self.numel - n_nonzero - n_bad
+        # momentum: m <- b2*m + (1-b2)*g, in place
+        torch.mul(gf, 1.0 - b2, out=t)
+        mf.mul_(b2).add_(t)
+        if self.mf is not None:
+            m.copy_(mf)
+        return self.sign, self.nz, n_bad, n_zero
+
+    def vote_apply(self, planes, p, lr, wd, step):
+        cnt = self.count
+        cnt.zero_()
+        for j in range(planes.shape[0]):
+            torch.bitwise_right_shift(planes[j].unsqueeze(-1), self.shifts, out=self.unpacked)
+            self.unpacked.bitwise_and_(1)
+            cnt.add_(self.unpacked.view(-1))
+        cnt.mul_(2).sub_(self.n_voters)  # 2·plus − N
+        torch.eq(cnt, 0, out=self.b)
+        cnt.sign_()
+        self.delta.copy_(cnt)
+        self.delta.masked_fill_(self.b, 1.0 if step % 2 else -1.0)  # (alternate ties: cheaper than hash)
+        decay = 1.0 - lr * wd
+        if decay != 1.0:
+            p.mul_(decay)
+        p.add_(self.delta, alpha=-lr)
+        return self.delta
 
 
 # ----------------------------------------------------------------------------- runner
@@ -133,47 +213,75 @@ def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
         planes_c = planes[:, :codec_numel // 8].contiguous()
         dname = str(dt).replace("torch.", "")
 
-        # kernel -> (bytes moved per param, fused, plain-torch baseline, codec reference)
+        pre = TorchPrealloc(numel, dt, N_VOTERS)
+        # the baseline computes what the kernels compute: same sign / nonzero planes, momenta, counts
+        gx, mx1, mx2 = g.clone(), m.clone(), m.clone()
+        fs, fnz, fbad, fzero = be.local_step([gx], [mx1], [0], numel, B1, B2, True)
+        ps_, pnz, pbad, pzero = pre.local_step(gx, mx2, B1, B2)
+        bits_match = bool(torch.equal(fs.reshape(-1), ps_) and (fnz is None or int(fzero) == 0
+                                                              or torch.equal(fnz.reshape(-1), pnz))
+                          and int(fbad) == pbad and int(fzero) == pzero)
+        mom_match = bool(torch.equal(mx1, mx2))
+        px1, px2 = p.clone(), p.clone()
+        vote_match = bool(torch.equal(torch_vote_apply(planes, px1, LR, WD, 3), pre.vote_apply(planes, px2, LR, WD, 3))
+                          and torch.equal(px1, px2))
+        del gx, mx1, mx2, px1, px2
+        # kernel -> (bytes moved per param, fused, plain torch with reused buffers, plain torch with
+        # fresh temporaries, codec reference)
         cases = {
             "local_step": (3 * s + 0.25,
                            lambda: be.local_step([g], [m], [0], numel, B1, B2, True),
+                           lambda: pre.local_step(g, m, B1, B2),
                            lambda: torch_local_step(g, m, B1, B2, True),
                            lambda: codec.local_step([gc], [mc], [0], codec_numel, B1, B2, True)),
             "local_step_2pass": (5 * s + 0.25,
                                  lambda: (be.local_step([g], [m], [0], numel, B1, B2, False),
                                           be.momentum_update_list([m], [g], B2)),
+                                 lambda: pre.local_step(g, m, B1, B2),
                                  lambda: torch_local_step(g, m, B1, B2, True),
                                  lambda: (codec.local_step([gc], [mc], [0], codec_numel, B1, B2, False),
                                           codec.momentum_update(mc, gc, B2))),
             "vote_apply": (2 * s + N_VOTERS / 8,
                            lambda: be.vote_apply(planes, None, [p], [0], LR, WD, 3, "hash", "majority", N_VOTERS, 0,
                                                  False),
+                           lambda: pre.vote_apply(planes, p, LR, WD, 3),
                            lambda: torch_vote_apply(planes, p, LR, WD, 3),
                            lambda: codec.vote_apply(planes_c, None, [pc], [0], LR, WD, 3, "hash", "majority",
                                                     N_VOTERS)),
             "vote_apply+delta": (2 * s + N_VOTERS / 8 + 4,
                                  lambda: be.vote_apply(planes, None, [p], [0], LR, WD, 3, "hash", "majority",
                                                        N_VOTERS),
+                                 lambda: pre.vote_apply(planes, p, LR, WD, 3),
                                  lambda: torch_vote_apply(planes, p, LR, WD, 3),
                                  lambda: codec.vote_apply(planes_c, None, [pc], [0], LR, WD, 3, "hash", "majority",
                                                           N_VOTERS)),
         }
-        # fused kernels and the copy floor, round-robin; then the (slow) baselines
-        fused = _interleaved(dict({"copy": copy_fn}, **{k: v[1] for k, v in cases.items()}), repeat)
+        # fused kernels, the preallocated torch baseline and the copy floor in ONE round-robin (a busy
+        # machine slows all of them alike, so the speedup is a side-by-side ratio); then the slow ones
+        base = ("local_step", "vote_apply")
+        rr = _interleaved(dict({"copy": copy_fn}, **{k: v[1] for k, v in cases.items()},
+                               **{"torch:" + k: v[2] for k, v in cases.items() if k in base}), repeat)
+        fused = {k: v for k, v in rr.items() if not k.startswith("torch:")}
+        plain = {k[len("torch:"):]: v for k, v in rr.items() if k.startswith("torch:")}
         slow_rounds = max(3, repeat // 2)
-        plain = _interleaved({k: v[2] for k, v in cases.items() if k in ("local_step", "vote_apply")}, slow_rounds)
-        plain["local_step_2pass"] = plain["local_step"]
-        plain["vote_apply+delta"] = plain["vote_apply"]
-        ref = _interleaved({k: v[3] for k, v in cases.items()}, 3)
+        alloc = _interleaved({k: v[3] for k, v in cases.items() if k in base}, slow_rounds)
+        for d in (plain, alloc):
+            d["local_step_2pass"] = d["local_step"]
+            d["vote_apply+delta"] = d["vote_apply"]
+        ref = _interleaved({k: v[4] for k, v in cases.items()}, 3)
         bw = copy_bytes / statistics.median(fused["copy"])
         bw_best = copy_bytes / min(fused["copy"])
         for kernel, (bpp, *_fns) in cases.items():
             t_f = statistics.median(fused[kernel]) / per_m
             t_best = min(fused[kernel]) / per_m
             t_u = statistics.median(plain[kernel]) / per_m
+            t_a = statistics.median(alloc[kernel]) / per_m
             t_c = statistics.median(ref[kernel]) / per_m_codec
             floor = bpp * 1e6 / bw
             records.append(dict(common, kernel=kernel, dtype=dname, fused_s_per_1M=t_f, unfused_s_per_1M=t_u,
+                                unfused_alloc_s_per_1M=t_a, speedup_vs_unfused_alloc=t_a / t_f,
+                                baseline_bits_match=bits_match, baseline_momentum_match=mom_match,
+                                baseline_vote_match_alloc=vote_match,
                                 unfused_codec_s_per_1M=t_c, speedup=t_u / t_f, speedup_vs_codec=t_c / t_f,
                                 bytes_per_param=bpp, copy_GBps=bw / 1e9, floor_s_per_1M=floor,
                                 fraction_of_floor=floor / t_f, best_fused_s_per_1M=t_best,
@@ -189,14 +297,21 @@ def format_table(records: list[dict]) -> str:
     lines = [f"kernels: {r0['numel'] / 1e6:.1f}M params, {r0['threads']} threads, isa={r0['isa']}, load avg "
              f"{r0['loadavg_1min']:.1f} on {r0['nproc']} cores; ms per 1M params (medians); copy = read+write GB/s "
              f"of a large copy_ timed round-robin with the fused kernels; best = fastest run vs fastest copy",
-             f"{'kernel':<18}{'dtype':<10}{'fused':>8}{'torch':>9}{'codec':>9}{'x torch':>9}{'x codec':>9}"
-             f"{'B/param':>9}{'copy':>7}{'floor':>8}{'of floor':>10}{'best':>7}"]
+             "torch = the same math in plain torch ops with preallocated, reused buffers (the fair baseline; "
+             "x torch = its speedup); torch-alloc = the same with fresh temporaries (allocator page faults)",
+             f"{'kernel':<18}{'dtype':<10}{'fused':>8}{'torch':>9}{'x torch':>9}{'torch-alloc':>12}{'codec':>9}"
+             f"{'x codec':>9}{'B/param':>9}{'copy':>7}{'floor':>8}{'of floor':>10}{'best':>7}"]
     for r in records:
         lines.append(f"{r['kernel']:<18}{r['dtype']:<10}{r['fused_s_per_1M'] * 1e3:>8.3f}"
-                     f"{r['unfused_s_per_1M'] * 1e3:>9.3f}{r['unfused_codec_s_per_1M'] * 1e3:>9.2f}"
-                     f"{r['speedup']:>9.1f}{r['speedup_vs_codec']:>9.1f}{r['bytes_per_param']:>9.2f}"
+                     f"{r['unfused_s_per_1M'] * 1e3:>9.3f}{r['speedup']:>9.1f}{r['unfused_alloc_s_per_1M'] * 1e3:>12.3f}"
+                     f"{r['unfused_codec_s_per_1M'] * 1e3:>9.2f}"
+                     f"{r['speedup_vs_codec']:>9.1f}{r['bytes_per_param']:>9.2f}"
                      f"{r['copy_GBps']:>7.2f}{r['floor_s_per_1M'] * 1e3:>8.3f}{r['fraction_of_floor'] * 100:>9.0f}%"
                      f"{r['best_fraction_of_floor'] * 100:>6.0f}%")
+    bad = [f"{r['kernel']}/{r['dtype']}" for r in records
+           if not (r["baseline_bits_match"] and r["baseline_momentum_match"] and r["baseline_vote_match_alloc"])]
+    lines.append("baseline check: the preallocated torch baseline gives the fused kernels' sign/nonzero planes, counts "
+                 "and momenta, and the allocating baseline's update: " + ("OK" if not bad else "MISMATCH " + ", ".join(bad)))
     return "\n".join(lines)
 
 
@@ -204,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lioncub_ds.bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None, help="write the records (a JSON list of flat dicts) here")
     ap.add_argument("--out", type=Path, default=None, help="output directory (<out>/kernels.json if no --json)")
-    ap.add_argument("--numel", type=int, default=16 << 20, help="parameters per kernel call (default 16M)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cpu: the C++ kernels (this table); cuda: lioncub_ds.bench.kernels_cuda.run_cuda (needs a GPU)")
+    ap.add_argument("--numel", type=int, default=None, help="parameters per kernel call (default 16M; cuda 64M)")
     ap.add_argument("--codec-numel", type=int, default=16 << 20, help="parameters for the slow codec baseline")
     ap.add_argument("--repeat", type=int, default=7, help="timed runs per measurement (median)")
     ap.add_argument("--threads", type=int, default=None, help="torch (and OpenMP) threads; default: torch's")
@@ -218,9 +335,22 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     dtypes = [{"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                "bf16": torch.bfloat16}[d.strip()] for d in args.dtypes.split(",") if d.strip()]
-    records = run(args.numel, args.repeat, args.codec_numel, dtypes)
-    print(format_table(records))
     path = args.json or (args.out / f"{NAME}.json" if args.out else None)
+    if args.device == "cuda":
+        from .kernels_cuda import run_cuda
+
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+        try:
+            run_cuda(path, numel=args.numel or (1 << 26), repeats=max(args.repeat, 5),
+                     dtypes=[names[d] for d in dtypes])
+        except RuntimeError as exc:
+            print(f"[bench {NAME}] {exc}", file=sys.stderr)
+            return 2
+        if path is not None:
+            print(f"[bench {NAME}] wrote {path}")
+        return 0
+    records = run(args.numel or (16 << 20), args.repeat, args.codec_numel, dtypes)
+    print(format_table(records))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(records, indent=1))

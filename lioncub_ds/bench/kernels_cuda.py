@@ -93,7 +93,7 @@ def _cases(be, dtype, numel, world, device, gen):
     plus_l &= {1: 0xFF, 2: 0x55, 4: 0x33, 8: 0x03}[p]  # counts <= 3 <= world in every lane
     levels = codec.int8_levels(world)
     qsum = torch.randint(-127, 128, (total,), device=device, dtype=torch.int32, generator=gen).to(torch.int8)
-    apply_kw = dict(lr=1e-6, weight_decay=0.1, step=3, tie_break="hash", base=0)
+    apply_kw = dict(lr=1e-6, weight_decay=0.1, step=3, tie_break="hash")
     pb = 1.0 / 8.0  # one bit plane, bytes per parameter
     return [
         ("local_step", esz + 2 * esz + 2 * pb,

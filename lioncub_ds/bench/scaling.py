@@ -198,8 +198,11 @@ def calibrate(world_sizes=(2, 4), sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 <
              "gamma_intercept_s": intercept, "gamma_numel": gamma_numel, "kernel_backend": backend,
              "samples": len(samples)}]
     for r in raw:
-        r.update(bench="scaling_fit", predicted_s=model.collective_time(r["messages"], r["bytes_sent"]))
+        pred = model.collective_time(r["messages"], r["bytes_sent"])
+        r.update(bench="scaling_fit", predicted_s=pred, ratio=r["measured_s"] / pred if pred > 0 else float("inf"))
         recs.append(r)
+    ratios = sorted(r["ratio"] for r in raw)
+    recs[0].update(fit_residual_min=ratios[0], fit_residual_max=ratios[-1], fit_residual_median=median(ratios))
     wire = CostModel(model.alpha_s, model.beta_s_per_byte, 0.0, 0.0)  # comm_stats times the collectives only
     for v in validate:
         # + the optimizer's one tiny control all-reduce (flags) per step
@@ -321,6 +324,10 @@ def main(argv=None) -> int:
           f"ns/byte (loopback ≈ {c['loopback_bandwidth_gbit']:.2f} Gbit/s), γ = {c['gamma_s_per_byte'] * 1e9:.3f} "
           f"ns/counted vote byte ({c['kernel_backend']} kernels), γ_reduce = {c['gamma_reduce_s_per_byte'] * 1e9:.3f} "
           f"ns/summed byte (fp32 add)")
+    if "fit_residual_min" in c:
+        print(f"[bench scaling] fit residuals (measured / fitted α-β time, the scaling_fit records): "
+              f"{c['fit_residual_min']:.2f}–{c['fit_residual_max']:.2f}x over "
+              f"{sum(r['bench'] == 'scaling_fit' for r in calib)} samples (median {c['fit_residual_median']:.2f}x)")
     val = [r for r in calib if r["bench"] == "scaling_validate"]
     if val:
         print_table(val, [("algorithm", "algorithm"), ("world_size", "N"), ("numel", "P"),

@@ -1,28 +1,34 @@
 """``allgather``: every rank all-gathers all packed 1-bit votes and counts them locally.
 
-Wire bytes per rank: (N−1)·P/8 (×2 when the nonzero plane rides along). Simple, one
+Wire bytes per rank: (N−1)·(P/8 + abstention payload) (comm/abstain.py). Simple, one
 collective, but grows with N: it loses to a bf16 ring all-reduce past N≈32.
 """
 from __future__ import annotations
 
-from .base import Collectives, VoteAlgorithm, VoteJob, stack_planes
+import torch
+
+from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, split_columns
 
 
 class AllGatherVote(VoteAlgorithm):
     name = "allgather"
 
-    def run(self, job: VoteJob, coll: Collectives, backend) -> None:
-        nbytes = job.numel // 8
-        gathered = coll.all_gather(stack_planes(job.sign, job.nonzero), self.name)
-        sign = gathered[:, :nbytes]
-        nonzero = gathered[:, nbytes:] if job.nonzero is not None else None
-        backend.vote_apply(sign.contiguous(), None if nonzero is None else nonzero.contiguous(), job.params,
-                           job.offsets, job.lr, job.weight_decay, job.step, job.tie_break, job.vote,
-                           coll.world_size, job.base, return_delta=False)
+    def launch(self, jobs: list[VoteJob], coll: Collectives, backend):
+        parts = [t for j in jobs for t in (j.sign, j.payload)]
+        return coll.all_gather(torch.cat(parts), self.name, async_op=True)
 
-    def wire_bytes(self, numel, world_size, *, abstain=False, vote="majority", tie_break="hash"):
-        planes = 2 if abstain else 1
-        return (world_size - 1) * planes * numel // 8
+    def received(self, pending, jobs, coll):
+        cols = split_columns(pending.wait(), [w for j in jobs for w in (j.plane_bytes, j.payload.numel())])
+        return cols[1::2]
+
+    def complete(self, pending, jobs, coll, backend):
+        cols = split_columns(pending.wait(), [w for j in jobs for w in (j.plane_bytes, j.payload.numel())])
+        for j, sign in zip(jobs, cols[0::2]):
+            backend.vote_apply(sign.contiguous(), j.planes, j.params, j.offsets, j.lr, j.weight_decay, j.step,
+                               j.tie_break, j.vote, coll.world_size, j.segments(), return_delta=False)
+
+    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash"):
+        return (world_size - 1) * (numel // 8 + payload_len(numel, world_size, mode))
 
     def messages(self, world_size):
         return world_size - 1

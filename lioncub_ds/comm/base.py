@@ -8,12 +8,16 @@ states its own wire-byte formula, which the telemetry tests and the α-β cost m
 """
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..codec import tie_segments
+from .abstain import decode_lists, list_capacity, payload_bytes
+from ..groups import broadcast
 from ..telemetry import CommStats
 
 # torch ≥ 2.13 renamed the tensor-in/tensor-out all-gather; older torch (GPU images) has only the old name.
@@ -38,16 +42,27 @@ def group_timeout_s(group, device) -> float | None:
 
 
 class Collectives:
-    """torch.distributed collectives over one group, each counted in :class:`CommStats`."""
+    """torch.distributed collectives over one group, each counted in :class:`CommStats`.
 
-    def __init__(self, group, stats: CommStats):
+    Every collective is issued with ``async_op=True`` and waited on at once. With
+    ``timeout_s`` the wait has that deadline: under NCCL, whose errors otherwise surface at a
+    later stream synchronisation outside any ``try`` (or as a watchdog abort), a dead or
+    stalled peer then raises :class:`CollectiveError` here, on the host, within ``timeout_s``.
+    Without it the wait only orders the current stream after the collective (no host sync on
+    CUDA), and the group's own timeout handles a dead peer.
+    """
+
+    def __init__(self, group, stats: CommStats, timeout_s: float | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.stats = stats
+        self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
 
     def _failed(self, kind, purpose, t, nbytes, device, exc) -> CollectiveError:
         timeout = group_timeout_s(self.group, device)
+        if self.timeout is not None:
+            timeout = self.timeout.total_seconds() if timeout is None else min(timeout, self.timeout.total_seconds())
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return CollectiveError(
             f"LionCub: {kind} ({purpose}, {nbytes} bytes) failed on rank {self.rank} of a group of "
@@ -56,83 +71,148 @@ class Collectives:
             f"{type(exc).__name__}: {first}. A rank that crashed, was killed or stalled past the timeout "
             "causes this: check the other ranks' logs.")
 
-    def _done(self, kind, purpose, t, nbytes, device):
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        self.stats.record(kind, purpose, nbytes, self.world_size, time.perf_counter() - t)
-
-    def all_gather(self, inp: torch.Tensor, purpose: str) -> torch.Tensor:
-        """[k] -> [N, k] (row i = rank i's input)."""
-        out = torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
+    def _launch(self, kind, purpose, tensor, launch, out, sent_nbytes) -> "Pending":
         t = time.perf_counter()
         try:
-            _all_gather_single(out, inp.reshape(-1).contiguous(), group=self.group)
+            work = launch()
         except RuntimeError as exc:
-            raise self._failed("all_gather", purpose, t, inp.numel() * inp.element_size(), inp.device, exc) from exc
-        self._done("all_gather", purpose, t, out.numel() * out.element_size(), inp.device)
-        return out.view(self.world_size, -1)
+            raise self._failed(kind, purpose, t, tensor.numel() * tensor.element_size(), tensor.device, exc) from exc
+        return Pending(self, kind, purpose, work, out, tensor, sent_nbytes, t)
 
-    def all_to_all(self, inp: torch.Tensor, purpose: str) -> torch.Tensor:
+    def all_gather(self, inp: torch.Tensor, purpose: str, async_op: bool = False):
+        """[k] -> [N, k] (row i = rank i's input); with ``async_op`` a :class:`Pending`."""
+        out = torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
+        src = inp.reshape(-1).contiguous()
+        pending = self._launch("all_gather", purpose, inp,
+                               lambda: _all_gather_single(out, src, group=self.group, async_op=True),
+                               out.view(self.world_size, -1), out.numel() * out.element_size())
+        return pending if async_op else pending.wait()
+
+    def all_to_all(self, inp: torch.Tensor, purpose: str, async_op: bool = False):
         """[N, k] (row j goes to rank j) -> [N, k] (row i came from rank i)."""
         out = torch.empty_like(inp)
-        t = time.perf_counter()
-        try:
-            dist.all_to_all_single(out, inp.contiguous(), group=self.group)
-        except RuntimeError as exc:
-            raise self._failed("all_to_all", purpose, t, inp.numel() * inp.element_size(), inp.device, exc) from exc
-        self._done("all_to_all", purpose, t, inp.numel() * inp.element_size(), inp.device)
-        return out
+        src = inp.contiguous()
+        pending = self._launch("all_to_all", purpose, inp,
+                               lambda: dist.all_to_all_single(out, src, group=self.group, async_op=True),
+                               out, inp.numel() * inp.element_size())
+        return pending if async_op else pending.wait()
 
-    def all_reduce_(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        t = time.perf_counter()
-        try:
-            dist.all_reduce(tensor, op=op, group=self.group)
-        except RuntimeError as exc:
-            raise self._failed("all_reduce", purpose, t, tensor.numel() * tensor.element_size(), tensor.device, exc) from exc
-        self._done("all_reduce", purpose, t, tensor.numel() * tensor.element_size(), tensor.device)
-        return tensor
+    def all_reduce_(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+        pending = self._launch("all_reduce", purpose, tensor,
+                               lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
+                               tensor, tensor.numel() * tensor.element_size())
+        return pending if async_op else pending.wait()
 
     def broadcast_(self, tensor: torch.Tensor, src_group_rank: int, purpose: str) -> torch.Tensor:
-        t = time.perf_counter()
-        try:
-            dist.broadcast(tensor, group_src=src_group_rank, group=self.group)
-        except RuntimeError as exc:
-            raise self._failed("broadcast", purpose, t, tensor.numel() * tensor.element_size(), tensor.device, exc) from exc
-        self._done("broadcast", purpose, t, tensor.numel() * tensor.element_size(), tensor.device)
-        return tensor
+        return self._launch("broadcast", purpose, tensor,
+                            lambda: broadcast(tensor, src_group_rank, self.group, async_op=True),
+                            tensor, tensor.numel() * tensor.element_size()).wait()
+
+
+class Pending:
+    """An issued collective. :meth:`wait` waits for it (with the deadline of ``timeout_s``),
+    counts it in the stats and returns its output; later calls return the output again."""
+
+    def __init__(self, coll: Collectives, kind, purpose, work, out, inp, sent_nbytes, t):
+        self.coll, self.kind, self.purpose, self.work, self.out = coll, kind, purpose, work, out
+        self._in_bytes = inp.numel() * inp.element_size()
+        self._device = inp.device
+        self._sent, self._t, self._done = sent_nbytes, t, False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            coll = self.coll
+            try:
+                if coll.timeout is not None:
+                    self.work.wait(coll.timeout)
+                else:
+                    self.work.wait()
+            except RuntimeError as exc:
+                raise coll._failed(self.kind, self.purpose, self._t, self._in_bytes, self._device, exc) from exc
+            self._done = True
+            coll.stats.record(self.kind, self.purpose, self._sent, coll.world_size, time.perf_counter() - self._t)
+        return self.out
 
 
 @dataclass
 class VoteJob:
-    """One bucket's vote: local votes in, parameters updated in place."""
+    """One parameter bucket's vote in one step: local votes in, parameters updated in place."""
     params: list          # the bucket's parameters
     offsets: list         # element offset of each parameter in the bucket (multiples of 8)
     numel: int            # padded bucket size: a multiple of 8·N
-    base: int             # flat index of the bucket's first element (for the hash tie rule)
+    # index inside its parameter of each parameter's first element in this bucket (the hash tie
+    # rule keys on the parameter-local index, SPEC §4); None: every parameter starts whole, at 0
+    param_starts: list | None
     lr: float
     weight_decay: float
     step: int             # 1-based optimizer step
     tie_break: str
     vote: str
-    sign: torch.Tensor | None = None     # uint8 [numel/8]
-    nonzero: torch.Tensor | None = None  # uint8 [numel/8], only when some rank abstains somewhere
+    sign: torch.Tensor | None = None     # uint8 [numel/8]: this rank's sign plane
     codes: torch.Tensor | None = None    # int8 [numel] (int8 algorithm)
+    # abstentions (comm/abstain.py): mode "list" or "plane" (None for int8), this rank's payload
+    # (uint8 bytes: the list's int32 words, or the nonzero plane) and nonzero plane
+    mode: str | None = None
+    capacity: int = 0
+    payload: torch.Tensor | None = None
+    nonzero: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    # filled after the step's flags: every rank's nonzero plane [N, numel/8], or None when no
+    # rank abstained anywhere in the bucket (every vote counts)
+    planes: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.param_starts is not None and not isinstance(self.param_starts, (list, tuple)):
+            raise TypeError("VoteJob.param_starts must be None or one parameter-local start index per parameter, "
+                            f"got {self.param_starts!r} (the hash tie rule no longer takes a flat bucket base)")
+
+    def segments(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tie-index table of bucket positions [start, stop) (codec.tie_segments)."""
+        return tie_segments(self.offsets, self.param_starts, start, stop)
+
+    @property
+    def plane_bytes(self) -> int:
+        return self.numel // 8
+
+    def payloads_from(self, received: torch.Tensor) -> torch.Tensor:
+        """[N, payload bytes] received -> every rank's nonzero plane [N, numel/8] (mode aware)."""
+        if self.mode == "plane":
+            return received
+        words = received.contiguous().view(torch.int32)
+        return decode_lists(words, self.mask, self.capacity)
 
 
 class VoteAlgorithm:
-    """Interface: ``encoding`` ('bits' or 'int8'), ``run(job, coll, backend)``,
-    ``wire_bytes(...)`` and ``messages(...)`` (for the cost model)."""
+    """Interface of a vote algorithm over a *batch* of jobs (parameter buckets whose messages
+    travel together, one collective per phase):
+
+    * ``launch(jobs, coll, backend)``: issue phase 1 asynchronously (it may start during backward);
+      returns a state object;
+    * ``received(state, jobs, coll)``: wait for phase 1; returns per job what arrived of every
+      rank's abstention payload (``[N, bytes]``), or None per job where nothing abstention-related
+      travels (int8);
+    * ``complete(state, jobs, coll, backend)``: (after the step's flags set ``job.planes``)
+      count the votes, run phase 2 if any, apply Δ to the parameters.
+
+    ``wire_bytes(...)`` and ``messages(...)`` state the cost (telemetry tests, α-β model)."""
 
     name = "?"
     encoding = "bits"
     supports_average = True
 
-    def run(self, job: VoteJob, coll: Collectives, backend) -> None:
+    def launch(self, jobs: list[VoteJob], coll: Collectives, backend):
         raise NotImplementedError
 
-    def wire_bytes(self, numel: int, world_size: int, *, abstain: bool = False, vote: str = "majority",
+    def received(self, state, jobs: list[VoteJob], coll: Collectives) -> list:
+        raise NotImplementedError
+
+    def complete(self, state, jobs: list[VoteJob], coll: Collectives, backend) -> None:
+        raise NotImplementedError
+
+    def wire_bytes(self, numel: int, world_size: int, *, mode: str = "list", vote: str = "majority",
                    tie_break: str = "hash") -> int:
-        """Bytes one rank sends for a bucket of ``numel`` (padded) elements."""
+        """Bytes one rank sends for a bucket of ``numel`` (padded) elements whose abstentions
+        travel as ``mode`` ("list", with the capacity of :func:`list_capacity`, or "plane")."""
         raise NotImplementedError
 
     def messages(self, world_size: int) -> int:
@@ -140,7 +220,16 @@ class VoteAlgorithm:
         raise NotImplementedError
 
 
-def stack_planes(*planes):
-    """Concatenate the planes that exist into one buffer, so a step issues one collective."""
-    present = [p for p in planes if p is not None]
-    return present[0] if len(present) == 1 else torch.cat(present)
+def payload_len(numel: int, world_size: int, mode: str) -> int:
+    """Bytes of one rank's abstention payload for a bucket of ``numel`` elements."""
+    plane = numel // 8
+    return payload_bytes(mode, plane, list_capacity(plane, world_size))
+
+
+def split_columns(buf: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    """[N, Σ widths] -> views [N, w] in order."""
+    out, off = [], 0
+    for w in widths:
+        out.append(buf[:, off:off + w])
+        off += w
+    return out

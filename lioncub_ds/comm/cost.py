@@ -36,7 +36,7 @@ class CostModel:
         return messages * self.alpha_s + bytes_sent * self.beta_s_per_byte + bytes_processed * self.gamma_s_per_byte
 
     def predict(self, algorithm: str, numel: int, world_size: int, *, vote="majority", tie_break="hash",
-                abstain=False, pbit_bits=None) -> float:
+                mode="list", pbit_bits=None) -> float:
         """Predicted communication time of one vote over ``numel`` elements (or of a baseline
         all-reduce: algorithm 'fp32_allreduce' / 'bf16_allreduce')."""
         n = world_size
@@ -49,7 +49,7 @@ class CostModel:
                     + width * numel * gamma)
         algo = make_algorithm(algorithm, pbit_bits=pbit_bits)
         padded = (numel + 8 * n - 1) // (8 * n) * (8 * n)
-        sent = algo.wire_bytes(padded, n, abstain=abstain, vote=vote, tie_break=tie_break)
+        sent = algo.wire_bytes(padded, n, mode=mode, vote=vote, tie_break=tie_break)
         processed = padded / 8 * (n if algorithm == "allgather" else 1)
         return self.collective_time(algo.messages(n), sent, processed)
 

@@ -1,69 +1,92 @@
 """``1bit``: the two-phase sharded vote.
 
 Phase 1: all-to-all of packed bits, so rank r holds shard r of every rank's votes and
-counts them. Phase 2: all-gather of the packed shard results. Wire bytes per rank:
-2·(N−1)/N·P/8, independent of N.
+counts them; every rank's abstention payload (comm/abstain.py: a short list, or the plane)
+rides along to every rank. Phase 2: all-gather of the packed shard results. Wire bytes per
+rank: 2·(N−1)/N·P/8 + (N−1)·payload, nearly independent of N.
 
-The phase-2 result needs a second (nonzero) plane only where Δ can be 0: when some
-rank abstained in the bucket, or with tie_break="zero" and an even N. With
-vote="average" the shard owner sends the vote counts back in p-bit lanes,
-p = ⌈log2(N+1)⌉ rounded up to 1/2/4/8.
+Phase 2 carries 1 bit per element: where Δ is 0 because nobody voted, every rank already
+knows it from the payloads. Only tie_break="zero" with an even N (Δ = 0 on ties too) adds the
+result's nonzero plane. With vote="average" the shard owner sends the +1 counts back in
+p-bit lanes, p = ⌈log2(N+1)⌉ rounded up to 1/2/4/8, and every rank counts the voters itself.
 """
 from __future__ import annotations
 
 import torch
 
 from ..codec import lane_bits_for
-from .base import Collectives, VoteAlgorithm, VoteJob, stack_planes
+from .abstain import any_voter
+from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, split_columns
 
 
-def phase2_needs_nonzero(world_size: int, abstain: bool, tie_break: str) -> bool:
-    return abstain or (tie_break == "zero" and world_size % 2 == 0)
+def phase2_needs_nonzero(world_size: int, tie_break: str) -> bool:
+    """Δ can be 0 on a tie (not only where nobody voted): the result's nonzero plane travels."""
+    return tie_break == "zero" and world_size % 2 == 0
 
 
 class OneBitVote(VoteAlgorithm):
     name = "1bit"
 
-    def run(self, job: VoteJob, coll: Collectives, backend) -> None:
-        n, rank = coll.world_size, coll.rank
-        shard = job.numel // 8 // n  # bytes per shard and plane
-        planes = [job.sign.view(n, shard)]
-        if job.nonzero is not None:
-            planes.append(job.nonzero.view(n, shard))
-        send = planes[0] if len(planes) == 1 else torch.cat(planes, dim=1)
-        recv = coll.all_to_all(send, self.name)
-        sign = recv[:, :shard].contiguous()
-        nonzero = recv[:, shard:].contiguous() if job.nonzero is not None else None
-        shard_base = job.base + rank * shard * 8
-        abstain = job.nonzero is not None
-        if job.vote == "average":
-            p = lane_bits_for(n)
-            plus, cnt = backend.count_lanes(sign, nonzero, p)
-            gathered = coll.all_gather(stack_planes(plus, cnt), self.name)
-            lanes = shard * p  # bytes of one lane plane for one shard
-            plus_all = gathered[:, :lanes].reshape(-1)
-            cnt_all = gathered[:, lanes:].reshape(-1) if cnt is not None else None
-            backend.lanes_apply(plus_all, cnt_all, n, p, job.params, job.offsets, job.lr, job.weight_decay,
-                                job.step, job.tie_break, "average", job.base, return_delta=False)
-            return
-        res_sign, res_nz = backend.shard_vote(sign, nonzero, job.step, job.tie_break, shard_base)
-        send_nz = phase2_needs_nonzero(n, abstain, job.tie_break)
-        gathered = coll.all_gather(stack_planes(res_sign, res_nz if send_nz else None), self.name)
-        full_sign = gathered[:, :shard].reshape(1, -1)
-        full_nz = gathered[:, shard:].reshape(1, -1) if send_nz else None
-        # One "voter" (the agreed result): counting it reproduces Δ exactly, no tie is possible.
-        backend.vote_apply(full_sign, full_nz, job.params, job.offsets, job.lr, job.weight_decay, job.step,
-                           job.tie_break, "majority", 1, job.base, return_delta=False)
+    @staticmethod
+    def _phase1_widths(jobs, n):
+        return [w for j in jobs for w in (j.plane_bytes // n, j.payload.numel())]
 
-    def wire_bytes(self, numel, world_size, *, abstain=False, vote="majority", tie_break="hash"):
+    def launch(self, jobs: list[VoteJob], coll: Collectives, backend):
+        n = coll.world_size
+        rows = []
+        for j in jobs:
+            shard = j.plane_bytes // n
+            rows += [j.sign.view(n, shard), j.payload.view(1, -1).expand(n, -1)]
+        return coll.all_to_all(torch.cat(rows, dim=1), self.name, async_op=True)
+
+    def received(self, pending, jobs, coll):
+        return split_columns(pending.wait(), self._phase1_widths(jobs, coll.world_size))[1::2]
+
+    def complete(self, pending, jobs, coll, backend):
+        n, rank = coll.world_size, coll.rank
+        signs = split_columns(pending.wait(), self._phase1_widths(jobs, n))[0::2]
+        average = jobs[0].vote == "average"
+        p = lane_bits_for(n)
+        send_nz = phase2_needs_nonzero(n, jobs[0].tie_break)
+        parts, widths = [], []
+        for j, sign in zip(jobs, signs):
+            shard = j.plane_bytes // n
+            nz = None if j.planes is None else j.planes[:, rank * shard:(rank + 1) * shard].contiguous()
+            if average:
+                plus, _ = backend.count_lanes(sign.contiguous(), nz, p)
+                parts.append(plus)
+            else:
+                seg = j.segments(rank * shard * 8, (rank + 1) * shard * 8)
+                res_sign, res_nz = backend.shard_vote(sign.contiguous(), nz, j.step, j.tie_break, seg)
+                parts += [res_sign, res_nz] if send_nz else [res_sign]
+            widths += [parts[-1].numel()] if not send_nz or average else [shard, shard]
+        gathered = coll.all_gather(torch.cat(parts), self.name)  # [N, Σ widths]
+        cols = split_columns(gathered, widths)
+        step = 1 if average or not send_nz else 2
+        for k, j in enumerate(jobs):
+            mine = cols[k * step:(k + 1) * step]
+            if average:
+                cnt = None if j.planes is None else backend.count_lanes(j.planes, j.planes, p)[1]
+                backend.lanes_apply(mine[0].reshape(-1), cnt, n, p, j.params, j.offsets, j.lr, j.weight_decay,
+                                    j.step, j.tie_break, "average", j.segments(), return_delta=False)
+                continue
+            full_sign = mine[0].reshape(1, -1)
+            if send_nz:
+                full_nz = mine[1].reshape(1, -1)
+            else:  # Δ = 0 exactly where no rank voted (every rank knows the planes)
+                full_nz = None if j.planes is None else any_voter(j.planes).view(1, -1)
+            # One "voter" (the agreed result): counting it reproduces Δ exactly, no tie is possible.
+            backend.vote_apply(full_sign, full_nz, j.params, j.offsets, j.lr, j.weight_decay, j.step,
+                               j.tie_break, "majority", 1, j.segments(), return_delta=False)
+
+    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash"):
         n = world_size
-        bits = numel // 8
-        phase1 = (n - 1) * (2 if abstain else 1) * bits // n
+        shard = numel // 8 // n
+        phase1 = (n - 1) * (shard + payload_len(numel, n, mode))
         if vote == "average":
-            p = lane_bits_for(n)
-            phase2 = (n - 1) * (2 if abstain else 1) * bits * p // n
+            phase2 = (n - 1) * shard * lane_bits_for(n)
         else:
-            phase2 = (n - 1) * (2 if phase2_needs_nonzero(n, abstain, tie_break) else 1) * bits // n
+            phase2 = (n - 1) * shard * (2 if phase2_needs_nonzero(n, tie_break) else 1)
         return phase1 + phase2
 
     def messages(self, world_size):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from ..codec import lane_bits_for
 from ..config import LionCubConfigError
-from .base import Collectives, VoteAlgorithm, VoteJob, stack_planes
+import torch
+
+from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, split_columns
 
 
 def check_lane_bits(p: int, world_size: int) -> None:
@@ -20,6 +22,10 @@ def check_lane_bits(p: int, world_size: int) -> None:
 
 
 class PBitVote(VoteAlgorithm):
+    """The buffer of a bucket: [plus lanes | N payload slots]. A rank writes its own abstention
+    payload into its slot and zeros elsewhere, so the same uint8 SUM delivers every rank's
+    payload (one rank contributes to each byte: no carry)."""
+
     name = "pbit"
 
     def __init__(self, bits: int | None = None):
@@ -31,19 +37,41 @@ class PBitVote(VoteAlgorithm):
         check_lane_bits(self.bits, world_size)
         return self.bits
 
-    def run(self, job: VoteJob, coll: Collectives, backend) -> None:
+    def _widths(self, jobs, n, p):
+        return [w for j in jobs for w in (j.plane_bytes * p, n * j.payload.numel())]
+
+    def launch(self, jobs: list[VoteJob], coll: Collectives, backend):
+        n, rank = coll.world_size, coll.rank
+        p = self.lane_bits(n)
+        parts = []
+        for j in jobs:
+            plus, _ = backend.count_lanes(j.sign.view(1, -1), None, p)  # 0/1 lanes (abstainers have sign 0)
+            slots = torch.zeros(n, j.payload.numel(), dtype=torch.uint8, device=j.payload.device)
+            slots[rank] = j.payload
+            parts += [plus, slots.reshape(-1)]
+        return coll.all_reduce_(torch.cat(parts), self.name, async_op=True)
+
+    def received(self, pending, jobs, coll):
+        n = coll.world_size
+        cols = split_columns(pending.wait().view(1, -1), self._widths(jobs, n, self.lane_bits(n)))
+        return [c.reshape(n, -1) for c in cols[1::2]]
+
+    def complete(self, pending, jobs, coll, backend):
         n = coll.world_size
         p = self.lane_bits(n)
-        plus, cnt = backend.count_lanes(job.sign.view(1, -1), None if job.nonzero is None else job.nonzero.view(1, -1), p)
-        summed = coll.all_reduce_(stack_planes(plus, cnt).clone(), self.name)
-        lanes = plus.numel()
-        backend.lanes_apply(summed[:lanes], summed[lanes:] if cnt is not None else None, n, p, job.params,
-                            job.offsets, job.lr, job.weight_decay, job.step, job.tie_break, job.vote, job.base,
-                            return_delta=False)
+        cols = split_columns(pending.wait().view(1, -1), self._widths(jobs, n, p))
+        for j, plus in zip(jobs, cols[0::2]):
+            cnt = None
+            if j.planes is not None:  # voters per element, from every rank's nonzero plane
+                _, cnt = backend.count_lanes(j.planes, j.planes, p)
+            backend.lanes_apply(plus.reshape(-1), cnt, n, p, j.params, j.offsets, j.lr, j.weight_decay, j.step,
+                                j.tie_break, j.vote, j.segments(), return_delta=False)
 
-    def wire_bytes(self, numel, world_size, *, abstain=False, vote="majority", tie_break="hash"):
-        p = self.lane_bits(world_size)
-        return 2 * (world_size - 1) * (2 if abstain else 1) * (numel * p // 8) // world_size
+    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash"):
+        n = world_size
+        total = numel * self.lane_bits(n) // 8 + n * payload_len(numel, n, mode)
+        return 2 * (n - 1) * total // n
 
     def messages(self, world_size):
         return 2 * (world_size - 1)
+

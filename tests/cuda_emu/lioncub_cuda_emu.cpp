@@ -1,6 +1,7 @@
 // lioncub_cuda_emu.cpp -- serial host emulation of the fused CUDA kernels (tests only).
 //
-// Not part of any build of the package. tests/test_cuda_kernels.py compiles it with the
+// Not part of any build of the package (it lives under tests/, so it is not in the wheel).
+// tests/test_cuda_kernels.py compiles it with the
 // host C++ compiler (CUDA include dir on the path, no GPU needed) and checks it against
 // lioncub_ds/codec.py, so the per-element logic of the kernels -- everything in
 // lioncub_cuda_common.cuh: bit order, bit-sliced counting, majority masks, tie rules,
@@ -9,13 +10,18 @@
 // structure: grid-stride loops with a given number of threads (so the lookup hints jump
 // across tensors as on the device), warps of 32 lanes for vote_apply with the same
 // word-to-lane hand-off the shuffles do, and the same fixed reduction trees for int8.
+//
+// BLIND SPOT: the emulation rebuilds that thread structure itself. The launch configuration,
+// the __shfl_sync hand-offs, shared memory and __syncthreads of the real .cu kernels are NOT
+// exercised here, so a launch or warp-shuffle bug in csrc/cuda/*.cu passes these tests. Only a
+// run of tests/test_cuda_kernels.py on a GPU (docs/kernels.md, "GPU checklist") covers them.
 // All pointers are host pointers; every function returns 0, or -1 for invalid arguments.
 #include <stdint.h>
 
 #include <vector>
 
-#include "lioncub_cuda.h"
-#include "lioncub_cuda_common.cuh"
+#include "../../csrc/cuda/lioncub_cuda.h"
+#include "../../csrc/cuda/lioncub_cuda_common.cuh"
 
 using namespace lc;
 
@@ -31,7 +37,7 @@ lc_lion_args lion_args(float b1, float omb1, float b2, float omb2) {
 }
 
 lc_apply_args apply_args(float neg_lr, float decay, int apply_decay, int tie, int vote, int world_size, int64_t step,
-                         int64_t base) {
+                         const int64_t* tie_rows, int64_t tie_nrows) {
   lc_apply_args a;
   a.neg_lr = neg_lr;
   a.decay = decay;
@@ -40,7 +46,8 @@ lc_apply_args apply_args(float neg_lr, float decay, int apply_decay, int tie, in
   a.vote = vote;
   a.world_size = world_size;
   a.step = step;
-  a.base = base;
+  a.tie_rows = tie_rows;
+  a.tie_nrows = tie_nrows;
   return a;
 }
 
@@ -85,7 +92,7 @@ void vote_apply_t(const uint8_t* sign, const uint8_t* nz, int rows, int64_t row_
 
 template <int KB>
 void shard_vote_t(const uint8_t* sign, const uint8_t* nz, int rows, int64_t row_bytes, int tie_rule, int64_t step,
-                  int64_t base, uint8_t* out_sign, uint8_t* out_nz, int64_t nthreads) {
+                  const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign, uint8_t* out_nz, int64_t nthreads) {
   const bool aligned = (reinterpret_cast<uintptr_t>(sign) & 3u) == 0 &&
                        (nz == nullptr || (reinterpret_cast<uintptr_t>(nz) & 3u) == 0) && row_bytes % 4 == 0;
   const bool out_aligned = (reinterpret_cast<uintptr_t>(out_sign) & 3u) == 0 &&
@@ -96,7 +103,7 @@ void shard_vote_t(const uint8_t* sign, const uint8_t* nz, int rows, int64_t row_
       uint32_t P[KB], C[KB], pos, neg, tie, os, oz;
       count_word<KB>(sign, nz, rows, row_bytes, w, aligned, P, C);
       majority_masks<KB>(P, C, pos, neg, tie);
-      shard_word(pos, neg, tie, tie_rule, step, base + w * 32, os, oz);
+      shard_word(pos, neg, tie, tie_rule, step, w * 32, tie_rows, tie_nrows, os, oz);
       store_words(out_sign, w * 4, row_bytes, &os, 1, out_aligned);
       store_words(out_nz, w * 4, row_bytes, &oz, 1, out_aligned);
     }
@@ -184,22 +191,20 @@ int lc_emu_int8_local_step(const lc_tensor_meta* meta, int nt, int64_t n_chunks,
     const int64_t c1 = T.numel < c0 + LC_CHUNK ? T.numel : c0 + LC_CHUNK;
     for (int tid = 0; tid < kThreads; ++tid) {
       int nb = 0;
-      v[tid] = int8_thread_partial(T, c0, c1, tid, kThreads, la, kind, nb);
+      v[tid] = int8_thread_partial(T, c0, c1, tid, la, kind, nb);
       *n_bad += nb;
     }
     partials[ch] = acc_tree(v.data(), kind);
   }
-  for (int t = 0; t < nt; ++t) {  // pass 2: one block per tensor
+  for (int t = 0; t < nt; ++t) {  // pass 2: one thread per tensor, chunk results in chunk order
     const Tensor T = read_meta(meta, t);
     const int64_t nch = (T.numel + LC_CHUNK - 1) / LC_CHUNK;
-    for (int tid = 0; tid < kThreads; ++tid) {
-      Acc acc;
-      acc.s = 0.0;
-      acc.n = 0;
-      for (int64_t k = tid; k < nch; k += kThreads) acc = acc_combine(acc, partials[T.chunk_start + k], kind);
-      v[tid] = acc;
-    }
-    scales[t] = int8_scale_of(acc_tree(v.data(), kind), T.numel, kind);
+    Acc acc;
+    acc.s = 0.0;
+    acc.n = 0;
+    acc.esum = 0;
+    for (int64_t k = 0; k < nch; ++k) acc = acc_combine(acc, partials[T.chunk_start + k], kind);
+    scales[t] = int8_scale_of(acc, T.numel, kind);
   }
   const int64_t units = total / 8;  // pass 3: one thread per unit
   for (int64_t t = 0; t < nthreads; ++t) {
@@ -215,9 +220,9 @@ int lc_emu_int8_local_step(const lc_tensor_meta* meta, int nt, int64_t n_chunks,
 
 int lc_emu_vote_apply(const uint8_t* sign, const uint8_t* nz, int rows, int64_t row_bytes, const lc_tensor_meta* meta,
                       int nt, float neg_lr, float decay, int apply_decay, int tie, int vote, int world_size,
-                      int64_t step, int64_t base, float* delta_out, int64_t nwarps) {
+                      int64_t step, const int64_t* tie_rows, int64_t tie_nrows, float* delta_out, int64_t nwarps) {
   if (rows < 1 || nwarps < 1) return -1;
-  const lc_apply_args a = apply_args(neg_lr, decay, apply_decay, tie, vote, world_size, step, base);
+  const lc_apply_args a = apply_args(neg_lr, decay, apply_decay, tie, vote, world_size, step, tie_rows, tie_nrows);
   switch (levels_for_rows(rows)) {
     case 4: vote_apply_t<4>(sign, nz, rows, row_bytes, meta, nt, a, delta_out, nwarps); return 0;
     case 8: vote_apply_t<8>(sign, nz, rows, row_bytes, meta, nt, a, delta_out, nwarps); return 0;
@@ -227,12 +232,13 @@ int lc_emu_vote_apply(const uint8_t* sign, const uint8_t* nz, int rows, int64_t 
 }
 
 int lc_emu_shard_vote(const uint8_t* sign, const uint8_t* nz, int rows, int64_t row_bytes, int tie, int64_t step,
-                      int64_t base, uint8_t* out_sign, uint8_t* out_nz, int64_t nthreads) {
+                      const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign, uint8_t* out_nz,
+                      int64_t nthreads) {
   if (rows < 1 || nthreads < 1) return -1;
   switch (levels_for_rows(rows)) {
-    case 4: shard_vote_t<4>(sign, nz, rows, row_bytes, tie, step, base, out_sign, out_nz, nthreads); return 0;
-    case 8: shard_vote_t<8>(sign, nz, rows, row_bytes, tie, step, base, out_sign, out_nz, nthreads); return 0;
-    case 16: shard_vote_t<16>(sign, nz, rows, row_bytes, tie, step, base, out_sign, out_nz, nthreads); return 0;
+    case 4: shard_vote_t<4>(sign, nz, rows, row_bytes, tie, step, tie_rows, tie_nrows, out_sign, out_nz, nthreads); return 0;
+    case 8: shard_vote_t<8>(sign, nz, rows, row_bytes, tie, step, tie_rows, tie_nrows, out_sign, out_nz, nthreads); return 0;
+    case 16: shard_vote_t<16>(sign, nz, rows, row_bytes, tie, step, tie_rows, tie_nrows, out_sign, out_nz, nthreads); return 0;
     default: return -1;
   }
 }
@@ -250,9 +256,9 @@ int lc_emu_count_lanes(const uint8_t* sign, const uint8_t* nz, int rows, int64_t
 
 int lc_emu_lanes_apply(const uint8_t* plus, const uint8_t* cnt, int64_t numel, int p, const lc_tensor_meta* meta,
                        int nt, float neg_lr, float decay, int apply_decay, int tie, int vote, int world_size,
-                       int64_t step, int64_t base, float* delta_out, int64_t nthreads) {
+                       int64_t step, const int64_t* tie_rows, int64_t tie_nrows, float* delta_out, int64_t nthreads) {
   if (nthreads < 1 || (p != 1 && p != 2 && p != 4 && p != 8)) return -1;
-  const lc_apply_args a = apply_args(neg_lr, decay, apply_decay, tie, vote, world_size, step, base);
+  const lc_apply_args a = apply_args(neg_lr, decay, apply_decay, tie, vote, world_size, step, tie_rows, tie_nrows);
   const int64_t units = (numel + 7) / 8;
   for (int64_t t = 0; t < nthreads; ++t) {
     int hint = -1;
@@ -271,7 +277,7 @@ int lc_emu_lanes_apply(const uint8_t* plus, const uint8_t* cnt, int64_t numel, i
 int lc_emu_int8_apply(const int8_t* qsum, int64_t numel, const lc_tensor_meta* meta, int nt, float neg_lr,
                       float decay, int apply_decay, float* delta_out, int64_t nthreads) {
   if (nthreads < 1) return -1;
-  const lc_apply_args a = apply_args(neg_lr, decay, apply_decay, 0, 0, 1, 0, 0);
+  const lc_apply_args a = apply_args(neg_lr, decay, apply_decay, 0, 0, 1, 0, nullptr, 0);
   const int64_t units = (numel + 7) / 8;
   for (int64_t t = 0; t < nthreads; ++t) {
     int hint = -1;

@@ -1,0 +1,116 @@
+// lioncub_cpu_isa.h -- per-instruction-set helpers of the kernel bodies (loads, stores, vote masks).
+// Included by lioncub_cpu_isa_instantiate.h inside namespace isa_avx2 / isa_base, LC_AVX2 set.
+// No include guard on purpose (one copy per ISA namespace).
+
+using namespace ::lioncub::cpu::detail;
+using ::lioncub::cpu::Slot;
+using ::lioncub::cpu::ApplyArgs;
+using ::lioncub::cpu::LocalStepCounts;
+
+namespace {
+
+struct Coef {
+  float b1, ob1, b2, ob2;
+};
+
+template <int DT>
+inline float ld(const void* p, int64_t i) {
+  if constexpr (DT == kF32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (DT == kBF16) {
+    return u2f(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+  } else {
+    return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+template <int DT>
+inline void st(void* p, int64_t i, float v) {
+  if constexpr (DT == kF32) {
+    static_cast<float*>(p)[i] = v;
+  } else {
+    static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  }
+}
+
+// Load 64 consecutive elements (i0..i0+63) as fp32.
+template <int DT>
+inline void load64(const void* p, int64_t i0, float* out) {
+  if constexpr (DT == kF16) {
+#if LC_AVX2
+    const uint16_t* h = static_cast<const uint16_t*>(p) + i0;
+    for (int q = 0; q < 8; ++q)
+      _mm256_storeu_ps(out + 8 * q, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8 * q))));
+    return;
+#endif
+  }
+  for (int j = 0; j < 64; ++j) out[j] = ld<DT>(p, i0 + j);
+}
+
+// Bit masks of 64 fp32 values: gt = (c > 0 & finite), nz = (c != 0 & finite), fin = finite, eq = (c == 0).
+inline void masks64(const float* c, uint64_t& gt, uint64_t& nz, uint64_t& fin, uint64_t& eq) {
+#if LC_AVX2
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  uint64_t a = 0, b = 0, f = 0, e = 0;
+  for (int q = 0; q < 8; ++q) {
+    const __m256 v = _mm256_loadu_ps(c + 8 * q);
+    const __m256 fi = _mm256_cmp_ps(_mm256_and_ps(v, absm), inf, _CMP_LT_OQ);
+    const __m256 pz = _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
+    const __m256 ez = _mm256_cmp_ps(v, zero, _CMP_EQ_OQ);
+    a |= static_cast<uint64_t>(_mm256_movemask_ps(_mm256_and_ps(pz, fi))) << (8 * q);
+    b |= static_cast<uint64_t>(_mm256_movemask_ps(_mm256_andnot_ps(ez, fi))) << (8 * q);
+    f |= static_cast<uint64_t>(_mm256_movemask_ps(fi)) << (8 * q);
+    e |= static_cast<uint64_t>(_mm256_movemask_ps(ez)) << (8 * q);
+  }
+  gt = a;
+  nz = b;
+  fin = f;
+  eq = e;
+#elif LIONCUB_X86 && defined(__SSE2__)
+  const __m128 zero = _mm_setzero_ps();
+  const __m128 absm = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  const __m128 inf = _mm_set1_ps(std::numeric_limits<float>::infinity());
+  uint64_t a = 0, b = 0, f = 0, e = 0;
+  for (int q = 0; q < 16; ++q) {
+    const __m128 v = _mm_loadu_ps(c + 4 * q);
+    const __m128 fi = _mm_cmplt_ps(_mm_and_ps(v, absm), inf);
+    const __m128 pz = _mm_cmpgt_ps(v, zero);
+    const __m128 ez = _mm_cmpeq_ps(v, zero);
+    a |= static_cast<uint64_t>(_mm_movemask_ps(_mm_and_ps(pz, fi))) << (4 * q);
+    b |= static_cast<uint64_t>(_mm_movemask_ps(_mm_andnot_ps(ez, fi))) << (4 * q);
+    f |= static_cast<uint64_t>(_mm_movemask_ps(fi)) << (4 * q);
+    e |= static_cast<uint64_t>(_mm_movemask_ps(ez)) << (4 * q);
+  }
+  gt = a;
+  nz = b;
+  fin = f;
+  eq = e;
+#else
+  uint64_t a = 0, b = 0, f = 0, e = 0;
+  for (int j = 0; j < 64; ++j) {
+    const uint32_t u = f2u(c[j]);
+    const bool fi = (u & 0x7F800000u) != 0x7F800000u;
+    const bool ez = c[j] == 0.0f;
+    a |= static_cast<uint64_t>(fi && c[j] > 0.0f) << j;
+    b |= static_cast<uint64_t>(fi && !ez) << j;
+    f |= static_cast<uint64_t>(fi) << j;
+    e |= static_cast<uint64_t>(ez) << j;
+  }
+  gt = a;
+  nz = b;
+  fin = f;
+  eq = e;
+#endif
+}
+
+inline void store_bits(uint8_t* out, uint64_t bits, int nbytes) {
+  if (nbytes == 8) {
+    std::memcpy(out, &bits, 8);
+  } else {
+    for (int b = 0; b < nbytes; ++b) out[b] = static_cast<uint8_t>(bits >> (8 * b));
+  }
+}
+
+}  // namespace

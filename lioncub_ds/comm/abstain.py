@@ -1,0 +1,89 @@
+"""Abstentions on the wire (docs/conventions.md, "Abstentions"): few as a list, many as a plane.
+
+A coordinate whose c is exactly 0 (or non-finite) abstains: its bit in the rank's *nonzero
+plane* is 0. Every rank knows where the real elements of a bucket are (the *mask*: bit 1 at
+real elements, 0 at padding), so a rank only needs to say where its nonzero plane differs
+from the mask, byte by byte. Per bucket and step, every rank uses the same mode:
+
+* ``list``: int32 words ``[count, idx_0..idx_{K-1}, val_0..val_{K-1}]``: ``count`` bytes of the
+  plane differ from the mask; the first K of them (in index order) are listed as (byte index,
+  plane byte); unused slots hold idx = -1. A rank with count > K *overflows*: the step's flag
+  all-reduce says so, and that bucket's planes are then all-gathered in full (exact either way).
+* ``plane``: the whole nonzero plane. Used for buckets too small for a list (K = 0), and for
+  the step after a bucket overflowed.
+
+The capacity K is fixed per bucket (from its size and N), so every message has the same size on
+every rank: no size exchange, no host synchronisation. Pure torch: the same code on every
+device (``torch.nonzero_static`` has a fixed output size).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codec import pack_bits
+
+WORD = 4  # bytes of one int32 list word
+
+
+def list_capacity(plane_bytes: int, world_size: int) -> int:
+    """K: entries of a rank's list in a bucket whose planes have ``plane_bytes`` bytes.
+
+    A list reaches every other rank, so N lists cost (N−1)·4·(1+2K) bytes per rank: with
+    K = plane_bytes / (256·N) that is below 1/32 of the 1bit vote's own 2·(N−1)/N·plane_bytes.
+    0 for small buckets (they always send the plane)."""
+    return plane_bytes // (256 * max(1, world_size))
+
+
+def list_words(capacity: int) -> int:
+    return 1 + 2 * capacity
+
+
+def payload_bytes(mode: str, plane_bytes: int, capacity: int) -> int:
+    """Bytes of one rank's abstention payload for a bucket."""
+    return plane_bytes if mode == "plane" else WORD * list_words(capacity)
+
+
+def real_mask(offsets, numels, total: int, device) -> torch.Tensor:
+    """uint8 plane of ``total`` elements with bit 1 exactly at the parameters' elements."""
+    bits = torch.zeros(total, dtype=torch.uint8, device=device)
+    for off, n in zip(offsets, numels):
+        bits[off:off + n] = 1
+    return pack_bits(bits)
+
+
+def differing(nonzero: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """int32 scalar tensor: how many bytes of ``nonzero`` differ from ``mask`` (stays on the device)."""
+    return (nonzero != mask).sum(dtype=torch.int32)
+
+
+def encode_list(nonzero: torch.Tensor, mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """This rank's list (int32 [1 + 2K]); see the module doc."""
+    diff = nonzero != mask
+    count = diff.sum(dtype=torch.int32).reshape(1)
+    if capacity == 0:
+        return count
+    idx = torch.nonzero_static(diff, size=capacity, fill_value=-1).reshape(-1)
+    vals = torch.where(idx >= 0, nonzero[idx.clamp(min=0)].to(torch.int32), torch.zeros_like(idx, dtype=torch.int32))
+    return torch.cat([count, idx.to(torch.int32), vals])
+
+
+def decode_lists(lists: torch.Tensor, mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Every rank's nonzero plane (uint8 [N, B]) from their lists (int32 [N, 1 + 2K]).
+
+    Exact when no rank overflowed (count <= K); the caller checks that through the flags."""
+    n, nbytes = lists.shape[0], mask.numel()
+    planes = torch.empty(n, nbytes + 1, dtype=torch.uint8, device=mask.device)
+    planes[:, :nbytes] = mask
+    if capacity:
+        idx = lists[:, 1:1 + capacity].to(torch.int64)
+        idx = torch.where(idx < 0, torch.full_like(idx, nbytes), idx)  # unused slots hit the spare column
+        planes.scatter_(1, idx, lists[:, 1 + capacity:].to(torch.uint8))
+    return planes[:, :nbytes]
+
+
+def any_voter(planes: torch.Tensor) -> torch.Tensor:
+    """Bitwise OR of N nonzero planes [N, B]: bit 1 where at least one rank voted."""
+    out = planes[0].clone()
+    for i in range(1, planes.shape[0]):
+        out |= planes[i]
+    return out

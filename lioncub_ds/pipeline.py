@@ -1,0 +1,234 @@
+"""The distributed step's pipeline: local steps, communication batches, async launch, finish.
+
+Like torch DDP's reducer: parameter buckets are grouped into communication batches (one
+collective per phase for a whole batch, sized by ``comm_bucket_mb`` of packed votes), and a
+batch is launched asynchronously as soon as every bucket in it has its local step (signs).
+Batches launch in one fixed order on every rank (last parameters first: backward produces
+their gradients first), so every rank issues the same collectives in the same order, whenever
+each becomes ready. With ``overlap=True`` the local steps run from gradient-ready hooks during
+backward; otherwise at the start of ``step()``. ``finish`` then reads the step's one flag
+tensor (non-finite values, unusable inputs, abstention overflow), and completes every batch.
+Nothing here changes optimizer state before the flags are agreed: a skipped step is free.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import ops
+from .codec import int8_levels
+from .comm import VoteJob
+from .comm.abstain import differing, encode_list
+
+log = logging.getLogger("lioncub_ds")
+
+
+def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[int]]:
+    """Bucket indices per communication batch, in launch order (last buckets first).
+
+    Consecutive buckets with the same algorithm, device and dtype share a batch while their
+    packed votes (bits: numel/8 bytes; int8: numel bytes) fit ``comm_bucket_mb`` MB."""
+    cap = comm_bucket_mb * 2 ** 20
+    batches, cur, size = [], [], 0
+    for i in reversed(range(len(buckets))):
+        b = buckets[i]
+        width = b.numel // 8 if b.algorithm.encoding == "bits" else b.numel
+        key = (b.algorithm.name, b.params[0].device, b.params[0].dtype)
+        if cur and (key != cur_key or size + width > cap):
+            batches.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        cur_key = key
+        size += width
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class _Local:
+    """One bucket's local half of a step (nothing written to optimizer state)."""
+    __slots__ = ("job", "grads", "momenta", "backend", "nonfinite", "flags", "versions")
+
+    def __init__(self, job, grads, momenta, backend, nonfinite, flags, versions):
+        self.job, self.grads, self.momenta, self.backend = job, grads, momenta, backend
+        self.nonfinite, self.flags, self.versions = nonfinite, flags, versions
+
+
+class VotePipeline:
+    """The per-step state of one LionCub's distributed step."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.reset()
+
+    def reset(self):
+        n_buckets = len(self.opt._buckets)
+        self.local: list[_Local | None] = [None] * n_buckets
+        self.ready: list[set] = [set() for _ in range(n_buckets)]
+        self.launched: list = [None] * len(self.opt._batches)
+        self.next_batch = 0
+        self.stale = False
+        self.error: str | None = None
+
+    @property
+    def busy(self) -> bool:
+        return any(x is not None for x in self.local)
+
+    # ------------------------------------------------------------------ local step
+    def _grad_problem(self, b) -> str | None:
+        for p, name in zip(b.params, b.names):
+            gr = p.grad
+            if gr is not None and (gr.is_sparse or gr.shape != p.shape or gr.device != p.device):
+                return (f"LionCub: the gradient of parameter {name or tuple(p.shape)} is "
+                        f"{'sparse' if gr.is_sparse else f'{tuple(gr.shape)} on {gr.device}'}; allowed: a dense "
+                        f"gradient of the parameter's shape {tuple(p.shape)} on {p.device}")
+        return None
+
+    def prepare(self, i: int) -> None:
+        """Bucket ``i``'s local step: its votes and abstention payload, and its flag entries."""
+        opt, b = self.opt, self.opt._buckets[i]
+        cfg = opt.config
+        g = opt.param_groups[b.group_index]
+        b1, b2 = g["betas"]
+        dev = b.params[0].device
+        be = ops.backend_for(dev.type)
+        job = VoteJob(b.params, b.offsets, b.numel, None, g["lr"], g["weight_decay"], opt._step_count + 1,
+                      cfg.tie_break, cfg.vote)
+        problem = self._grad_problem(b)
+        if problem is not None:
+            # This rank cannot vote: send well-formed zeros so every rank's collectives still
+            # match, and say why through the flags (every rank raises together).
+            self.error = self.error or problem
+            grads, momenta = [], []
+            if b.algorithm.encoding == "int8":
+                job.codes = torch.zeros(b.numel, dtype=torch.int8, device=dev)
+            else:
+                self._payload(job, b, torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev),
+                              torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev))
+            self.local[i] = _Local(job, grads, momenta, be, 0, torch.zeros(2, dtype=torch.int32, device=dev), [])
+            return
+        grads = opt._grads(b)
+        momenta = [opt._momentum(p) for p in b.params]
+        if b.algorithm.encoding == "int8":
+            job.codes, nonfinite = be.int8_local_step(grads, momenta, b.offsets, b.numel, b1, cfg.quant,
+                                                      int8_levels(opt.world_size))
+            flags = torch.zeros(2, dtype=torch.int32, device=dev)
+        else:
+            sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, False)
+            flags = self._payload(job, b, sign, nz)
+        versions = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
+        self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions)
+
+    @staticmethod
+    def _payload(job, b, sign, nz):
+        """Fill the job's abstention payload; return its flag entries [overflow, abstains] (device)."""
+        job.sign, job.nonzero, job.mask, job.mode, job.capacity = sign, nz, b.mask, b.mode, b.capacity
+        count = differing(nz, b.mask)
+        if b.mode == "plane":
+            job.payload = nz
+        else:
+            job.payload = encode_list(nz, b.mask, b.capacity).view(torch.uint8)
+        return torch.stack([(count > b.capacity).to(torch.int32), (count > 0).to(torch.int32)])
+
+    # ------------------------------------------------------------------ launch
+    def grad_ready(self, i: int, p) -> None:
+        """A gradient-ready hook fired for parameter ``p`` of bucket ``i``."""
+        if self.local[i] is not None:  # a second backward after this bucket voted: redo at step()
+            self.stale = True
+            return
+        self.ready[i].add(id(p))
+        if len(self.ready[i]) == len(self.opt._buckets[i].params):
+            self.prepare(i)
+            self.launch_ready()
+
+    def launch_ready(self) -> None:
+        """Launch, in the fixed order, every batch whose buckets all have their local step."""
+        opt = self.opt
+        while self.next_batch < len(opt._batches):
+            batch = opt._batches[self.next_batch]
+            if any(self.local[i] is None for i in batch):
+                return
+            jobs = [self.local[i].job for i in batch]
+            first = self.local[batch[0]]
+            self.launched[self.next_batch] = opt._buckets[batch[0]].algorithm.launch(jobs, opt._coll, first.backend)
+            self.next_batch += 1
+
+    def launch_all(self) -> None:
+        """Local steps of the buckets that have none yet (in launch order), launching as they complete."""
+        for batch in self.opt._batches:
+            for i in batch:
+                if self.local[i] is None:
+                    self.prepare(i)
+            self.launch_ready()
+
+    def changed_since_vote(self) -> bool:
+        """A gradient replaced or modified in place (e.g. clipped) after its bucket voted."""
+        for i, loc in enumerate(self.local):
+            if loc is None:
+                continue
+            b = self.opt._buckets[i]
+            now = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
+            if len(now) != len(loc.versions) or any(a is not c or v != w for (a, v), (c, w) in zip(now, loc.versions)):
+                return True
+        return False
+
+    def drain(self) -> None:
+        """Discard this step's votes and start over. Every batch is launched first: ranks may have
+        launched different prefixes of the batch order during backward, and every rank must issue
+        the same collectives (all batches once) before any of them votes again."""
+        opt = self.opt
+        self.launch_all()
+        for k, state in enumerate(self.launched):
+            if state is not None:
+                batch = opt._batches[k]
+                opt._buckets[batch[0]].algorithm.received(state, [self.local[i].job for i in batch], opt._coll)
+        self.reset()
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, frozen_error: str | None):
+        """Agree on the flags (the step's one host read) and complete every batch.
+
+        Returns (flags list, locals per bucket); raises nothing itself: the caller decides."""
+        opt = self.opt
+        self.launch_all()
+        error = frozen_error or self.error
+        nonfinite = sum(loc.nonfinite for loc in self.local)
+        head = torch.tensor([1 if nonfinite else 0, 1 if error else 0], dtype=torch.int32, device=opt._device)
+        flags = torch.cat([head] + [loc.flags for loc in self.local])
+        opt._coll.all_reduce_(flags, "control")
+        flags = flags.tolist()  # the one host read of the step
+        return flags, error, nonfinite
+
+    def complete(self, flags) -> None:
+        opt = self.opt
+        coll = opt._coll
+        received = []
+        for k, state in enumerate(self.launched):
+            batch = opt._batches[k]
+            received.append(opt._buckets[batch[0]].algorithm.received(state, [self.local[i].job for i in batch], coll))
+        step = opt._step_count + 1
+        for k, batch in enumerate(opt._batches):
+            for i, recv in zip(batch, received[k]):
+                b, job = opt._buckets[i], self.local[i].job
+                g = opt.param_groups[b.group_index]
+                job.lr, job.weight_decay, job.step = g["lr"], g["weight_decay"], step
+                if b.algorithm.encoding != "bits":
+                    continue
+                overflow, abstains = flags[2 + 2 * i], flags[3 + 2 * i]
+                if abstains == 0:
+                    job.planes = None
+                elif job.mode == "list" and overflow > 0:  # some rank's list was too short: the planes
+                    job.planes = coll.all_gather(job.nonzero, "abstain_planes")
+                else:
+                    job.planes = job.payloads_from(recv)
+                # Many abstentions travel as the plane next step; few as a list (agreed: same on every rank).
+                b.mode = "plane" if overflow > 0 or b.capacity == 0 else "list"
+        for k, batch in enumerate(opt._batches):
+            jobs = [self.local[i].job for i in batch]
+            opt._buckets[batch[0]].algorithm.complete(self.launched[k], jobs, coll, self.local[batch[0]].backend)
+        for i, loc in enumerate(self.local):
+            b = opt._buckets[i]
+            loc.backend.momentum_update_list(loc.momenta, loc.grads, opt.param_groups[b.group_index]["betas"][1])
+            opt.stats.add_baseline(b.real_numel, opt.world_size)
+        self.reset()
