@@ -33,16 +33,16 @@ inf/NaN: ONE extra 4-byte all-reduce over the world per step, issued by the
 number of sub-optimizers (a rank with no expert parameters has no expert optimizer, as in
 Megatron), and data-parallel peers never disagree about whether to vote.
 
-Process groups (NCCL contract, SPEC §5): every group LionCub needs (the vote groups with
-``timeout_s``, the per-node momentum-sync subgroups) is created here, at construction, by
-EVERY rank of the world, in one order that all ranks compute alike (one
-``all_gather_object`` tells every rank every rank's data-parallel groups); a step never
-creates a group. See :func:`premake_process_groups`.
+Process groups (NCCL contract, SPEC §5): every group the LionCubs need (the vote groups with
+``timeout_s``, the per-node momentum-sync subgroups, for dense AND expert parameters) is
+created here, at construction, in ONE call of :func:`lioncub_ds.groups.create_on_all_ranks`
+by every rank of the world (it all-gathers the wanted member lists, then every rank creates
+the union in one sorted order), whatever kinds of parameters a rank has; a step never creates
+a group. See :func:`premake_process_groups`.
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import types
@@ -50,8 +50,9 @@ import types
 import torch
 import torch.distributed as dist
 
-from .. import optimizer as _core
 from ..config import LionCubConfig, LionCubConfigError
+from ..groups import consecutive_blocks, create_on_all_ranks, group_ranks
+from ..momentum_sync import node_group_size
 from ..optimizer import LionCub, check_world_size
 from . import _compat
 from .ddp import LocalMomentumConfigError, disable_dp_grad_reduction
@@ -89,32 +90,11 @@ class MegatronLionCub(LionCub):
 
     def __init__(self, params, *args, megatron_groups: dict | None = None, **kwargs):
         # Groups made by the factory on every rank (premake_process_groups): {"vote": group or
-        # None (= Megatron's own group), "node": group or None}. With them, LionCub never
-        # creates a process group itself (not here, not in the first step).
+        # None (= Megatron's own group), "node": group or None}. With them, this LionCub creates
+        # no process group itself (its own creation is a world collective, which a rank without
+        # this kind of parameters would not join).
         self._premade = megatron_groups
-        with self._use_premade_node_group():
-            super().__init__(params, *args, **kwargs)
-
-    @contextlib.contextmanager
-    def _use_premade_node_group(self):
-        premade = getattr(self, "_premade", None)
-        if premade is None:
-            yield
-            return
-        node = premade.get("node")
-
-        def premade_node_subgroup(group, group_size, timeout=None):
-            if node is None:
-                raise RuntimeError("lioncub_ds.megatron: momentum_sync.group='node' but the factory made no node "
-                                   "subgroup (internal error: groups must be made at construction)")
-            return node, group_size
-
-        saved = _core.node_subgroup
-        _core.node_subgroup = premade_node_subgroup
-        try:
-            yield
-        finally:
-            _core.node_subgroup = saved
+        super().__init__(params, *args, **kwargs)
 
     def _resolve_group(self):
         premade = getattr(self, "_premade", None)
@@ -123,13 +103,9 @@ class MegatronLionCub(LionCub):
         group = self._process_group
         n = dist.get_world_size(group)
         check_world_size(self.config, n)
-        vote = premade.get("vote") or group
-        self._dist = (vote, n, dist.get_rank(group))
+        self._node_group = premade.get("node")
+        self._dist = (premade.get("vote") or group, n, dist.get_rank(group))
         return self._dist
-
-    def _build_buckets(self):
-        with self._use_premade_node_group():
-            return super()._build_buckets()
 
     def state_dict(self):
         sd = super().state_dict()
@@ -227,63 +203,44 @@ def _momentum_sync_for_group(settings, group):
     return out
 
 
-def _node_size(settings, ranks) -> int | None:
-    ms = settings.get("momentum_sync")
-    if not isinstance(ms, dict) or ms.get("group") != "node":
-        return None
-    if ms.get("group_size") is not None:
-        return int(ms["group_size"])
-    env = os.environ.get("LOCAL_WORLD_SIZE")
-    if env is None:
-        raise LionCubConfigError("LionCub: momentum_sync.group='node' under Megatron needs "
-                                 "momentum_sync.group_size (data-parallel peers per node) or LOCAL_WORLD_SIZE "
-                                 "(set by torchrun)")
-    return ranks_per_node(list(ranks), int(env))
-
-
 def premake_process_groups(settings: dict, local: dict) -> dict:
-    """Create every process group LionCub will use, on ALL ranks, in one order; return this rank's.
+    """Create every process group the Megatron LionCubs will use, on ALL ranks, in one order.
 
-    ``local``: ``{kind: vote group or None}`` for the kinds ("dense", "expert") this rank has
-    parameters of. Every rank calls this (collective): one ``all_gather_object`` over the world
-    tells every rank which data-parallel groups hold dense / expert parameters; then every rank
-    calls ``dist.new_group`` for each needed group in the same sorted order (the timeout vote
-    group of every data-parallel group when ``timeout_s`` is set; the per-node subgroups when
-    ``momentum_sync.group='node'``), members or not. Returns ``{kind: {"vote": group or None,
-    "node": group or None}}`` for this rank's kinds. Nothing is created later (no lazy group
-    in a step, no group created by some ranks only).
+    ``local``: ``{kind: vote group}`` for the kinds ("dense", "expert") this rank has optimizer
+    parameter groups for. Whether groups are needed at all depends only on the settings
+    (``timeout_s``; ``momentum_sync.group='node'``), which are the same on every rank, so every
+    rank calls :func:`lioncub_ds.groups.create_on_all_ranks` exactly once here, with the member
+    lists it needs for all its kinds (possibly none): one world collective, whatever kinds a
+    rank has. Returns ``{kind: {"vote": group or None, "node": group or None}}``; the LionCubs
+    then create nothing (:class:`MegatronLionCub`), not here and not in a step.
     """
-    world = dist.get_world_size()
-    me = dist.get_rank()
-
-    def ranks_of(group):
-        return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
-
-    mine = {kind: ranks_of(g) for kind, g in local.items()}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
     timeout_s = settings.get("timeout_s")
-    timeout = datetime.timedelta(seconds=float(timeout_s)) if timeout_s else None
-    kw = {"timeout": timeout} if timeout is not None else {}
-    out = {kind: {"vote": None, "node": None} for kind in mine}
+    out = {kind: {"vote": None, "node": None} for kind in local}
+    ms = settings.get("momentum_sync")
+    node = isinstance(ms, dict) and ms.get("group") == "node"
+    if timeout_s is None and not node:
+        return out
+    wanted, where = [], []
     for kind in ("dense", "expert"):
-        groups = sorted({info[kind] for info in everyone if kind in info})
-        for ranks in groups:
-            if timeout is not None and len(ranks) > 1:
-                g = dist.new_group(list(ranks), **kw)
-                if mine.get(kind) == ranks:
-                    out[kind]["vote"] = g
-            size = _node_size(settings, ranks)
-            if size is None:
-                continue
-            if size < 1 or len(ranks) % size:
-                raise LionCubConfigError(f"LionCub: momentum_sync.group_size={size} must divide the {kind} "
-                                         f"data-parallel group size {len(ranks)} (group {list(ranks)})")
-            for start in range(0, len(ranks), size):
-                members = list(ranks[start:start + size])
-                g = dist.new_group(members, **kw)
-                if mine.get(kind) == ranks and me in members:
-                    out[kind]["node"] = g
+        if kind not in local:
+            continue
+        group = local[kind]
+        ranks = group_ranks(group)
+        n = len(ranks)
+        if n <= 1:
+            continue
+        if timeout_s is not None:
+            wanted.append(ranks)
+            where.append((kind, "vote"))
+        if node:
+            kw = _momentum_sync_for_group(settings, group)
+            size = node_group_size(kw["momentum_sync"].get("group_size"), n)
+            me = dist.get_rank(group)
+            wanted.append(consecutive_blocks(ranks, size)[me // size])
+            where.append((kind, "node"))
+    created = create_on_all_ranks(wanted, timeout_s)
+    for (kind, role), g in zip(where, created):
+        out[kind][role] = g
     return out
 
 
