@@ -54,7 +54,6 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as lc_checkpoint
-from ..comm import Collectives
 from ..momentum_sync import MomentumSync
 from .optimizer import lioncub_optimizers
 
@@ -185,10 +184,11 @@ def sync_momenta(optimizer) -> None:
     for opt in lioncub_optimizers(optimizer):
         if not opt.distributed:
             continue
-        group = opt._dist[0] if opt._dist is not None else opt._resolve_group()[0]
-        coll = Collectives(group, opt.stats)
+        if opt._buckets is None:
+            opt._build_buckets()  # sets the vote group's Collectives (no group is created)
+        # ALL momenta (not only momentum_sync.layers): Megatron stores one replica for every rank.
         momenta = [opt._momentum(p) for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        MomentumSync(opt.config.momentum_sync, coll).average(momenta, coll, opt.config.bucket_numel)
+        MomentumSync.average_over(opt._coll, momenta, opt.config.bucket_numel)
 
 
 def before_checkpoint_save(optimizer, mode: str = "per_rank", checkpoint_dir: str | None = None) -> list[str]:
