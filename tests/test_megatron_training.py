@@ -578,6 +578,8 @@ MEGATRON_LM_DIR = os.environ.get("LIONCUB_MEGATRON_LM_DIR")
                                                                                           "pretrain_gpt.py"))),
                     reason="set LIONCUB_MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1) to run "
                            "Megatron-LM's own pretrain_gpt.py")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only launcher; on a GPU run pretrain_gpt.py through "
+                                                      "lioncub_ds.megatron.run directly (docs/megatron.md)")
 def test_real_megatron_lm_pretrain_gpt_on_cpu(tmp_path):
     """Megatron-LM's unmodified pretrain_gpt.py through ``lioncub_ds.megatron.run`` on 2 CPU ranks (gloo):
     train 4 of 6 iterations (--exit-interval 4) with checkpoints, then resume to 6 from the per-rank files;
