@@ -12,6 +12,10 @@
 # TP * PP <= GPUS_PER_NODE (lioncub_ds reads LOCAL_WORLD_SIZE from torchrun to find them).
 #
 # Extra arguments are passed to examples/pretrain_gpt_megatron.py, e.g. --train-iters 20000.
+#
+# Megatron-LM's own pretrain_gpt.py instead of this megatron-core example: run the same torchrun line
+# with `-m lioncub_ds.megatron.run pretrain_gpt.py <Megatron-LM args>` from a Megatron-LM checkout
+# (flags and the memory note: docs/megatron.md).
 set -euo pipefail
 
 NNODES=${NNODES:-2}

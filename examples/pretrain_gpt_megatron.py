@@ -16,6 +16,9 @@ from this repository (it redirects megatron's torch.cuda calls to the CPU). Neve
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/pretrain_gpt_megatron.py --cpu-shim \\
         --tensor-model-parallel-size 2 --train-iters 60 --data mock
 
+This script drives megatron-core directly. To run Megatron-LM's own ``pretrain_gpt.py`` with
+LionCub instead, use ``python -m lioncub_ds.megatron.run pretrain_gpt.py ...`` (docs/megatron.md).
+
 What it shows: a megatron-core ``GPTModel`` (local layer spec, optional MoE experts), Megatron
 DDP with its data-parallel gradient reduction switched off, LionCub built by
 ``lioncub_ds.megatron.get_megatron_lioncub_optimizer`` from an ``OptimizerConfig`` (Megatron's
@@ -238,17 +241,17 @@ def checkpoint_state(ddp, optimizer, scheduler, iteration, is_loading=False):
 
 def save_checkpoint(args, ddp, optimizer, scheduler, iteration):
     from megatron.core import dist_checkpointing
-    from lioncub_ds.megatron import after_checkpoint_save, before_checkpoint_save
+    from lioncub_ds.megatron.checkpoint import before_checkpoint_save, quiet_nonempty_dir_warning
     path = os.path.join(args.save, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    lioncub = args.optimizer == "lioncub"
-    if lioncub:
-        before_checkpoint_save(optimizer, args.lioncub_checkpoint_mode)
-    dist_checkpointing.save(checkpoint_state(ddp, optimizer, scheduler, iteration), path)
-    if lioncub:
-        after_checkpoint_save(optimizer, path, args.lioncub_checkpoint_mode)
+    if args.optimizer == "lioncub":
+        # per_rank: every rank writes its LionCub file now, BEFORE Megatron's save and the tracker
+        # below, so "latest" never points at a checkpoint without them; sync: average the momenta.
+        before_checkpoint_save(optimizer, args.lioncub_checkpoint_mode, checkpoint_dir=path)
+    with quiet_nonempty_dir_warning(path):
+        dist_checkpointing.save(checkpoint_state(ddp, optimizer, scheduler, iteration), path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -272,7 +275,8 @@ def load_checkpoint(args, ddp, optimizer, scheduler):
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if args.optimizer == "lioncub":
-        after_checkpoint_load(optimizer, path, args.lioncub_checkpoint_mode)
+        after_checkpoint_load(optimizer, path, args.lioncub_checkpoint_mode, reshard=args.lioncub_reshard,
+                              iteration=iteration)
     if dist.get_rank() == 0:
         print(f"resumed from {path} (iteration {iteration})", flush=True)
     return iteration

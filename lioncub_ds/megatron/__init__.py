@@ -1,4 +1,10 @@
-"""Lion Cub for Megatron-core (megatron-core 0.16-0.19; see README "Megatron").
+"""Lion Cub for Megatron-core and Megatron-LM (megatron-core 0.16 - 0.20; see docs/megatron.md).
+
+Megatron-LM's own scripts (``pretrain_gpt.py`` & co.), same arguments plus ``--lioncub-*``::
+
+    torchrun --nproc_per_node 8 -m lioncub_ds.megatron.run pretrain_gpt.py <Megatron-LM args> --lioncub-comm 1bit
+
+(or ``lioncub_ds.megatron.training.install()`` before Megatron-LM's ``pretrain()``). megatron-core directly:
 
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer
     optimizer = get_megatron_lioncub_optimizer(optimizer_config, model_chunks,

@@ -11,7 +11,9 @@ Supported: megatron-core 0.16.x (Python 3.10/3.11: the newest pip gives on 3.11)
 * ``ProcessGroupCollection.setup_process_groups_for_optimizer``: 0.19 adds
   ``expt_tp_pp_with_egtp_remat_group`` (the expert model-parallel group Megatron then
   uses for gradient statistics); older versions have ``expt_tp_pp_group`` only.
-* ``OptimizerConfig.lion_beta1/2`` exist from 0.19 (Megatron's own ``--optimizer lion``).
+* ``OptimizerConfig.lion_beta1/2`` exist from 0.17 (megatron-core's own Lion, through emerging-optimizers);
+  Megatron-LM's training loop builds a config for ``--optimizer lion`` from 0.18 (0.17 raises
+  "Invalid optimizer type!" in ``get_megatron_optimizer_config``).
 * The bucket groups' ``finish_grad_sync`` sets ``grad_reduce_finished`` from 0.19.
 """
 from __future__ import annotations
@@ -21,6 +23,41 @@ import importlib
 MIN_VERSION = (0, 16)
 TESTED_VERSIONS = ("0.16.1",)
 CHECKED_AGAINST_SOURCE = ("0.17.1", "0.18.2", "0.19.0")
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM's training package (megatron.training: not on the package index). What
+# lioncub_ds.megatron.training.install() replaces, and the call site each replacement serves,
+# read in NVIDIA/Megatron-LM at tags core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0 and
+# main (core 0.20.0, commit d98e8a64, 2026-08-22). Versions are Megatron-LM tags (= megatron-core).
+# (module, name, versions, call site)
+MEGATRON_LM_PATCHES = (
+    ("megatron.training.arguments", "add_megatron_arguments", "0.16 - main",
+     "parse_args(): parser = add_megatron_arguments(parser) (module-global lookup); pretrain() takes "
+     "extra_args_provider only up to 0.17, so this is the hook for --lioncub-* on every version"),
+    ("megatron.training.initialize", "validate_args", "0.16 - 0.17",
+     "initialize_megatron(): validate_args(args, args_defaults) (imported from .arguments)"),
+    ("megatron.training.arguments", "validate_args", "0.18 - main",
+     "parse_and_validate_args(): validate_args(args, args_defaults), called by pretrain_gpt.py's __main__ "
+     "(not with --yaml-cfg: then the check runs in get_megatron_optimizer, after the model is built)"),
+    ("megatron.training.training", "get_megatron_optimizer", "0.16 - main",
+     "setup_model_and_optimizer(): get_megatron_optimizer(config, model, config_overrides=..., "
+     "use_gloo_process_groups=..., dump_param_to_param_group_map=...) (imported from megatron.core.optimizer; "
+     "not reached for --optimizer muon/dist_muon in 0.16, which INCOMPATIBLE_FLAGS refuses)"),
+    ("megatron.training.training", "save_checkpoint", "0.16 - main",
+     "save_checkpoint_and_time() and the end of pretrain()/train(): save_checkpoint(iteration, model, optimizer, "
+     "opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context, non_persistent_ckpt=..., "
+     "...) (imported from megatron.training.checkpointing; 0.18+ in a parenthesised import)"),
+    ("megatron.training.training", "load_checkpoint", "0.16 - main",
+     "setup_model_and_optimizer(): load_checkpoint(model, optimizer, opt_param_scheduler, "
+     "checkpointing_context=..., ...) -> (iteration, num_floating_point_operations_so_far)"),
+)
+# Used, not patched: megatron.training.checkpointing.get_checkpoint_name(path, iteration, release=False, ...,
+# return_base_dir=True) -> <path>/iter_XXXXXXX (0.16 - main), get_checkpoint_tracker_filename(path) ->
+# <path>/latest_checkpointed_iteration.txt, _NON_PERSISTENT_CKPT_SUBDIR = 'non_persistent';
+# megatron.training.get_args (every version).
+
+# Keyword arguments Megatron-LM passes to get_megatron_optimizer that our factory takes.
+FACTORY_KWARGS = ("config_overrides", "use_gloo_process_groups", "pg_collection", "dump_param_to_param_group_map")
 
 
 class MegatronNotAvailableError(ImportError):

@@ -37,7 +37,7 @@ def add_lioncub_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     a("--lioncub-quant", choices=QUANTS, default=None, help="sign (1-bit votes) or l1/l0/linf (int8 scaled votes)")
     a("--lioncub-tie-break", choices=TIE_RULES, default=None, help="even-N tie rule")
     a("--lioncub-beta1", type=float, default=None,
-      help="Lion β1 (default: --adam-beta1, or --lion-beta1 with --optimizer lion on megatron-core >= 0.19)")
+      help="Lion β1 (default: --adam-beta1, or --lion-beta1 with --optimizer lion on Megatron-LM >= 0.18)")
     a("--lioncub-beta2", type=float, default=None, help="Lion β2 (momentum decay; default as for β1)")
     a("--lioncub-momentum-dtype", choices=("fp32", "bf16"), default=None, help="momentum storage dtype")
     a("--lioncub-bucket-size-mb", type=float, default=None, help="MB of fp32 parameters per vote bucket")
@@ -71,6 +71,9 @@ def add_lioncub_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     a("--lioncub-checkpoint-mode", choices=CHECKPOINT_MODES, default="per_rank",
       help="per_rank: every rank's momentum in its own file next to the checkpoint; sync: average momenta "
            "right before saving (Megatron keeps one replica per data-parallel group)")
+    a("--lioncub-reshard", choices=("average", "error"), default="average",
+      help="resume with another data-parallel size: average = every rank starts from the mean of the saved "
+           "momenta; error = refuse")
     a("--lioncub-keep-grad-allreduce", action="store_true",
       help="baseline only: keep DDP's gradient all-reduce (all ranks then vote alike = global Lion)")
     return parser

@@ -27,16 +27,33 @@ every rank would get DP rank 0's momentum. Two ways to keep resume exact:
 
 Around Megatron's own save / load, every rank calls :func:`before_checkpoint_save`,
 :func:`after_checkpoint_save` and :func:`after_checkpoint_load`, which dispatch on the mode.
+
+Ordering (crash safety): pass the iteration directory to :func:`before_checkpoint_save`
+(``before_checkpoint_save(opt, "per_rank", checkpoint_dir=iter_dir)``, what
+:mod:`lioncub_ds.megatron.training` does): every rank then writes its files *before*
+Megatron's save starts, so they are complete before Megatron writes
+``latest_checkpointed_iteration.txt`` (Megatron writes the tracker on rank 0 after a barrier,
+or in the finalize step of an async save, i.e. after every rank's files). A crash during the
+save leaves the previous "latest" intact. ``dist_checkpointing.save`` only warns
+("Overwriting old incomplete / corrupted checkpoint") when the directory is not empty
+(megatron-core 0.16-0.20). :func:`after_checkpoint_save` is then a no-op for that directory.
+
+A load that does not find the files (a checkpoint written without LionCub's hooks, or by an
+older lioncub_ds whose save stopped between Megatron's tracker and the files) fails on every
+rank with one :class:`~lioncub_ds.checkpoint.CheckpointError` that says what is missing and
+how to resume (see :func:`load_lioncub_states`).
 """
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import os
 
+import torch
 import torch.distributed as dist
 
 from .. import checkpoint as lc_checkpoint
-from ..comm import Collectives
 from ..momentum_sync import MomentumSync
 from .optimizer import lioncub_optimizers
 
@@ -64,10 +81,98 @@ def save_lioncub_states(optimizer, checkpoint_dir: str) -> list[str]:
     return paths
 
 
-def load_lioncub_states(optimizer, checkpoint_dir: str, reshard: str = "average") -> list[str]:
-    """Restore the per-rank states written by :func:`save_lioncub_states` (after Megatron's own load)."""
-    return [lc_checkpoint.load(opt, rank_directory(checkpoint_dir, opt), reshard=reshard)
-            for opt in lioncub_optimizers(optimizer)]
+def _flag_device(optimizer):
+    for opt in lioncub_optimizers(optimizer):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                return p.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _world_max(values, device) -> list[int]:
+    """Element-wise MAX over the world (every rank calls); a no-op without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
+def missing_lioncub_files(optimizer, checkpoint_dir: str) -> list[str]:
+    """This rank's expected per-rank files that are absent (and not a data-parallel resize to reshard)."""
+    out = []
+    for opt in lioncub_optimizers(optimizer):
+        d = rank_directory(checkpoint_dir, opt)
+        rank, world = lc_checkpoint._rank_info(opt)
+        path = lc_checkpoint.rank_file(d, rank, world)
+        if os.path.exists(path):
+            continue
+        others = glob.glob(os.path.join(d, "lioncub-rank*-of-*.pt"))
+        # Files of another data-parallel size are a resize (lioncub_ds.checkpoint reshards them);
+        # none, or only this size's files of other ranks, mean this rank's file is missing.
+        if not others or all(p.endswith(f"-of-{world:05d}.pt") for p in others):
+            out.append(path)
+    return out
+
+
+def missing_files_message(checkpoint_dir: str, n_missing_ranks: int, example: str | None,
+                          iteration=None) -> str:
+    it = f" (iteration {iteration})" if iteration is not None else ""
+    here = f" This rank expected {example}." if example else ""
+    return (
+        f"LionCub: the Megatron checkpoint {checkpoint_dir}{it} has no LionCub per-rank momentum files for "
+        f"{n_missing_ranks} rank(s) (expected under {os.path.join(checkpoint_dir, SUBDIR)}).{here} "
+        "What happened: Megatron's own files are there, the per-rank LionCub files are not. lioncub_ds.megatron "
+        "writes them before Megatron's save starts, so Megatron's tracker (latest_checkpointed_iteration.txt) "
+        "never points at a checkpoint without them; they are absent when the checkpoint was written without "
+        "LionCub's checkpoint hooks (plain pretrain_gpt.py, or another optimizer), with --lioncub-checkpoint-mode "
+        "sync or --no-save-optim, by an older lioncub_ds whose save stopped between Megatron's tracker and the "
+        "per-rank files, or when the lioncub/ folder was not copied with the checkpoint. No rank changed its "
+        "state. To resume from this checkpoint, relaunch with ONE of: "
+        "(1) --lioncub-checkpoint-mode sync: every data-parallel rank resumes from the single momentum replica "
+        "Megatron stored (data-parallel rank 0's, like a momentum sync; later saves average the momenta first); "
+        "(2) --no-load-optim: model weights only; LionCub momenta start at zero (Megatron then also skips its "
+        "optimizer and LR-scheduler state). If some ranks' files are there (another data-parallel size), "
+        "--lioncub-reshard average starts every rank from their mean.")
+
+
+def load_lioncub_states(optimizer, checkpoint_dir: str, reshard: str = "average", iteration=None) -> list[str]:
+    """Restore the per-rank states written by :func:`save_lioncub_states` (after Megatron's own load).
+
+    Collective over the world (every rank calls): first every rank checks that its files are
+    there and all ranks agree (one small all-reduce on the parameters' device); if any rank
+    misses its files, every rank raises the same :class:`~lioncub_ds.checkpoint.CheckpointError`
+    (what is missing, why, and how to resume) and no rank changed its state. Then each LionCub
+    loads with :func:`lioncub_ds.checkpoint.load` (validated, agreed inside its vote group);
+    a failure there is again agreed over the world before anyone raises.
+    """
+    device = _flag_device(optimizer)
+    missing = missing_lioncub_files(optimizer, checkpoint_dir)
+    n_missing, = _world_max([1 if missing else 0], device)
+    if n_missing:
+        count = 1
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([1 if missing else 0], dtype=torch.int64, device=device)
+            dist.all_reduce(t)
+            count = int(t.item())
+        example = missing[0] if missing else None
+        raise lc_checkpoint.CheckpointError(missing_files_message(checkpoint_dir, count, example, iteration))
+    error, paths = None, []
+    try:
+        paths = [lc_checkpoint.load(opt, rank_directory(checkpoint_dir, opt), reshard=reshard)
+                 for opt in lioncub_optimizers(optimizer)]
+    except lc_checkpoint.CheckpointError as exc:
+        error = exc
+    failed, = _world_max([1 if error is not None else 0], device)
+    if error is not None:
+        raise error
+    if failed:
+        raise lc_checkpoint.CheckpointError(
+            f"LionCub: another rank could not load its LionCub state from {checkpoint_dir} (see that rank's error); "
+            "stopping every rank")
+    return paths
 
 
 def has_lioncub_states(checkpoint_dir: str) -> bool:
@@ -79,30 +184,87 @@ def sync_momenta(optimizer) -> None:
     for opt in lioncub_optimizers(optimizer):
         if not opt.distributed:
             continue
-        group = opt._dist[0] if opt._dist is not None else opt._resolve_group()[0]
-        coll = Collectives(group, opt.stats)
+        if opt._buckets is None:
+            opt._build_buckets()  # sets the vote group's Collectives (no group is created)
+        # ALL momenta (not only momentum_sync.layers): Megatron stores one replica for every rank.
         momenta = [opt._momentum(p) for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        MomentumSync(opt.config.momentum_sync, coll).average(momenta, coll, opt.config.bucket_numel)
+        MomentumSync.average_over(opt._coll, momenta, opt.config.bucket_numel)
 
 
-def before_checkpoint_save(optimizer, mode: str = "per_rank") -> None:
-    """Every rank, right before Megatron saves: ``sync`` averages the momenta; ``per_rank``: nothing."""
+def before_checkpoint_save(optimizer, mode: str = "per_rank", checkpoint_dir: str | None = None) -> list[str]:
+    """Every rank, right before Megatron saves.
+
+    ``sync``: average the momenta (Megatron then stores the one replica every rank has).
+    ``per_rank`` with ``checkpoint_dir`` (the iteration directory Megatron is about to write):
+    write this rank's files now, so they are complete before Megatron's tracker says "latest"
+    (returns the paths). ``per_rank`` without a directory: nothing (call
+    :func:`after_checkpoint_save` then).
+    """
     _check_mode(mode)
     if mode == "sync":
         sync_momenta(optimizer)
+        return []
+    if checkpoint_dir is None:
+        return []
+    paths = save_lioncub_states(optimizer, checkpoint_dir)
+    _mark_saved(optimizer, checkpoint_dir)
+    return paths
+
+
+def _save_key(opt, checkpoint_dir):
+    return (os.path.abspath(checkpoint_dir), getattr(opt, "_step_count", None))
+
+
+def _mark_saved(optimizer, checkpoint_dir):
+    for opt in lioncub_optimizers(optimizer):
+        opt._lioncub_saved_to = _save_key(opt, checkpoint_dir)
 
 
 def after_checkpoint_save(optimizer, checkpoint_dir: str, mode: str = "per_rank") -> list[str]:
-    """Every rank, right after Megatron saved into ``checkpoint_dir``: ``per_rank`` writes the files.
+    """Every rank, right after Megatron saved into ``checkpoint_dir``: ``per_rank`` writes the files
+    unless :func:`before_checkpoint_save` already wrote them there at this step.
 
-    (After, not before: Megatron's dist-checkpointing expects an empty directory.)
+    (Writing them before Megatron's save is the crash-safe order; see the module doc.)
     """
     _check_mode(mode)
-    return save_lioncub_states(optimizer, checkpoint_dir) if mode == "per_rank" else []
+    if mode != "per_rank":
+        return []
+    opts = lioncub_optimizers(optimizer)
+    if opts and all(getattr(o, "_lioncub_saved_to", None) == _save_key(o, checkpoint_dir) for o in opts):
+        return []
+    paths = save_lioncub_states(optimizer, checkpoint_dir)
+    _mark_saved(optimizer, checkpoint_dir)
+    return paths
 
 
-def after_checkpoint_load(optimizer, checkpoint_dir: str, mode: str = "per_rank", reshard: str = "average") -> None:
+def after_checkpoint_load(optimizer, checkpoint_dir: str, mode: str = "per_rank", reshard: str = "average",
+                          iteration=None) -> None:
     """Every rank, after Megatron loaded ``checkpoint_dir`` into the optimizer (``sync``: nothing to do)."""
     _check_mode(mode)
     if mode == "per_rank":
-        load_lioncub_states(optimizer, checkpoint_dir, reshard=reshard)
+        load_lioncub_states(optimizer, checkpoint_dir, reshard=reshard, iteration=iteration)
+
+
+class _DropNonEmptyWarning(logging.Filter):
+    def filter(self, record):
+        return not str(record.getMessage()).startswith("Overwriting old incomplete / corrupted checkpoint")
+
+
+@contextlib.contextmanager
+def quiet_nonempty_dir_warning(iter_dir):
+    """dist_checkpointing.save warns "Overwriting old incomplete / corrupted checkpoint" when the
+    directory is not empty; with only our lioncub/ folder in it, that warning would be misleading."""
+    try:
+        only_ours = sorted(os.listdir(iter_dir)) == [SUBDIR]
+    except OSError:
+        only_ours = False
+    if not only_ours:
+        yield
+        return
+    logger = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+    f = _DropNonEmptyWarning()
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)

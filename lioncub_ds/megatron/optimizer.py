@@ -20,7 +20,7 @@ Megatron settings and what they become:
   sets it from then on); ``min_lr`` -> the groups' ``min_lr`` (scheduler);
   ``weight_decay`` -> decoupled weight decay (times each group's ``wd_mult``);
 * betas: ``lioncub['betas']`` if given, else ``(lion_beta1, lion_beta2)`` when
-  ``config.optimizer == 'lion'`` (megatron-core >= 0.19), else ``(adam_beta1, adam_beta2)``;
+  ``config.optimizer == 'lion'`` (OptimizerConfig has them from megatron-core 0.17), else ``(adam_beta1, adam_beta2)``;
 * ``bf16`` / ``fp16`` -> ``Float16OptimizerWithFloat16Params`` (LionCub steps the fp32 main
   params; momentum dtype is LionCub's ``momentum_dtype``, fp32 by default);
   ``params_dtype`` only shapes the model; ``loss_scale`` / dynamic fp16 scaling as in Megatron;
@@ -28,8 +28,17 @@ Megatron settings and what they become:
   (the reported grad norm is this rank's local norm); 0 turns clipping off.
 
 With a loss scaler (fp16, or ``loss_scale``) a step is skipped when *any* rank found an
-inf/NaN (one extra 4-byte all-reduce over the world), so data-parallel peers never
-disagree about whether to vote.
+inf/NaN: ONE extra 4-byte all-reduce over the world per step, issued by the
+``ChainedOptimizer`` (not per wrapper), so every rank issues it exactly once whatever its
+number of sub-optimizers (a rank with no expert parameters has no expert optimizer, as in
+Megatron), and data-parallel peers never disagree about whether to vote.
+
+Process groups (NCCL contract, SPEC §5): every group the LionCubs need (the vote groups with
+``timeout_s``, the per-node momentum-sync subgroups, for dense AND expert parameters) is
+created here, at construction, in ONE call of :func:`lioncub_ds.groups.create_on_all_ranks`
+by every rank of the world (it all-gathers the wanted member lists, then every rank creates
+the union in one sorted order), whatever kinds of parameters a rank has; a step never creates
+a group. See :func:`premake_process_groups`.
 """
 from __future__ import annotations
 
@@ -38,10 +47,13 @@ import logging
 import os
 import types
 
+import torch
 import torch.distributed as dist
 
 from ..config import LionCubConfig, LionCubConfigError
-from ..optimizer import LionCub
+from ..groups import consecutive_blocks, create_on_all_ranks, group_ranks
+from ..momentum_sync import node_group_size
+from ..optimizer import LionCub, check_world_size
 from . import _compat
 from .ddp import LocalMomentumConfigError, disable_dp_grad_reduction
 
@@ -75,6 +87,25 @@ class MegatronLionCub(LionCub):
     megatron_kind = "dense"
     megatron_tag = None
     _full = False
+
+    def __init__(self, params, *args, megatron_groups: dict | None = None, **kwargs):
+        # Groups made by the factory on every rank (premake_process_groups): {"vote": group or
+        # None (= Megatron's own group), "node": group or None}. With them, this LionCub creates
+        # no process group itself (its own creation is a world collective, which a rank without
+        # this kind of parameters would not join).
+        self._premade = megatron_groups
+        super().__init__(params, *args, **kwargs)
+
+    def _resolve_group(self):
+        premade = getattr(self, "_premade", None)
+        if premade is None:
+            return super()._resolve_group()
+        group = self._process_group
+        n = dist.get_world_size(group)
+        check_world_size(self.config, n)
+        self._node_group = premade.get("node")
+        self._dist = (premade.get("vote") or group, n, dist.get_rank(group))
+        return self._dist
 
     def state_dict(self):
         sd = super().state_dict()
@@ -172,6 +203,47 @@ def _momentum_sync_for_group(settings, group):
     return out
 
 
+def premake_process_groups(settings: dict, local: dict) -> dict:
+    """Create every process group the Megatron LionCubs will use, on ALL ranks, in one order.
+
+    ``local``: ``{kind: vote group}`` for the kinds ("dense", "expert") this rank has optimizer
+    parameter groups for. Whether groups are needed at all depends only on the settings
+    (``timeout_s``; ``momentum_sync.group='node'``), which are the same on every rank, so every
+    rank calls :func:`lioncub_ds.groups.create_on_all_ranks` exactly once here, with the member
+    lists it needs for all its kinds (possibly none): one world collective, whatever kinds a
+    rank has. Returns ``{kind: {"vote": group or None, "node": group or None}}``; the LionCubs
+    then create nothing (:class:`MegatronLionCub`), not here and not in a step.
+    """
+    timeout_s = settings.get("timeout_s")
+    out = {kind: {"vote": None, "node": None} for kind in local}
+    ms = settings.get("momentum_sync")
+    node = isinstance(ms, dict) and ms.get("group") == "node"
+    if timeout_s is None and not node:
+        return out
+    wanted, where = [], []
+    for kind in ("dense", "expert"):
+        if kind not in local:
+            continue
+        group = local[kind]
+        ranks = group_ranks(group)
+        n = len(ranks)
+        if n <= 1:
+            continue
+        if timeout_s is not None:
+            wanted.append(ranks)
+            where.append((kind, "vote"))
+        if node:
+            kw = _momentum_sync_for_group(settings, group)
+            size = node_group_size(kw["momentum_sync"].get("group_size"), n)
+            me = dist.get_rank(group)
+            wanted.append(consecutive_blocks(ranks, size)[me // size])
+            where.append((kind, "node"))
+    created = create_on_all_ranks(wanted, timeout_s)
+    for (kind, role), g in zip(where, created):
+        out[kind][role] = g
+    return out
+
+
 def _init_state_fn(opt, config=None):
     """Create LionCub's state for every parameter (Megatron calls this before loading a checkpoint)."""
     if opt is None:
@@ -203,16 +275,50 @@ def _prepare_groups(param_groups, names, config):
     return out
 
 
-def _sync_found_inf_over_world(wrapper):
-    """Skip decisions must agree on every rank once gradients are local (see module doc)."""
-    orig = wrapper._unscale_main_grads_and_check_for_nan
+def _flag_device(optimizers):
+    for w in optimizers:
+        t = getattr(w, "found_inf", None)
+        if isinstance(t, torch.Tensor):
+            return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
-    def patched(self):
-        orig()
-        dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX)
-        return self.found_inf.item() > 0
 
-    wrapper._unscale_main_grads_and_check_for_nan = types.MethodType(patched, wrapper)
+def agree_found_inf_once_per_step(chained, config) -> None:
+    """Skip decisions must agree on every rank once gradients are local (see module doc).
+
+    Megatron's wrappers each reduce ``found_inf`` over their own model-parallel group and
+    update their grad scaler with it. Here every wrapper's scaler update is deferred; the
+    ChainedOptimizer then issues ONE world all-reduce (MAX) of "any wrapper found inf/NaN"
+    per step and updates every scaler with the agreed flag. The all-reduce is issued whenever
+    the config has a loss scaler (the same on every rank), independent of how many
+    sub-optimizers (dense, expert) this rank has.
+    """
+    if not (config.fp16 or config.loss_scale):
+        return
+    wrappers = list(chained.chained_optimizers)
+    scalers = []
+    for w in wrappers:
+        scaler = getattr(w, "grad_scaler", None)
+        if scaler is None or hasattr(scaler, "_lioncub_update"):
+            continue
+        scaler._lioncub_update = scaler.update
+        scaler.update = lambda found_inf: None  # deferred: the ChainedOptimizer updates it
+        scalers.append(scaler)
+    orig = chained.prepare_grads
+    device = _flag_device(wrappers)
+
+    def prepare_grads(self):
+        local = bool(orig())
+        flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        found = flag.item() > 0
+        for scaler in scalers:
+            scaler._lioncub_update(found)
+        return found
+
+    chained.prepare_grads = types.MethodType(prepare_grads, chained)
 
 
 def _wrap(config, inner, stats_group, tp_group, expert_tp_group):
@@ -233,8 +339,6 @@ def _wrap(config, inner, stats_group, tp_group, expert_tp_group):
         for group in getattr(opt, "fp32_from_float16_groups", []):
             for main_param in group:
                 main_param.requires_grad_(True)
-        if grad_scaler is not None:
-            _sync_found_inf_over_world(opt)
     else:
         opt = FP32Optimizer(inner, config, init_state_fn)
     opt.grad_stats_parallel_group = stats_group
@@ -292,17 +396,20 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
     dense = _prepare_groups([g for g in all_groups if not g["is_expert_parallel"]], names, config)
     expert = _prepare_groups([g for g in all_groups if g["is_expert_parallel"]], names, config)
 
+    kinds = (("dense", dense, groups["dp_cp"], groups["mp"], groups["tp"]),
+             ("expert", expert, groups["expt_dp"], groups["expt_mp"], groups["expt_tp"]))
+    local = {kind: vote_group for kind, pgroups, vote_group, _, _ in kinds if pgroups}
+    premade = premake_process_groups(settings, local) if dist.is_initialized() else {}
+
     optimizers = []
-    for kind, pgroups, vote_group, stats_group, tp_group in (
-            ("dense", dense, groups["dp_cp"], groups["mp"], groups["tp"]),
-            ("expert", expert, groups["expt_dp"], groups["expt_mp"], groups["expt_tp"])):
+    for kind, pgroups, vote_group, stats_group, tp_group in kinds:
         if kind == "expert" and not pgroups:
-            continue
+            continue  # as in Megatron: no expert optimizer where this rank has no expert parameters
         inner = None
         if pgroups:
             kw = _momentum_sync_for_group(settings, vote_group)
             inner = MegatronLionCub(pgroups, lr=config.lr, betas=betas, weight_decay=config.weight_decay,
-                                    process_group=vote_group, **kw)
+                                    process_group=vote_group, megatron_groups=premade.get(kind), **kw)
             inner.megatron_kind = kind
             inner.megatron_tag = _model_parallel_tag(kind, groups)
         optimizers.append(_wrap(config, inner, stats_group, tp_group, groups["expt_tp"]))
@@ -312,7 +419,9 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
         log.info("LionCub (Megatron): %s; betas=%s; settings=%s", ", ".join(
             f"{o.optimizer.megatron_kind}: {sum(p.numel() for p in o.get_parameters())} params voting over "
             f"{o.optimizer.world_size} ranks" for o in optimizers if o.optimizer is not None), betas, settings)
-    return ChainedOptimizer(optimizers)
+    chained = ChainedOptimizer(optimizers)
+    agree_found_inf_once_per_step(chained, config)
+    return chained
 
 
 def _dump_param_map(model_chunks, param_groups, path):
