@@ -136,4 +136,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    # The Trainer leaves the process groups alive; tearing them down while the interpreter is
+    # still whole avoids a rare "terminate called without an active exception" at exit.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.exit(rc)

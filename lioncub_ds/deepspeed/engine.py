@@ -23,12 +23,22 @@ overflow over the data-parallel group (DeepSpeed's ``CheckOverflow`` all-reduces
 when ``enable_backward_allreduce`` is False), so every rank skips and backs off its loss
 scale identically.
 
+The wrapper must be unpartitioned at stage 0: ``_configure_bf16_optimizer`` refuses to wrap
+a stage-0 LionCub in DeepSpeed's BF16_Optimizer (partitioned fp32 masters), and
+:func:`check_unpartitioned` checks any wrapper after the fact.
+
 Wiring, ZeRO stage 1/2 (global-Lion semantics): DeepSpeed reduces the gradients and
 partitions the momentum; LionCub runs as a plain single-process Lion on its fp32
-partition (it gets a process group of size 1, so it never votes).
+partition (it gets a process group of size 1, so it never votes; destroyed at exit).
+
+ds_config ``params`` also accept ``eps`` (HF's template fills it; Lion has none): dropped,
+with one warning on rank 0 (:func:`config_warnings`, also for Adam's betas (0.9, 0.999)).
+Every engine logs one line on rank 0 through DeepSpeed's logger (:meth:`EngineState.summary`).
+Every DeepSpeed name used here is listed and checked in :mod:`._compat`.
 """
 from __future__ import annotations
 
+import atexit
 import math
 import numbers
 import types
@@ -141,11 +151,35 @@ def data_parallel_group(engine):
 
 
 def singleton_group():
-    """A process group holding only this rank (LionCub then never votes). Cached."""
+    """A process group holding only this rank (LionCub then never votes). Cached; destroyed at exit."""
     rank = dist.get_rank()
     if rank not in _SINGLETON_GROUP:
         _SINGLETON_GROUP[rank] = dist.new_group([rank], use_local_synchronization=True)
+        if len(_SINGLETON_GROUP) == 1:
+            atexit.register(destroy_created_groups)
     return _SINGLETON_GROUP[rank]
+
+
+def destroy_created_groups() -> int:
+    """Destroy the process groups this integration created (runs at interpreter exit).
+
+    Gloo groups still alive while the interpreter tears its modules down are a known cause of
+    ``terminate called without an active exception`` (SIGABRT) at exit (pytorch/pytorch#65231,
+    #190489); the HF Trainer never calls ``destroy_process_group``. These groups hold one rank
+    each, so destroying them is local: it cannot wait for a peer that is gone. Groups the
+    user or DeepSpeed created are left alone. Returns how many were destroyed.
+    """
+    groups = list(_SINGLETON_GROUP.values())
+    _SINGLETON_GROUP.clear()
+    done = 0
+    for group in groups:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group(group)
+                done += 1
+        except Exception:  # noqa: BLE001 - already destroyed with the default group: nothing left to do
+            pass
+    return done
 
 
 # ----------------------------------------------------------------------------- checks
