@@ -213,3 +213,26 @@ def test_stage0_wrapper_must_be_unpartitioned():
         e = r["zero1_error"]
         assert e is not None and "BF16_Optimizer" in e and "every rank would vote on a different partition" in e, e
     assert a["stage0_params"] == b["stage0_params"]
+
+
+# ----------------------------------------------------------------------------- groups created by the integration
+def _singleton_lifecycle(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    from lioncub_ds.deepspeed import engine
+    g = engine.singleton_group()
+    assert engine.singleton_group() is g  # one per process, however many engines
+    t = torch.ones(3)
+    dist.all_reduce(t, group=g)
+    first = engine.destroy_created_groups()
+    second = engine.destroy_created_groups()
+    w = torch.ones(3)
+    dist.all_reduce(w)  # the default group is untouched
+    return {"single": t.tolist(), "first": first, "second": second, "world": w.tolist()}
+
+
+@needs_deepspeed
+def test_the_integration_destroys_only_the_groups_it_created():
+    from dist_helpers import run_ranks
+    for r in run_ranks(_singleton_lifecycle, 2, env=ENV, timeout=300):
+        assert r == {"single": [1.0] * 3, "first": 1, "second": 0, "world": [2.0] * 3}, r

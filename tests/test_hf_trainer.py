@@ -117,5 +117,5 @@ def test_repeated_launches_exit_cleanly(tmp_path):
     for i in range(int(os.environ.get("LIONCUB_HF_LAUNCHES", "2"))):
         out = tmp_path / f"run{i}" / "out"
         out.parent.mkdir(parents=True)
-        proc, log = launch(out, "--stages", "1,0", "--steps", "4", "--save", "2")
+        proc, log = launch(out, "--stages", "1", "--steps", "4", "--save", "2")
         assert proc.returncode == 0 and "terminate called" not in log, f"launch {i}: rc={proc.returncode}\n{log[-6000:]}"
