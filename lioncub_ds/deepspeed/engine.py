@@ -39,6 +39,7 @@ Every DeepSpeed name used here is listed and checked in :mod:`._compat`.
 from __future__ import annotations
 
 import atexit
+import collections
 import math
 import numbers
 import types
@@ -301,9 +302,14 @@ def check_unpartitioned(engine, opt) -> None:
     """Stage 0: LionCub must step full replicas. A wrapper that hands it a partition (DeepSpeed's
     BF16_Optimizer keeps fp32 masters partitioned across the data-parallel ranks) would make
     each rank vote on a different slice of the model, silently. Raise instead."""
-    model = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-    stepped = sum(p.numel() for g in opt.param_groups for p in g["params"])
-    if stepped != model:
+    # Unpartitioned wrappers hand LionCub the parameters themselves or full fp32 copies of them,
+    # so every tensor it steps has the shape of a model parameter (a subset is fine). A partitioned
+    # wrapper hands it flat slices instead.
+    shapes = collections.Counter(tuple(p.shape) for p in engine.module.parameters() if p.requires_grad)
+    stepped_shapes = collections.Counter(tuple(p.shape) for g in opt.param_groups for p in g["params"])
+    if stepped_shapes - shapes:
+        model = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+        stepped = sum(p.numel() for g in opt.param_groups for p in g["params"])
         raise LionCubDeepSpeedError(
             f"LionCub at ZeRO stage 0 needs an unpartitioned optimizer wrapper, but DeepSpeed wrapped it in "
             f"{type(engine.optimizer).__name__}, which gives it {stepped:,} of the model's {model:,} trainable "
