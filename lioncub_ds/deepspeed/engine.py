@@ -43,6 +43,7 @@ import collections
 import math
 import numbers
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,8 @@ _MARK = "_lioncub_ds_patch"
 _OPTIONS_ATTR = "_lioncub_ds_options"  # on a LionCub: its integration options (set by build / set_options)
 
 _SINGLETON_GROUP = {}
+# Optimizers that hold the singleton group: released at exit (process-lifetime resource, not options).
+_SINGLETON_USERS: "weakref.WeakSet" = weakref.WeakSet()
 _registered = False
 
 
@@ -172,6 +175,16 @@ def destroy_created_groups() -> int:
     """
     groups = list(_SINGLETON_GROUP.values())
     _SINGLETON_GROUP.clear()
+    # A gloo group's worker threads stop only when the last reference goes: destroy_process_group
+    # alone leaves them running while an optimizer still holds the group (measured: the thread
+    # count does not drop). Drop ours, and let the optimizer drop its own where it can.
+    for opt in list(_SINGLETON_USERS):
+        release = getattr(opt, "release_process_group", None)
+        if callable(release):
+            release()
+        if getattr(opt, "_lioncub_ds_built_group", None) is not None:
+            opt._lioncub_ds_built_group = None
+    _SINGLETON_USERS.clear()
     done = 0
     for group in groups:
         try:
@@ -232,6 +245,8 @@ def build_optimizer(engine, model_parameters):
     if stage == 0:
         model_parameters = _with_names(model_parameters, getattr(engine, "param_names", {}))
     opt = LionCub(model_parameters, process_group=group, **params)
+    if stage >= 1 and group is not None:
+        _SINGLETON_USERS.add(opt)
     setattr(opt, _OPTIONS_ATTR, options)
     opt._lioncub_ds_built_group = group
     if _global_rank() == 0:
@@ -353,6 +368,7 @@ def wire(engine) -> EngineState:
         if dist.is_available() and dist.is_initialized() and opt.world_size != 1:
             try:
                 opt.set_process_group(singleton_group())
+                _SINGLETON_USERS.add(opt)
             except RuntimeError as exc:
                 raise LionCubDeepSpeedError(f"LionCub under ZeRO stage {stage} must run as a single-process Lion "
                                             f"on its partition: {exc}") from exc
@@ -467,6 +483,7 @@ def register() -> None:
                 if self.zero_optimization_stage() >= 1 and dist.is_available() and dist.is_initialized() \
                         and client_optimizer.world_size != 1:
                     client_optimizer.set_process_group(singleton_group())
+                    _SINGLETON_USERS.add(client_optimizer)
             orig(self, client_optimizer, model_parameters)
             if isinstance(getattr(self, "basic_optimizer", None), LionCub):
                 wire(self)
