@@ -344,6 +344,10 @@ def split_params():
 
 @pytest.mark.parametrize("kwargs,pattern", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
 def test_ds_config_params_rejected_by_the_deepspeed_integration(kwargs, pattern, split_params):
+    if set(kwargs) == {"eps"}:  # HF's DeepSpeed template carries "eps": the integration drops it with a warning
+        params, _ = split_params(_ds_params(kwargs))
+        assert "eps" not in params
+        return
     with pytest.raises(LionCubConfigError, match=_ds_pattern(pattern)):
         split_params(_ds_params(kwargs))
 

@@ -9,7 +9,9 @@ ZeRO stage 0: Lion Cub (local momentum, 1-bit votes, the engine never all-reduce
 gradients). ZeRO stage 1/2: global Lion on DeepSpeed's reduced gradients, with the
 parameter all-gather replaced by a 1-bit sign all-gather where replicas can reproduce
 the update exactly. Stage 3 and optimizer offload are refused with a clear error.
-See ``lioncub_ds/deepspeed/README_SECTION.md``.
+Rank 0 logs one line through DeepSpeed's logger saying which path was taken. The DeepSpeed
+names patched or read, and the tested versions, are in :mod:`._compat`. See docs/deepspeed.md
+(also the Hugging Face Trainer recipe).
 
 Public helpers::
 
@@ -20,12 +22,14 @@ Public helpers::
 from __future__ import annotations
 
 from .checkpoint import load_checkpoint, load_rank_state, save_checkpoint, save_rank_state
-from .engine import (INTEGRATION_KEYS, OPTIMIZER_NAME, LionCubDeepSpeedError, is_registered, lioncub_of, register,
-                     set_options, split_params)
+from ._compat import DeepSpeedCompatError
+from .engine import (INTEGRATION_KEYS, OPTIMIZER_NAME, LionCubDeepSpeedError, config_warnings, is_registered,
+                     lioncub_of, register, set_options, split_params)
 from .zero import ZeroSignAllGatherError
 
 __all__ = ["register", "is_registered", "lioncub_of", "comm_stats", "save_checkpoint", "load_checkpoint",
-           "save_rank_state", "load_rank_state", "set_options", "split_params", "LionCubDeepSpeedError",
+           "save_rank_state", "load_rank_state", "set_options", "split_params", "config_warnings",
+           "LionCubDeepSpeedError", "DeepSpeedCompatError",
            "ZeroSignAllGatherError", "OPTIMIZER_NAME", "INTEGRATION_KEYS"]
 
 

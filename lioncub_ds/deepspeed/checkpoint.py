@@ -23,14 +23,13 @@ Equivalent explicit helpers: :func:`save_checkpoint` / :func:`load_checkpoint`.
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 
 import torch.distributed as dist
 
 from .. import checkpoint as lc_checkpoint
+from . import _compat
 
-log = logging.getLogger("lioncub_ds")
 _MARK = "_lioncub_ds_ckpt_hook"
 
 
@@ -70,8 +69,8 @@ def load_rank_state(engine, load_dir, tag, reshard: str = "average") -> str | No
         return lc_checkpoint.load(st.optimizer, directory, reshard=reshard)
     except lc_checkpoint.CheckpointError as exc:
         if "no LionCub checkpoint files" in str(exc):
-            log.warning("lioncub_ds: %s has no per-rank LionCub files (saved without lioncub_ds?): every rank "
-                        "continues from data-parallel rank 0's momentum", directory)
+            _compat.ds_logger().warning(f"lioncub_ds: {directory} has no per-rank LionCub files (saved without "
+                                        "lioncub_ds?): every rank continues from data-parallel rank 0's momentum")
             return None
         raise
 

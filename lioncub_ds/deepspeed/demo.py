@@ -3,11 +3,11 @@
     python -m lioncub_ds.deepspeed.demo                 # ~3-6 min on 2 cores
     python -m lioncub_ds.deepspeed.demo --steps 300 --preset demo
 
-Runs ``examples/pretrain_gpt_deepspeed.py`` twice with the ``deepspeed`` launcher
+Runs :mod:`lioncub_ds.deepspeed.pretrain_gpt` (shipped in the package) twice with the ``deepspeed`` launcher
 (``deepspeed --num_accelerators 2``, ``DS_ACCELERATOR=cpu``, ``OMP_NUM_THREADS=1``,
 gloo) on the bundled real text with the same seed, data order and steps:
 
-1. ``configs/ds_cpu_demo.json``: ``"type": "LionCub"`` at ZeRO stage 0: every rank keeps its
+1. ``DEMO_CONFIG`` (= ``configs/ds_cpu_demo.json``): ``"type": "LionCub"`` at ZeRO stage 0: every rank keeps its
    own momentum, gradients are never all-reduced, only 1-bit votes travel;
 2. ``--baseline``: plain Lion (``lioncub_ds.Lion``) with DeepSpeed's normal gradient
    all-reduce (bytes counted by the ring formula 2(N-1)/N x gradient bytes),
@@ -32,7 +32,7 @@ from ..telemetry import format_bytes
 
 __all__ = ["run_comparison", "format_comparison", "main", "DEMO_CONFIG"]
 
-# Used when configs/ds_cpu_demo.json is not next to the package (same content).
+# The demo's ds_config (configs/ds_cpu_demo.json in the repository holds the same; a test checks it).
 DEMO_CONFIG = {
     "train_micro_batch_size_per_gpu": 16,
     "gradient_accumulation_steps": 1,
@@ -48,22 +48,17 @@ DEMO_CONFIG = {
 }
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+def train_script() -> Path:
+    """The training script the demo launches: shipped inside the package (works once installed)."""
+    return Path(__file__).resolve().with_name("pretrain_gpt.py")
 
 
-def _example() -> Path:
-    path = _repo_root() / "examples" / "pretrain_gpt_deepspeed.py"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: the DeepSpeed demo runs from a source checkout of lioncub_ds")
-    return path
+def _package_parent() -> str:
+    import lioncub_ds
+    return str(Path(lioncub_ds.__file__).resolve().parents[1])
 
 
 def _config() -> dict:
-    path = _repo_root() / "configs" / "ds_cpu_demo.json"
-    if path.exists():
-        with open(path) as f:
-            return json.load(f)
     return json.loads(json.dumps(DEMO_CONFIG))
 
 
@@ -84,12 +79,12 @@ def _launcher() -> list[str]:
 def _run_one(mode: str, cfg_path: Path, out_json: Path, *, steps: int, preset: str, world_size: int,
              extra: list[str], timeout: float, verbose: bool) -> dict:
     cmd = _launcher() + ["--num_accelerators", str(world_size), "--master_port", str(_free_port()),
-                         str(_example()), "--deepspeed_config", str(cfg_path), "--steps", str(steps),
+                         str(train_script()), "--deepspeed_config", str(cfg_path), "--steps", str(steps),
                          "--preset", preset, "--json-out", str(out_json), "--no-progress"] + extra
     if mode == "baseline":
         cmd.append("--baseline")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    root = str(_repo_root())
+    root = _package_parent()  # the lioncub_ds the demo itself runs (a checkout or site-packages)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
     t0 = time.perf_counter()
@@ -151,7 +146,7 @@ def run_comparison(steps: int = 150, preset: str = "tiny", world_size: int = 2, 
     for mode in ("lioncub", "baseline"):
         if verbose:
             print(f"[lioncub_ds.deepspeed.demo] {mode}: deepspeed --num_accelerators {world_size} "
-                  f"examples/pretrain_gpt_deepspeed.py --deepspeed_config {cfg_path.name}"
+                  f"lioncub_ds/deepspeed/pretrain_gpt.py --deepspeed_config {cfg_path.name}"
                   f"{' --baseline' if mode == 'baseline' else ''} --steps {steps} --preset {preset}", flush=True)
         results[mode] = _run_one(mode, cfg_path, tmp / f"{mode}.json", steps=steps, preset=preset,
                                  world_size=world_size, extra=extra, timeout=timeout, verbose=verbose)

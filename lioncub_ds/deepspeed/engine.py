@@ -23,13 +23,25 @@ overflow over the data-parallel group (DeepSpeed's ``CheckOverflow`` all-reduces
 when ``enable_backward_allreduce`` is False), so every rank skips and backs off its loss
 scale identically.
 
+The wrapper must be unpartitioned at stage 0: ``_configure_bf16_optimizer`` refuses to wrap
+a stage-0 LionCub in DeepSpeed's BF16_Optimizer (partitioned fp32 masters), and
+:func:`check_unpartitioned` checks any wrapper after the fact.
+
 Wiring, ZeRO stage 1/2 (global-Lion semantics): DeepSpeed reduces the gradients and
 partitions the momentum; LionCub runs as a plain single-process Lion on its fp32
-partition (it gets a process group of size 1, so it never votes).
+partition (it gets a process group of size 1, so it never votes; destroyed at exit).
+
+ds_config ``params`` also accept ``eps`` (HF's template fills it; Lion has none): dropped,
+with one warning on rank 0 (:func:`config_warnings`, also for Adam's betas (0.9, 0.999)).
+Every engine logs one line on rank 0 through DeepSpeed's logger (:meth:`EngineState.summary`).
+Every DeepSpeed name used here is listed and checked in :mod:`._compat`.
 """
 from __future__ import annotations
 
-import logging
+import atexit
+import collections
+import math
+import numbers
 import types
 import weakref
 
@@ -38,19 +50,24 @@ import torch.distributed as dist
 
 from ..config import LionCubConfig, LionCubConfigError, unknown_key_error
 from ..optimizer import LionCub
-
-log = logging.getLogger("lioncub_ds")
+from . import _compat
 
 OPTIMIZER_NAME = "LionCub"
 # ds_config optimizer.params keys that configure the integration, not the optimizer.
 INTEGRATION_KEYS = ("zero_allgather", "zero_fp32_replica")
+# Keys other optimizers' templates carry that Lion has no use for: accepted, ignored, warned about.
+# HF's DeepSpeed template has "eps": "auto" (filled from --adam_epsilon).
+IGNORED_KEYS = ("eps",)
 ZERO_ALLGATHER_MODES = ("auto", "sign", "params")
+# What HF's "betas": "auto" fills in by default (--adam_beta1 / --adam_beta2): Adam's betas.
+ADAM_DEFAULT_BETAS = (0.9, 0.999)
+DEFAULT_OPTIONS = {"zero_allgather": "auto", "zero_fp32_replica": False}
 _MARK = "_lioncub_ds_patch"
+_OPTIONS_ATTR = "_lioncub_ds_options"  # on a LionCub: its integration options (set by build / set_options)
 
-# Integration options of optimizers built from a ds_config (optimizer -> dict).
-_OPTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _SINGLETON_GROUP = {}
-_BUILT_GROUP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> group given at build
+# Optimizers that hold the singleton group: released at exit (process-lifetime resource, not options).
+_SINGLETON_USERS: "weakref.WeakSet" = weakref.WeakSet()
 _registered = False
 
 
@@ -64,16 +81,26 @@ def is_lioncub_name(name) -> bool:
 
 # ----------------------------------------------------------------------------- options
 def split_params(params: dict | None, where: str = "ds_config optimizer.params"):
-    """Split ds_config params into (LionCub kwargs, integration options); validate both."""
+    """Split ds_config params into (LionCub kwargs, integration options); validate both.
+
+    ``eps`` (Adam's epsilon; HF's template has ``"eps": "auto"``) is accepted and dropped:
+    Lion has no epsilon. :func:`config_warnings` says so.
+    """
     params = dict(params or {})
     if "max_grad_norm" in params:
         raise LionCubConfigError("LionCub: 'max_grad_norm' is not an optimizer parameter; use the ds_config "
                                  "top-level \"gradient_clipping\" (it clips each rank's local gradient at ZeRO "
                                  "stage 0, the reduced gradient at stage 1/2)")
-    allowed = LionCubConfig.keys() + INTEGRATION_KEYS
+    allowed = LionCubConfig.keys() + INTEGRATION_KEYS + IGNORED_KEYS
     for key in params:
         if key not in allowed:
             raise unknown_key_error(key, allowed, where)
+    if "eps" in params:
+        eps = params.pop("eps")
+        if eps is not None and not (isinstance(eps, numbers.Real) and not isinstance(eps, bool)
+                                    and math.isfinite(eps) and eps >= 0):
+            raise LionCubConfigError(f"LionCub: invalid {where} eps={eps!r}; allowed: a number >= 0 or null "
+                                     "(ignored: Lion has no epsilon; remove the key)")
     options = {"zero_allgather": params.pop("zero_allgather", "auto"),
                "zero_fp32_replica": params.pop("zero_fp32_replica", False)}
     if options["zero_allgather"] not in ZERO_ALLGATHER_MODES:
@@ -86,8 +113,24 @@ def split_params(params: dict | None, where: str = "ds_config optimizer.params")
     return params, options
 
 
+def config_warnings(params: dict | None) -> list[str]:
+    """What to tell the user about a (valid) ds_config ``optimizer.params`` section."""
+    params = params or {}
+    out = []
+    if "eps" in params:
+        out.append(f"LionCub ignores optimizer.params eps={params['eps']!r}: Lion has no epsilon (HF's DeepSpeed "
+                   "template fills \"eps\": \"auto\" from --adam_epsilon). Remove the key to silence this.")
+    betas = params.get("betas")
+    if isinstance(betas, (list, tuple)) and len(betas) == 2 and tuple(float(b) for b in betas) == ADAM_DEFAULT_BETAS:
+        out.append("LionCub got betas=(0.9, 0.999): Adam's defaults, which HF's \"betas\": \"auto\" fills from "
+                   "--adam_beta1/--adam_beta2 when they are not set. Lion wants a smaller beta2: (0.9, 0.99) "
+                   "(Lion's default) or (0.95, 0.98) for LLMs. Pass --adam_beta1 0.95 --adam_beta2 0.98 (HF) or "
+                   "write \"betas\": [0.95, 0.98] into the ds_config.")
+    return out
+
+
 def options_of(optimizer) -> dict:
-    return dict(_OPTIONS.get(optimizer, {"zero_allgather": "auto", "zero_fp32_replica": False}))
+    return dict(getattr(optimizer, _OPTIONS_ATTR, None) or DEFAULT_OPTIONS)
 
 
 def set_options(optimizer, **options) -> None:
@@ -96,7 +139,7 @@ def set_options(optimizer, **options) -> None:
         if key not in INTEGRATION_KEYS:
             raise unknown_key_error(key, INTEGRATION_KEYS, "LionCub DeepSpeed option")
     _, checked = split_params(options)
-    _OPTIONS[optimizer] = checked
+    setattr(optimizer, _OPTIONS_ATTR, checked)
 
 
 # ----------------------------------------------------------------------------- groups
@@ -112,11 +155,45 @@ def data_parallel_group(engine):
 
 
 def singleton_group():
-    """A process group holding only this rank (LionCub then never votes). Cached."""
+    """A process group holding only this rank (LionCub then never votes). Cached; destroyed at exit."""
     rank = dist.get_rank()
     if rank not in _SINGLETON_GROUP:
         _SINGLETON_GROUP[rank] = dist.new_group([rank], use_local_synchronization=True)
+        if len(_SINGLETON_GROUP) == 1:
+            atexit.register(destroy_created_groups)
     return _SINGLETON_GROUP[rank]
+
+
+def destroy_created_groups() -> int:
+    """Destroy the process groups this integration created (runs at interpreter exit).
+
+    Gloo groups still alive while the interpreter tears its modules down are a known cause of
+    ``terminate called without an active exception`` (SIGABRT) at exit (pytorch/pytorch#65231,
+    #190489); the HF Trainer never calls ``destroy_process_group``. These groups hold one rank
+    each, so destroying them is local: it cannot wait for a peer that is gone. Groups the
+    user or DeepSpeed created are left alone. Returns how many were destroyed.
+    """
+    groups = list(_SINGLETON_GROUP.values())
+    _SINGLETON_GROUP.clear()
+    # A gloo group's worker threads stop only when the last reference goes: destroy_process_group
+    # alone leaves them running while an optimizer still holds the group (measured: the thread
+    # count does not drop). Drop ours, and let the optimizer drop its own where it can.
+    for opt in list(_SINGLETON_USERS):
+        release = getattr(opt, "release_process_group", None)
+        if callable(release):
+            release()
+        if getattr(opt, "_lioncub_ds_built_group", None) is not None:
+            opt._lioncub_ds_built_group = None
+    _SINGLETON_USERS.clear()
+    done = 0
+    for group in groups:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group(group)
+                done += 1
+        except Exception:  # noqa: BLE001 - already destroyed with the default group: nothing left to do
+            pass
+    return done
 
 
 # ----------------------------------------------------------------------------- checks
@@ -153,9 +230,14 @@ def check_supported(engine) -> None:
 
 
 # ----------------------------------------------------------------------------- build
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def build_optimizer(engine, model_parameters):
     """LionCub from the ds_config (``optimizer.type == "LionCub"``)."""
-    params, options = split_params(engine.optimizer_params())
+    raw = engine.optimizer_params()
+    params, options = split_params(raw)
     stage = engine.zero_optimization_stage()
     group = None
     if dist.is_available() and dist.is_initialized():
@@ -163,9 +245,13 @@ def build_optimizer(engine, model_parameters):
     if stage == 0:
         model_parameters = _with_names(model_parameters, getattr(engine, "param_names", {}))
     opt = LionCub(model_parameters, process_group=group, **params)
-    _OPTIONS[opt] = options
-    if group is not None:
-        _BUILT_GROUP[opt] = group
+    if stage >= 1 and group is not None:
+        _SINGLETON_USERS.add(opt)
+    setattr(opt, _OPTIONS_ATTR, options)
+    opt._lioncub_ds_built_group = group
+    if _global_rank() == 0:
+        for msg in config_warnings(raw):
+            _compat.ds_logger().warning(msg)
     return opt
 
 
@@ -194,29 +280,81 @@ def _with_names(model_parameters, names: dict):
 class EngineState:
     """What the integration attached to one engine (``engine.lioncub``)."""
 
-    def __init__(self, engine, optimizer, stage, mode, zero_adapter=None):
-        self._engine = weakref.ref(engine)
+    def __init__(self, optimizer, stage, mode, options, *, world_size=1, zero_adapter=None, sign_off_reason=None,
+                 wrapper=""):
         self.optimizer = optimizer
         self.stage = stage
         self.mode = mode  # "local_momentum" (stage 0) or "zero" (stage 1/2)
+        self.options = dict(options)  # zero_allgather, zero_fp32_replica
+        self.world_size = world_size  # data-parallel ranks
         self.zero_adapter = zero_adapter
+        self.sign_off_reason = sign_off_reason
+        self.wrapper = wrapper
+
+    @property
+    def sign_allgather(self) -> bool:
+        return self.zero_adapter is not None
+
+    def summary(self) -> str:
+        """The one line logged at wiring: stage, comm, N, sign all-gather, wrapper."""
+        if self.mode == "local_momentum":
+            what = "Lion Cub: local momentum, sign votes, no gradient all-reduce"
+            comm = self.optimizer.config.comm
+            sign = "off (stage 0 votes instead)"
+        else:
+            what = "global Lion on DeepSpeed's reduced gradients"
+            comm = "none (DeepSpeed reduces gradients)"
+            sign = "on" if self.sign_allgather else f"off ({self.sign_off_reason})"
+        return (f"LionCub: ZeRO stage {self.stage} ({what}); comm={comm}; N={self.world_size}; "
+                f"sign all-gather={sign}; wrapper={self.wrapper}")
 
     def __repr__(self):
         return (f"EngineState(stage={self.stage}, mode={self.mode!r}, "
                 f"zero_allgather={'sign' if self.zero_adapter else 'params' if self.mode == 'zero' else None})")
 
 
+def check_unpartitioned(engine, opt) -> None:
+    """Stage 0: LionCub must step full replicas. A wrapper that hands it a partition (DeepSpeed's
+    BF16_Optimizer keeps fp32 masters partitioned across the data-parallel ranks) would make
+    each rank vote on a different slice of the model, silently. Raise instead."""
+    # Unpartitioned wrappers hand LionCub the parameters themselves or full fp32 copies of them,
+    # so every tensor it steps has the shape of a model parameter (a subset is fine). A partitioned
+    # wrapper hands it flat slices instead.
+    shapes = collections.Counter(tuple(p.shape) for p in engine.module.parameters() if p.requires_grad)
+    stepped_shapes = collections.Counter(tuple(p.shape) for g in opt.param_groups for p in g["params"])
+    if stepped_shapes - shapes:
+        model = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+        stepped = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        raise LionCubDeepSpeedError(
+            f"LionCub at ZeRO stage 0 needs an unpartitioned optimizer wrapper, but DeepSpeed wrapped it in "
+            f"{type(engine.optimizer).__name__}, which gives it {stepped:,} of the model's {model:,} trainable "
+            "elements (fp32 master weights partitioned across the data-parallel ranks): every rank would vote on "
+            "a different partition. " + _BF16_ADVICE)
+
+
+_BF16_ADVICE = ("Either keep zero_optimization.stage=0 (Lion Cub) with bf16.enabled=true and no "
+                "data_types.grad_accum_dtype=\"fp32\" (DeepSpeed then uses its unpartitioned bf16 wrapper), or "
+                "fp32 / fp16.enabled=true; or use zero_optimization.stage=1 or 2 (global Lion on reduced gradients, "
+                "where partitioned masters are correct).")
+
+
 def wire(engine) -> EngineState:
     opt = engine.basic_optimizer
     stage = engine.zero_optimization_stage()
     check_supported(engine)
+    missing = _compat.engine_missing(engine)
+    if missing:
+        raise LionCubDeepSpeedError(f"LionCub cannot wire this DeepSpeed engine: it lacks {', '.join(missing)} "
+                                    f"(tested DeepSpeed: {', '.join(_compat.TESTED_VERSIONS)})")
     options = options_of(opt)
+    wrapper = type(engine.optimizer).__name__
     if stage == 0:
+        check_unpartitioned(engine, opt)
         engine.enable_backward_allreduce = False
         if hasattr(engine, "pipeline_enable_backward_allreduce"):
             engine.pipeline_enable_backward_allreduce = False
         group = data_parallel_group(engine) if dist.is_available() and dist.is_initialized() else None
-        if group is not None and _BUILT_GROUP.get(opt) is not group:
+        if group is not None and getattr(opt, "_lioncub_ds_built_group", None) is not group:
             try:
                 opt.set_process_group(group)
             except RuntimeError as exc:
@@ -225,22 +363,29 @@ def wire(engine) -> EngineState:
         engine.clip_fp32_gradients = types.MethodType(clip_local_gradients, engine)
         if engine.optimizer is opt:
             _report_skips_as_overflow(opt)
-        state = EngineState(engine, opt, stage, "local_momentum")
+        state = EngineState(opt, stage, "local_momentum", options, world_size=opt.world_size, wrapper=wrapper)
     else:
         if dist.is_available() and dist.is_initialized() and opt.world_size != 1:
             try:
                 opt.set_process_group(singleton_group())
+                _SINGLETON_USERS.add(opt)
             except RuntimeError as exc:
                 raise LionCubDeepSpeedError(f"LionCub under ZeRO stage {stage} must run as a single-process Lion "
                                             f"on its partition: {exc}") from exc
         from .zero import maybe_enable_sign_allgather
-        adapter = maybe_enable_sign_allgather(engine, opt, options)
-        state = EngineState(engine, opt, stage, "zero", adapter)
+        adapter, why = maybe_enable_sign_allgather(engine, opt, options)
+        group = data_parallel_group(engine) if dist.is_available() and dist.is_initialized() else None
+        n = dist.get_world_size(group) if group is not None or (dist.is_available() and dist.is_initialized()) else 1
+        state = EngineState(opt, stage, "zero", options, world_size=n, zero_adapter=adapter, sign_off_reason=why,
+                            wrapper=wrapper)
     from .checkpoint import install_engine_hooks
     install_engine_hooks(engine)
     engine.lioncub = state
     if getattr(engine, "global_rank", 0) == 0:
-        log.info("lioncub_ds: DeepSpeed engine wired: %r", state)
+        # WARNING level: DeepSpeed's logger and its handler default to WARNING, and the HF Trainer sets
+        # the logger to its own level (WARNING unless --log_level), so an INFO line would never show.
+        # Which semantics were chosen (local-momentum votes or global Lion) changes what is trained.
+        _compat.ds_logger().warning(state.summary())
     return state
 
 
@@ -309,6 +454,7 @@ def register() -> None:
     _registered = True
     try:
         import deepspeed  # noqa: F401
+        _compat.check()  # every name patched or read below exists; warns outside the tested range
         from deepspeed.runtime import engine as ds_engine
         from deepspeed.runtime.zero import stage_1_and_2
         from deepspeed.runtime.zero import utils as zero_utils
@@ -337,6 +483,7 @@ def register() -> None:
                 if self.zero_optimization_stage() >= 1 and dist.is_available() and dist.is_initialized() \
                         and client_optimizer.world_size != 1:
                     client_optimizer.set_process_group(singleton_group())
+                    _SINGLETON_USERS.add(client_optimizer)
             orig(self, client_optimizer, model_parameters)
             if isinstance(getattr(self, "basic_optimizer", None), LionCub):
                 wire(self)
@@ -357,8 +504,30 @@ def register() -> None:
                 del optimizer.step
         return configure_wrapper
 
+    def make_bf16_guard(orig):
+        # DeepSpeed's BF16_Optimizer partitions the fp32 masters across the data-parallel ranks (it is
+        # ZeRO-1-like). Fine at stage >= 1 (global Lion on a partition); at stage 0 every rank would
+        # vote on a different partition. Refuse before the wrapper is built.
+        configure = make_no_init_step(orig)
+
+        def _configure_bf16_optimizer(self, optimizer, *args, **kwargs):
+            if isinstance(optimizer, LionCub) and self.zero_optimization_stage() == 0:
+                why = []
+                if getattr(self, "pipeline_parallelism", False):
+                    why.append("pipeline parallelism")
+                accum = _grad_accum_dtype(self)
+                if accum is not None:
+                    why.append(f"data_types.grad_accum_dtype={accum}")
+                raise LionCubDeepSpeedError(
+                    "LionCub at ZeRO stage 0 (zero_optimization.stage=0) with bf16.enabled=true: DeepSpeed routes "
+                    "this config" + (f" ({', '.join(why)})" if why else "") + " to BF16_Optimizer, whose fp32 master "
+                    "weights are partitioned across the data-parallel ranks, so every rank would vote on a different "
+                    "partition. " + _BF16_ADVICE)
+            return configure(self, optimizer, *args, **kwargs)
+        return _configure_bf16_optimizer
+
     _patch(Engine, "_configure_fp16_optimizer", make_no_init_step)
-    _patch(Engine, "_configure_bf16_optimizer", make_no_init_step)
+    _patch(Engine, "_configure_bf16_optimizer", make_bf16_guard)
     _patch(Engine, "_is_supported_optimizer", make_supported)
     _patch(Engine, "_configure_basic_optimizer", make_basic)
     _patch(Engine, "_configure_optimizer", make_configure)
@@ -366,6 +535,15 @@ def register() -> None:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(LionCub)
     from .zero import make_allgather_dispatch
     _patch(stage_1_and_2, "all_gather_dp_groups", make_allgather_dispatch)
+
+
+def _grad_accum_dtype(engine):
+    try:
+        cfg = engine._config  # noqa: SLF001 - only used to name the setting in an error message
+        value = getattr(cfg, "grad_accum_dtype", None)
+        return None if value is None else str(value)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _no_step(closure=None):

@@ -31,20 +31,17 @@ whether the nonzero plane follows.
 """
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 
 import torch
-import torch.distributed as dist
 
-from ..codec import apply_update, lion_direction, pack_bits, unpack_bits
-from ..telemetry import ring_bytes
+from .. import ops
+from ..comm.base import Collectives
+from ..telemetry import CommStats, ring_bytes
+from . import _compat
 
-log = logging.getLogger("lioncub_ds")
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_ADAPTERS: dict = {}  # id(zero_opt.parallel_partitioned_bit16_groups) -> weakref(adapter)
+_TAG = "_lioncub_ds_sign_allgather"  # on DeepSpeed's first flat buffer: weakref to its adapter
 
 
 class ZeroSignAllGatherError(RuntimeError):
@@ -56,7 +53,7 @@ def make_allgather_dispatch(orig):
 
     def all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
                              allgather_bucket_size):
-        ref = _ADAPTERS.get(id(partitioned_param_groups))
+        ref = getattr(groups_flat[0], _TAG, None) if groups_flat else None
         adapter = ref() if ref is not None else None
         if adapter is not None and adapter.parts is partitioned_param_groups and adapter.pending:
             return adapter.run()
@@ -68,10 +65,8 @@ def make_allgather_dispatch(orig):
 
 def _pad_ranges(zopt, i, flat_numel):
     """Sorted [a, b) ranges of the flat buffer of group ``i`` that hold no parameter."""
-    offsets = getattr(zopt, "round_robin_bit16_offsets", None)
-    metas = getattr(zopt, "round_robin_bit16_meta", None)
-    if offsets is None or metas is None:
-        raise ZeroSignAllGatherError("this DeepSpeed version does not expose round_robin_bit16_offsets/meta")
+    offsets = zopt.round_robin_bit16_offsets
+    metas = zopt.round_robin_bit16_meta
     real = sorted((int(o), int(o) + int(m.numel())) for o, m in zip(offsets[i], metas[i]))
     gaps, pos = [], 0
     for a, b in real:
@@ -84,10 +79,19 @@ def _pad_ranges(zopt, i, flat_numel):
 
 
 class ZeroSignAllGather:
-    """The per-engine adapter; see the module doc."""
+    """The per-engine adapter; see the module doc.
+
+    Collectives go through :class:`lioncub_ds.comm.base.Collectives` (bytes and time in a
+    :class:`~lioncub_ds.telemetry.CommStats`, failures as ``CollectiveError``); the local
+    direction, the bit packing and the apply go through the kernel backend of the
+    parameters' device (``local_step`` and ``vote_apply`` with one voter: Δ = the owner's
+    sign, 0 where it abstains).
+    """
 
     def __init__(self, zopt, lion, replica: bool):
-        self.zopt = zopt
+        missing = _compat.zero_missing(zopt)
+        if missing:
+            raise ZeroSignAllGatherError(f"this DeepSpeed's ZeRO optimizer lacks {', '.join(missing)}")
         self.lion = lion
         self.parts = zopt.parallel_partitioned_bit16_groups
         self.flat = zopt.bit16_groups_flat
@@ -96,8 +100,10 @@ class ZeroSignAllGather:
         self.group = groups[0]
         if any(g is not self.group for g in groups):
             raise ZeroSignAllGatherError("parameter groups use different data-parallel groups (MoE?)")
-        self.n = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        self.stats = CommStats()
+        self.coll = Collectives(self.group, self.stats)
+        self.n = self.coll.world_size
+        self.rank = self.coll.rank
         self.psize = [int(p[0].numel()) for p in self.parts]
         for i, ps in enumerate(self.psize):
             if self.flat[i].numel() != ps * self.n or any(int(p.numel()) != ps for p in self.parts[i]):
@@ -113,6 +119,7 @@ class ZeroSignAllGather:
             # Equal to every owner's master now: DeepSpeed built each master as flat_partition.float().
             self.replica = [f.detach().float().clone() for f in self.flat]
         dev = self.flat[0].device
+        self.backend = ops.backend_for(dev.type)
         self.pad_index = []  # [group][partition] -> LongTensor of local padding positions
         for i, ps in enumerate(self.psize):
             gaps = _pad_ranges(zopt, i, self.flat[i].numel())
@@ -124,10 +131,12 @@ class ZeroSignAllGather:
             self.pad_index.append(per)
         self.master_index = {id(m): i for i, m in enumerate(self.masters)}
         self.pending: dict = {}
-        self.stats = {"steps": 0, "bytes_sent": 0, "param_allgather_bytes": 0, "nonzero_plane_steps": 0,
-                      "comm_time_s": 0.0, "last_step": {}}
+        self.steps = 0
+        self.param_allgather_bytes = 0
+        self.nonzero_plane_steps = 0
+        self.last_step: dict = {}
         self._hook = lion.register_step_pre_hook(self._pre_step)
-        _ADAPTERS[id(self.parts)] = weakref.ref(self)
+        setattr(self.flat[0], _TAG, weakref.ref(self))
 
     # -------------------------------------------------------------- memory
     def extra_memory_bytes(self) -> int:
@@ -144,27 +153,32 @@ class ZeroSignAllGather:
             if i is None:
                 continue
             ps = self.psize[i]
-            c = torch.zeros(self.nbytes[i] * 8, dtype=torch.float32, device=p.device)
-            if p.grad is not None:
-                m = optimizer.state.get(p, {}).get("exp_avg")
-                if m is None:
-                    m = torch.zeros_like(p, dtype=torch.float32)
-                c[:ps] = lion_direction(m.reshape(-1), p.grad.reshape(-1), g["betas"][0])
             pad = self.pad_index[i][self.rank]
-            if pad.numel():
-                c[pad] = 0.0
-            ok = torch.isfinite(c)
-            sign = pack_bits((c > 0) & ok)
-            nonzero_mask = (c != 0) & ok
-            abstain = int(ps - nonzero_mask[:ps].sum()) - int(pad.numel())
+            if p.grad is not None:
+                grad = p.grad.reshape(-1)
+                if pad.numel():
+                    grad.index_fill_(0, pad, 0.0)  # padding never moves, on the owner's master either
+                m = optimizer.state.get(p, {}).get("exp_avg")
+                m = torch.zeros(ps, dtype=torch.float32, device=p.device) if m is None else m.reshape(-1)
+            else:
+                grad = torch.zeros(ps, dtype=torch.float32, device=p.device)
+                m = grad
+            # c = beta1*m + (1-beta1)*g packed to sign / nonzero planes; momentum untouched (Lion updates it).
+            sign, nonzero, n_nonfinite, n_zero = self.backend.local_step(
+                [grad], [m], [0], self.nbytes[i] * 8, g["betas"][0], g["betas"][1], False)
+            abstain = n_nonfinite + n_zero - int(pad.numel()) > 0
             snap = None if self.replica is not None else self.masters[i].detach().clone()
-            self.pending[i] = {"sign": sign, "nonzero": pack_bits(nonzero_mask), "abstain": abstain > 0,
+            self.pending[i] = {"sign": sign, "nonzero": nonzero, "abstain": abstain,
                                "lr": float(g["lr"]), "wd": float(g["weight_decay"]), "snapshot": snap}
 
-    def _gather(self, buf):
-        out = torch.empty(self.n * buf.numel(), dtype=buf.dtype, device=buf.device)
-        _all_gather_single(out, buf.contiguous(), group=self.group)
-        return out.view(self.n, -1)
+    def _apply(self, target, j, i, sign, nonzero, lr, wd):
+        """target (a flat fp32 slice of partition j) <- Lion update with Δ = owner j's sign (0 where it abstains)."""
+        pad = self.pad_index[i][j]
+        keep = target[pad].clone() if pad.numel() else None
+        self.backend.vote_apply(sign, nonzero, [target], [0], lr, wd, 1, "zero", "majority", 1, 0,
+                                return_delta=False)
+        if keep is not None:
+            target[pad] = keep  # padding does not move (its sign bit is 0 when no nonzero plane is sent)
 
     @torch.no_grad()
     def run(self):
@@ -176,45 +190,37 @@ class ZeroSignAllGather:
             raise ZeroSignAllGatherError(f"ZeRO step updated groups {sorted(pending)} but not {missing}")
         dev = self.flat[0].device
         flag = torch.tensor([1 if any(v["abstain"] for v in pending.values()) else 0], dtype=torch.uint8, device=dev)
-        send = torch.cat([pending[i]["sign"] for i in range(len(self.parts))] + [flag])
-        sent = ring_bytes("all_gather", send.numel() * self.n, self.n)
-        signs = self._gather(send)
+        signs = self.coll.all_gather(torch.cat([pending[i]["sign"] for i in range(len(self.parts))] + [flag]),
+                                     "zero_sign")
         nonzero = None
         if bool(signs[:, -1].any()):
-            nz_send = torch.cat([pending[i]["nonzero"] for i in range(len(self.parts))])
-            nonzero = self._gather(nz_send)
-            sent += ring_bytes("all_gather", nz_send.numel() * self.n, self.n)
-            self.stats["nonzero_plane_steps"] += 1
+            nonzero = self.coll.all_gather(torch.cat([pending[i]["nonzero"] for i in range(len(self.parts))]),
+                                           "zero_nonzero")
+            self.nonzero_plane_steps += 1
         for i, ps in enumerate(self.psize):
             lr, wd = pending[i]["lr"], pending[i]["wd"]
             o, nb = self.offsets[i], self.nbytes[i]
             target = self.replica[i] if self.replica is not None else self.flat[i]
             for j in range(self.n):
-                bits = unpack_bits(signs[j, o:o + nb], ps).to(torch.float32)
-                delta = bits.mul_(2.0).sub_(1.0)
-                if nonzero is not None:
-                    delta.mul_(unpack_bits(nonzero[j, o:o + nb], ps).to(torch.float32))
-                pad = self.pad_index[i][j]
-                if pad.numel():
-                    delta[pad] = 0.0
+                sign_j = signs[j:j + 1, o:o + nb].contiguous()
+                nz_j = nonzero[j:j + 1, o:o + nb].contiguous() if nonzero is not None else None
                 if j == self.rank and self.replica is None:
                     x = pending[i]["snapshot"]           # the owner's pre-step master == everyone's replica
-                    apply_update([x], [0], delta, lr, wd)
+                    self._apply(x, j, i, sign_j, nz_j, lr, wd)
                     target[j * ps:(j + 1) * ps].copy_(x)
                     self.masters[i].copy_(x)
                 else:
-                    apply_update([target[j * ps:(j + 1) * ps]], [0], delta, lr, wd)
+                    self._apply(target[j * ps:(j + 1) * ps], j, i, sign_j, nz_j, lr, wd)
             if self.replica is not None:
                 self.flat[i].copy_(self.replica[i])  # one rounding fp32 -> bf16/fp16, identical everywhere
                 self.masters[i].copy_(self.replica[i][self.rank * ps:(self.rank + 1) * ps])
         baseline = sum(ring_bytes("all_gather", f.numel() * f.element_size(), self.n) for f in self.flat)
-        dt = time.perf_counter() - t0
-        self.stats["steps"] += 1
-        self.stats["bytes_sent"] += sent
-        self.stats["param_allgather_bytes"] += baseline
-        self.stats["comm_time_s"] += dt
-        self.stats["last_step"] = {"bytes_sent": sent, "param_allgather_bytes": baseline,
-                                   "nonzero_plane": nonzero is not None, "time_s": dt}
+        self.stats.end_step()
+        sent = self.stats.last_step["bytes_sent"]
+        self.steps += 1
+        self.param_allgather_bytes += baseline
+        self.last_step = {"bytes_sent": sent, "param_allgather_bytes": baseline, "nonzero_plane": nonzero is not None,
+                          "time_s": time.perf_counter() - t0}
 
     @torch.no_grad()
     def refresh(self):
@@ -222,52 +228,54 @@ class ZeroSignAllGather:
         if self.replica is None:
             return
         for i, master in enumerate(self.masters):
-            out = self._gather(master.detach().float().reshape(-1))
+            out = self.coll.all_gather(master.detach().float().reshape(-1), "zero_replica_refresh")
             self.replica[i].copy_(out.reshape(-1))
 
     def snapshot_stats(self) -> dict:
-        s = dict(self.stats)
+        cum = self.stats.snapshot()["cumulative"]
+        s = {"steps": self.steps, "bytes_sent": cum["bytes_sent"], "param_allgather_bytes": self.param_allgather_bytes,
+             "nonzero_plane_steps": self.nonzero_plane_steps, "comm_time_s": cum["comm_time_s"],
+             "by_collective": cum["by_collective"], "by_purpose": cum["by_algorithm"],
+             "last_step": dict(self.last_step)}
         s["ratio_vs_param_allgather"] = (s["param_allgather_bytes"] / s["bytes_sent"]) if s["bytes_sent"] else None
         s["extra_memory_bytes"] = self.extra_memory_bytes()
         return s
 
     def close(self):
         self._hook.remove()
-        _ADAPTERS.pop(id(self.parts), None)
+        if getattr(self.flat[0], _TAG, None) is not None:
+            delattr(self.flat[0], _TAG)
 
 
 def maybe_enable_sign_allgather(engine, lion, options):
-    """Install the sign all-gather on a ZeRO-1/2 engine when the options and the setup allow it."""
+    """Install the sign all-gather on a ZeRO-1/2 engine when the options and the setup allow it.
+
+    Returns (adapter or None, why it is off or None).
+    """
     mode = options.get("zero_allgather", "auto")
     replica = bool(options.get("zero_fp32_replica", False))
     if mode == "params":
-        return None
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
+        return None, "zero_allgather=\"params\""
     zopt = engine.optimizer
     why = None
-    if type(zopt) is not DeepSpeedZeroOptimizer:
+    if type(zopt) is not _compat.zero_optimizer_class():
         why = f"the ZeRO wrapper is {type(zopt).__name__}, not DeepSpeedZeroOptimizer"
     elif getattr(zopt, "cpu_offload", False):
         why = "optimizer offload is on"
     elif getattr(zopt, "torch_autocast_gradscaler", None) is not None:
         why = "torch_autocast's GradScaler steps the optimizer"
+    elif _compat.zero_missing(zopt):
+        why = f"this DeepSpeed's ZeRO optimizer lacks {', '.join(_compat.zero_missing(zopt))}"
     elif zopt.bit16_groups_flat and zopt.bit16_groups_flat[0].dtype != torch.float32 and not replica:
         why = (f"parameters are {zopt.bit16_groups_flat[0].dtype} and the fp32 master lives only on its owner; "
                "set \"zero_fp32_replica\": true (+4 bytes/parameter/rank) to let every rank reproduce it")
+    adapter = None
     if why is None:
         try:
             low_precision = zopt.bit16_groups_flat[0].dtype != torch.float32
             adapter = ZeroSignAllGather(zopt, lion, replica=replica and low_precision)
         except ZeroSignAllGatherError as exc:
             why = str(exc)
-    if why is not None:
-        if mode == "sign":
-            raise ZeroSignAllGatherError(f"LionCub: zero_allgather='sign' is not possible here: {why}")
-        if getattr(engine, "global_rank", 0) == 0:
-            log.info("lioncub_ds: ZeRO keeps DeepSpeed's parameter all-gather (%s)", why)
-        return None
-    if getattr(engine, "global_rank", 0) == 0:
-        log.info("lioncub_ds: ZeRO stage %d uses the 1-bit sign all-gather (extra memory %d bytes/rank)",
-                 engine.zero_optimization_stage(), adapter.extra_memory_bytes())
-    return adapter
+    if why is not None and mode == "sign":
+        raise ZeroSignAllGatherError(f"LionCub: zero_allgather='sign' is not possible here: {why}")
+    return adapter, why

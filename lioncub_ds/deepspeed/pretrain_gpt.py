@@ -1,0 +1,275 @@
+"""Pretrain the small GPT with DeepSpeed and Lion Cub, driven by the ``deepspeed`` launcher.
+
+Shipped inside the package (``python -m lioncub_ds.deepspeed.demo`` launches this file by
+path); ``examples/pretrain_gpt_deepspeed.py`` runs the same ``main``.
+
+    # 2 CPU ranks (gloo), the bundled real text (CPython's standard library source, byte level):
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_accelerators 2 examples/pretrain_gpt_deepspeed.py \\
+        --deepspeed_config configs/ds_cpu_demo.json --steps 200
+
+    # 8 GPUs, bf16, Lion Cub at ZeRO stage 0 (no gradient all-reduce, 1-bit votes):
+    deepspeed --num_gpus 8 examples/pretrain_gpt_deepspeed.py --deepspeed_config configs/ds_gpt_bf16_stage0.json \\
+        --preset bench20m --steps 5000 --save-dir runs/gpt --save-interval 500
+    ... --resume                 # continue from <save-dir>/latest, bit-identically
+    ... --baseline               # plain Lion + DeepSpeed's gradient all-reduce (the comparison run)
+    ... --data-files a.txt b.txt # your own text (byte level) | --token-file tokens.u16 --token-dtype uint16
+
+Everything LionCub-specific is in the ds_config ("optimizer": {"type": "LionCub", ...});
+this script is an ordinary DeepSpeed training loop (it imports lioncub_ds only for the
+shared GPT model, the data loader and the wire-byte telemetry).
+
+Logged every --log-interval steps (rank 0): train loss (mean over ranks), lr, tokens/s,
+bytes each rank sent per optimizer step for the optimizer's communication. Lion Cub:
+measured by its telemetry (votes + control flags; ZeRO-1/2: the sign all-gather). Baseline:
+DeepSpeed's gradient all-reduce by the ring formula 2(N-1)/N x gradient bytes.
+``--json-out`` writes the run summary (rank 0). Exit status: 0 ok; 1 the validation loss
+did not drop by --min-drop; 2 the parameters differ across ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+try:
+    import lioncub_ds  # noqa: F401
+except ImportError:  # run by path from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import deepspeed  # noqa: E402
+
+import lioncub_ds.deepspeed as lds  # noqa: E402  (registers "type": "LionCub"; also done lazily by the .pth hook)
+from lioncub_ds import Lion  # noqa: E402
+from lioncub_ds.data import DEFAULT_MAX_BYTES, load_dataset  # noqa: E402
+from lioncub_ds.models import PRESETS, build_model  # noqa: E402
+from lioncub_ds.models.gpt import param_digest  # noqa: E402
+from lioncub_ds.telemetry import format_bytes  # noqa: E402
+
+PREFIX = "[pretrain]"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--preset", default="demo", choices=tuple(PRESETS), help="GPT size")
+    p.add_argument("--seq-len", type=int, default=None, help="context length (default: the preset's)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (a WarmupDecayLR ends here)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
+    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="cap on the bundled stdlib corpus")
+    p.add_argument("--data-files", nargs="+", default=None, help="train on these text files (byte level)")
+    p.add_argument("--token-file", default=None, help="a raw uint8/uint16 token file (memory-mapped)")
+    p.add_argument("--token-dtype", default="uint8", choices=("uint8", "uint16"))
+    p.add_argument("--log-interval", type=int, default=20)
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--eval-iters", type=int, default=4, help="validation batches per rank per evaluation")
+    p.add_argument("--save-dir", default=None, help="checkpoint directory (engine.save_checkpoint)")
+    p.add_argument("--save-interval", type=int, default=0, help="checkpoint every K steps (0: only at the end "
+                   "when --save-dir is given)")
+    p.add_argument("--resume", action="store_true", help="continue from <save-dir>/latest")
+    p.add_argument("--baseline", action="store_true",
+                   help="plain Lion (lioncub_ds.Lion) with DeepSpeed's normal gradient all-reduce")
+    p.add_argument("--min-drop", type=float, default=0.0, help="exit 1 unless val loss drops by this much")
+    p.add_argument("--json-out", default=None, help="write the run summary here (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p = deepspeed.add_config_arguments(p)
+    args = p.parse_args(argv)
+    if not args.deepspeed_config:
+        p.error("--deepspeed_config is required")
+    return args
+
+
+
+def load_config(args, world_size):
+    with open(args.deepspeed_config) as f:
+        cfg = json.load(f)
+    sched = cfg.get("scheduler", {})
+    if sched.get("type") == "WarmupDecayLR":
+        sp = sched.setdefault("params", {})
+        sp["total_num_steps"] = args.steps
+        sp["warmup_num_steps"] = min(int(sp.get("warmup_num_steps", 0)), max(1, args.steps // 5))
+    if args.baseline:
+        opt = cfg.pop("optimizer", {"params": {}})
+        if opt.get("type", "LionCub").replace("_", "").lower() != "lioncub":
+            raise SystemExit(f"--baseline replaces a LionCub optimizer; the config has {opt.get('type')!r}")
+        if cfg.get("zero_optimization", {}).get("stage", 0) > 0:
+            cfg["zero_allow_untested_optimizer"] = True  # plain Lion is not on DeepSpeed's ZeRO list
+        return cfg, opt.get("params", {})
+    return cfg, cfg.get("optimizer", {}).get("params", {})
+
+
+def grad_bytes_per_element(engine) -> int:
+    if engine.bfloat16_enabled() or engine.fp16_enabled():
+        return 2
+    return 4
+
+
+def prepare_kernels(device_type: str, rank: int) -> None:
+    """Load LionCub's fused kernels (JIT-built once, then cached) before the timed loop; local rank 0 first."""
+    from lioncub_ds import ops
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if local_rank == 0:
+        ops.backend_for(device_type)
+    dist.barrier()
+    if local_rank != 0:
+        ops.backend_for(device_type)
+
+
+
+@torch.no_grad()
+def evaluate(engine, ds, args, seq_len, rank, world_size) -> float:
+    model = engine.module
+    was = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    for i in range(args.eval_iters):
+        x, y = ds.get_batch("val", engine.train_micro_batch_size_per_gpu(), seq_len, rank, world_size, step=i,
+                            seed=args.seed, device=engine.device)
+        total += model(x, y)[1].double()
+    total /= max(1, args.eval_iters)
+    if world_size > 1:
+        dist.all_reduce(total)
+        total /= world_size
+    model.train(was)
+    return float(total)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    deepspeed.init_distributed()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    is_main = rank == 0
+
+    def log(msg):
+        if is_main:
+            print(f"{PREFIX} {msg}", flush=True)
+
+    cfg, opt_params = load_config(args, world_size)
+    # Rank 0 builds the corpus cache first; the others then read it.
+    if is_main:
+        ds = load_dataset(max_bytes=args.max_bytes, files=args.data_files, token_file=args.token_file,
+                          token_dtype=args.token_dtype)
+    dist.barrier()
+    if not is_main:
+        ds = load_dataset(max_bytes=args.max_bytes, files=args.data_files, token_file=args.token_file,
+                          token_dtype=args.token_dtype)
+    model = build_model(args.preset, seed=args.seed, seq_len=args.seq_len, vocab=ds.vocab_size)
+    seq_len = model.cfg.seq_len
+    nparams = model.param_count()
+    weight_decay = float(opt_params.get("weight_decay", 0.0))
+    groups = model.optim_groups(weight_decay)  # no decay on biases, norms, embeddings
+    if args.baseline:
+        lion = Lion([{k: v for k, v in g.items() if k != "names"} for g in groups], lr=opt_params.get("lr", 1e-4),
+                    betas=tuple(opt_params.get("betas", (0.9, 0.99))), weight_decay=weight_decay)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=lion, config=cfg)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    wiring = getattr(engine, "lioncub", None)
+    if not args.baseline and wiring is None:
+        raise SystemExit(f"{args.deepspeed_config}: the optimizer is not LionCub (use --baseline for plain Lion)")
+    mode = "baseline: Lion + gradient all-reduce" if args.baseline else f"LionCub ({wiring.mode})"
+    if not args.baseline:
+        prepare_kernels(engine.device.type, rank)
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens_per_step = micro * gas * seq_len * world_size
+    ring = 2 * (world_size - 1) * nparams * grad_bytes_per_element(engine) // world_size if world_size > 1 else 0
+    grad_dtype = "fp32" if grad_bytes_per_element(engine) == 4 else "16-bit"
+
+    start = 0
+    if args.resume:
+        if not args.save_dir:
+            raise SystemExit("--resume needs --save-dir")
+        path, client = engine.load_checkpoint(args.save_dir)
+        if path is None:
+            raise SystemExit(f"--resume: no checkpoint found in {args.save_dir}")
+        start = int((client or {}).get("step", engine.global_steps))
+        log(f"resumed from {path} at step {start}")
+    log(f"{mode} | preset={args.preset} params={nparams / 1e6:.2f}M world_size={world_size} "
+        f"device={engine.device} data={ds.name} batch={micro}x{gas}x{seq_len}/rank steps={args.steps}")
+
+    from tqdm import tqdm
+    show_bar = is_main and not args.no_progress and sys.stderr.isatty()
+    bar = tqdm(total=args.steps, initial=start, disable=not show_bar, dynamic_ncols=True, mininterval=1.0,
+               desc="train", file=sys.stderr)
+    vals = [(start, evaluate(engine, ds, args, seq_len, rank, world_size))]
+    log(f"step {start:5d} | val loss {vals[0][1]:.4f}")
+    loss_acc = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    sent_total, train_time, t_wall = 0, 0.0, time.perf_counter()
+    last_train = float("nan")
+    stats = {}
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        for m in range(gas):
+            x, y = ds.get_batch("train", micro, seq_len, rank, world_size, step=step * gas + m, seed=args.seed,
+                                device=engine.device)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            loss_acc[0] += loss.detach().double()
+            loss_acc[1] += 1
+        train_time += time.perf_counter() - t0
+        if args.baseline:
+            sent = ring
+        else:
+            stats = lds.comm_stats(engine)
+            sent = int(stats.get("last_step", {}).get("bytes_sent", 0))
+        sent_total += sent
+        done = step + 1
+        if done % args.log_interval == 0 or done == args.steps:
+            if world_size > 1:
+                dist.all_reduce(loss_acc)
+            last_train = float(loss_acc[0] / loss_acc[1])
+            loss_acc.zero_()
+            tps = tokens_per_step * (done - start) / max(train_time, 1e-9)
+            extra = f" ({ring / sent:.0f}x less than the {grad_dtype} gradient all-reduce)" if sent \
+                and not args.baseline and stats.get("mode") == "local_momentum" else ""
+            log(f"step {done:5d} | train loss {last_train:.4f} | lr {engine.get_lr()[0]:.2e} | {tps:,.0f} tok/s | "
+                f"sent {format_bytes(sent)}/step/rank{extra}")
+            bar.set_postfix_str(f"loss {last_train:.3f} | {tps:,.0f} tok/s | {format_bytes(sent)}/step", refresh=False)
+        bar.update(1)
+        if done % args.eval_interval == 0 or done == args.steps:
+            vals.append((done, evaluate(engine, ds, args, seq_len, rank, world_size)))
+            log(f"step {done:5d} | val loss {vals[-1][1]:.4f}")
+        if args.save_dir and ((args.save_interval and done % args.save_interval == 0) or done == args.steps):
+            engine.save_checkpoint(args.save_dir, tag=f"step{done}", client_state={"step": done})
+            log(f"saved checkpoint {args.save_dir}/step{done}")
+    bar.close()
+    digests = [None] * world_size
+    dist.all_gather_object(digests, param_digest(engine.module))
+    in_sync = len(set(digests)) == 1
+    steps_run = max(1, args.steps - start)
+    summary = {
+        "mode": "baseline" if args.baseline else "lioncub", "engine_mode": mode, "preset": args.preset,
+        "params": nparams, "world_size": world_size, "steps": args.steps, "start_step": start,
+        "zero_stage": engine.zero_optimization_stage(), "tokens_per_step": tokens_per_step,
+        "first_val_loss": vals[0][1], "last_val_loss": vals[-1][1], "val_losses": vals, "last_train_loss": last_train,
+        "bytes_sent_per_step": sent_total / steps_run, "ring_allreduce_bytes_per_step": ring,
+        "tokens_per_s": tokens_per_step * steps_run / max(train_time, 1e-9), "train_s": train_time,
+        "wall_s": time.perf_counter() - t_wall, "skipped_steps": int(engine.skipped_steps),
+        "params_in_sync": in_sync, "param_digest": digests[0],
+        "comm_stats": json.loads(json.dumps(stats, default=str)) if stats else None,
+    }
+    log(f"done | val loss {summary['first_val_loss']:.4f} -> {summary['last_val_loss']:.4f} | "
+        f"{summary['tokens_per_s']:,.0f} tok/s | sent {format_bytes(summary['bytes_sent_per_step'])}/step/rank | "
+        f"params in sync: {'yes' if in_sync else 'NO'}")
+    if is_main and args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=1)
+    if not in_sync:
+        return 2
+    if not (math.isfinite(summary["last_val_loss"]) and
+            summary["last_val_loss"] <= summary["first_val_loss"] - args.min_drop):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Test driver for tests/test_hf_trainer.py: runs examples/hf_trainer_lioncub.py several times in ONE launch.
+
+Like the example, it never imports lioncub_ds: ``"type": "LionCub"`` resolves through the
+installed import hook. A launch costs ~10 s of imports on 2 CPU cores, so the scenarios
+(ZeRO 0 and 1, each a full run with a checkpoint and a resume from it on a fresh model)
+share one launch. accelerate allows one DeepSpeed Accelerator per process, so its
+singletons are reset between runs (test plumbing, not something a user does); every run
+builds its own Trainer, model and DeepSpeed engine from the ds_config.
+
+Usage (under the deepspeed launcher or torchrun):
+    hf_trainer_driver.py --config CFG --out DIR [--stages 0,1] [--steps 16] [--save 8]
+Writes DIR/<stage>/{full,resume}.rank<r>.json (the example's result files).
+"""
+import argparse
+import importlib.util
+import os
+import sys
+
+__test__ = False
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "hf_trainer_lioncub.py")
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("hf_trainer_lioncub", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--stages", default="0,1")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--save", type=int, default=8)
+    args = p.parse_args()
+    assert "lioncub_ds" not in sys.modules
+    example = load_example()
+    from accelerate.state import AcceleratorState
+
+    for stage in [int(s) for s in args.stages.split(",")]:
+        out = os.path.join(args.out, f"stage{stage}")
+        os.makedirs(out, exist_ok=True)
+        common = ["--deepspeed", args.config, "--zero_stage", str(stage), "--use_cpu", "--output_dir",
+                  os.path.join(out, "ckpt"), "--max_steps", str(args.steps), "--save_steps", str(args.save),
+                  "--per_device_train_batch_size", "8", "--learning_rate", "5e-3", "--adam_beta1", "0.95",
+                  "--adam_beta2", "0.98", "--weight_decay", "0.1", "--max_grad_norm", "1.0", "--logging_steps", "1",
+                  "--report_to", "none", "--disable_tqdm", "true", "--save_only_model", "false", "--seed", "7"]
+        for name, extra in (("full", []), ("resume", ["--resume_from", str(args.save)])):
+            example.main(common + extra + ["--result_json", os.path.join(out, name)])
+            AcceleratorState._reset_state(reset_partial_state=True)  # noqa: SLF001 - see the module doc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""DeepSpeed integration guards: HF template keys, the version/name check, the stage-0 wrapper guard,
+the ZeRO sign all-gather's collectives, and the self-contained demo.
+
+The wrapper guard runs real DeepSpeed engines on 2 gloo ranks (DS_ACCELERATOR=cpu).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lioncub_ds import LionCubConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def engine_mod():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed not installed")
+    from lioncub_ds.deepspeed import engine
+    return engine
+
+
+# ----------------------------------------------------------------------------- HF template keys
+def test_eps_is_accepted_and_dropped(engine_mod):
+    params, options = engine_mod.split_params({"lr": 1e-4, "betas": [0.95, 0.98], "eps": 1e-8, "weight_decay": 0.1})
+    assert "eps" not in params and params["betas"] == [0.95, 0.98] and options["zero_allgather"] == "auto"
+    assert engine_mod.split_params({"eps": None})[0] == {}
+
+
+@pytest.mark.parametrize("bad", ["auto", -1.0, float("nan"), True, [1e-8]])
+def test_eps_with_a_bad_value_names_key_value_and_allowed(engine_mod, bad):
+    with pytest.raises(LionCubConfigError, match=r"eps=.*allowed: a number >= 0 or null .*Lion has no epsilon"):
+        engine_mod.split_params({"eps": bad})
+
+
+def test_eps_and_adam_betas_warnings(engine_mod):
+    w = engine_mod.config_warnings({"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8})
+    assert len(w) == 2
+    assert "eps=1e-08" in w[0] and "Lion has no epsilon" in w[0]
+    assert "(0.9, 0.999)" in w[1] and "--adam_beta2" in w[1] and "(0.95, 0.98)" in w[1]
+    assert engine_mod.config_warnings({"betas": [0.95, 0.98]}) == []
+    assert engine_mod.config_warnings({"betas": (0.9, 0.99)}) == []
+    assert engine_mod.config_warnings({}) == []
+
+
+def test_misspelled_eps_still_gets_a_suggestion(engine_mod):
+    with pytest.raises(LionCubConfigError, match=r"unknown ds_config optimizer.params key 'epsilon'"):
+        engine_mod.split_params({"epsilon": 1e-8})
+
+
+# ----------------------------------------------------------------------------- _compat
+@needs_deepspeed
+def test_every_patched_or_read_name_exists_in_the_installed_deepspeed():
+    from lioncub_ds.deepspeed import _compat
+    assert _compat.missing_names() == []
+    ver = _compat.check()
+    assert ver is not None and len(ver) == 3
+
+
+@needs_deepspeed
+def test_registration_patches_what_compat_lists():
+    import deepspeed.runtime.engine as ds_engine
+    import lioncub_ds.deepspeed  # noqa: F401  (registers)
+    from lioncub_ds.deepspeed import _compat
+    for name in _compat.ENGINE_PATCHED:
+        assert getattr(getattr(ds_engine.DeepSpeedEngine, name), "_lioncub_ds_patch", False), name
+
+
+@needs_deepspeed
+def test_unknown_version_warns_once_and_names_the_range(monkeypatch):
+    import deepspeed
+    from lioncub_ds.deepspeed import _compat
+    monkeypatch.setattr(deepspeed, "__version__", "9.1.0")
+    monkeypatch.setattr(_compat, "_warned", False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert _compat.check() == (9, 1, 0)
+        _compat.check()
+    msgs = [str(r.message) for r in rec if "supported range" in str(r.message)]
+    assert len(msgs) == 1 and "9.1.0" in msgs[0] and ">= 0.19.0, < 0.20.0" in msgs[0], msgs
+
+
+@needs_deepspeed
+def test_a_missing_name_is_an_error_that_names_it(monkeypatch):
+    from deepspeed.runtime.zero import stage_1_and_2
+    from lioncub_ds.deepspeed import _compat
+    monkeypatch.delattr(stage_1_and_2, "all_gather_dp_groups")
+    assert _compat.missing_names() == ["deepspeed.runtime.zero.stage_1_and_2.all_gather_dp_groups"]
+    with pytest.raises(_compat.DeepSpeedCompatError, match=r"lacks deepspeed\.runtime\.zero\.stage_1_and_2\."
+                                                           r"all_gather_dp_groups.*tested: 0\.19\.8"):
+        _compat.check()
+
+
+# ----------------------------------------------------------------------------- no torch API names / versions
+def test_integration_sources_assert_no_torch_api_names_or_versions():
+    """Feature detection only: the integration never compares torch versions or names a torch collective."""
+    for path in (ROOT / "lioncub_ds" / "deepspeed").glob("*.py"):
+        src = path.read_text()
+        assert "torch.__version__" not in src, path
+        assert not re.search(r"all_gather_(single|into_tensor)|_all_gather_base", src), path
+
+
+# ----------------------------------------------------------------------------- demo is self-contained
+def test_demo_ships_what_it_needs_inside_the_package():
+    from lioncub_ds.deepspeed import demo
+    script = demo.train_script()
+    assert script.is_file() and ROOT / "examples" not in script.parents
+    assert Path(demo.__file__).resolve().parent in script.resolve().parents or \
+        script.resolve().parent == Path(demo.__file__).resolve().parent
+    src = Path(demo.__file__).read_text()
+    assert '"examples"' not in src and '"configs"' not in src  # no path into the repository
+    # the repository's config is the same as the one shipped in the package
+    assert json.loads((ROOT / "configs" / "ds_cpu_demo.json").read_text()) == demo.DEMO_CONFIG
+
+
+# ----------------------------------------------------------------------------- stage-0 wrapper guard (real engines)
+def _model():
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _cfg(stage, **extra):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "LionCub", "params": {"lr": 1e-3, "betas": [0.9, 0.99]}}}
+    cfg.update(extra)
+    return cfg
+
+
+def _rank_env(rank, world_size):
+    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+
+
+def _initialize(cfg):
+    import deepspeed
+    import lioncub_ds.deepspeed  # noqa: F401
+    model = _model()
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+
+def _old_bf16_routing(rank, world_size):
+    """Stage 0 + bf16 routed to BF16_Optimizer, as DeepSpeed versions that send bf16 with fp32
+    gradient accumulation there do (0.19.8 itself routes it to the unpartitioned bf16 wrapper):
+    the routing decision is replaced, the engine, the wrapper factory and the guard are real."""
+    _rank_env(rank, world_size)
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    import lioncub_ds.deepspeed  # noqa: F401
+    from lioncub_ds.deepspeed import LionCubDeepSpeedError
+    DeepSpeedEngine._do_optimizer_sanity_check = lambda self, opt: "bf16"
+    try:
+        _initialize(_cfg(0, bf16={"enabled": True}))
+    except LionCubDeepSpeedError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def _stage0_bf16_and_zero1_bf16_fp32_accum(rank, world_size):
+    _rank_env(rank, world_size)
+    import torch
+    from lioncub_ds.deepspeed import LionCubDeepSpeedError
+    from lioncub_ds.deepspeed.engine import check_unpartitioned
+    out = {}
+    eng = _initialize(_cfg(0, bf16={"enabled": True}))  # DeepSpeed's unpartitioned bf16 wrapper: accepted
+    out["stage0_wrapper"] = type(eng.optimizer).__name__
+    check_unpartitioned(eng, eng.basic_optimizer)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    for _ in range(2):
+        loss = eng(x).float().pow(2).mean()
+        eng.backward(loss)
+        eng.step()
+    out["stage0_params"] = [p.detach().float().sum().item() for p in eng.module.parameters()]
+    # ZeRO 1, bf16 parameters, fp32 gradient accumulation: DeepSpeed's BF16_Optimizer (partitioned
+    # fp32 masters; global Lion there is correct). The stage-0 check recognises the partitioning.
+    eng1 = _initialize(_cfg(1, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))
+    out["zero1_wrapper"] = type(eng1.optimizer).__name__
+    try:
+        check_unpartitioned(eng1, eng1.basic_optimizer)
+        out["zero1_error"] = None
+    except LionCubDeepSpeedError as exc:
+        out["zero1_error"] = str(exc)
+    return out
+
+
+@needs_deepspeed
+def test_stage0_bf16_optimizer_routing_is_a_clear_error():
+    from dist_helpers import run_ranks
+    res = run_ranks(_old_bf16_routing, 2, env=ENV, timeout=300)
+    for r in res:
+        e = r["error"]
+        assert e is not None, "a stage-0 LionCub inside BF16_Optimizer must not be built"
+        for needle in ("zero_optimization.stage=0", "bf16.enabled=true", "BF16_Optimizer", "partitioned",
+                       "zero_optimization.stage=1 or 2"):
+            assert needle in e, (needle, e)
+
+
+@needs_deepspeed
+def test_stage0_wrapper_must_be_unpartitioned():
+    from dist_helpers import run_ranks
+    a, b = run_ranks(_stage0_bf16_and_zero1_bf16_fp32_accum, 2, env=ENV, timeout=300)
+    for r in (a, b):
+        assert r["stage0_wrapper"] != "BF16_Optimizer"
+        assert r["zero1_wrapper"] == "BF16_Optimizer"
+        e = r["zero1_error"]
+        assert e is not None and "BF16_Optimizer" in e and "every rank would vote on a different partition" in e, e
+    assert a["stage0_params"] == b["stage0_params"]
+
+
+# ----------------------------------------------------------------------------- groups created by the integration
+def _singleton_lifecycle(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    from lioncub_ds.deepspeed import engine
+    g = engine.singleton_group()
+    assert engine.singleton_group() is g  # one per process, however many engines
+    t = torch.ones(3)
+    dist.all_reduce(t, group=g)
+    first = engine.destroy_created_groups()
+    second = engine.destroy_created_groups()
+    w = torch.ones(3)
+    dist.all_reduce(w)  # the default group is untouched
+    return {"single": t.tolist(), "first": first, "second": second, "world": w.tolist()}
+
+
+@needs_deepspeed
+def test_the_integration_destroys_only_the_groups_it_created():
+    from dist_helpers import run_ranks
+    for r in run_ranks(_singleton_lifecycle, 2, env=ENV, timeout=300):
+        assert r == {"single": [1.0] * 3, "first": 1, "second": 0, "world": [2.0] * 3}, r
