@@ -159,6 +159,7 @@ class LionCub(Optimizer):
         self._process_group = process_group
         self._dist = None  # resolved at construction or lazily: (vote group, world_size, rank)
         self._node_group = None
+        self._created_groups = []
         if dist.is_available() and dist.is_initialized():
             self._resolve_group()  # fails now (before state) on e.g. a pbit width too small for N
         if cfg.momentum_sync is not None and cfg.momentum_sync.layers:
@@ -202,11 +203,30 @@ class LionCub(Optimizer):
         # Collective over the world whenever the settings (the same on every rank) need a group:
         # every rank takes part in every group creation, in the same order.
         created = create_on_all_ranks(wanted, cfg.timeout_s) if wanted else []
+        self._created_groups = list(created)
         if cfg.timeout_s is not None and n > 1:
             group = created.pop(0)
         self._node_group = created[0] if created else None
         self._dist = (group, n, dist.get_rank(group))
         return self._dist
+
+    def release_process_group(self) -> None:
+        """Destroy the process groups this LionCub created (its timeout group, its node
+        subgroup) and forget its vote group. For the end of training: gloo groups still alive
+        while the interpreter exits are a known cause of a SIGABRT at exit, and a group's
+        threads stop only when the last reference is gone. Call it on every rank. The next
+        distributed step (or :meth:`set_process_group`) resolves the groups again."""
+        for g in getattr(self, "_created_groups", []):
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # noqa: BLE001 - already gone with the default group
+                pass
+        self._created_groups = []
+        self._node_group = None
+        self._dist = None
+        if self._buckets is not None and self._pipe is not None and self._pipe.busy:
+            self._pipe.reset()
+        self._buckets = None  # rebuilt (with the new group's collectives) at the next step
 
     @property
     def vote_group(self):

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import LionCubConfig, LionCubConfigError, unknown_key_error
+from ..groups import create_on_all_ranks
 from ..optimizer import LionCub
 from . import _compat
 
@@ -155,10 +156,13 @@ def data_parallel_group(engine):
 
 
 def singleton_group():
-    """A process group holding only this rank (LionCub then never votes). Cached; destroyed at exit."""
+    """A process group holding only this rank (LionCub then never votes). Cached; destroyed at exit.
+
+    Collective on its first call: every rank creates every rank's one-rank group, in the same
+    order (NCCL's rule), and keeps its own."""
     rank = dist.get_rank()
     if rank not in _SINGLETON_GROUP:
-        _SINGLETON_GROUP[rank] = dist.new_group([rank], use_local_synchronization=True)
+        _SINGLETON_GROUP[rank] = create_on_all_ranks([[rank]])[0]
         if len(_SINGLETON_GROUP) == 1:
             atexit.register(destroy_created_groups)
     return _SINGLETON_GROUP[rank]
