@@ -23,19 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from lioncub_ds.testing import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "test_deepspeed_script.py"
 HOOK_DIR = ROOT / "lioncub_ds" / "deepspeed"
 
 deepspeed_missing = pytest.mark.skipif(
     __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed not installed")
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hook_installed() -> bool:
@@ -74,7 +69,7 @@ def runs(tmp_path_factory):
         return [json.loads((Path(reuse) / f"rank{r}.json").read_text()) for r in range(2)]
     launcher = Path(sys.executable).with_name("deepspeed")
     cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_accelerators", "2",
-           "--master_port", str(_free_port()), str(SCRIPT), "--out", str(out)]
+           "--master_port", str(free_port()), str(SCRIPT), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=str(tmp), env=_env(tmp), capture_output=True, text=True, timeout=1500)
     files = [out / f"rank{r}.json" for r in range(2)]
     if proc.returncode != 0 or not all(f.exists() for f in files):

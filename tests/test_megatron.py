@@ -179,7 +179,7 @@ class ByteCounter:
 
 
 def _setup(tp, ep=1):
-    import megatron_cpu_shim
+    from lioncub_ds.testing import megatron_cpu_shim
     megatron_cpu_shim.install()
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
