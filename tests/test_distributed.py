@@ -304,3 +304,65 @@ def test_save_resume_is_bit_identical():
     with tempfile.TemporaryDirectory() as d:
         for same, steps in run_ranks(_resume, 2, d):
             assert all(same) and steps == 100
+
+
+# ----------------------------------------------------------------------------- NCCL contract: devices
+STRAY_CASES = [dict(comm=c) for c in ("allgather", "1bit", "pbit", "auto")] + [
+    dict(comm="int8", quant="l1"), dict(comm="1bit", momentum_sync={"every": 1}),
+    dict(comm="pbit", drift_check_every=1), dict(comm="1bit", bucket_size_mb=0.0004)]
+
+
+def _stray_default_device(rank, n, directory):
+    """The step under a stray default device (meta): a tensor the library makes without device=
+    reaches a collective on 'meta' instead of the parameters' device (under NCCL: a CPU tensor
+    next to CUDA parameters), and the contract refuses it. Also checkpoint.load (issue 11, item 1)."""
+    from lioncub_ds.testing import nccl_contract
+
+    def under_meta(fn):
+        err = None
+        calls = len(nccl_contract.log())
+        with nccl_contract.expecting_violation() as v:
+            try:
+                with nccl_contract.stray_default_device("meta"):
+                    fn()
+            except nccl_contract.NCCLContractError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a device mix-up torch itself refuses
+                err = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        calls = len(nccl_contract.log()) - calls
+        dist.barrier()
+        return v.message, err, calls
+
+    out = {"step": []}
+    for kw in STRAY_CASES:
+        torch.manual_seed(0)
+        model = Net()
+        opt = lioncub_ds.LionCub(model.named_parameters(), lr=1e-3, **kw)
+        gen = torch.Generator().manual_seed(rank)
+        _train(model, opt, gen, 2)  # state exists
+        idx, y = _batch(gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(idx), y).backward()
+        out["step"].append((kw,) + under_meta(opt.step))
+    checkpoint.save(opt, directory)
+    out["load"] = under_meta(lambda: checkpoint.load(opt, directory))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stray_run():
+    with tempfile.TemporaryDirectory() as d:
+        return run_ranks(_stray_default_device, 2, d, timeout=600)
+
+
+def test_step_creates_no_collective_tensor_off_the_parameters_device(stray_run):
+    for kw, msg, err, calls in stray_run[0]["step"]:
+        assert calls >= 2, f"{kw}: the step under the stray device issued only {calls} collectives"  # flags + vote
+        assert msg is None and err is None, f"{kw}: {err or ''}\n{msg}"
+
+
+@pytest.mark.xfail(strict=True, reason="library bug, issue 11 item 1: checkpoint._agree all-reduces a tensor made "
+                                       "without device= (a CPU tensor in an NCCL group); the lead fixes it")
+def test_checkpoint_load_agreement_stays_on_the_parameters_device(stray_run):
+    msg, err, calls = stray_run[0]["load"]
+    assert calls >= 1 and msg is None and err is None, f"{err or ''}\n{msg}"

@@ -124,6 +124,7 @@ class _State:
         self.violations: list[str] = []
         self.device: torch.device | None = None
         self.forbid_groups = 0
+        self.enforce = True
         self.local = threading.local()
 
 
@@ -260,7 +261,8 @@ def _violation(name: str, msg: str):
     site = _indent(_fmt_site(_call_site()))
     text = f"NCCL contract: {name}: {msg}\n  called from (innermost last):\n{site}"
     _S.violations.append(text)
-    raise NCCLContractError(text)
+    if _S.enforce:
+        raise NCCLContractError(text)
 
 
 def _tensors(value):
@@ -390,12 +392,16 @@ def _record(name, canon, kind, reducing, sig, args, kwargs):
 
 
 # ----------------------------------------------------------------------------- install
-def install(device=None) -> None:
-    """Wrap torch.distributed's collectives in this process (idempotent)."""
+def install(device=None, enforce: bool = True) -> None:
+    """Wrap torch.distributed's collectives in this process (idempotent).
+
+    ``enforce=False``: record violations (``violations()``) without raising; the log is kept either way.
+    """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     if device is not None:
         expect_device(device)
+    _S.enforce = enforce
     if _PATCHED:
         return
     replace = {}
