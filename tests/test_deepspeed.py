@@ -282,7 +282,7 @@ def test_invalid_settings_fail_in_deepspeed_initialize_before_any_state(runs):
     for r in runs:
         got = r["err_table"]
         assert "exception" not in got, got
-        assert set(got) == {case[0] for case in INVALID}
+        assert set(got) - {"wall_s"} == {case[0] for case in INVALID}
         for case_id, _kwargs, pattern in INVALID:
             e = got[case_id]
             assert e["error_type"] == "LionCubConfigError", (case_id, e)
