@@ -10,8 +10,9 @@ Several nodes: ``examples/launch_megatron_multinode.sh`` (two-level momentum syn
 each node every K steps, across nodes every K').
 
 CPU (gloo, fp32). Megatron's DDP, optimizer wrappers and attention hard-code CUDA, so on a
-CPU-only machine pass ``--cpu-shim``: it imports the TEST-ONLY shim ``tests/megatron_cpu_shim.py``
-from this repository (it redirects megatron's torch.cuda calls to the CPU). Never use it on GPUs:
+CPU-only machine pass ``--cpu-shim``: it imports the TEST-ONLY shim
+``lioncub_ds.testing.megatron_cpu_shim`` (it redirects megatron's torch.cuda calls to the CPU).
+Never use it for GPU training:
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/pretrain_gpt_megatron.py --cpu-shim \\
         --tensor-model-parallel-size 2 --train-iters 60 --data mock
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--cpu-shim", action="store_true",
-                   help="CPU-only machines: import the test-only tests/megatron_cpu_shim.py (never on GPUs)")
+                   help="CPU ranks: import the test-only lioncub_ds.testing.megatron_cpu_shim (never for GPU training)")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)
@@ -286,8 +287,7 @@ def load_checkpoint(args, ddp, optimizer, scheduler):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.cpu_shim:
-        sys.path.insert(0, os.path.join(REPO, "tests"))
-        import megatron_cpu_shim  # TEST-ONLY: see its docstring
+        from lioncub_ds.testing import megatron_cpu_shim  # TEST-ONLY: see its docstring
         megatron_cpu_shim.install()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

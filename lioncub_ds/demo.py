@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from .data import DEFAULT_MAX_BYTES, load_dataset
 from .models import PRESETS, build_model
 from .models.gpt import param_digest
 from .telemetry import format_bytes
+from .testing.spawn import free_port
 
 __all__ = ["build_parser", "train", "make_optimizer", "main", "launch"]
 
@@ -91,12 +91,6 @@ def build_parser(prog: str | None = None, *, world_size_flag: bool = True) -> ar
 # ----------------------------------------------------------------------------- helpers
 def _is_dist() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _lr_at(step: int, args) -> float:
@@ -404,7 +398,7 @@ def launch(args) -> dict:
     fd, out_path = tempfile.mkstemp(prefix="lioncub_demo_", suffix=".json")
     os.close(fd)
     try:
-        mp.start_processes(_worker, args=(args.world_size, _free_port(), args, out_path), nprocs=args.world_size,
+        mp.start_processes(_worker, args=(args.world_size, free_port(), args, out_path), nprocs=args.world_size,
                            join=True, start_method="spawn")
         with open(out_path) as f:
             summary = json.load(f)

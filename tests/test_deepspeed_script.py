@@ -6,17 +6,20 @@ per scenario) and writes ``<out>/rank<r>.json`` for the test to check. The only 
 that makes ``"type": "LionCub"`` resolve is the installed ``lioncub_ds_autohook.pth``
 (the lazy hook that registers LionCub when ``deepspeed`` is imported).
 
-Instrumentation (test-only): torch.distributed collectives are wrapped BEFORE deepspeed
-is imported (deepspeed caches function pointers at init), and every call during the
-training steps is recorded as (collective, dtype, numel). fp16 on this CPU: DeepSpeed's
-CPU accelerator reports fp16 unsupported (no AVX512-FP16); torch runs fp16 Linear layers
-on CPU anyway, so the script overrides that one capability check.
+Instrumentation (test-only): the NCCL-contract wrapper (``lioncub_ds/testing/nccl_contract.py``,
+loaded by file path: it imports only torch) is installed BEFORE deepspeed is imported (deepspeed
+caches function pointers at init). It records every collective (op, group, dtype, shape, reduce
+op) and the rank's log goes into its JSON, where the test compares the ranks' logs and checks
+that no tensor left the parameters' device and no dtype/op pair NCCL refuses was used
+(``LIONCUB_NCCL_CONTRACT=0``: recorded, not enforced). Per scenario, the calls during the
+training steps are summarised. fp16 on this CPU: DeepSpeed's CPU accelerator reports fp16
+unsupported (no AVX512-FP16); torch runs fp16 Linear layers on CPU anyway, so the script
+overrides that one capability check.
 
 This module is collected by pytest but defines no tests (``__test__ = False``); all work
 happens in :func:`main`.
 """
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -26,67 +29,65 @@ import traceback
 
 __test__ = False
 
-_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-                "_reduce_scatter_base", "all_to_all_single", "broadcast", "reduce")
+CONTRACT_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lioncub_ds", "testing",
+                             "nccl_contract.py")
+
+
+def _load_contract():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_lioncub_nccl_contract", CONTRACT_PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+NC = None  # the contract module, once instrument() ran
 
 
 class Recorder:
+    """The contract log's entries between start() and stop(), minus paused stretches."""
+
     def __init__(self):
-        self.on = False
-        self.calls = []
+        self.calls, self.mark, self.on = [], 0, False
 
     def start(self):
-        self.calls = []
-        self.on = True
+        self.calls, self.mark, self.on = [], len(NC.log()), True
+
+    def pause(self):
+        self.calls += NC.log()[self.mark:]
+        self.on = False
+
+    def resume(self):
+        self.mark, self.on = len(NC.log()), True
 
     def stop(self):
-        self.on = False
+        if self.on:
+            self.pause()
         return self.calls
 
 
 REC = Recorder()
 
 
-def _first_tensor(args, kwargs):
-    import torch
-    for v in list(args) + list(kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return v
-        if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor):
-            return v[0]
-    return None
-
-
 def instrument():
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    for name in _COLLECTIVES:
-        for mod in (dist, c10d):
-            f = getattr(mod, name, None)
-            if f is None or getattr(f, "_counted", False):
-                continue
-
-            def make(f=f, name=name):
-                @functools.wraps(f)
-                def counted(*args, **kwargs):
-                    if REC.on:
-                        t = _first_tensor(args, kwargs)
-                        REC.calls.append((name, str(t.dtype) if t is not None else None,
-                                          int(t.numel()) if t is not None else 0))
-                    return f(*args, **kwargs)
-                counted._counted = True
-                return counted
-
-            setattr(mod, name, make())
+    global NC
+    NC = _load_contract()
+    NC.install(device="cpu", enforce=os.environ.get("LIONCUB_NCCL_CONTRACT", "1") != "0")
 
 
 def summarize(calls):
-    """Collectives of one scenario's training steps, grouped."""
+    """Collectives of one scenario's training steps, grouped. ``calls``: contract log entries."""
+    import math
     out = {"float_reduce_calls": 0, "float_reduce_max_numel": 0, "float_allgather_calls": 0,
-           "float_allgather_max_numel": 0, "int_calls": 0, "by_name": {}}
-    for name, dtype, numel in calls:
+           "float_allgather_max_numel": 0, "int_calls": 0, "uint8_allgather_calls": 0, "uint8_allgather_bytes": 0,
+           "by_name": {}}
+    for entry in calls:
+        name, dtype = entry[0], entry[2] if len(entry) > 2 else None
+        if name.startswith("new_") or name == "split_group" or dtype == "object":
+            continue
+        shape = entry[3]
+        numel = math.prod(shape) if shape is not None else 0
         key = f"{name}:{dtype}"
         out["by_name"][key] = out["by_name"].get(key, 0) + 1
         is_float = dtype is not None and ("float" in dtype or "bfloat" in dtype or "half" in dtype)
@@ -98,6 +99,9 @@ def summarize(calls):
             out["float_allgather_max_numel"] = max(out["float_allgather_max_numel"], numel)
         elif not is_float:
             out["int_calls"] += 1
+        if dtype == "torch.uint8" and "gather" in name:
+            out["uint8_allgather_calls"] += 1
+            out["uint8_allgather_bytes"] += numel
     return out
 
 
@@ -182,8 +186,16 @@ def train(engine, rank, steps, start=0, inject=None, trace=None):
         if trace is not None:
             change = max(float((p.detach().float() - b).abs().max())
                          for p, b in zip(engine.module.parameters(), before))
+            # Every coordinate, exactly: unmoved, or moved by lr (one fp32 rounding of before -/+ lr).
+            moved = not_lr = 0
+            for p, b in zip(engine.module.parameters(), before):
+                a = p.detach().float()
+                lr = torch.tensor(lr_before[0], dtype=torch.float32)
+                ok = (a == b) | (a == b - lr) | (a == b + lr)
+                moved += int((a != b).sum())
+                not_lr += int((~ok).sum())
             trace.append({"step": s, "lr": lr_before, "max_change": change, "loss_scale": loss_scale(engine),
-                          "skipped": int(engine.skipped_steps)})
+                          "skipped": int(engine.skipped_steps), "moved": moved, "not_lr_moves": not_lr})
     return losses
 
 
@@ -202,7 +214,7 @@ def summary(engine, rank, losses, dtype, calls=None):
     if calls is not None:
         out["collectives"] = summarize(calls)
     lds = sys.modules.get("lioncub_ds.deepspeed")
-    if lds is not None:
+    if lds is not None and out["optimizer"] == "LionCub":
         cs = lds.comm_stats(engine)
         out["comm_stats"] = json.loads(json.dumps(cs, default=str))
     out["flat_numel"] = sum(p.numel() for p in engine.module.parameters())
@@ -224,10 +236,10 @@ def run_scenario(name, cfg, rank, args, steps=6, inject=None, resume_at=None, tm
         losses = train(engine, rank, steps, inject=inject, trace=trace)
     else:
         losses = train(engine, rank, resume_at, trace=trace)
-        REC.on = False  # pause (keep what was recorded)
+        REC.pause()  # keep what was recorded
         engine.save_checkpoint(tmp, tag="mid")
         res["rank_files"] = sorted(f for f in os.listdir(os.path.join(tmp, "mid")) if f.startswith("lioncub-rank"))
-        REC.on = True
+        REC.resume()
         losses += train(engine, rank, steps - resume_at, start=resume_at, trace=trace)
     calls = REC.stop()
     res["train_s"] = time.perf_counter() - t0
@@ -243,6 +255,123 @@ def run_scenario(name, cfg, rank, args, steps=6, inject=None, resume_at=None, tm
         res["resumed"] = summary(engine2, rank, losses2, dtype)
     torch.distributed.barrier()
     return res
+
+
+def bruteforce_scenario(cfg, rank, steps=5):
+    """Stage 0 through the real engine: after every engine.step(), each parameter equals what a
+    literal majority vote over every rank's (gradient, momentum) gives, exactly.
+
+    Literal implementation (SPEC §2): c_i = β1·m_i + (1−β1)·g_i, δ_i = sign(c_i) (0 abstains),
+    Δ = sign(Σ_i δ_i) (tie_break="zero": a tie moves nothing), θ ← θ·(1 − η·λ) − η·Δ; g_i is the
+    local gradient after DeepSpeed's ``gradient_clipping`` (default 1.0), which at stage 0 scales
+    each rank's gradient by clip / (‖g_i‖ + 1e-6) when that is below 1 (its local norm)."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    model = make_model(0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    opt = engine.basic_optimizer
+    params = list(engine.module.parameters())
+    group_of = {p: g for g in opt.param_groups for p in g["params"]}
+    n = dist.get_world_size()
+    out = {"steps": 0, "mismatched_elements": 0, "elements": 0, "moved": 0, "ties": 0}
+    seen = {}
+
+    def at_step(o, a, k):  # what LionCub itself is handed (diagnostics for a mismatch)
+        seen["grads"] = [p.grad.detach().clone() for p in params]
+        seen["momenta"] = [o.state[p]["exp_avg"].clone() if "exp_avg" in o.state[p] else None for p in params]
+
+    opt.register_step_pre_hook(at_step)
+    for s in range(steps):
+        x, y = batch(rank, s, 0, torch.float32)
+        engine.backward(((engine(x).float() - y) ** 2).mean())
+        before = [p.detach().clone() for p in params]
+        clip = cfg.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0
+        norm = float(sum(float((p.grad.float() ** 2).sum()) for p in params)) ** 0.5
+        coef = clip / (norm + 1e-6) if clip > 0 else 1.0
+        c = []
+        for p in params:
+            g = group_of[p]
+            b1 = g["betas"][0]
+            m = opt.state[p]["exp_avg"] if "exp_avg" in opt.state[p] else torch.zeros_like(p)
+            grad = p.grad.float() * coef if coef < 1.0 else p.grad.float()
+            c.append((b1 * m.float() + (1 - b1) * grad).reshape(-1))
+        local = torch.cat(c)
+        everyone = [torch.zeros_like(local) for _ in range(n)]
+        dist.all_gather(everyone, local)
+        votes = torch.stack([torch.sign(e) for e in everyone]).sum(0)
+        delta = torch.sign(votes)
+        out["ties"] += int(((votes == 0) & (torch.stack(everyone) != 0).any(0)).sum())
+        grads_bw = [p.grad.detach().clone() for p in params]
+        moms_bw = [opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else None for p in params]
+        engine.step()
+        if "grads" in seen and "grad_diff" not in out:
+            gd = [float((a - b).abs().max()) for a, b in zip(seen["grads"], grads_bw)]
+            ratio = [float((a.norm() / b.norm())) for a, b in zip(seen["grads"], grads_bw)]
+            md = [float((a - b).abs().max()) if a is not None and b is not None else None
+                  for a, b in zip(seen["momenta"], moms_bw)]
+            if max(gd) > 0 or any(x for x in md if x):
+                out["grad_diff"] = {"step": s, "grad_maxdiff": gd, "grad_norm_ratio": ratio, "momentum_maxdiff": md}
+        off = 0
+        for p, b in zip(params, before):
+            g = group_of[p]
+            lr, wd = g["lr"], g["weight_decay"]
+            d = delta[off:off + p.numel()].view_as(b)
+            off += p.numel()
+            e = b.clone()
+            if wd:
+                e.mul_(1.0 - lr * wd)
+            e.add_(d.mul(-lr))
+            bad = p.detach() != e
+            if bad.any() and "first_mismatch" not in out:
+                out["first_mismatch"] = {"step": s, "param": tuple(p.shape), "got": p.detach()[bad][:4].tolist(),
+                                         "expected": e[bad][:4].tolist(), "before": b[bad][:4].tolist(),
+                                         "expected_delta": d[bad][:4].tolist()}
+            out["mismatched_elements"] += int(bad.sum())
+            out["elements"] += p.numel()
+            out["moved"] += int((d != 0).sum())
+        out["steps"] += 1
+    out["lioncub_step_count"] = int(opt.step_count)
+    out["params"] = tensor_hash(params)
+    return out
+
+
+def error_table(base, rank):
+    """tests/test_config_validation.py's INVALID table through deepspeed.initialize: each case must fail
+    with LionCubConfigError before any optimizer exists (torch.optim.Optimizer.__init__ never runs)."""
+    import importlib.util
+    import deepspeed
+    import torch
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_config_validation.py")
+    spec = importlib.util.spec_from_file_location("_lioncub_invalid_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    inits = []
+    orig = torch.optim.Optimizer.__init__
+
+    def spy(self, *a, **k):
+        inits.append(type(self).__name__)
+        return orig(self, *a, **k)
+
+    out = {}
+    torch.optim.Optimizer.__init__ = spy
+    try:
+        for case_id, kwargs, _pattern in table.INVALID:
+            params = table._ds_params(kwargs)
+            cfg = dict(base, optimizer={"type": "LionCub", "params": {"lr": 3e-3, **params}})
+            del inits[:]
+            model = make_model(0)
+            before = tensor_hash(list(model.parameters()))
+            try:
+                deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+                err = (None, None)
+            except Exception as exc:  # noqa: BLE001
+                err = (type(exc).__name__, str(exc))
+            out[case_id] = {"error_type": err[0], "error": err[1], "optimizer_inits": list(inits),
+                            "params_untouched": tensor_hash(list(model.parameters())) == before}
+    finally:
+        torch.optim.Optimizer.__init__ = orig
+    return out
 
 
 def expect_error(cfg, rank):
@@ -322,6 +451,15 @@ def main():
             "zero2_bf16_replica", dict(base, bf16={"enabled": True}, zero_optimization={"stage": 2},
                                        optimizer=lioncub(zero_fp32_replica=True)),
             rank, args, steps=6, resume_at=3, tmp=tmp + "_z2bf16"),
+        # positive control for "no float all-reduce": the same harness with LionCub off
+        "control_sgd_stage0": lambda: run_scenario(
+            "control_sgd_stage0", dict(base, optimizer={"type": "SGD", "params": {"lr": 1e-2}}), rank, args, steps=2),
+        "bruteforce_stage0": lambda: bruteforce_scenario(
+            dict(base, optimizer=lioncub(comm="1bit", tie_break="zero", weight_decay=0.1)), rank),
+        "bruteforce_stage0_pbit": lambda: bruteforce_scenario(
+            dict(base, optimizer=lioncub(comm="pbit", tie_break="zero", weight_decay=0.0, betas=[0.95, 0.98]),
+                 gradient_clipping=0.0), rank),
+        "err_table": lambda: error_table(base, rank),
         "err_misspelled": lambda: expect_error(dict(base, optimizer=lioncub(weight_decy=0.1)), rank),
         "err_stage3": lambda: expect_error(dict(base, zero_optimization={"stage": 3}, optimizer=lioncub()), rank),
         "err_offload": lambda: expect_error(dict(base, zero_optimization={"stage": 2, "offload_optimizer": {
@@ -338,6 +476,7 @@ def main():
             result[name] = {"exception": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         result[name]["wall_s"] = time.perf_counter() - t0
         torch.distributed.barrier()
+    result["nccl_contract"] = NC.snapshot()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -313,3 +313,94 @@ def test_save_resume_is_bit_identical():
     with tempfile.TemporaryDirectory() as d:
         for same, steps in run_ranks(_resume, 2, d):
             assert all(same) and steps == 100
+
+
+# ----------------------------------------------------------------------------- NCCL contract: devices
+STRAY_CASES = [dict(comm=c) for c in ("allgather", "1bit", "pbit", "auto")] + [
+    dict(comm="int8", quant="l1"), dict(comm="1bit", momentum_sync={"every": 1}),
+    dict(comm="pbit", drift_check_every=1), dict(comm="1bit", bucket_size_mb=0.0004)]
+
+
+def _stray_default_device(rank, n, directory):
+    """The step under a stray default device (meta): a tensor the library makes without device=
+    reaches a collective on 'meta' instead of the parameters' device (under NCCL: a CPU tensor
+    next to CUDA parameters), and the contract refuses it. Also checkpoint.load (issue 11, item 1)."""
+    from lioncub_ds.testing import nccl_contract
+
+    def under_meta(fn):
+        err = None
+        calls = len(nccl_contract.log())
+        with nccl_contract.expecting_violation() as v:
+            try:
+                with nccl_contract.stray_default_device("meta"):
+                    fn()
+            except nccl_contract.NCCLContractError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a device mix-up torch itself refuses
+                err = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        calls = len(nccl_contract.log()) - calls
+        dist.barrier()
+        return v.message, err, calls
+
+    out = {"step": []}
+    for kw in STRAY_CASES:
+        torch.manual_seed(0)
+        model = Net()
+        opt = lioncub_ds.LionCub(model.named_parameters(), lr=1e-3, **kw)
+        gen = torch.Generator().manual_seed(rank)
+        _train(model, opt, gen, 2)  # state exists
+        idx, y = _batch(gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(idx), y).backward()
+        out["step"].append((kw,) + under_meta(opt.step))
+    checkpoint.save(opt, directory)
+    out["load"] = under_meta(lambda: checkpoint.load(opt, directory))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stray_run():
+    with tempfile.TemporaryDirectory() as d:
+        return run_ranks(_stray_default_device, 2, d, timeout=600)
+
+
+def test_step_creates_no_collective_tensor_off_the_parameters_device(stray_run):
+    for kw, msg, err, calls in stray_run[0]["step"]:
+        assert calls >= 2, f"{kw}: the step under the stray device issued only {calls} collectives"  # flags + vote
+        assert msg is None and err is None, f"{kw}: {err or ''}\n{msg}"
+
+
+@pytest.mark.xfail(strict=True, reason="library bug, issue 11 item 1: checkpoint._agree all-reduces a tensor made "
+                                       "without device= (a CPU tensor in an NCCL group); the lead fixes it")
+def test_checkpoint_load_agreement_stays_on_the_parameters_device(stray_run):
+    msg, err, calls = stray_run[0]["load"]
+    assert calls >= 1 and msg is None and err is None, f"{err or ''}\n{msg}"
+
+
+def _groups_in_step(rank, n):
+    """Every process group LionCub needs exists after the constructor: none is created in step()."""
+    from lioncub_ds.testing import nccl_contract
+    out = {}
+    for name, kw in (("plain", dict(comm="1bit")),
+                     ("node_sync", dict(comm="pbit", momentum_sync={"group": "node", "group_size": 2, "every": 1,
+                                                                    "inter_every": 2})),
+                     ("timeout", dict(comm="allgather", timeout_s=60))):
+        torch.manual_seed(0)
+        model = Net()
+        opt = lioncub_ds.LionCub(model.named_parameters(), lr=1e-3, **kw)
+        gen = torch.Generator().manual_seed(rank)
+        with nccl_contract.expecting_violation() as v:
+            with nccl_contract.no_group_creation("inside LionCub.step()"):
+                _train(model, opt, gen, 3)
+        out[name] = v.message
+        dist.barrier()
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason="library bug, issue 11 item 6: the momentum-sync node subgroup is created "
+                                       "lazily inside the first step(); the lead fixes it")
+def test_no_process_group_is_created_inside_step():
+    res = run_ranks(_groups_in_step, 2, timeout=300)
+    for r, out in enumerate(res):
+        bad = {k: v.splitlines()[:6] for k, v in out.items() if v}
+        assert not bad, f"rank {r}: {bad}"

@@ -179,7 +179,7 @@ class ByteCounter:
 
 
 def _setup(tp, ep=1):
-    import megatron_cpu_shim
+    from lioncub_ds.testing import megatron_cpu_shim
     megatron_cpu_shim.install()
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
@@ -347,6 +347,57 @@ def _sync_run(tp, experts, momentum_sync, steps=4):
     return {"fps": fps, "group_size": ms.group_size if ms is not None else None}
 
 
+def _bruteforce_run(tp, experts, comm, steps=3):
+    """Through Megatron's DDP + FP32Optimizer/ChainedOptimizer: after every opt.step(), each parameter
+    equals a literal majority vote over its vote group's (gradient, momentum), exactly.
+
+    Literal implementation (SPEC §2): c_i = β1·m_i + (1−β1)·g_i, Δ = sign(Σ_i sign(c_i)) over the
+    data-parallel group (expert-DP for expert parameters), tie_break="zero", θ ← θ·(1 − η·λ) − η·Δ."""
+    import torch.distributed as dist
+    from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
+    cfg, ddp = _build(tp, experts)
+    opt = get_megatron_lioncub_optimizer(_opt_config(clip_grad=0.0), [ddp],
+                                         lioncub={"comm": comm, "tie_break": "zero"})
+    lcs = lioncub_optimizers(opt)
+    out = {"mismatched": 0, "elements": 0, "moved": 0, "steps": 0, "kinds": sorted(lc.megatron_kind for lc in lcs)}
+    for s in range(steps):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        _fwd_bwd(ddp, _batch(s))
+        expected = []
+        for lc in lcs:
+            group = lc._dist[0]
+            n = dist.get_world_size(group)
+            items = [(g, p) for g in lc.param_groups for p in g["params"]]
+            c = []
+            for g, p in items:
+                grad = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+                m = lc.state[p]["exp_avg"] if "exp_avg" in lc.state[p] else torch.zeros_like(p)
+                b1 = g["betas"][0]
+                c.append((b1 * m.float() + (1 - b1) * grad.float()).reshape(-1))
+            local = torch.cat(c)
+            everyone = [torch.zeros_like(local) for _ in range(n)]
+            dist.all_gather(everyone, local, group=group)
+            delta = torch.sign(torch.stack([torch.sign(e) for e in everyone]).sum(0))
+            off = 0
+            for g, p in items:
+                d = delta[off:off + p.numel()].view_as(p)
+                off += p.numel()
+                e = p.detach().clone()
+                if g["weight_decay"]:
+                    e.mul_(1.0 - g["lr"] * g["weight_decay"])
+                e.add_(d.mul(-g["lr"]))
+                expected.append((p, e, d))
+        ok, _, _ = opt.step()
+        assert ok
+        for p, e, d in expected:
+            out["mismatched"] += int((p.detach() != e).sum())
+            out["elements"] += p.numel()
+            out["moved"] += int((d != 0).sum())
+        out["steps"] += 1
+    return out
+
+
 def _bf16_run(tp, experts, steps=3):
     """bf16 params: Float16OptimizerWithFloat16Params around LionCub (fp32 main params)."""
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
@@ -435,6 +486,7 @@ def _scenario(rank, world, tp, ep, experts, tmpdir, lioncub):
     out["no_sync"] = _sync_run(tp, experts, None, steps=2)
 
     timing["sync"] = time.perf_counter() - t0
+    out["bruteforce"] = _bruteforce_run(tp, experts, lioncub.get("comm", "1bit"))
     out["bf16"] = _bf16_run(tp, experts)
     timing["bf16"] = time.perf_counter() - t0
     # Save / resume.
@@ -507,6 +559,10 @@ def _check_common(res, tp):
     for r in res:  # syncs after step indices 0 and 2
         assert all(_same(res, r, "sync_every2", 0).values()) and all(_same(res, r, "sync_every2", 2).values())
         assert not any(_same(res, r, "sync_every2", 1).values())
+    # brute force: every parameter, every step, equals the literal vote over its vote group
+    for r in res:
+        bf = r["bruteforce"]
+        assert bf["steps"] == 3 and bf["mismatched"] == 0 and bf["moved"] > 0, (r["rank"], bf)
     # bf16 through Float16OptimizerWithFloat16Params: LionCub steps fp32 main params, replicas stay equal
     for r in res:
         b = r["bf16"]

@@ -2,9 +2,11 @@
 checkpoints that are corrupted, truncated, mismatched, resharded or half-written.
 
 Multi-rank scenarios run on 3 gloo ranks, one launch per scenario with several checks
-inside (process start-up dominates the cost). Ranks use the pure-torch kernels so three
-processes never JIT-build the C++ extension at once; tests/test_properties.py checks
-that the native kernels count non-finite values and votes exactly like the torch path.
+inside (process start-up dominates the cost). Each runs twice: with the pure-torch kernels
+(``LIONCUB_KERNELS=torch``) and with the native kernels of the ranks' device (``cpp``: the
+ranks hold CPU tensors; must load, no silent fallback). The native extension is built once,
+in the parent, before the ranks start (``_build_native``), so three ranks never JIT-build it
+at once.
 """
 from __future__ import annotations
 
@@ -24,7 +26,27 @@ from lioncub_ds.checkpoint import CheckpointError
 from dist_helpers import free_port, run_ranks
 
 N = 3
-RANK_ENV = {"LIONCUB_KERNELS": "torch"}
+KERNELS = ("torch", "cpp")
+
+
+def _rank_env(kernels):
+    if kernels == "cpp":
+        _build_native()
+    return {"LIONCUB_KERNELS": kernels}
+
+
+def _build_native():
+    """Build (or load from the cache) the C++ kernels once here, before the ranks import them."""
+    from lioncub_ds import ops
+    try:
+        ops._load_native("cpp")
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"the C++ kernels do not build here: {exc}")
+
+
+def _backend_name():
+    from lioncub_ds import ops
+    return ops.backend_for("cpu").name
 
 
 class Net(torch.nn.Module):
@@ -130,14 +152,16 @@ def _nonfinite_scenario(rank, n, directory):
     rec["step_count"] = opt.step_count
     rec["identical"] = _identical_across_ranks(model)
     out["raise"] = rec
+    out["backend"] = _backend_name()
     return out
 
 
-@pytest.fixture(scope="module")
-def nonfinite_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=KERNELS)
+def nonfinite_run(request, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("ckpt3"))
     t = time.time()
-    results = run_ranks(_nonfinite_scenario, N, directory, timeout=600, env=RANK_ENV)
+    results = run_ranks(_nonfinite_scenario, N, directory, timeout=600, env=_rank_env(request.param))
+    assert {r["backend"] for r in results} == {request.param}, "the ranks ran other kernels than asked"
     return results, directory, time.time() - t
 
 
@@ -227,11 +251,14 @@ def _drift_scenario(rank, n):
         out["final_identical"] = _identical_across_ranks(model)
     finally:
         logging.getLogger("lioncub_ds").removeHandler(handler)
+    out["backend"] = _backend_name()
     return out
 
 
-def test_replica_drift_is_detected_named_and_resynchronized():
-    results = run_ranks(_drift_scenario, N, timeout=600, env=RANK_ENV)
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_replica_drift_is_detected_named_and_resynchronized(kernels):
+    results = run_ranks(_drift_scenario, N, timeout=600, env=_rank_env(kernels))
+    assert {r["backend"] for r in results} == {kernels}
     for rank, res in enumerate(results):
         assert res["clean_check"] is True
         # steps 1-2 pass, the check at step 3 reports the parameter rank 2 changed after step 1... on every rank
@@ -258,8 +285,8 @@ TIMEOUT_S = 5.0
 VICTIM = 2
 
 
-def _collective_failure_worker(rank, n, port, mode, killed_at, queue):
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", **RANK_ENV})
+def _collective_failure_worker(rank, n, port, mode, killed_at, queue, kernels):
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "LIONCUB_KERNELS": kernels})
     torch.set_num_threads(1)
     # The default group keeps torch's default timeout (30 min for gloo): only LionCub's
     # timeout_s can make the survivors fail quickly.
@@ -284,12 +311,12 @@ def _collective_failure_worker(rank, n, port, mode, killed_at, queue):
     # then exit normally (no destroy_process_group): a survivor must not hang on the way out
 
 
-def _run_with_victim(mode):
+def _run_with_victim(mode, kernels):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     killed_at = ctx.Value("d", 0.0)
     port = free_port()
-    procs = [ctx.Process(target=_collective_failure_worker, args=(r, N, port, mode, killed_at, queue))
+    procs = [ctx.Process(target=_collective_failure_worker, args=(r, N, port, mode, killed_at, queue, kernels))
              for r in range(N)]
     for p in procs:
         p.start()
@@ -318,11 +345,12 @@ def _run_with_victim(mode):
     return reports, exits, killed_at.value
 
 
-@pytest.mark.parametrize("mode", ["die", "stall"])
-def test_survivors_fail_within_the_timeout_when_a_rank_dies_or_stalls(mode):
+@pytest.mark.parametrize("mode,kernels", [("die", "torch"), ("stall", "torch"), ("die", "cpp"), ("stall", "cpp")])
+def test_survivors_fail_within_the_timeout_when_a_rank_dies_or_stalls(mode, kernels):
     """A rank exits (os._exit) or stalls at step 5: every survivor raises a clear
     CollectiveError within timeout_s (+ margin for a loaded machine) and its process ends."""
-    reports, exits, killed_at = _run_with_victim(mode)
+    _rank_env(kernels)
+    reports, exits, killed_at = _run_with_victim(mode, kernels)
     assert killed_at > 0, f"the victim never reached step {BAD_STEP}: reports={reports} exits={exits}"
     survivors = [r for r in range(N) if r != VICTIM]
     margin = 15.0
@@ -609,3 +637,64 @@ def test_reshard_refuses_rank_files_from_different_steps(saved, tmp_path):
         m0 = payload["optimizer"]["state"][i]["exp_avg"]
         assert torch.equal(other.state[p]["exp_avg"], (m0 + m0 * 2) / 2)
     assert other.step_count == 3
+
+
+# ============================================================================ a bad checkpoint on some ranks
+BAD_FILE_CASES = ("flip-byte", "truncate", "missing", "foreign")
+
+
+def _bad_checkpoint_scenario(rank, n, directory):
+    """Every rank saves; then ONE rank's file is damaged. Every rank must raise CheckpointError
+    (the ranks with a good file too: the error is agreed before anyone raises), leave its state
+    untouched, and the ranks must still step together afterwards."""
+    out = {}
+    for case in BAD_FILE_CASES:
+        d = os.path.join(directory, case)
+        model, opt = _fresh(comm="1bit")
+        gen = torch.Generator().manual_seed(600 + rank)
+        for _ in range(2):
+            _backward(model, gen)
+            opt.step()
+        checkpoint.save(opt, d)
+        dist.barrier()
+        if rank == 1:
+            path = checkpoint.rank_file(d, 1, n)
+            data = bytearray(open(path, "rb").read())
+            if case == "flip-byte":
+                m = opt.state[next(iter(model.parameters()))]["exp_avg"]
+                pos = bytes(data).find(m.reshape(-1)[:8].numpy().tobytes())
+                data[pos + 3] ^= 0x20
+                open(path, "wb").write(bytes(data))
+            elif case == "truncate":
+                open(path, "wb").write(bytes(data[: len(data) // 2]))
+            elif case == "missing":
+                os.remove(path)
+            else:
+                torch.save({"step": 3, "exp_avg": torch.zeros(3)}, path)
+        dist.barrier()
+        snap = (_momenta(opt, model), opt.step_count)
+        try:
+            checkpoint.load(opt, d)
+            err = None
+        except CheckpointError as exc:
+            err = str(exc)
+        except Exception as exc:  # noqa: BLE001 - any other error type is a failure of the rule
+            err = f"NOT A CheckpointError: {type(exc).__name__}: {exc}"
+        unchanged = _same(snap[0], _momenta(opt, model)) and snap[1] == opt.step_count
+        _backward(model, gen)
+        opt.step()  # the ranks are still in step with each other
+        out[case] = {"error": err, "unchanged": unchanged, "identical": _identical_across_ranks(model)}
+    return out
+
+
+def test_a_bad_checkpoint_file_on_one_rank_raises_on_every_rank(tmp_path):
+    results = run_ranks(_bad_checkpoint_scenario, N, str(tmp_path), timeout=600, env=_rank_env("torch"))
+    for rank, res in enumerate(results):
+        for case in BAD_FILE_CASES:
+            r = res[case]
+            assert r["error"] is not None, f"rank {rank}, {case}: no CheckpointError (only rank 1's file is bad)"
+            assert not r["error"].startswith("NOT A"), (rank, case, r["error"])
+            assert r["unchanged"] and r["identical"], (rank, case, r)
+        # the rank whose file is damaged names it; the others say which rank's file failed
+        if rank == 1:
+            assert "lioncub-rank00001-of-00003.pt" in res["flip-byte"]["error"], res["flip-byte"]["error"]

@@ -8,98 +8,32 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import json
 import math
 import os
 import platform
 import signal
-import socket
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
+
+from lioncub_ds.testing.spawn import RankError, free_port
+from lioncub_ds.testing.spawn import run_ranks as _run_ranks
 
 __all__ = ["free_port", "run_ranks", "print_table", "write_json", "machine_info", "add_output_args",
            "finish", "line_plot", "fmt_bytes", "median", "RankError"]
 
 
-class RankError(RuntimeError):
-    """A spawned rank failed (the message carries its traceback)."""
-
-
 # ----------------------------------------------------------------------------- ranks
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, fn, args, queue, env, threads):
-    os.environ.update(env)
-    torch.set_num_threads(threads)
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        try:
-            out = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        buf = io.BytesIO()
-        torch.save(out, buf)  # plain bytes: shared-memory tensors die with this process
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException as exc:  # noqa: BLE001 - report any failure to the parent
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-
-
+# One spawner for tests and benchmarks (lioncub_ds.testing); benchmarks run without the NCCL contract.
 def run_ranks(fn, world_size: int, *args, timeout: float = 1800.0, env: dict | None = None, threads: int = 1):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes on 127.0.0.1.
 
     ``fn`` must be importable (module level). Returns the per-rank results (list by rank).
     Any rank's exception raises :class:`RankError` with its traceback; the other ranks are killed.
     """
-    import queue as _queue
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    base_env = {"MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(threads), "LOCAL_WORLD_SIZE": str(world_size)}
-    base_env.update(env or {})
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, base_env, threads), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results, errors = {}, []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world_size and not errors:
-            try:
-                rank, status, payload = q.get(timeout=1.0)
-            except _queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
-                if dead:
-                    errors.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout:.0f} s")
-                continue
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"rank {rank}: {payload}")
-    finally:
-        for p in procs:
-            p.join(timeout=2 if errors else 30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if errors:
-        raise RankError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return _run_ranks(fn, world_size, *args, timeout=timeout, env=env, threads=threads, daemon=True)
 
 
 # ----------------------------------------------------------------------------- output

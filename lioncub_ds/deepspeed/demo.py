@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 from ..telemetry import format_bytes
+from ..testing.spawn import free_port
 
 __all__ = ["run_comparison", "format_comparison", "main", "DEMO_CONFIG"]
 
@@ -62,12 +62,6 @@ def _config() -> dict:
     return json.loads(json.dumps(DEMO_CONFIG))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launcher() -> list[str]:
     exe = Path(sys.executable).with_name("deepspeed")
     if exe.exists():
@@ -78,7 +72,7 @@ def _launcher() -> list[str]:
 
 def _run_one(mode: str, cfg_path: Path, out_json: Path, *, steps: int, preset: str, world_size: int,
              extra: list[str], timeout: float, verbose: bool) -> dict:
-    cmd = _launcher() + ["--num_accelerators", str(world_size), "--master_port", str(_free_port()),
+    cmd = _launcher() + ["--num_accelerators", str(world_size), "--master_port", str(free_port()),
                          str(train_script()), "--deepspeed_config", str(cfg_path), "--steps", str(steps),
                          "--preset", preset, "--json-out", str(out_json), "--no-progress"] + extra
     if mode == "baseline":

@@ -1,11 +1,15 @@
-"""TEST-ONLY: let megatron-core's DDP, optimizer wrappers and GPTModel run on a CPU-only torch.
+"""TEST-ONLY: let megatron-core's DDP, optimizer wrappers and GPTModel run on CPU ranks.
 
 Megatron hard-codes CUDA in a few places on the training path: ``torch.cuda.current_device()``
 as a tensor device, ``device="cuda"`` factories, ``Tensor.cuda()``, the CUDA RNG state behind
 its tensor-parallel RNG tracker, streams and events, and ``param.type() ==
 'torch.cuda.FloatTensor'`` checks in the mixed-precision wrapper. :func:`install` redirects
-exactly those to the CPU, in this process only. It never belongs in the package and is
-never needed on a GPU: the example imports it only behind ``--cpu-shim``.
+exactly those to the CPU, in this process only. It is for tests and CPU demos only (the example
+imports it only behind ``--cpu-shim``); real GPU training never needs it.
+
+On a machine WITH CUDA it still runs the ranks on the CPU (gloo, CPU tensors): it also makes
+``torch.cuda.is_available()`` answer False and ``device_count()`` 0 in the process, so every
+code path megatron picks by "is there a GPU" takes the CPU branch, as on a CPU-only machine.
 
 What it changes (all reversible with :func:`uninstall`):
 
@@ -160,9 +164,10 @@ def install() -> None:
     """Redirect megatron's CUDA calls to the CPU (idempotent). Call before building models."""
     if _SAVED:
         return
-    if torch.cuda.is_available():
-        raise RuntimeError("megatron_cpu_shim is for CPU-only machines; on a GPU run without it")
     cuda = torch.cuda
+    # Even where CUDA exists: the ranks run on the CPU, so megatron must take its CPU branches.
+    _set(cuda, "is_available", lambda: False)
+    _set(cuda, "device_count", lambda: 0)
     _set(cuda, "current_device", lambda: _CPU)
     _set(cuda, "set_device", lambda *a, **k: None)
     _set(cuda, "synchronize", lambda *a, **k: None)
