@@ -18,7 +18,7 @@ import sys
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import megatron_cpu_shim  # noqa: E402
+from lioncub_ds.testing import megatron_cpu_shim  # noqa: E402,F401
 
 megatron_cpu_shim.install()
 import torch  # noqa: E402

@@ -370,8 +370,6 @@ def test_step_creates_no_collective_tensor_off_the_parameters_device(stray_run):
         assert msg is None and err is None, f"{kw}: {err or ''}\n{msg}"
 
 
-@pytest.mark.xfail(strict=True, reason="library bug, issue 11 item 1: checkpoint._agree all-reduces a tensor made "
-                                       "without device= (a CPU tensor in an NCCL group); the lead fixes it")
 def test_checkpoint_load_agreement_stays_on_the_parameters_device(stray_run):
     msg, err, calls = stray_run[0]["load"]
     assert calls >= 1 and msg is None and err is None, f"{err or ''}\n{msg}"
@@ -397,8 +395,6 @@ def _groups_in_step(rank, n):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="library bug, issue 11 item 6: the momentum-sync node subgroup is created "
-                                       "lazily inside the first step(); the lead fixes it")
 def test_no_process_group_is_created_inside_step():
     res = run_ranks(_groups_in_step, 2, timeout=300)
     for r, out in enumerate(res):

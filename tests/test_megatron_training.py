@@ -271,7 +271,7 @@ def test_optimizer_swap_reads_get_args(standins, monkeypatch):
 # ----------------------------------------------------------------------------- real ranks
 def _shim():
     import warnings
-    import megatron_cpu_shim
+    from lioncub_ds.testing import megatron_cpu_shim
     megatron_cpu_shim.install()
     warnings.filterwarnings("ignore")
 
