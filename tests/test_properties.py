@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lioncub_ds import codec
+from lioncub_ds.comm.abstain import any_voter
 from lioncub_ds.comm.onebit import phase2_needs_nonzero
 
 FAST = settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -208,7 +209,7 @@ def test_sharded_two_phase_vote_equals_direct_vote(votes, tie_break, step, base)
     nz = nonzero if abstain else None
     direct = codec.decide(*codec.count_votes(sign, nz, numel), n, "majority", tie_break, step, base)
     shard = numel // 8 // n
-    send_nz = phase2_needs_nonzero(n, abstain, tie_break)
+    send_nz = phase2_needs_nonzero(n, tie_break, abstain)
     res_sign, res_nz = [], []
     for r in range(n):
         s, z = codec.shard_vote(sign[:, r * shard:(r + 1) * shard].contiguous(),
@@ -216,10 +217,14 @@ def test_sharded_two_phase_vote_equals_direct_vote(votes, tie_break, step, base)
                                 step, tie_break, base + r * shard * 8)
         res_sign.append(s)
         res_nz.append(z)
-    if not send_nz:  # phase 2 sends one plane: Δ must never be 0 then
-        assert bool((direct != 0).all())
+    if not send_nz:  # phase 2 sends one plane: Δ is 0 only where nobody voted, which every rank knows
+        voted = (torch.tensor(votes) != 0).any(0)
+        assert torch.equal(direct != 0, voted)
     full_sign = torch.cat(res_sign).reshape(1, -1)
-    full_nz = torch.cat(res_nz).reshape(1, -1) if send_nz else None
+    if send_nz:
+        full_nz = torch.cat(res_nz).reshape(1, -1)
+    else:  # every rank has every rank's nonzero plane (the abstention payloads): OR them
+        full_nz = any_voter(nz).reshape(1, -1) if nz is not None else None
     theta = torch.zeros(numel)
     decoded = codec.vote_apply(full_sign, full_nz, [theta], [0], 1.0, 0.0, step, tie_break, "majority", 1, base)
     assert torch.equal(decoded, direct)

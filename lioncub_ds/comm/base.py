@@ -210,9 +210,11 @@ class VoteAlgorithm:
         raise NotImplementedError
 
     def wire_bytes(self, numel: int, world_size: int, *, mode: str = "list", vote: str = "majority",
-                   tie_break: str = "hash") -> int:
+                   tie_break: str = "hash", abstain: bool = False) -> int:
         """Bytes one rank sends for a bucket of ``numel`` (padded) elements whose abstentions
-        travel as ``mode`` ("list", with the capacity of :func:`list_capacity`, or "plane")."""
+        travel as ``mode`` ("list", with the capacity of :func:`list_capacity`, or "plane");
+        ``abstain``: some rank abstains in the bucket this step (only 1bit with
+        tie_break="zero" sends more then)."""
         raise NotImplementedError
 
     def messages(self, world_size: int) -> int:

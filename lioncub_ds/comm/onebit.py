@@ -6,8 +6,8 @@ rides along to every rank. Phase 2: all-gather of the packed shard results. Wire
 rank: 2·(N−1)/N·P/8 + (N−1)·payload, nearly independent of N.
 
 Phase 2 carries 1 bit per element: where Δ is 0 because nobody voted, every rank already
-knows it from the payloads. Only tie_break="zero" with an even N (Δ = 0 on ties too) adds the
-result's nonzero plane. With vote="average" the shard owner sends the +1 counts back in
+knows it from the payloads. Only tie_break="zero" with a possible tie (an even N, or
+abstentions) adds the result's nonzero plane. With vote="average" the shard owner sends the +1 counts back in
 p-bit lanes, p = ⌈log2(N+1)⌉ rounded up to 1/2/4/8, and every rank counts the voters itself.
 """
 from __future__ import annotations
@@ -19,9 +19,10 @@ from .abstain import any_voter
 from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, split_columns
 
 
-def phase2_needs_nonzero(world_size: int, tie_break: str) -> bool:
-    """Δ can be 0 on a tie (not only where nobody voted): the result's nonzero plane travels."""
-    return tie_break == "zero" and world_size % 2 == 0
+def phase2_needs_nonzero(world_size: int, tie_break: str, abstain: bool = False) -> bool:
+    """Δ can be 0 on a tie (not only where nobody voted): the result's nonzero plane travels.
+    A tie needs an even number of voters: an even N, or abstentions."""
+    return tie_break == "zero" and (world_size % 2 == 0 or abstain)
 
 
 class OneBitVote(VoteAlgorithm):
@@ -47,31 +48,32 @@ class OneBitVote(VoteAlgorithm):
         signs = split_columns(pending.wait(), self._phase1_widths(jobs, n))[0::2]
         average = jobs[0].vote == "average"
         p = lane_bits_for(n)
-        send_nz = phase2_needs_nonzero(n, jobs[0].tie_break)
+        # per job (the same on every rank: the planes follow the agreed flags)
+        send_nz = [not average and phase2_needs_nonzero(n, j.tie_break, j.planes is not None) for j in jobs]
         parts, widths = [], []
-        for j, sign in zip(jobs, signs):
+        for j, sign, snz in zip(jobs, signs, send_nz):
             shard = j.plane_bytes // n
             nz = None if j.planes is None else j.planes[:, rank * shard:(rank + 1) * shard].contiguous()
             if average:
                 plus, _ = backend.count_lanes(sign.contiguous(), nz, p)
                 parts.append(plus)
+                widths.append(plus.numel())
             else:
                 seg = j.segments(rank * shard * 8, (rank + 1) * shard * 8)
                 res_sign, res_nz = backend.shard_vote(sign.contiguous(), nz, j.step, j.tie_break, seg)
-                parts += [res_sign, res_nz] if send_nz else [res_sign]
-            widths += [parts[-1].numel()] if not send_nz or average else [shard, shard]
+                parts += [res_sign, res_nz] if snz else [res_sign]
+                widths += [shard, shard] if snz else [shard]
         gathered = coll.all_gather(torch.cat(parts), self.name)  # [N, Σ widths]
-        cols = split_columns(gathered, widths)
-        step = 1 if average or not send_nz else 2
-        for k, j in enumerate(jobs):
-            mine = cols[k * step:(k + 1) * step]
+        cols = iter(split_columns(gathered, widths))
+        for j, snz in zip(jobs, send_nz):
+            mine = [next(cols)] + ([next(cols)] if snz else [])
             if average:
                 cnt = None if j.planes is None else backend.count_lanes(j.planes, j.planes, p)[1]
                 backend.lanes_apply(mine[0].reshape(-1), cnt, n, p, j.params, j.offsets, j.lr, j.weight_decay,
                                     j.step, j.tie_break, "average", j.segments(), return_delta=False)
                 continue
             full_sign = mine[0].reshape(1, -1)
-            if send_nz:
+            if snz:
                 full_nz = mine[1].reshape(1, -1)
             else:  # Δ = 0 exactly where no rank voted (every rank knows the planes)
                 full_nz = None if j.planes is None else any_voter(j.planes).view(1, -1)
@@ -79,14 +81,14 @@ class OneBitVote(VoteAlgorithm):
             backend.vote_apply(full_sign, full_nz, j.params, j.offsets, j.lr, j.weight_decay, j.step,
                                j.tie_break, "majority", 1, j.segments(), return_delta=False)
 
-    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash"):
+    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False):
         n = world_size
         shard = numel // 8 // n
         phase1 = (n - 1) * (shard + payload_len(numel, n, mode))
         if vote == "average":
             phase2 = (n - 1) * shard * lane_bits_for(n)
         else:
-            phase2 = (n - 1) * shard * (2 if phase2_needs_nonzero(n, tie_break) else 1)
+            phase2 = (n - 1) * shard * (2 if phase2_needs_nonzero(n, tie_break, abstain) else 1)
         return phase1 + phase2
 
     def messages(self, world_size):

@@ -67,7 +67,7 @@ class PBitVote(VoteAlgorithm):
             backend.lanes_apply(plus.reshape(-1), cnt, n, p, j.params, j.offsets, j.lr, j.weight_decay, j.step,
                                 j.tie_break, j.vote, j.segments(), return_delta=False)
 
-    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash"):
+    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False):
         n = world_size
         total = numel * self.lane_bits(n) // 8 + n * payload_len(numel, n, mode)
         return 2 * (n - 1) * total // n
