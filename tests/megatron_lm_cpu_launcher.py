@@ -6,7 +6,7 @@
 Run from a Megatron-LM checkout (tag core_v0.16.1 for megatron-core 0.16.1; its megatron/training,
 megatron/legacy, megatron/post_training, megatron/rl, pretrain_gpt.py, gpt_builders.py and
 model_provider.py on PYTHONPATH after the megatron-core wheel; Megatron-LM also imports ``six``).
-Megatron-LM asserts CUDA at start-up, so besides the test shim (tests/megatron_cpu_shim.py) this
+Megatron-LM asserts CUDA at start-up, so besides the test shim (lioncub_ds.testing.megatron_cpu_shim) this
 launcher makes ``torch.cuda.is_available()`` say True and turns off four GPU-only start-up steps:
 the triton batch-invariant kernels module (imported unconditionally), the CUDA fused-kernel build,
 the dataset helper ``make`` (the wheel ships the built .so, no Makefile) and the torch.compile

@@ -84,9 +84,9 @@ def _rank_fn(rank, n, numel, steps, chunk, configs):
         for _ in range(steps):
             for p in params:
                 # A fresh random gradient each step. randn returns an exact 0.0 about once in 2**24
-                # draws; a single exact zero in c makes that rank abstain there, which adds the
-                # nonzero plane to the whole bucket (SPEC §4). Real dense gradients have none, so
-                # replace them: the bench measures the common case (see README_RESULTS).
+                # draws; an exact zero in c makes that rank abstain there, which adds an entry to
+                # the bucket's abstention list (docs/conventions.md, "Abstentions"). Replace them,
+                # so every step sends exactly the formula's bytes (docs/results.md).
                 g = torch.randn(p.shape, generator=gen)
                 p.grad = g.masked_fill_(g == 0, 1e-3)
             opt.step()
