@@ -283,8 +283,11 @@ def test_invalid_settings_fail_in_deepspeed_initialize_before_any_state(runs):
         got = r["err_table"]
         assert "exception" not in got, got
         assert set(got) - {"wall_s"} == {case[0] for case in INVALID}
-        for case_id, _kwargs, pattern in INVALID:
+        for case_id, kwargs, pattern in INVALID:
             e = got[case_id]
+            if set(kwargs) == {"eps"}:  # HF's DeepSpeed template carries "eps": accepted, dropped with a warning
+                assert e["error_type"] is None and e["optimizer_inits"] == ["LionCub"], (case_id, e)
+                continue
             assert e["error_type"] == "LionCubConfigError", (case_id, e)
             assert re.search(_ds_pattern(pattern), e["error"]), (case_id, e["error"])
             assert e["optimizer_inits"] == [] and e["params_untouched"], (case_id, e)

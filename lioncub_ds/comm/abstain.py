@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from ..codec import pack_bits
-
 WORD = 4  # bytes of one int32 list word
 
 
@@ -45,11 +43,19 @@ def payload_bytes(mode: str, plane_bytes: int, capacity: int) -> int:
 
 
 def real_mask(offsets, numels, total: int, device) -> torch.Tensor:
-    """uint8 plane of ``total`` elements with bit 1 exactly at the parameters' elements."""
-    bits = torch.zeros(total, dtype=torch.uint8, device=device)
+    """uint8 plane of ``total`` elements with bit 1 exactly at the parameters' elements.
+
+    Built byte-wise (offsets are multiples of 8): full bytes 0xFF, a parameter's last partial
+    byte its low bits (LSB first), in total/8 bytes of memory."""
+    mask = torch.zeros(total // 8, dtype=torch.uint8, device=device)
     for off, n in zip(offsets, numels):
-        bits[off:off + n] = 1
-    return pack_bits(bits)
+        if off % 8:
+            raise ValueError(f"real_mask: parameter offsets must be multiples of 8, got {off}")
+        start, full = off // 8, n // 8
+        mask[start:start + full] = 0xFF
+        if n % 8:
+            mask[start + full] = (1 << (n % 8)) - 1
+    return mask
 
 
 def differing(nonzero: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
