@@ -135,6 +135,7 @@ class SimLionCub:
         self.step_count = 0
         self.bytes_sent = 0
         self.sync_bytes = 0
+        self.alt_bytes = {}  # sign comms with the same Δ (1bit / allgather / pbit): what each would send
         self.buckets = []  # (group index, params, offsets, total, base)
         base, cap = 0, cfg.bucket_numel
         for gi, g in enumerate(self.groups):
@@ -207,20 +208,20 @@ class SimLionCub:
                 cnt = (c != 0).sum(0, dtype=torch.int32) if abstain else torch.full_like(plus, n)
                 delta = codec.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, base)
                 planes = 2 if abstain else 1
-                if self.comm == "allgather":
-                    sent += self._collective_bytes("all_gather", n * planes * total // 8)
-                elif self.comm == "pbit":
-                    p_bits = codec.lane_bits_for(n)
-                    sent += self._collective_bytes("all_reduce", planes * total * p_bits // 8)
-                else:  # 1bit: all-to-all of the planes, then all-gather of the shard results
-                    shard = total // 8 // n
-                    sent += self._collective_bytes("all_to_all", planes * total // 8)
-                    if cfg.vote == "average":
-                        p_bits = codec.lane_bits_for(n)
-                        sent += self._collective_bytes("all_gather", n * planes * shard * p_bits)
-                    else:
-                        planes2 = 2 if phase2_needs_nonzero(n, abstain, cfg.tie_break) else 1
-                        sent += self._collective_bytes("all_gather", n * planes2 * shard)
+                shard = total // 8 // n
+                p_bits = codec.lane_bits_for(n) if n <= 255 else 8
+                by = {"allgather": self._collective_bytes("all_gather", n * planes * total // 8),
+                      "pbit": self._collective_bytes("all_reduce", planes * total * p_bits // 8)}
+                # 1bit: all-to-all of the planes, then all-gather of the shard results
+                by["1bit"] = self._collective_bytes("all_to_all", planes * total // 8)
+                if cfg.vote == "average":
+                    by["1bit"] += self._collective_bytes("all_gather", n * planes * shard * p_bits)
+                else:
+                    planes2 = 2 if phase2_needs_nonzero(n, abstain, cfg.tie_break) else 1
+                    by["1bit"] += self._collective_bytes("all_gather", n * planes2 * shard)
+                sent += by[self.comm]
+                for k, v in by.items():
+                    self.alt_bytes[k] = self.alt_bytes.get(k, 0) + v - by[self.comm]
             codec.apply_update(params, offsets, delta, lr, wd)
             for p in params:
                 codec.momentum_update(self.momenta[p], grads[p], b2)
@@ -232,6 +233,10 @@ class SimLionCub:
             self.sync_bytes += sync
         self.bytes_sent += sent
         return sent
+
+    def bytes_if(self, comm):
+        """Bytes sent so far had every vote used ``comm`` (same Δ: 1bit / allgather / pbit, majority)."""
+        return self.bytes_sent + self.alt_bytes.get(comm, 0)
 
     def _sync_momenta(self):
         """Average the selected momenta over the workers (LionCub: chunked fp32 all-reduce, then divide)."""
@@ -304,10 +309,11 @@ def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
     peak = lrs[fam]
     ar_bytes = ring_bytes("all_reduce", 4 * nparams, n)
     curve = [(0, evaluate(model, ds, cfg, device), 0)]
+    alt_curve = [{"allgather": 0}]
     sent = sync_sent = 0
     t0 = time.perf_counter()
     for step in range(cfg["steps"]):
-        lr = lr_at(step, cfg["steps"], peak, cfg["warmup"])
+        lr = lr_at(step, cfg["steps"], peak, cfg["warmup"], cfg["min_lr_ratio"])
         for g in opt.param_groups:
             g["lr"] = lr
         batches = [ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], i, n, step=step, seed=seed,
@@ -335,11 +341,12 @@ def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
             sent, sync_sent = opt.bytes_sent, opt.sync_bytes
         if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
             curve.append((step + 1, evaluate(model, ds, cfg, device), sent))
+            alt_curve.append({"allgather": opt.bytes_if("allgather") if isinstance(opt, SimLionCub) else None})
             if not math.isfinite(curve[-1][1]):
                 break
     return {"variant": variant, "seed": seed, "world_size": n, "curve": curve, "bytes": sent, "sync_bytes": sync_sent,
             "params": nparams, "wall_s": time.perf_counter() - t0, "fp32_allreduce_bytes_per_step": ar_bytes,
-            "digest": param_digest(model), "lr": peak, "family": fam}
+            "digest": param_digest(model), "lr": peak, "family": fam, "alt_curve": alt_curve}
 
 
 def real_lioncub_rank(rank, n, variant, seed, cfg, lrs):
@@ -362,7 +369,7 @@ def real_lioncub_rank(rank, n, variant, seed, cfg, lrs):
                   momentum_sync=spec.get("sync"))
     for step in range(cfg["steps"]):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"])
+            g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])
         x, y = ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], rank, n, step=step, seed=seed)
         opt.zero_grad(set_to_none=True)
         model(x, y)[1].backward()
@@ -373,6 +380,7 @@ def real_lioncub_rank(rank, n, variant, seed, cfg, lrs):
 # ----------------------------------------------------------------------------- the study
 def make_cfg(**kw):
     cfg = dict(steps=300, preset="tiny", n_layer=2, n_head=2, d_model=64, seq_len=64, batch_size=4, warmup=30,
+               min_lr_ratio=0.1,
                eval_every=50, eval_iters=8, eval_batch=32, betas=[0.9, 0.99], adamw_betas=[0.9, 0.95], adamw_wd=0.1,
                lion_wd=None, tie_break="hash", threads=1, data="deps")
     for k, v in kw.items():
@@ -411,8 +419,17 @@ def tune(world_sizes, cfg, grid, tune_seed, device="cpu", verbose=True, ds=None)
     return best, recs
 
 
+def _dlion_from_1bit(r):
+    """D-Lion majority (all-gather) and Lion Cub 1bit apply the same Δ every step (same votes, same
+    tie rule): one simulated run gives both; only the bytes differ."""
+    out = dict(r, variant="dlion")
+    out["curve"] = [(s, l, a["allgather"]) for (s, l, _), a in zip(r["curve"], r["alt_curve"])]
+    out["bytes"] = r["alt_curve"][-1]["allgather"]
+    return out
+
+
 def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=None, device="cpu", verbose=True,
-        ds=None, **kw):
+        ds=None, partial=None, **kw):
     """Paired runs. ``lrs``: {N: {family: lr}} (or one {family: lr} for every N). Returns records, curves."""
     cfg = make_cfg(**kw)
     torch.set_num_threads(cfg["threads"])
@@ -423,8 +440,14 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
         if lrs:
             lr_n.update(lrs.get(n, lrs) if all(isinstance(k, int) for k in lrs) else lrs)
         for seed in seeds:
-            for v in variants:
-                r = train_one(v, seed, n, cfg, lr_n, ds, device)
+            done = {}
+            order = sorted(variants, key=lambda v: v == "dlion")  # dlion reuses cub_1bit when both are asked
+            for v in order:
+                if v == "dlion" and "cub_1bit" in done:
+                    r = _dlion_from_1bit(done["cub_1bit"])
+                else:
+                    r = train_one(v, seed, n, cfg, lr_n, ds, device)
+                done[v] = r
                 rec = {"bench": NAME, "variant": v, "label": VARIANTS[v]["label"], "family": r["family"],
                        "world_size": n, "seed": seed, "steps": cfg["steps"], "lr": r["lr"],
                        "val_loss": r["curve"][-1][1], "first_val_loss": r["curve"][0][1],
@@ -435,9 +458,13 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
                        "sync_dtype": VARIANTS[v].get("sync_dtype", "fp32") if VARIANTS[v].get("sync") else ""}
                 rec["bytes_ratio_vs_fp32"] = rec["fp32_allreduce_bytes"] / rec["bytes_per_rank"]
                 records.append(rec)
-                for step, loss, sent in r["curve"]:
-                    curves.append({"bench": "converge_curve", "variant": v, "world_size": n, "seed": seed,
-                                   "step": step, "val_loss": loss, "bytes_per_rank": int(sent)})
+                mine = [{"bench": "converge_curve", "variant": v, "world_size": n, "seed": seed, "step": step,
+                         "val_loss": loss, "bytes_per_rank": int(sent)} for step, loss, sent in r["curve"]]
+                curves += mine
+                if partial:
+                    with open(partial, "a") as f:
+                        for x in [rec] + mine:
+                            f.write(json.dumps(x) + "\n")
                 if verbose:
                     print(f"[bench converge] N={n:2d} seed {seed} {v:22s} val {rec['val_loss']:.4f}  "
                           f"{rec['bytes_ratio_vs_fp32']:6.1f}x fewer bytes than fp32  {r['wall_s']:.0f} s", flush=True)
@@ -577,6 +604,8 @@ def build_parser():
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=4, help="sequences per worker per step")
     p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of the peak lr")
+    p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.99], help="Lion-family (beta1, beta2)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=8, help="fixed val batches per evaluation")
     p.add_argument("--eval-batch", type=int, default=32)
@@ -593,15 +622,66 @@ def build_parser():
     p.add_argument("--tune-seed", type=int, default=1000)
     p.add_argument("--lr-grid", default=json.dumps({k: list(v) for k, v in DEFAULT_LR_GRID.items()}),
                    help="JSON {family: [lr, ...]} for --tune")
+    p.add_argument("--partial", default=None, metavar="JSONL",
+                   help="append each finished run's records here as it completes (a stopped study keeps them; "
+                        "--merge reads .jsonl)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no training: merge the records of earlier runs' JSON files (e.g. one per N or per variant "
+                        "group, same settings), then summarize, plot and write --json/--out as usual")
     add_output_args(p)
     return p
+
+
+def merge(paths):
+    """Records (config, per-run records, tune records, curves) of several JSON outputs, deduplicated."""
+    meta, records, tune_recs, curves, seen = [], [], [], [], set()
+    for path in paths:
+        with open(path) as f:
+            recs = json.load(f) if not path.endswith(".jsonl") else [json.loads(x) for x in f if x.strip()]
+        for r in recs:
+            b = r.get("bench")
+            if b == "converge_config":
+                meta.append(r)
+            elif b == NAME:
+                key = (r["world_size"], r["variant"], r["seed"])
+                if key not in seen:
+                    seen.add(key)
+                    records.append(r)
+            elif b == "converge_tune":
+                tune_recs.append(r)
+            elif b == "converge_curve":
+                curves.append(r)
+    keys = {(r["world_size"], r["variant"], r["seed"]) for r in records}
+    curves = [c for c in curves if (c["world_size"], c["variant"], c["seed"]) in keys]
+    uniq, cseen = [], set()
+    for c in curves:
+        k = (c["world_size"], c["variant"], c["seed"], c["step"])
+        if k not in cseen:
+            cseen.add(k)
+            uniq.append(c)
+    settings = {k: v for k, v in (meta[0] if meta else {}).items() if k not in ("argv", "lrs", "wall_s", "variants")}
+    for m in meta[1:]:
+        diff = {k for k in settings if k in m and m[k] != settings[k] and k not in ("bench",)}
+        if diff:
+            raise SystemExit(f"--merge: the runs differ in settings {sorted(diff)}: not comparable")
+    return meta, records, tune_recs, uniq
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
+    if args.merge:
+        meta, records, tune_recs, curves = merge(args.merge)
+        summary = summarize(records)
+        print_table(summary, SUMMARY_TABLE, title=f"[bench converge] merged {len(records)} runs from {len(args.merge)} "
+                                                  "files: paired gap to global Lion")
+        for m in check_goal(summary):
+            print("[bench converge] " + m)
+        finish(NAME, args, meta + summary + records + tune_recs + curves, plot)
+        return 0
     kw = dict(steps=args.steps, preset=args.preset, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-              seq_len=args.seq_len, batch_size=args.batch_size, warmup=args.warmup, eval_every=args.eval_every,
+              seq_len=args.seq_len, batch_size=args.batch_size, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
+              betas=list(args.betas), eval_every=args.eval_every,
               eval_iters=args.eval_iters, eval_batch=args.eval_batch, adamw_wd=args.adamw_wd, lion_wd=args.lion_wd,
               tie_break=args.tie_break, threads=args.threads, data=args.data)
     cfg = make_cfg(**kw)
@@ -619,8 +699,14 @@ def main(argv=None) -> int:
             lrs[n].update(best[n])
         for n in args.world_sizes:
             print(f"[bench converge] tuned lr N={n}: " + ", ".join(f"{f}={v:.2e}" for f, v in lrs[n].items()))
+    if args.partial:
+        with open(args.partial, "a") as f:
+            f.write(json.dumps({"bench": "converge_config", "argv": list(sys.argv[1:] if argv is None else argv),
+                                "corpus": ds.name, "lrs": {str(n): v for n, v in lrs.items()}, **cfg}) + "\n")
+            for r in tune_recs:
+                f.write(json.dumps(r) + "\n")
     records, curves, cfg = run(tuple(args.variants), tuple(args.seeds), tuple(args.world_sizes), lrs, args.device,
-                               ds=ds, **kw)
+                               ds=ds, partial=args.partial, **kw)
     summary = summarize(records)
     print_table(summary, SUMMARY_TABLE, title=f"[bench converge] {records[0]['params']:,}-param GPT on {ds.name}, "
                                               f"{args.steps} steps, seeds {args.seeds}: paired gap to global Lion")
