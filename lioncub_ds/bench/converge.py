@@ -396,8 +396,10 @@ def _load(cfg):
     return load_dataset(cfg["data"])
 
 
-def tune(world_sizes, cfg, grid, tune_seed, device="cpu", verbose=True, ds=None):
-    """lr sweep per family and N on ``tune_seed`` -> ({N: {family: best lr}}, records)."""
+def tune(world_sizes, cfg, grid, tune_seed, device="cpu", verbose=True, ds=None, base=None):
+    """lr sweep per family and N on ``tune_seed`` -> ({N: {family: best lr}}, records).
+
+    ``base``: the lrs of the families not swept (the Lion-family wd follows lr_adamw)."""
     ds = ds or _load(cfg)
     best, recs = {}, []
     for n in world_sizes:
@@ -405,13 +407,14 @@ def tune(world_sizes, cfg, grid, tune_seed, device="cpu", verbose=True, ds=None)
         for fam, lrs in grid.items():
             results = []
             for lr in lrs:
-                trial = dict(DEFAULT_LR, **best[n])
+                trial = dict(DEFAULT_LR, **(base or {}), **best[n])
                 trial[fam] = lr
                 r = train_one(FAMILIES[fam], tune_seed, n, cfg, trial, ds, device)
                 loss = r["curve"][-1][1]
                 results.append((loss if math.isfinite(loss) else float("inf"), lr))
                 recs.append({"bench": "converge_tune", "world_size": n, "family": fam, "variant": FAMILIES[fam],
-                             "lr": lr, "seed": tune_seed, "val_loss": loss, "steps": cfg["steps"]})
+                             "lr": lr, "seed": tune_seed, "val_loss": loss, "steps": cfg["steps"],
+                             "betas": list(cfg["betas"]) if fam != "adamw" else list(cfg["adamw_betas"])})
                 if verbose:
                     print(f"[bench converge] tune N={n} {fam:5s} lr {lr:.2e}: val {loss:.4f}  ({r['wall_s']:.0f} s)",
                           flush=True)
@@ -620,6 +623,7 @@ def build_parser():
                    help=f"fixed lr per family ({', '.join(FAMILIES)}); skips tuning that family")
     p.add_argument("--tune", action="store_true", help="sweep the lr of each family not fixed by --lr, per N")
     p.add_argument("--tune-seed", type=int, default=1000)
+    p.add_argument("--tune-only", action="store_true", help="with --tune: report the sweep, train nothing else")
     p.add_argument("--lr-grid", default=json.dumps({k: list(v) for k, v in DEFAULT_LR_GRID.items()}),
                    help="JSON {family: [lr, ...]} for --tune")
     p.add_argument("--partial", default=None, metavar="JSONL",
@@ -694,11 +698,19 @@ def main(argv=None) -> int:
         grid = {f: v for f, v in json.loads(args.lr_grid).items() if f not in fixed}
         fams_needed = {VARIANTS[v]["family"] for v in args.variants} | {"adamw"}
         grid = {f: v for f, v in grid.items() if f in fams_needed}
-        best, tune_recs = tune(args.world_sizes, cfg, grid, args.tune_seed, args.device, ds=ds)
+        best, tune_recs = tune(args.world_sizes, cfg, grid, args.tune_seed, args.device, ds=ds, base=fixed)
         for n in args.world_sizes:
             lrs[n].update(best[n])
         for n in args.world_sizes:
-            print(f"[bench converge] tuned lr N={n}: " + ", ".join(f"{f}={v:.2e}" for f, v in lrs[n].items()))
+            print(f"[bench converge] tuned lr N={n}: " + ", ".join(f"{f}={v:.2e}" for f, v in lrs[n].items()),
+                  flush=True)
+        if args.tune_only:
+            if args.partial:
+                with open(args.partial, "a") as f:
+                    for r in tune_recs:
+                        f.write(json.dumps(r) + "\n")
+            finish(NAME, args, tune_recs)
+            return 0
     if args.partial:
         with open(args.partial, "a") as f:
             f.write(json.dumps({"bench": "converge_config", "argv": list(sys.argv[1:] if argv is None else argv),
