@@ -349,32 +349,36 @@ def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
             "digest": param_digest(model), "lr": peak, "family": fam, "alt_curve": alt_curve}
 
 
-def real_lioncub_rank(rank, n, variant, seed, cfg, lrs):
-    """Rank ``rank`` of a real multi-rank LionCub run of ``variant`` (no evaluation): the
-    reference that the simulation must reproduce bit for bit. Returns (param digest, bytes sent)."""
+def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
+    """Rank ``rank`` of real multi-rank LionCub runs of ``variants`` (one after the other, no
+    evaluation): the reference that the simulation must reproduce bit for bit.
+    Returns [(param digest, bytes sent)] per variant."""
     from lioncub_ds import LionCub
     from lioncub_ds.data import load_dataset
     from lioncub_ds.models import build_model
     from lioncub_ds.models.gpt import param_digest
 
-    spec = VARIANTS[variant]
-    if spec.get("sync_dtype", "fp32") != "fp32" or spec["family"] in ("adamw", "lion"):
-        raise ValueError(f"{variant}: not a LionCub configuration")
     ds = load_dataset(cfg["data"])
-    model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg))
-    lr = lrs[spec["family"]]
-    wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
-    opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
-                  comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=cfg["tie_break"],
-                  momentum_sync=spec.get("sync"))
-    for step in range(cfg["steps"]):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])
-        x, y = ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], rank, n, step=step, seed=seed)
-        opt.zero_grad(set_to_none=True)
-        model(x, y)[1].backward()
-        opt.step()
-    return param_digest(model), opt.comm_stats()["cumulative"]["bytes_sent"]
+    out = []
+    for variant in variants:
+        spec = VARIANTS[variant]
+        if spec.get("sync_dtype", "fp32") != "fp32" or spec["family"] in ("adamw", "lion"):
+            raise ValueError(f"{variant}: not a LionCub configuration")
+        model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg))
+        lr = lrs[spec["family"]]
+        wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
+        opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
+                      comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=cfg["tie_break"],
+                      momentum_sync=spec.get("sync"))
+        for step in range(cfg["steps"]):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])
+            x, y = ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], rank, n, step=step, seed=seed)
+            opt.zero_grad(set_to_none=True)
+            model(x, y)[1].backward()
+            opt.step()
+        out.append((param_digest(model), opt.comm_stats()["cumulative"]["bytes_sent"]))
+    return out
 
 
 # ----------------------------------------------------------------------------- the study
@@ -500,6 +504,18 @@ def summarize(records):
 SUMMARY_TABLE = [("world_size", "N"), ("variant", "variant"), ("mean_val_loss", "mean val loss", ".4f"),
                  ("gap_pct", "gap vs Lion %", "+.2f"), ("ci95_pct", "±95% CI", ".2f"),
                  ("bytes_ratio_vs_fp32", "x fewer bytes than fp32 AR", ".1f"), ("lr", "lr", ".1e")]
+
+
+def markdown_table(summary) -> str:
+    """The summary as a markdown table (what docs/converge.md holds)."""
+    lines = ["| N | variant | seeds | mean val loss | paired gap to global Lion | 95% CI | x fewer bytes than fp32 "
+             "all-reduce | lr |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for s in sorted(summary, key=lambda s: (s["world_size"], s["variant"] not in ("adamw", "lion"), s["gap_pct"])):
+        ci = f"[{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}]" if s["ci95_pct"] == s["ci95_pct"] else "n/a"
+        lines.append(f"| {s['world_size']} | `{s['variant']}` ({s['label']}) | {len(s['seeds'])} | "
+                     f"{s['mean_val_loss']:.4f} | {s['gap_pct']:+.2f}% | {ci} | {s['bytes_ratio_vs_fp32']:.1f}x | "
+                     f"{s['lr']:.1e} |")
+    return "\n".join(lines) + "\n"
 
 
 def check_goal(summary) -> list[str]:
@@ -681,7 +697,8 @@ def main(argv=None) -> int:
                                                   "files: paired gap to global Lion")
         for m in check_goal(summary):
             print("[bench converge] " + m)
-        finish(NAME, args, meta + summary + records + tune_recs + curves, plot)
+        finish(NAME, args, meta + summary + records + tune_recs + curves, plot,
+               extra_md=markdown_table(summary) + "\n" + "\n".join("- " + m for m in check_goal(summary)) + "\n")
         return 0
     kw = dict(steps=args.steps, preset=args.preset, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
               seq_len=args.seq_len, batch_size=args.batch_size, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
@@ -726,7 +743,8 @@ def main(argv=None) -> int:
         print("[bench converge] " + m)
     meta = {"bench": "converge_config", "argv": list(sys.argv[1:] if argv is None else argv), "corpus": ds.name,
             "lrs": {str(n): v for n, v in lrs.items()}, "wall_s": round(time.perf_counter() - t0, 1), **cfg}
-    finish(NAME, args, [meta] + summary + records + tune_recs + curves, plot)
+    finish(NAME, args, [meta] + summary + records + tune_recs + curves, plot,
+           extra_md=markdown_table(summary) + "\n" + "\n".join("- " + m for m in check_goal(summary)) + "\n")
     print(f"[bench converge] done in {time.perf_counter() - t0:.1f} s")
     return 0
 
