@@ -64,6 +64,22 @@ VARIANTS = {
     "cub_int8_sync20": dict(family="cub", comm="int8", quant="l1", sync={"every": 20}, label="int8 L1 + sync/20"),
     "cub_avg": dict(family="avg", comm="1bit", vote="average", label="1bit averaging vote"),
 }
+def spec_of(name):
+    """The spec of variant ``name``; ``NAME:FAMILY`` is NAME run with FAMILY's lr (e.g.
+    ``cub_1bit:lion``: Lion Cub with global Lion's tuned lr, a drop-in replacement)."""
+    base, _, fam = name.partition(":")
+    if base not in VARIANTS or (fam and fam not in ("lion", "cub", "avg")):
+        raise ValueError(f"unknown converge variant {name!r}")
+    spec = dict(VARIANTS[base])
+    spec["kind"] = spec["family"]  # which optimizer; "family" = whose tuned lr it uses
+    if fam:
+        if spec["family"] in ("adamw", "lion"):
+            raise ValueError(f"{name!r}: only Lion Cub variants take another family's lr")
+        spec["family"] = fam
+        spec["label"] += f" at the {fam} lr"
+    return spec
+
+
 DEFAULT_VARIANTS = ("adamw", "lion", "dlion", "cub_1bit", "cub_1bit_sync5", "cub_1bit_sync20", "cub_1bit_geo",
                     "cub_1bit_sync5_small", "cub_1bit_sync20_bf16", "cub_int8", "cub_int8_sync20", "cub_avg")
 DEFAULT_LR_GRID = {"adamw": (2e-3, 4e-3, 8e-3), "lion": (2.5e-4, 5e-4, 1e-3), "cub": (2.5e-4, 5e-4, 1e-3),
@@ -268,15 +284,15 @@ def build_variant(name, model, n, cfg, lrs):
     """-> (optimizer, family, uses all-reduced mean gradients?)."""
     from lioncub_ds import Lion
 
-    spec = VARIANTS[name]
-    fam = spec["family"]
+    spec = spec_of(name)
+    fam, kind = spec["family"], spec["kind"]
     lr = lrs[fam]
-    if fam == "adamw":
+    if kind == "adamw":
         groups = [{k: v for k, v in g.items() if k != "names"} for g in model.optim_groups(cfg["adamw_wd"])]
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg["adamw_betas"])), fam, True
     wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
     groups = model.optim_groups(wd)
-    if fam == "lion":
+    if kind == "lion":
         groups = [{k: v for k, v in g.items() if k != "names"} for g in groups]
         return Lion(groups, lr=lr, betas=tuple(cfg["betas"])), fam, True
     opt = SimLionCub(groups, n, lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
@@ -361,8 +377,8 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
     ds = load_dataset(cfg["data"])
     out = []
     for variant in variants:
-        spec = VARIANTS[variant]
-        if spec.get("sync_dtype", "fp32") != "fp32" or spec["family"] in ("adamw", "lion"):
+        spec = spec_of(variant)
+        if spec.get("sync_dtype", "fp32") != "fp32" or variant in ("adamw", "lion"):
             raise ValueError(f"{variant}: not a LionCub configuration")
         model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg))
         lr = lrs[spec["family"]]
@@ -455,14 +471,15 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
                 else:
                     r = train_one(v, seed, n, cfg, lr_n, ds, device)
                 done[v] = r
-                rec = {"bench": NAME, "variant": v, "label": VARIANTS[v]["label"], "family": r["family"],
+                spec = spec_of(v)
+                rec = {"bench": NAME, "variant": v, "label": spec["label"], "family": r["family"],
                        "world_size": n, "seed": seed, "steps": cfg["steps"], "lr": r["lr"],
                        "val_loss": r["curve"][-1][1], "first_val_loss": r["curve"][0][1],
                        "bytes_per_rank": int(r["bytes"]), "sync_bytes_per_rank": int(r["sync_bytes"]),
                        "fp32_allreduce_bytes": int(r["fp32_allreduce_bytes_per_step"] * cfg["steps"]),
                        "params": r["params"], "digest": r["digest"], "wall_s": round(r["wall_s"], 1),
-                       "sync": json.dumps(VARIANTS[v].get("sync")) if VARIANTS[v].get("sync") else "",
-                       "sync_dtype": VARIANTS[v].get("sync_dtype", "fp32") if VARIANTS[v].get("sync") else ""}
+                       "sync": json.dumps(spec.get("sync")) if spec.get("sync") else "",
+                       "sync_dtype": spec.get("sync_dtype", "fp32") if spec.get("sync") else ""}
                 rec["bytes_ratio_vs_fp32"] = rec["fp32_allreduce_bytes"] / rec["bytes_per_rank"]
                 records.append(rec)
                 mine = [{"bench": "converge_curve", "variant": v, "world_size": n, "seed": seed, "step": step,
@@ -492,7 +509,7 @@ def summarize(records):
             gaps = [100.0 * (mine[s]["val_loss"] / ref[s] - 1.0) for s in seeds]
             mean, half, sd = t_interval(gaps)
             r0 = mine[seeds[0]]
-            out.append({"bench": "converge_summary", "world_size": n, "variant": v, "label": VARIANTS[v]["label"],
+            out.append({"bench": "converge_summary", "world_size": n, "variant": v, "label": spec_of(v)["label"],
                         "seeds": seeds, "mean_val_loss": sum(mine[s]["val_loss"] for s in seeds) / len(seeds),
                         "gap_pct": mean, "ci95_pct": half, "ci_lo_pct": mean - half, "ci_hi_pct": mean + half,
                         "gap_sd_pct": sd, "bytes_per_rank": r0["bytes_per_rank"],
@@ -612,7 +629,9 @@ def _parse_lr(items):
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench converge", description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                   help=f"any of {', '.join(VARIANTS)}; NAME:FAMILY runs a Lion Cub variant with FAMILY's lr "
+                        "(e.g. cub_1bit:lion)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[8], help="simulated workers N (e.g. 4 8 16)")
     p.add_argument("--steps", type=int, default=300)
@@ -713,7 +732,9 @@ def main(argv=None) -> int:
     lrs = {n: dict(DEFAULT_LR, **fixed) for n in args.world_sizes}
     if args.tune:
         grid = {f: v for f, v in json.loads(args.lr_grid).items() if f not in fixed}
-        fams_needed = {VARIANTS[v]["family"] for v in args.variants} | {"adamw"}
+        for v in args.variants:
+            spec_of(v)  # fail early on a bad name
+        fams_needed = {spec_of(v)["family"] for v in args.variants} | {"adamw"}
         grid = {f: v for f, v in grid.items() if f in fams_needed}
         best, tune_recs = tune(args.world_sizes, cfg, grid, args.tune_seed, args.device, ds=ds, base=fixed)
         for n in args.world_sizes:
