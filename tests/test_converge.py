@@ -132,3 +132,19 @@ def test_even_n_ties_happen_and_sim_uses_the_hash():
     sim.step({p: g})
     expected = -codec.tie_hash_sign(1, torch.arange(64)).float()
     assert torch.equal(p, expected)
+
+
+def test_variant_with_another_familys_lr():
+    """``cub_1bit:lion`` is Lion Cub (simulated, 1-bit votes) with global Lion's tuned lr."""
+    from lioncub_ds.models import build_model
+
+    cfg = C.make_cfg(**TINY)
+    model = build_model("tiny", seed=0, n_layer=1, d_model=32, n_head=2, seq_len=16)
+    opt, fam, allreduce = C.build_variant("cub_1bit_sync20_bf16:lion", model, 4, cfg, LRS)
+    assert isinstance(opt, C.SimLionCub) and not allreduce and fam == "lion"
+    assert opt.groups[0]["lr"] == LRS["lion"] and opt.sync_dtype == "bf16"
+    assert opt.cfg.momentum_sync.every == 20
+    with pytest.raises(ValueError, match="only Lion Cub"):
+        C.spec_of("adamw:lion")
+    with pytest.raises(ValueError, match="unknown"):
+        C.spec_of("nope")
