@@ -148,3 +148,20 @@ def test_variant_with_another_familys_lr():
         C.spec_of("adamw:lion")
     with pytest.raises(ValueError, match="unknown"):
         C.spec_of("nope")
+
+
+def test_recommended_config_is_valid_and_is_the_studied_one():
+    """configs/ds_lioncub_recommended.json: a valid LionCub config, and the variant docs/convergence.md
+    recommends (1-bit majority vote, hash ties, no momentum sync, Lion's lr, the study's betas)."""
+    import json
+    import pathlib
+
+    from lioncub_ds.config import LionCubConfig
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "ds_lioncub_recommended.json"
+    ds_cfg = json.loads(path.read_text())
+    assert ds_cfg["optimizer"]["type"] == "LionCub"
+    cfg = LionCubConfig.from_kwargs(**ds_cfg["optimizer"]["params"])
+    spec = C.spec_of("cub_1bit:lion")
+    assert (cfg.comm, cfg.vote, cfg.tie_break, cfg.momentum_sync) == (spec["comm"], "majority", "hash", None)
+    assert cfg.betas == (0.8, 0.9) and cfg.lr == 5e-4 and cfg.weight_decay == pytest.approx(0.1 * 8e-3 / 5e-4)
