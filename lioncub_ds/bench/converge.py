@@ -574,7 +574,7 @@ def plot(records, out):
         for xkey, fname, xlabel in (("step", f"converge_steps_n{n}.png", "step"),
                                     ("bytes_per_rank", f"converge_bytes_n{n}.png", "MB sent per rank (cumulative)")):
             fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-            for v in variants:
+            for vi, v in enumerate(variants):
                 pts = {}
                 for r in rs:
                     if r["variant"] == v:
@@ -585,7 +585,8 @@ def plot(records, out):
                 if xkey == "bytes_per_rank":
                     keep = [(x / 2**20, y) for x, y in zip(xs, ys) if x > 0]
                     xs, ys = [k[0] for k in keep], [k[1] for k in keep]
-                ax.plot(xs, ys, marker="o", markersize=2.5, linewidth=1.2, label=v)
+                ax.plot(xs, ys, marker="o", markersize=2.5, linewidth=1.2, label=v, color=plt.cm.tab20(vi % 20),
+                        linestyle="-" if vi < 20 else "--")
             if xkey == "bytes_per_rank":
                 ax.set_xscale("log")
             ax.set_xlabel(xlabel)
