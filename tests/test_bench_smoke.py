@@ -176,12 +176,12 @@ def test_scaling_calibration_tiny():
 
 
 def test_converge_tiny():
-    recs, curves, _ = converge.run(variants=("lion", "lioncub_1bit"), seeds=(0,), world_size=2, steps=2,
-                                   seq_len=16, batch_size=2, warmup=1, eval_every=1, eval_iters=1, verbose=False)
-    assert [r["variant"] for r in recs] == ["lion", "lioncub_1bit"]
+    recs, curves, _ = converge.run(variants=("lion", "cub_1bit"), seeds=(0,), world_sizes=(2,), steps=2,
+                                   n_layer=1, d_model=32, seq_len=16, batch_size=2, warmup=1, eval_every=1,
+                                   eval_iters=1, eval_batch=2, verbose=False)
+    assert [r["variant"] for r in recs] == ["lion", "cub_1bit"]
     for r in recs:
-        assert {"bench", "variant", "seed", "steps", "val_loss", "bytes_per_rank"} <= set(r)
-        assert r["params_in_sync"]
+        assert {"bench", "variant", "seed", "steps", "val_loss", "bytes_per_rank", "digest"} <= set(r)
     assert recs[1]["bytes_per_rank"] < recs[0]["bytes_per_rank"]
     assert len(curves) == 2 * 3
 

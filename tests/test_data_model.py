@@ -43,7 +43,22 @@ def test_dataset_deterministic_and_cached(tmp_path, ds):
     assert 0.01 < len(a.val) / len(a) < 0.25
 
 
-def test_split_disjoint_by_file(tmp_path):
+def test_split_disjoint_by_file(ds):
+    # The split is by whole files: no file is in both, and each split's bytes are exactly its
+    # files in path order. (Checked by name, not by searching val text in train: two stdlib
+    # files can share a 200-byte run, e.g. a license header, on some Python versions.)
+    import sysconfig
+    from pathlib import Path
+
+    tr, va = ds.files["train"], ds.files["val"]
+    assert tr and va and not set(tr) & set(va)
+    assert tr == sorted(tr) and va == sorted(va)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert ds.val.tobytes() == b"".join((root / rel).read_bytes() + b"\n" for rel in va)
+    assert ds.train.tobytes() == b"".join((root / rel).read_bytes() + b"\n" for rel in tr)
+
+
+def test_split_by_whole_files_on_written_files(tmp_path):
     """The split is by whole files: each file lies whole in exactly one split. Built from files
     written here (unique content), so the outcome does not depend on the installed stdlib."""
     rng = np.random.default_rng(0)

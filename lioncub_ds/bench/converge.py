@@ -1,22 +1,27 @@
-"""``python -m lioncub_ds.bench converge``: validation loss vs steps and vs bytes (SPEC §6).
+"""``python -m lioncub_ds.bench converge``: does Lion Cub train as well as Lion? (SPEC §6)
 
-A small GPT trained on the bundled real text (CPython's standard-library source, byte
-level) by N gloo ranks, each drawing from its own shard of the training split, with the
-same seed, model init, data order, learning-rate schedule and number of steps for every
-optimizer:
+A small byte-level GPT trained on the **pinned corpus** (the Python sources of
+``deepspeed==0.19.8`` + ``megatron-core==0.16.1``, checked by SHA-256; ``--data stdlib``
+for CPython's standard library) by **N simulated data-parallel workers in one process**:
 
-* ``adamw``: AdamW on all-reduced (averaged, fp32) gradients;
-* ``lion``: global Lion on all-reduced gradients (the reference);
-* ``dlion_allgather``: Distributed Lion, majority vote of all-gathered 1-bit votes, local
-  momenta never synchronized;
-* ``lioncub_{1bit,pbit,int8}``: Lion Cub (int8 = l1-scaled votes), each also with
-  selective momentum synchronization (``..._sync``, policy ``--sync``);
-* ``lioncub_1bit_tiezero`` (an even-N tie moves nothing; phase 2 carries 2 planes) and
-  ``lioncub_1bit_avg`` (vote="average": Δ = mean of the votes), to show what the vote rule costs.
+* every worker i draws its own batch from its own shard of the training split
+  (``TextDataset.get_batch(..., rank=i, world_size=N, step, seed)``: exactly what rank i of
+  a real run draws), and computes its own gradient on the shared parameters (the replicas
+  of a Lion Cub run are bit-identical, so one copy is enough);
+* the optimizer math of each variant is run over the N gradients: per-worker momenta,
+  the vote of the chosen ``comm``/``vote``/``quant``/``tie_break`` with LionCub's own codec
+  functions (:mod:`lioncub_ds.codec`), the same bucket layout and tie indices, the
+  momentum-sync policy of :mod:`lioncub_ds.momentum_sync`. ``tests/test_converge.py``
+  checks that the simulation gives bit-identical parameters and the same bytes as the real
+  multi-rank :class:`~lioncub_ds.LionCub` on gloo ranks;
+* bytes are what one rank sends over the run, mirroring LionCub's telemetry (votes, the
+  control-flag all-reduce, momentum syncs), and 2·(N−1)/N·4·P per step for the
+  all-reduced baselines.
 
-Bytes are what each rank sends over the whole run: LionCub's own telemetry (votes, the
-control flags and momentum syncs), and 2·(N−1)/N·4·P per step for the all-reduced baselines.
-Validation: the same fixed val batches (each rank its own val shard) at every evaluation.
+Protocol: the same seed, init, data order, lr schedule and steps for every variant (paired);
+learning rates tuned per optimizer family on a separate seed (``--tune``); ≥5 seeds;
+per N the mean paired gap to global Lion, 100·(L_v/L_lion − 1), with a 95% t-interval over
+seeds. The same command gives the same numbers (single process, fixed thread count).
 """
 from __future__ import annotations
 
@@ -29,21 +34,88 @@ import time
 
 import torch
 
-from .common import add_output_args, finish, line_plot, print_table, run_ranks
+from .common import add_output_args, finish, print_table
 
 NAME = "converge"
-DEFAULT_SYNC = {"every": 50}
-VARIANTS = ("adamw", "lion", "dlion_allgather", "lioncub_1bit", "lioncub_1bit_sync", "lioncub_pbit",
-            "lioncub_pbit_sync", "lioncub_int8", "lioncub_int8_sync", "lioncub_1bit_tiezero", "lioncub_1bit_avg")
-LIONCUB_KW = {"dlion_allgather": dict(comm="allgather"), "lioncub_1bit": dict(comm="1bit"),
-              "lioncub_pbit": dict(comm="pbit"), "lioncub_int8": dict(comm="int8", quant="l1"),
-              # optional extras (not in the default list): the even-N tie rule and the averaging vote
-              "lioncub_1bit_tiezero": dict(comm="1bit", tie_break="zero"),
-              "lioncub_1bit_avg": dict(comm="1bit", vote="average")}
-EXTRA_VARIANTS = ("lioncub_1bit_tiezero_sync", "lioncub_1bit_avg_sync")
+
+# family -> which variant the lr sweep runs
+FAMILIES = {"adamw": "adamw", "lion": "lion", "cub": "cub_1bit", "avg": "cub_avg"}
+# Names of the "small" parameters (embeddings, norms, biases): 14% of the tiny GPT.
+SMALL_LAYERS = ["tok_emb.*", "pos_emb.*", "*ln*", "*.bias"]
+VARIANTS = {
+    "adamw": dict(family="adamw", label="AdamW (all-reduced fp32 grads)"),
+    "lion": dict(family="lion", label="global Lion (all-reduced fp32 grads)"),
+    "dlion": dict(family="cub", comm="allgather", label="D-Lion majority, no sync (all-gather)"),
+    "cub_1bit": dict(family="cub", comm="1bit", label="Lion Cub 1bit"),
+    "cub_1bit_sync5": dict(family="cub", comm="1bit", sync={"every": 5}, label="1bit + sync/5"),
+    "cub_1bit_sync20": dict(family="cub", comm="1bit", sync={"every": 20}, label="1bit + sync/20"),
+    "cub_1bit_sync50": dict(family="cub", comm="1bit", sync={"every": 50}, label="1bit + sync/50"),
+    "cub_1bit_geo": dict(family="cub", comm="1bit", sync={"schedule": "geometric", "k": 4},
+                         label="1bit + geometric sync (k=4)"),
+    "cub_1bit_sync5_small": dict(family="cub", comm="1bit", sync={"every": 5, "layers": SMALL_LAYERS},
+                                 label="1bit + sync/5 of emb/norm/bias only"),
+    "cub_1bit_sync5_mlp": dict(family="cub", comm="1bit", sync={"every": 5, "layers": ["*.mlp.*"]},
+                               label="1bit + sync/5 of MLP only"),
+    "cub_1bit_sync20_bf16": dict(family="cub", comm="1bit", sync={"every": 20}, sync_dtype="bf16",
+                                 label="1bit + bf16 sync/20 (simulated)"),
+    "cub_1bit_sync10_bf16": dict(family="cub", comm="1bit", sync={"every": 10}, sync_dtype="bf16",
+                                 label="1bit + bf16 sync/10 (simulated)"),
+    "cub_int8": dict(family="cub", comm="int8", quant="l1", label="int8 L1"),
+    "cub_int8_sync20": dict(family="cub", comm="int8", quant="l1", sync={"every": 20}, label="int8 L1 + sync/20"),
+    "cub_avg": dict(family="avg", comm="1bit", vote="average", label="1bit averaging vote"),
+}
+def spec_of(name):
+    """The spec of variant ``name``; ``NAME:FAMILY`` is NAME run with FAMILY's lr (e.g.
+    ``cub_1bit:lion``: Lion Cub with global Lion's tuned lr, a drop-in replacement)."""
+    base, _, fam = name.partition(":")
+    if base not in VARIANTS or (fam and fam not in ("lion", "cub", "avg")):
+        raise ValueError(f"unknown converge variant {name!r}")
+    spec = dict(VARIANTS[base])
+    spec["kind"] = spec["family"]  # which optimizer; "family" = whose tuned lr it uses
+    if fam:
+        if spec["family"] in ("adamw", "lion"):
+            raise ValueError(f"{name!r}: only Lion Cub variants take another family's lr")
+        spec["family"] = fam
+        spec["label"] += f" at the {fam} lr"
+    return spec
 
 
-def _lr_at(step, steps, peak, warmup, min_ratio=0.1):
+DEFAULT_VARIANTS = ("adamw", "lion", "dlion", "cub_1bit", "cub_1bit_sync5", "cub_1bit_sync20", "cub_1bit_geo",
+                    "cub_1bit_sync5_small", "cub_1bit_sync20_bf16", "cub_int8", "cub_int8_sync20", "cub_avg")
+DEFAULT_LR_GRID = {"adamw": (2e-3, 4e-3, 8e-3), "lion": (2.5e-4, 5e-4, 1e-3), "cub": (2.5e-4, 5e-4, 1e-3),
+                   "avg": (1e-3, 2e-3, 4e-3)}
+DEFAULT_LR = {"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3}
+
+# two-sided 95% Student t quantiles t_{0.975, df}
+_T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 7: 2.3646, 8: 2.3060, 9: 2.2622,
+         10: 2.2281, 11: 2.2010, 12: 2.1788, 13: 2.1604, 14: 2.1448, 15: 2.1314, 16: 2.1199, 17: 2.1098,
+         18: 2.1009, 19: 2.0930, 20: 2.0860, 25: 2.0595, 30: 2.0423, 40: 2.0211, 60: 2.0003, 120: 1.9799}
+
+
+def t_quantile_975(df: int) -> float:
+    """t_{0.975, df} (table; between entries the next smaller df's value, conservative)."""
+    if df < 1:
+        raise ValueError(f"need df >= 1, got {df}")
+    if df > 120:
+        return 1.9600
+    return _T975[max(k for k in _T975 if k <= df)]
+
+
+def t_interval(xs, level=0.95):
+    """(mean, half-width, sd) of the 95% t-interval mean ± t_{0.975,k−1}·sd/√k (sd with k−1)."""
+    if level != 0.95:
+        raise ValueError("only the 95% interval is tabulated")
+    xs = [float(x) for x in xs]
+    k = len(xs)
+    mean = sum(xs) / k
+    if k < 2:
+        return mean, float("nan"), float("nan")
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (k - 1))
+    return mean, t_quantile_975(k - 1) * sd / math.sqrt(k), sd
+
+
+def lr_at(step, steps, peak, warmup, min_ratio=0.1):
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio``·peak."""
     if warmup > 0 and step < warmup:
         return peak * (step + 1) / warmup
     frac = min(1.0, (step - warmup) / max(1, steps - warmup))
@@ -51,240 +123,657 @@ def _lr_at(step, steps, peak, warmup, min_ratio=0.1):
     return lo + 0.5 * (peak - lo) * (1.0 + math.cos(math.pi * frac))
 
 
-def _make_opt(variant, model, cfg):
-    from lioncub_ds import Lion, LionCub
+# ----------------------------------------------------------------------------- the simulated LionCub
+class SimLionCub:
+    """N workers' Lion Cub step in one process, with LionCub's exact math and byte accounting.
 
-    if variant == "adamw":
-        groups = model.optim_groups(cfg["adamw_wd"])
-        for g in groups:
-            g.pop("names", None)
-        return torch.optim.AdamW(groups, lr=cfg["adamw_lr"], betas=(0.9, 0.95)), cfg["adamw_lr"], True
-    groups = model.optim_groups(cfg["lion_wd"])
-    if variant == "lion":
-        for g in groups:
-            g.pop("names", None)
-        return Lion(groups, lr=cfg["lion_lr"], betas=tuple(cfg["betas"])), cfg["lion_lr"], True
-    base = variant[:-5] if variant.endswith("_sync") else variant
-    kw = dict(LIONCUB_KW[base])
-    if variant.endswith("_sync"):
-        kw["momentum_sync"] = cfg["sync"]
-    return LionCub(groups, lr=cfg["lion_lr"], betas=tuple(cfg["betas"]), **kw), cfg["lion_lr"], False
+    ``groups``: param groups as from ``GPT.optim_groups`` (``params``, ``names``,
+    ``weight_decay``). The bucket layout (8-aligned offsets, buckets of at most
+    ``bucket_numel`` elements per group, padded to a multiple of 8·N, a running base
+    index) is LionCub's, so the hash tie rule sees the same indices.
+    """
+
+    def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
+                 momentum_sync=None, sync_dtype="fp32", bucket_size_mb=25.0):
+        from lioncub_ds.codec import padded_numel
+        from lioncub_ds.config import LionCubConfig
+        from lioncub_ds.momentum_sync import select_params
+
+        cfg = LionCubConfig.from_kwargs(lr=lr, betas=betas, vote=vote, comm=comm, quant=quant, tie_break=tie_break,
+                                        momentum_sync=momentum_sync, bucket_size_mb=bucket_size_mb)
+        if comm not in ("1bit", "allgather", "pbit", "int8"):
+            raise ValueError(f"SimLionCub: comm={comm!r} (allowed: 1bit, allgather, pbit, int8)")
+        if sync_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"SimLionCub: sync_dtype={sync_dtype!r} (allowed: fp32, bf16)")
+        self.cfg, self.n, self.comm, self.sync_dtype = cfg, n, comm, sync_dtype
+        self.groups = [dict(g, lr=lr, betas=tuple(betas)) for g in groups]
+        self.momenta = {}
+        self.step_count = 0
+        self.bytes_sent = 0
+        self.sync_bytes = 0
+        self.alt_bytes = {}  # sign comms with the same Δ (1bit / allgather / pbit): what each would send
+        self.buckets = []  # (group index, params, offsets, total, base)
+        base, cap = 0, cfg.bucket_numel
+        for gi, g in enumerate(self.groups):
+            cur, size = [], 0
+            for p in list(g["params"]) + [None]:
+                aligned = (p.numel() + 7) // 8 * 8 if p is not None else 0
+                if p is not None and (size + aligned <= cap or not cur):
+                    cur.append((p, size))
+                    size += aligned
+                    continue
+                if cur:
+                    total = padded_numel(size, n)
+                    self.buckets.append((gi, [q for q, _ in cur], [o for _, o in cur], total, base))
+                    base += total
+                cur, size = ([(p, 0)], aligned) if p is not None else ([], 0)
+        for g in self.groups:
+            for p in g["params"]:
+                self.momenta[p] = torch.zeros((n,) + tuple(p.shape), dtype=torch.float32, device=p.device)
+        self.sync_params = []
+        if cfg.momentum_sync is not None:
+            named = [(nm, p) for g in self.groups for nm, p in zip(g["names"], g["params"])]
+            self.sync_params = select_params(cfg.momentum_sync, named)
+
+    @property
+    def param_groups(self):
+        return self.groups
+
+    def _collective_bytes(self, kind, nbytes):
+        from lioncub_ds.telemetry import ring_bytes
+
+        return ring_bytes(kind, nbytes, self.n)
+
+    @torch.no_grad()
+    def step(self, grads):
+        """``grads``: dict param -> [N, *shape] per-worker gradients."""
+        from lioncub_ds import codec
+        from lioncub_ds.comm.onebit import phase2_needs_nonzero
+        from lioncub_ds.momentum_sync import on_schedule
+
+        cfg, n = self.cfg, self.n
+        step = self.step_count + 1
+        sent = self._collective_bytes("all_reduce", 4 * (1 + len(self.buckets)))  # the control flags
+        for gi, params, offsets, total, base in self.buckets:
+            g = self.groups[gi]
+            b1, b2 = g["betas"]
+            lr, wd = g["lr"], g["weight_decay"]
+            dev = params[0].device
+            if self.comm == "int8":
+                levels = codec.int8_levels(n)
+                qsum = torch.zeros(total, dtype=torch.int32, device=dev)
+                for p, off in zip(params, offsets):
+                    c = codec.lion_direction(self.momenta[p].reshape(n, -1), grads[p].reshape(n, -1), b1)
+                    if not bool(torch.isfinite(c).all()):
+                        raise FloatingPointError("SimLionCub: non-finite c (the real LionCub would skip the step)")
+                    for i in range(n):  # per worker: the per-tensor scale is a reduction over that worker's c
+                        q = codec.int8_quantize(c[i], codec.int8_scale(c[i], cfg.quant), levels)
+                        qsum[off:off + p.numel()] += q.to(torch.int32)
+                delta = torch.sign(qsum).float()
+                sent += self._collective_bytes("all_reduce", total)
+            else:
+                c = torch.zeros((n, total), dtype=torch.float32, device=dev)
+                for p, off in zip(params, offsets):
+                    c[:, off:off + p.numel()] = codec.lion_direction(self.momenta[p].reshape(n, -1),
+                                                                     grads[p].reshape(n, -1), b1)
+                if not bool(torch.isfinite(c).all()):
+                    raise FloatingPointError("SimLionCub: non-finite c (the real LionCub would skip the step)")
+                real = sum(p.numel() for p in params)
+                abstain = int((c == 0).sum()) - n * (total - real) > 0
+                plus = (c > 0).sum(0, dtype=torch.int32)
+                cnt = (c != 0).sum(0, dtype=torch.int32) if abstain else torch.full_like(plus, n)
+                delta = codec.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, base)
+                planes = 2 if abstain else 1
+                shard = total // 8 // n
+                p_bits = codec.lane_bits_for(n) if n <= 255 else 8
+                by = {"allgather": self._collective_bytes("all_gather", n * planes * total // 8),
+                      "pbit": self._collective_bytes("all_reduce", planes * total * p_bits // 8)}
+                # 1bit: all-to-all of the planes, then all-gather of the shard results
+                by["1bit"] = self._collective_bytes("all_to_all", planes * total // 8)
+                if cfg.vote == "average":
+                    by["1bit"] += self._collective_bytes("all_gather", n * planes * shard * p_bits)
+                else:
+                    planes2 = 2 if phase2_needs_nonzero(n, abstain, cfg.tie_break) else 1
+                    by["1bit"] += self._collective_bytes("all_gather", n * planes2 * shard)
+                sent += by[self.comm]
+                for k, v in by.items():
+                    self.alt_bytes[k] = self.alt_bytes.get(k, 0) + v - by[self.comm]
+            codec.apply_update(params, offsets, delta, lr, wd)
+            for p in params:
+                codec.momentum_update(self.momenta[p], grads[p], b2)
+        self.step_count = step
+        ms = cfg.momentum_sync
+        if ms is not None and on_schedule(ms, step - 1):
+            sync = self._sync_momenta()
+            sent += sync
+            self.sync_bytes += sync
+        self.bytes_sent += sent
+        return sent
+
+    def bytes_if(self, comm):
+        """Bytes sent so far had every vote used ``comm`` (same Δ: 1bit / allgather / pbit, majority)."""
+        return self.bytes_sent + self.alt_bytes.get(comm, 0)
+
+    def _sync_momenta(self):
+        """Average the selected momenta over the workers (LionCub: chunked fp32 all-reduce, then divide)."""
+        if not self.sync_params or self.n <= 1:
+            return 0
+        elt = 4 if self.sync_dtype == "fp32" else 2
+        chunk_numel = self.cfg.bucket_numel
+        sent, size = 0, 0
+        for p in self.sync_params + [None]:  # the same chunking as MomentumSync.average
+            if p is not None and (size + p.numel() <= chunk_numel or size == 0):
+                size += p.numel()
+                continue
+            sent += self._collective_bytes("all_reduce", elt * size)
+            size = p.numel() if p is not None else 0
+        for p in self.sync_params:
+            m = self.momenta[p]
+            if self.sync_dtype == "bf16":  # simulated: each worker sends bf16, the sum is fp32
+                m.copy_(m.to(torch.bfloat16).float())
+            m.copy_((m.sum(0) / self.n).expand_as(m))
+        return sent
+
+
+# ----------------------------------------------------------------------------- one training run
+def _model_kw(cfg):
+    return {k: cfg[k] for k in ("n_layer", "n_head", "d_model") if cfg.get(k) is not None}
+
+
+def build_variant(name, model, n, cfg, lrs):
+    """-> (optimizer, family, uses all-reduced mean gradients?)."""
+    from lioncub_ds import Lion
+
+    spec = spec_of(name)
+    fam, kind = spec["family"], spec["kind"]
+    lr = lrs[fam]
+    if kind == "adamw":
+        groups = [{k: v for k, v in g.items() if k != "names"} for g in model.optim_groups(cfg["adamw_wd"])]
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg["adamw_betas"])), fam, True
+    wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
+    groups = model.optim_groups(wd)
+    if kind == "lion":
+        groups = [{k: v for k, v in g.items() if k != "names"} for g in groups]
+        return Lion(groups, lr=lr, betas=tuple(cfg["betas"])), fam, True
+    opt = SimLionCub(groups, n, lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
+                     comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=cfg["tie_break"],
+                     momentum_sync=spec.get("sync"), sync_dtype=spec.get("sync_dtype", "fp32"))
+    return opt, fam, False
 
 
 @torch.no_grad()
-def _evaluate(model, ds, cfg, rank, n):
-    import torch.distributed as dist
-
+def evaluate(model, ds, cfg, device):
     model.eval()
-    tot = torch.zeros((), dtype=torch.float64)
+    tot = 0.0
     for i in range(cfg["eval_iters"]):
-        x, y = ds.get_batch("val", cfg["batch_size"], cfg["seq_len"], rank, n, step=i, seed=12345)
-        tot += model(x, y)[1].double()
-    tot /= cfg["eval_iters"]
-    dist.all_reduce(tot)
+        x, y = ds.get_batch("val", cfg["eval_batch"], cfg["seq_len"], 0, 1, step=i, seed=12345, device=device)
+        tot += float(model(x, y)[1].double())
     model.train()
-    return float(tot) / n
+    return tot / cfg["eval_iters"]
 
 
-def _train_one(variant, seed, cfg, rank, n, ds):
-    import torch.distributed as dist
-
+def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
+    """One paired run: returns {curve: [(step, val loss, bytes)], bytes, digest, ...}."""
     from lioncub_ds.models import build_model
+    from lioncub_ds.models.gpt import param_digest
     from lioncub_ds.telemetry import ring_bytes
 
-    model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"])
+    model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg)).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     nparams = sum(p.numel() for p in params)
-    opt, peak, allreduce = _make_opt(variant, model, cfg)
+    opt, fam, allreduce = build_variant(variant, model, n, cfg, lrs)
+    peak = lrs[fam]
     ar_bytes = ring_bytes("all_reduce", 4 * nparams, n)
-    curve = [(0, _evaluate(model, ds, cfg, rank, n), 0)]
-    sent = 0
+    curve = [(0, evaluate(model, ds, cfg, device), 0)]
+    alt_curve = [{"allgather": 0}]
+    sent = sync_sent = 0
     t0 = time.perf_counter()
     for step in range(cfg["steps"]):
-        lr = _lr_at(step, cfg["steps"], peak, cfg["warmup"])
+        lr = lr_at(step, cfg["steps"], peak, cfg["warmup"], cfg["min_lr_ratio"])
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y = ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], rank, n, step=step, seed=seed)
-        opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
-        loss.backward()
+        batches = [ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], i, n, step=step, seed=seed,
+                                device=device) for i in range(n)]
         if allreduce:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            flat.div_(n)
-            off = 0
+            # The mean of N equal-size workers' mean losses: one batched pass gives the mean gradient.
             for p in params:
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()
+                p.grad = None
+            x = torch.cat([b[0] for b in batches])
+            y = torch.cat([b[1] for b in batches])
+            model(x, y)[1].backward()
+            opt.step()
             sent += ar_bytes
-        opt.step()
-        if not allreduce:
-            sent = opt.comm_stats()["cumulative"]["bytes_sent"]
+        else:
+            grads = {p: torch.empty((n,) + tuple(p.shape), dtype=p.dtype, device=p.device) for p in params}
+            for i, (x, y) in enumerate(batches):  # each worker's own gradient, exactly as on rank i
+                for p in params:
+                    p.grad = None
+                model(x, y)[1].backward()
+                for p in params:
+                    grads[p][i].copy_(p.grad)
+            for p in params:
+                p.grad = None
+            opt.step(grads)
+            sent, sync_sent = opt.bytes_sent, opt.sync_bytes
         if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
-            curve.append((step + 1, _evaluate(model, ds, cfg, rank, n), sent))
-    wall = time.perf_counter() - t0
-    digest = torch.stack([p.detach().double().sum() for p in params]).sum().item()
-    return {"variant": variant, "seed": seed, "curve": curve, "bytes": sent, "params": nparams, "wall_s": wall,
-            "fp32_allreduce_bytes_per_step": ar_bytes, "digest": digest}
+            curve.append((step + 1, evaluate(model, ds, cfg, device), sent))
+            alt_curve.append({"allgather": opt.bytes_if("allgather") if isinstance(opt, SimLionCub) else None})
+            if not math.isfinite(curve[-1][1]):
+                break
+    return {"variant": variant, "seed": seed, "world_size": n, "curve": curve, "bytes": sent, "sync_bytes": sync_sent,
+            "params": nparams, "wall_s": time.perf_counter() - t0, "fp32_allreduce_bytes_per_step": ar_bytes,
+            "digest": param_digest(model), "lr": peak, "family": fam, "alt_curve": alt_curve}
 
 
-def _rank_fn(rank, n, cfg):
-    torch.manual_seed(0)
+def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
+    """Rank ``rank`` of real multi-rank LionCub runs of ``variants`` (one after the other, no
+    evaluation): the reference that the simulation must reproduce bit for bit.
+    Returns [(param digest, bytes sent)] per variant."""
+    from lioncub_ds import LionCub
     from lioncub_ds.data import load_dataset
+    from lioncub_ds.models import build_model
+    from lioncub_ds.models.gpt import param_digest
 
-    ds = load_dataset()
+    ds = load_dataset(cfg["data"])
     out = []
-    for seed in cfg["seeds"]:
-        for v in cfg["variants"]:
-            out.append(_train_one(v, seed, cfg, rank, n, ds))
-            if rank == 0 and cfg.get("verbose"):
-                r = out[-1]
-                print(f"[bench converge] seed {seed} {v:18s} val {r['curve'][0][1]:.3f} -> {r['curve'][-1][1]:.4f}"
-                      f"  bytes/rank {r['bytes'] / 1e6:8.2f} MB  {r['wall_s']:.0f} s", flush=True)
+    for variant in variants:
+        spec = spec_of(variant)
+        if spec.get("sync_dtype", "fp32") != "fp32" or variant in ("adamw", "lion"):
+            raise ValueError(f"{variant}: not a LionCub configuration")
+        model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg))
+        lr = lrs[spec["family"]]
+        wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
+        opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
+                      comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=cfg["tie_break"],
+                      momentum_sync=spec.get("sync"))
+        for step in range(cfg["steps"]):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])
+            x, y = ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], rank, n, step=step, seed=seed)
+            opt.zero_grad(set_to_none=True)
+            model(x, y)[1].backward()
+            opt.step()
+        out.append((param_digest(model), opt.comm_stats()["cumulative"]["bytes_sent"]))
     return out
 
 
-def run(variants=VARIANTS, seeds=(0, 1), world_size=4, steps=600, preset="tiny", seq_len=64, batch_size=8,
-        lion_lr=1e-3, adamw_lr=3e-3, lion_wd=0.5, adamw_wd=0.1, betas=(0.9, 0.99), warmup=20, eval_every=50,
-        eval_iters=4, sync=None, verbose=True):
+# ----------------------------------------------------------------------------- the study
+def make_cfg(**kw):
+    cfg = dict(steps=300, preset="tiny", n_layer=2, n_head=2, d_model=64, seq_len=64, batch_size=4, warmup=30,
+               min_lr_ratio=0.1,
+               eval_every=50, eval_iters=8, eval_batch=32, betas=[0.9, 0.99], adamw_betas=[0.9, 0.95], adamw_wd=0.1,
+               lion_wd=None, tie_break="hash", threads=1, data="deps")
+    for k, v in kw.items():
+        if k not in cfg:
+            raise ValueError(f"unknown converge setting {k!r}")
+        cfg[k] = v
+    return cfg
+
+
+def _load(cfg):
     from lioncub_ds.data import load_dataset
 
-    load_dataset()  # build the corpus cache once, before the ranks race for it
-    cfg = dict(variants=list(variants), seeds=list(seeds), steps=steps, preset=preset, seq_len=seq_len,
-               batch_size=batch_size, lion_lr=lion_lr, adamw_lr=adamw_lr, lion_wd=lion_wd, adamw_wd=adamw_wd,
-               betas=list(betas), warmup=warmup, eval_every=eval_every, eval_iters=eval_iters,
-               sync=dict(sync or DEFAULT_SYNC), verbose=verbose)
-    res = run_ranks(_rank_fn, world_size, cfg, timeout=6 * 3600)
+    return load_dataset(cfg["data"])
+
+
+def tune(world_sizes, cfg, grid, tune_seed, device="cpu", verbose=True, ds=None, base=None):
+    """lr sweep per family and N on ``tune_seed`` -> ({N: {family: best lr}}, records).
+
+    ``base``: the lrs of the families not swept (the Lion-family wd follows lr_adamw)."""
+    ds = ds or _load(cfg)
+    best, recs = {}, []
+    for n in world_sizes:
+        best[n] = {}
+        for fam, lrs in grid.items():
+            results = []
+            for lr in lrs:
+                trial = dict(DEFAULT_LR, **(base or {}), **best[n])
+                trial[fam] = lr
+                r = train_one(FAMILIES[fam], tune_seed, n, cfg, trial, ds, device)
+                loss = r["curve"][-1][1]
+                results.append((loss if math.isfinite(loss) else float("inf"), lr))
+                recs.append({"bench": "converge_tune", "world_size": n, "family": fam, "variant": FAMILIES[fam],
+                             "lr": lr, "seed": tune_seed, "val_loss": loss, "steps": cfg["steps"],
+                             "betas": list(cfg["betas"]) if fam != "adamw" else list(cfg["adamw_betas"])})
+                if verbose:
+                    print(f"[bench converge] tune N={n} {fam:5s} lr {lr:.2e}: val {loss:.4f}  ({r['wall_s']:.0f} s)",
+                          flush=True)
+            best[n][fam] = min(results)[1]
+    return best, recs
+
+
+def _dlion_from_1bit(r):
+    """D-Lion majority (all-gather) and Lion Cub 1bit apply the same Δ every step (same votes, same
+    tie rule): one simulated run gives both; only the bytes differ."""
+    out = dict(r, variant="dlion")
+    out["curve"] = [(s, l, a["allgather"]) for (s, l, _), a in zip(r["curve"], r["alt_curve"])]
+    out["bytes"] = r["alt_curve"][-1]["allgather"]
+    return out
+
+
+def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=None, device="cpu", verbose=True,
+        ds=None, partial=None, **kw):
+    """Paired runs. ``lrs``: {N: {family: lr}} (or one {family: lr} for every N). Returns records, curves."""
+    cfg = make_cfg(**kw)
+    torch.set_num_threads(cfg["threads"])
+    ds = ds or _load(cfg)
     records, curves = [], []
-    for i, r in enumerate(res[0]):
-        in_sync = len({round(rr[i]["digest"], 9) for rr in res}) == 1
-        records.append({"bench": NAME, "variant": r["variant"], "seed": r["seed"], "steps": steps,
-                        "val_loss": r["curve"][-1][1], "bytes_per_rank": int(r["bytes"]),
-                        "world_size": world_size, "params": r["params"], "preset": preset,
-                        "tokens_per_rank_per_step": batch_size * seq_len, "first_val_loss": r["curve"][0][1],
-                        "fp32_allreduce_bytes_per_step": r["fp32_allreduce_bytes_per_step"],
-                        "bytes_vs_global_lion": None, "val_loss_vs_global_lion": None, "params_in_sync": in_sync,
-                        "wall_s": r["wall_s"], "sync": json.dumps(cfg["sync"]) if r["variant"].endswith("_sync") else ""})
-        for step, loss, sent in r["curve"]:
-            curves.append({"bench": "converge_curve", "variant": r["variant"], "seed": r["seed"], "step": step,
-                           "val_loss": loss, "bytes_per_rank": int(sent)})
-    for rec in records:
-        ref = next((x for x in records if x["variant"] == "lion" and x["seed"] == rec["seed"]), None)
-        if ref is not None:
-            rec["bytes_vs_global_lion"] = ref["bytes_per_rank"] / rec["bytes_per_rank"] if rec["bytes_per_rank"] else None
-            rec["val_loss_vs_global_lion"] = rec["val_loss"] / ref["val_loss"]
+    for n in world_sizes:
+        lr_n = dict(DEFAULT_LR)
+        if lrs:
+            lr_n.update(lrs.get(n, lrs) if all(isinstance(k, int) for k in lrs) else lrs)
+        for seed in seeds:
+            done = {}
+            order = sorted(variants, key=lambda v: v == "dlion")  # dlion reuses cub_1bit when both are asked
+            for v in order:
+                if v == "dlion" and "cub_1bit" in done:
+                    r = _dlion_from_1bit(done["cub_1bit"])
+                else:
+                    r = train_one(v, seed, n, cfg, lr_n, ds, device)
+                done[v] = r
+                spec = spec_of(v)
+                rec = {"bench": NAME, "variant": v, "label": spec["label"], "family": r["family"],
+                       "world_size": n, "seed": seed, "steps": cfg["steps"], "lr": r["lr"],
+                       "val_loss": r["curve"][-1][1], "first_val_loss": r["curve"][0][1],
+                       "bytes_per_rank": int(r["bytes"]), "sync_bytes_per_rank": int(r["sync_bytes"]),
+                       "fp32_allreduce_bytes": int(r["fp32_allreduce_bytes_per_step"] * cfg["steps"]),
+                       "params": r["params"], "digest": r["digest"], "wall_s": round(r["wall_s"], 1),
+                       "sync": json.dumps(spec.get("sync")) if spec.get("sync") else "",
+                       "sync_dtype": spec.get("sync_dtype", "fp32") if spec.get("sync") else ""}
+                rec["bytes_ratio_vs_fp32"] = rec["fp32_allreduce_bytes"] / rec["bytes_per_rank"]
+                records.append(rec)
+                mine = [{"bench": "converge_curve", "variant": v, "world_size": n, "seed": seed, "step": step,
+                         "val_loss": loss, "bytes_per_rank": int(sent)} for step, loss, sent in r["curve"]]
+                curves += mine
+                if partial:
+                    with open(partial, "a") as f:
+                        for x in [rec] + mine:
+                            f.write(json.dumps(x) + "\n")
+                if verbose:
+                    print(f"[bench converge] N={n:2d} seed {seed} {v:22s} val {rec['val_loss']:.4f}  "
+                          f"{rec['bytes_ratio_vs_fp32']:6.1f}x fewer bytes than fp32  {r['wall_s']:.0f} s", flush=True)
     return records, curves, cfg
 
 
-TABLE = [("seed", "seed"), ("variant", "variant"), ("val_loss", "final val loss", ".4f"),
-         ("val_loss_vs_global_lion", "vs Lion", ".4f"), ("bytes_per_rank", "bytes/rank (run)"),
-         ("bytes_vs_global_lion", "x fewer bytes than Lion", ".1f"), ("params_in_sync", "in sync")]
-
-
-def check_goal(records) -> list[str]:
+def summarize(records):
+    """Per (N, variant) the paired gap to global Lion over the seeds that have both."""
     out = []
-    for seed in sorted({r["seed"] for r in records}):
-        cubs = [r for r in records if r["seed"] == seed and r["variant"].startswith("lioncub")
-                and r["bytes_vs_global_lion"] is not None and r["bytes_vs_global_lion"] >= 16]
-        if not cubs:
-            out.append(f"seed {seed}: no Lion Cub variant sent >= 16x fewer bytes than global Lion")
-            continue
-        best = min(cubs, key=lambda r: r["val_loss"])
-        gap = (best["val_loss_vs_global_lion"] - 1) * 100
-        out.append(f"seed {seed}: best Lion Cub with >= 16x fewer bytes: {best['variant']} val loss "
-                   f"{best['val_loss']:.4f} ({gap:+.2f}% vs global Lion), {best['bytes_vs_global_lion']:.1f}x fewer "
-                   f"bytes (goal within 2%: {'OK' if gap <= 2 else 'MISSED'})")
-    seeds = sorted({r["seed"] for r in records})
-    if len(seeds) > 1:
-        mean = {}
-        for v in dict.fromkeys(r["variant"] for r in records):
-            rs = [r for r in records if r["variant"] == v]
-            if len(rs) == len(seeds):
-                mean[v] = (sum(r["val_loss"] for r in rs) / len(rs),
-                           min(r["bytes_vs_global_lion"] or 0 for r in rs))
-        if "lion" in mean:
-            cubs = {v: m for v, m in mean.items() if v.startswith("lioncub") and m[1] >= 16}
-            for v, (loss, fewer) in mean.items():
-                out.append(f"mean over seeds {seeds}: {v:22s} val loss {loss:.4f} "
-                           f"({(loss / mean['lion'][0] - 1) * 100:+6.2f}% vs global Lion), {fewer:.1f}x fewer bytes")
-            if cubs:
-                v, (loss, fewer) = min(cubs.items(), key=lambda kv: kv[1][0])
-                gap = (loss / mean["lion"][0] - 1) * 100
-                out.append(f"mean over seeds: best Lion Cub with >= 16x fewer bytes: {v} {gap:+.2f}% vs global Lion "
-                           f"(goal within 2%: {'OK' if gap <= 2 else 'MISSED'})")
+    for n in sorted({r["world_size"] for r in records}):
+        rs = [r for r in records if r["world_size"] == n]
+        ref = {r["seed"]: r["val_loss"] for r in rs if r["variant"] == "lion"}
+        for v in dict.fromkeys(r["variant"] for r in rs):
+            mine = {r["seed"]: r for r in rs if r["variant"] == v}
+            seeds = sorted(s for s in mine if s in ref)
+            if not seeds:
+                continue
+            gaps = [100.0 * (mine[s]["val_loss"] / ref[s] - 1.0) for s in seeds]
+            mean, half, sd = t_interval(gaps)
+            r0 = mine[seeds[0]]
+            out.append({"bench": "converge_summary", "world_size": n, "variant": v, "label": spec_of(v)["label"],
+                        "seeds": seeds, "mean_val_loss": sum(mine[s]["val_loss"] for s in seeds) / len(seeds),
+                        "gap_pct": mean, "ci95_pct": half, "ci_lo_pct": mean - half, "ci_hi_pct": mean + half,
+                        "gap_sd_pct": sd, "bytes_per_rank": r0["bytes_per_rank"],
+                        "bytes_ratio_vs_fp32": r0["bytes_ratio_vs_fp32"], "lr": r0["lr"],
+                        "meets_goal": (mean <= 2.0 and r0["bytes_ratio_vs_fp32"] >= 16.0),
+                        "meets_goal_resolved": (mean + half <= 2.0 and r0["bytes_ratio_vs_fp32"] >= 16.0)})
+    return out
+
+
+SUMMARY_TABLE = [("world_size", "N"), ("variant", "variant"), ("mean_val_loss", "mean val loss", ".4f"),
+                 ("gap_pct", "gap vs Lion %", "+.2f"), ("ci95_pct", "±95% CI", ".2f"),
+                 ("bytes_ratio_vs_fp32", "x fewer bytes than fp32 AR", ".1f"), ("lr", "lr", ".1e")]
+
+
+def markdown_table(summary) -> str:
+    """The summary as a markdown table (what docs/converge.md holds)."""
+    lines = ["| N | variant | seeds | mean val loss | paired gap to global Lion | 95% CI | x fewer bytes than fp32 "
+             "all-reduce | lr |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for s in sorted(summary, key=lambda s: (s["world_size"], s["variant"] not in ("adamw", "lion"), s["gap_pct"])):
+        ci = f"[{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}]" if s["ci95_pct"] == s["ci95_pct"] else "n/a"
+        lines.append(f"| {s['world_size']} | `{s['variant']}` ({s['label']}) | {len(s['seeds'])} | "
+                     f"{s['mean_val_loss']:.4f} | {s['gap_pct']:+.2f}% | {ci} | {s['bytes_ratio_vs_fp32']:.1f}x | "
+                     f"{s['lr']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def check_goal(summary) -> list[str]:
+    out = []
+    for n in sorted({s["world_size"] for s in summary}):
+        rows = [s for s in summary if s["world_size"] == n]
+        lion = next((s for s in rows if s["variant"] == "lion"), None)
+        adamw = next((s for s in rows if s["variant"] == "adamw"), None)
+        if lion and adamw:
+            out.append(f"N={n}: AdamW vs global Lion {adamw['gap_pct']:+.2f}% ± {adamw['ci95_pct']:.2f} "
+                       f"(protocol: |gap| <= 5%: {'OK' if abs(adamw['gap_pct']) <= 5 else 'MISSED'})")
+        cand = [s for s in rows if s["bytes_ratio_vs_fp32"] >= 16 and s["variant"] not in ("lion", "adamw")]
+        if cand:
+            best = min(cand, key=lambda s: s["gap_pct"])
+            out.append(f"N={n}: closest with >= 16x fewer bytes: {best['variant']} {best['gap_pct']:+.2f}% "
+                       f"(95% CI [{best['ci_lo_pct']:+.2f}, {best['ci_hi_pct']:+.2f}], {best['bytes_ratio_vs_fp32']:.1f}x "
+                       f"fewer bytes); mean gap <= 2%: {'yes' if best['gap_pct'] <= 2 else 'no'}; resolved (upper "
+                       f"95% bound <= 2%): {'yes' if best['ci_hi_pct'] <= 2 else 'no'}")
+            sure = [s for s in cand if s["ci_hi_pct"] <= 2]
+            if sure:
+                b = min(sure, key=lambda s: s["ci_hi_pct"])
+                out.append(f"N={n}: tightest with >= 16x fewer bytes and upper 95% bound <= 2%: {b['variant']} "
+                           f"{b['gap_pct']:+.2f}% [{b['ci_lo_pct']:+.2f}, {b['ci_hi_pct']:+.2f}]")
     return out
 
 
 def plot(records, out):
-    curves = [r for r in records if r.get("bench") == "converge_curve"]
+    from .common import pyplot
+
+    plt = pyplot()
     files = []
-    for seed in sorted({r["seed"] for r in curves}):
-        by_step, by_bytes = {}, {}
-        for r in curves:
-            if r["seed"] != seed:
-                continue
-            by_step.setdefault(r["variant"], ([], []))
-            by_step[r["variant"]][0].append(r["step"])
-            by_step[r["variant"]][1].append(r["val_loss"])
-            if r["bytes_per_rank"] > 0:
-                by_bytes.setdefault(r["variant"], ([], []))
-                by_bytes[r["variant"]][0].append(r["bytes_per_rank"] / 2**20)
-                by_bytes[r["variant"]][1].append(r["val_loss"])
-        files.append(line_plot(os.path.join(out, f"converge_steps_seed{seed}.png"), by_step, xlabel="step",
-                               ylabel="validation loss (nats/byte)",
-                               title=f"Small GPT on CPython stdlib text, 4 ranks, seed {seed}: val loss vs step"))
-        plt = __import__("lioncub_ds.bench.common", fromlist=["pyplot"]).pyplot()
-        fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
-        for label, (xs, ys) in by_bytes.items():
-            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.4, label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("MB sent per rank (cumulative)")
-        ax.set_ylabel("validation loss (nats/byte)")
-        ax.set_title(f"Val loss vs bytes sent, seed {seed}", fontsize=10)
+    curves = [r for r in records if r.get("bench") == "converge_curve"]
+    summary = [r for r in records if r.get("bench") == "converge_summary"]
+    for n in sorted({r["world_size"] for r in curves}):
+        rs = [r for r in curves if r["world_size"] == n]
+        seeds = sorted({r["seed"] for r in rs})
+        variants = list(dict.fromkeys(r["variant"] for r in rs))
+        for xkey, fname, xlabel in (("step", f"converge_steps_n{n}.png", "step"),
+                                    ("bytes_per_rank", f"converge_bytes_n{n}.png", "MB sent per rank (cumulative)")):
+            fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+            for vi, v in enumerate(variants):
+                pts = {}
+                for r in rs:
+                    if r["variant"] == v:
+                        pts.setdefault(r["step"], []).append(r)
+                steps = sorted(pts)
+                xs = [sum(q[xkey] for q in pts[s]) / len(pts[s]) for s in steps]
+                ys = [sum(q["val_loss"] for q in pts[s]) / len(pts[s]) for s in steps]
+                if xkey == "bytes_per_rank":
+                    keep = [(x / 2**20, y) for x, y in zip(xs, ys) if x > 0]
+                    xs, ys = [k[0] for k in keep], [k[1] for k in keep]
+                ax.plot(xs, ys, marker="o", markersize=2.5, linewidth=1.2, label=v, color=plt.cm.tab20(vi % 20),
+                        linestyle="-" if vi < 20 else "--")
+            if xkey == "bytes_per_rank":
+                ax.set_xscale("log")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(f"val loss (nats/byte), mean of {len(seeds)} seeds")
+            ax.set_title(f"N={n} simulated workers: validation loss vs {xkey.split('_')[0]}", fontsize=10)
+            ax.grid(True, alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            path = os.path.join(out, fname)
+            fig.savefig(path)
+            plt.close(fig)
+            files.append(path)
+    for n in sorted({r["world_size"] for r in summary}):
+        rows = [s for s in summary if s["world_size"] == n and s["variant"] != "lion"]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+        for s in rows:
+            ax.errorbar(s["bytes_ratio_vs_fp32"], s["gap_pct"], yerr=s["ci95_pct"] if s["ci95_pct"] == s["ci95_pct"]
+                        else None, fmt="o", capsize=3)
+            ax.annotate(s["variant"], (s["bytes_ratio_vs_fp32"], s["gap_pct"]), fontsize=7, xytext=(4, 2),
+                        textcoords="offset points")
+        ax.axhline(2.0, color="green", linestyle=":", linewidth=1)
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.axvline(16.0, color="green", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("x fewer bytes than an fp32 ring all-reduce (momentum sync counted)")
+        ax.set_ylabel("paired gap to global Lion, % (mean ± 95% CI)")
+        ax.set_title(f"N={n}: the bytes/gap frontier (goal: right of 16x, below 2%)", fontsize=10)
         ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=7)
         fig.tight_layout()
-        path = os.path.join(out, f"converge_bytes_seed{seed}.png")
+        path = os.path.join(out, f"converge_frontier_n{n}.png")
         fig.savefig(path)
         plt.close(fig)
         files.append(path)
     return files
 
 
+def _parse_lr(items):
+    out = {}
+    for it in items or []:
+        fam, _, val = it.partition("=")
+        if fam not in FAMILIES or not val:
+            raise SystemExit(f"--lr {it!r}: expected FAMILY=LR with FAMILY in {', '.join(FAMILIES)}")
+        out[fam] = float(val)
+    return out
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench converge", description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                   help=f"any of {', '.join(VARIANTS)}; NAME:FAMILY runs a Lion Cub variant with FAMILY's lr "
+                        "(e.g. cub_1bit:lion)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[8], help="simulated workers N (e.g. 4 8 16)")
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--lion-lr", type=float, default=1e-3)
-    p.add_argument("--adamw-lr", type=float, default=3e-3)
-    p.add_argument("--lion-wd", type=float, default=0.5)
-    p.add_argument("--adamw-wd", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per worker per step")
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of the peak lr")
+    p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.99], help="Lion-family (beta1, beta2)")
     p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-iters", type=int, default=4, help="val batches per rank per evaluation")
-    p.add_argument("--sync", default=json.dumps(DEFAULT_SYNC), help="momentum_sync policy (JSON) of the *_sync variants")
+    p.add_argument("--eval-iters", type=int, default=8, help="fixed val batches per evaluation")
+    p.add_argument("--eval-batch", type=int, default=32)
+    p.add_argument("--adamw-wd", type=float, default=0.1)
+    p.add_argument("--lion-wd", type=float, default=None,
+                   help="Lion-family decoupled wd (default: adamw_wd * lr_adamw / lr_lion, the same lr*wd)")
+    p.add_argument("--tie-break", default="hash")
+    p.add_argument("--data", default="deps", choices=["deps", "stdlib"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (fixed: part of what makes runs repeatable)")
+    p.add_argument("--lr", nargs="*", default=[], metavar="FAMILY=LR",
+                   help=f"fixed lr per family ({', '.join(FAMILIES)}); skips tuning that family")
+    p.add_argument("--tune", action="store_true", help="sweep the lr of each family not fixed by --lr, per N")
+    p.add_argument("--tune-seed", type=int, default=1000)
+    p.add_argument("--tune-only", action="store_true", help="with --tune: report the sweep, train nothing else")
+    p.add_argument("--lr-grid", default=json.dumps({k: list(v) for k, v in DEFAULT_LR_GRID.items()}),
+                   help="JSON {family: [lr, ...]} for --tune")
+    p.add_argument("--partial", default=None, metavar="JSONL",
+                   help="append each finished run's records here as it completes (a stopped study keeps them; "
+                        "--merge reads .jsonl)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no training: merge the records of earlier runs' JSON files (e.g. one per N or per variant "
+                        "group, same settings), then summarize, plot and write --json/--out as usual")
     add_output_args(p)
     return p
+
+
+def merge(paths):
+    """Records (config, per-run records, tune records, curves) of several JSON outputs, deduplicated."""
+    meta, records, tune_recs, curves, seen = [], [], [], [], set()
+    for path in paths:
+        with open(path) as f:
+            recs = json.load(f) if not path.endswith(".jsonl") else [json.loads(x) for x in f if x.strip()]
+        for r in recs:
+            b = r.get("bench")
+            if b == "converge_config":
+                meta.append(r)
+            elif b == NAME:
+                key = (r["world_size"], r["variant"], r["seed"])
+                if key not in seen:
+                    seen.add(key)
+                    records.append(r)
+            elif b == "converge_tune":
+                tune_recs.append(r)
+            elif b == "converge_curve":
+                curves.append(r)
+    keys = {(r["world_size"], r["variant"], r["seed"]) for r in records}
+    curves = [c for c in curves if (c["world_size"], c["variant"], c["seed"]) in keys]
+    uniq, cseen = [], set()
+    for c in curves:
+        k = (c["world_size"], c["variant"], c["seed"], c["step"])
+        if k not in cseen:
+            cseen.add(k)
+            uniq.append(c)
+    settings = {k: v for k, v in (meta[0] if meta else {}).items() if k not in ("argv", "lrs", "wall_s", "variants")}
+    for m in meta[1:]:
+        diff = {k for k in settings if k in m and m[k] != settings[k] and k not in ("bench",)}
+        if diff:
+            raise SystemExit(f"--merge: the runs differ in settings {sorted(diff)}: not comparable")
+    return meta, records, tune_recs, uniq
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
-    records, curves, cfg = run(tuple(args.variants), tuple(args.seeds), args.world_size, args.steps, args.preset,
-                               args.seq_len, args.batch_size, args.lion_lr, args.adamw_lr, args.lion_wd,
-                               args.adamw_wd, warmup=args.warmup, eval_every=args.eval_every,
-                               eval_iters=args.eval_iters, sync=json.loads(args.sync))
-    print_table(records, TABLE, title=f"[bench converge] GPT preset={args.preset} ({records[0]['params']:,} params), "
-                                      f"{args.world_size} ranks x {args.batch_size}x{args.seq_len} tokens, "
-                                      f"{args.steps} steps, sync policy {args.sync}")
-    for m in check_goal(records):
+    if args.merge:
+        meta, records, tune_recs, curves = merge(args.merge)
+        summary = summarize(records)
+        print_table(summary, SUMMARY_TABLE, title=f"[bench converge] merged {len(records)} runs from {len(args.merge)} "
+                                                  "files: paired gap to global Lion")
+        for m in check_goal(summary):
+            print("[bench converge] " + m)
+        finish(NAME, args, meta + summary + records + tune_recs + curves, plot,
+               extra_md=markdown_table(summary) + "\n" + "\n".join("- " + m for m in check_goal(summary)) + "\n")
+        return 0
+    kw = dict(steps=args.steps, preset=args.preset, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+              seq_len=args.seq_len, batch_size=args.batch_size, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
+              betas=list(args.betas), eval_every=args.eval_every,
+              eval_iters=args.eval_iters, eval_batch=args.eval_batch, adamw_wd=args.adamw_wd, lion_wd=args.lion_wd,
+              tie_break=args.tie_break, threads=args.threads, data=args.data)
+    cfg = make_cfg(**kw)
+    torch.set_num_threads(args.threads)
+    ds = _load(cfg)
+    fixed = _parse_lr(args.lr)
+    tune_recs = []
+    lrs = {n: dict(DEFAULT_LR, **fixed) for n in args.world_sizes}
+    if args.tune:
+        grid = {f: v for f, v in json.loads(args.lr_grid).items() if f not in fixed}
+        for v in args.variants:
+            spec_of(v)  # fail early on a bad name
+        fams_needed = {spec_of(v)["family"] for v in args.variants} | {"adamw"}
+        grid = {f: v for f, v in grid.items() if f in fams_needed}
+        best, tune_recs = tune(args.world_sizes, cfg, grid, args.tune_seed, args.device, ds=ds, base=fixed)
+        for n in args.world_sizes:
+            lrs[n].update(best[n])
+        for n in args.world_sizes:
+            print(f"[bench converge] tuned lr N={n}: " + ", ".join(f"{f}={v:.2e}" for f, v in lrs[n].items()),
+                  flush=True)
+        if args.tune_only:
+            if args.partial:
+                with open(args.partial, "a") as f:
+                    for r in tune_recs:
+                        f.write(json.dumps(r) + "\n")
+            finish(NAME, args, tune_recs)
+            return 0
+    if args.partial:
+        with open(args.partial, "a") as f:
+            f.write(json.dumps({"bench": "converge_config", "argv": list(sys.argv[1:] if argv is None else argv),
+                                "corpus": ds.name, "lrs": {str(n): v for n, v in lrs.items()}, **cfg}) + "\n")
+            for r in tune_recs:
+                f.write(json.dumps(r) + "\n")
+    records, curves, cfg = run(tuple(args.variants), tuple(args.seeds), tuple(args.world_sizes), lrs, args.device,
+                               ds=ds, partial=args.partial, **kw)
+    summary = summarize(records)
+    print_table(summary, SUMMARY_TABLE, title=f"[bench converge] {records[0]['params']:,}-param GPT on {ds.name}, "
+                                              f"{args.steps} steps, seeds {args.seeds}: paired gap to global Lion")
+    for m in check_goal(summary):
         print("[bench converge] " + m)
-    finish(NAME, args, records + curves, plot)
+    meta = {"bench": "converge_config", "argv": list(sys.argv[1:] if argv is None else argv), "corpus": ds.name,
+            "lrs": {str(n): v for n, v in lrs.items()}, "wall_s": round(time.perf_counter() - t0, 1), **cfg}
+    finish(NAME, args, [meta] + summary + records + tune_recs + curves, plot,
+           extra_md=markdown_table(summary) + "\n" + "\n".join("- " + m for m in check_goal(summary)) + "\n")
     print(f"[bench converge] done in {time.perf_counter() - t0:.1f} s")
     return 0
 

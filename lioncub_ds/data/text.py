@@ -1,7 +1,18 @@
-"""Byte-level text data: the CPython standard library's own source, user text files,
-or a memory-mapped token file, with a deterministic per-rank batch sampler.
+"""Byte-level text data: a pinned corpus (the Python sources of exact dependency versions),
+the CPython standard library's own source, user text files, or a memory-mapped token file,
+with a deterministic per-rank batch sampler.
 
 Conventions (fixed, so every optimizer sees the same data):
+
+* **Pinned corpus** (:func:`pinned_dataset`, ``load_dataset("deps")``): the ``.py`` files
+  that the installed distributions listed in :data:`PINNED_CORPUS` (``deepspeed==0.19.8``,
+  ``megatron-core==0.16.1``, both pinned by ``requirements.txt``) record in their
+  ``RECORD``, minus files generated at install time (:data:`PINNED_EXCLUDE`), in
+  (distribution, relative path) order, each followed by one ``\\n``. The concatenation
+  must have the SHA-256 :data:`PINNED_SHA256`: the same bytes on every machine, or a
+  :class:`CorpusMismatchError` that names the distribution, the version found and the one
+  required. Nothing is downloaded: the bytes come from what ``make setup`` installed. The
+  val split is whole files chosen exactly as for the stdlib corpus below.
 
 * **Bundled text** (:func:`stdlib_dataset`): every ``.py`` file under
   ``sysconfig.get_paths()["stdlib"]`` except those inside ``site-packages``,
@@ -52,6 +63,12 @@ __all__ = [
     "stdlib_files",
     "cache_dir",
     "DEFAULT_MAX_BYTES",
+    "pinned_dataset",
+    "pinned_files",
+    "PINNED_CORPUS",
+    "PINNED_SHA256",
+    "PINNED_BYTES",
+    "CorpusMismatchError",
 ]
 
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
@@ -61,7 +78,19 @@ EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "i
                            "encodings", "pydoc_data"})
 EXCLUDED_PREFIXES = ("_sysconfigdata",)  # generated build-flag dictionaries
 _SPLIT_IDS = {"train": 0, "val": 1}
-_CACHE_FORMAT = 5
+
+# The pinned corpus: (distribution, exact version), in this order. Both are pure-Python
+# sources that requirements.txt pins; their .py files are the same on every platform.
+PINNED_CORPUS = (("deepspeed", "0.19.8"), ("megatron-core", "0.16.1"))
+# Written at install time (machine-dependent build info): never part of the corpus.
+PINNED_EXCLUDE = frozenset({"deepspeed/git_version_info_installed.py"})
+PINNED_SHA256 = "96b462a0dfcdee0e2592f6abe0336fdf16fdedbb945cf6c206215b5669203267"
+PINNED_BYTES = 10730066  # 1116 files
+
+
+class CorpusMismatchError(RuntimeError):
+    """The installed packages do not give the pinned corpus bytes."""
+_CACHE_FORMAT = 6
 
 
 def cache_dir() -> Path:
@@ -113,6 +142,7 @@ class TextDataset:
     val: np.ndarray
     vocab_size: int = 256
     name: str = "text"
+    files: dict | None = None  # {"train": [rel path], "val": [rel path]} when built from whole files
 
     def split(self, split: str) -> np.ndarray:
         if split not in _SPLIT_IDS:
@@ -170,14 +200,10 @@ def stdlib_dataset(max_bytes: int = DEFAULT_MAX_BYTES, val_permille: int = 50, *
     paths = {s: cdir / f"{key}.{s}.u8" for s in ("train", "val")}
     meta_path = cdir / f"{key}.json"
     name = f"stdlib(py{ver}, {max_bytes} B cap)"
-    if use_cache and meta_path.exists() and all(p.exists() for p in paths.values()):
-        try:
-            meta = json.loads(meta_path.read_text())
-            arrays = {s: np.fromfile(p, dtype=np.uint8) for s, p in paths.items()}
-            if all(len(arrays[s]) == meta[f"{s}_bytes"] for s in arrays):
-                return TextDataset(arrays["train"], arrays["val"], 256, name)
-        except (OSError, ValueError, KeyError):
-            pass  # a broken cache entry is rebuilt below
+    if use_cache:
+        hit = _load_cached(paths, meta_path, name)
+        if hit is not None:
+            return hit
     chosen = []  # (rel, bytes) in sorted path order, within the cap
     total = 0
     for rel, full in stdlib_files(root):
@@ -189,6 +215,13 @@ def stdlib_dataset(max_bytes: int = DEFAULT_MAX_BYTES, val_permille: int = 50, *
             continue  # too big for what is left of the cap: skip it, smaller files may still fit
         total += len(data)
         chosen.append((rel, data))
+    return _split_and_cache(chosen, val_permille, root, use_cache, paths, meta_path, name,
+                            empty_msg=f"no stdlib .py files found under {root} within {max_bytes} bytes")
+
+
+def _split_files(chosen, val_permille):
+    """(rel, bytes) files -> ({train, val}: bytes, {train, val}: [rel]) (whole files; see module doc)."""
+    total = sum(len(d) for _, d in chosen)
     # Val: files visited in crc32(path) order, each taken while val stays within its byte target.
     target = total * val_permille // 1000
     val_names, val_bytes = set(), 0
@@ -196,26 +229,112 @@ def stdlib_dataset(max_bytes: int = DEFAULT_MAX_BYTES, val_permille: int = 50, *
         if val_bytes + len(data) <= target:
             val_names.add(rel)
             val_bytes += len(data)
-    parts = {"train": [d for r, d in chosen if r not in val_names], "val": [d for r, d in chosen if r in val_names]}
-    nfiles = {k: len(v) for k, v in parts.items()}
-    blobs = {s: b"".join(v) for s, v in parts.items()}
+    names = {"train": [r for r, _ in chosen if r not in val_names], "val": [r for r, _ in chosen if r in val_names]}
+    blobs = {"train": b"".join(d for r, d in chosen if r not in val_names),
+             "val": b"".join(d for r, d in chosen if r in val_names)}
+    return blobs, names
+
+
+def _split_and_cache(chosen, val_permille, root, use_cache, paths, meta_path, name, empty_msg):
+    blobs, names = _split_files(chosen, val_permille)
+    nfiles = {k: len(v) for k, v in names.items()}
     if not blobs["train"] or not blobs["val"]:  # tiny cap: fall back to a tail split of the bytes
         allb = blobs["train"] + blobs["val"]
         if not allb:
-            raise RuntimeError(f"no stdlib .py files found under {root} within {max_bytes} bytes")
+            raise RuntimeError(empty_msg)
         cut = len(allb) - max(1, len(allb) * val_permille // 1000)
         blobs = {"train": allb[:cut], "val": allb[cut:]}
+        names = {"train": [], "val": []}
     if use_cache:
         try:
             for s, p in paths.items():
                 _atomic_write_bytes(p, blobs[s])
-            meta = {"key": key, "root": root, "files": nfiles, "train_bytes": len(blobs["train"]),
-                    "val_bytes": len(blobs["val"])}
+            meta = {"key": meta_path.stem, "root": root, "files": nfiles, "train_bytes": len(blobs["train"]),
+                    "val_bytes": len(blobs["val"]), "train_files": names["train"], "val_files": names["val"]}
             _atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())  # written last: the marker
         except OSError:
             pass  # read-only home: run uncached
     return TextDataset(np.frombuffer(blobs["train"], dtype=np.uint8).copy(),
-                       np.frombuffer(blobs["val"], dtype=np.uint8).copy(), 256, name)
+                       np.frombuffer(blobs["val"], dtype=np.uint8).copy(), 256, name,
+                       {"train": names["train"], "val": names["val"]})
+
+
+def _load_cached(paths, meta_path, name):
+    if meta_path.exists() and all(p.exists() for p in paths.values()):
+        try:
+            meta = json.loads(meta_path.read_text())
+            arrays = {s: np.fromfile(p, dtype=np.uint8) for s, p in paths.items()}
+            if all(len(arrays[s]) == meta[f"{s}_bytes"] for s in arrays):
+                return TextDataset(arrays["train"], arrays["val"], 256, name,
+                                   {"train": meta.get("train_files", []), "val": meta.get("val_files", [])})
+        except (OSError, ValueError, KeyError):
+            pass  # a broken cache entry is rebuilt
+    return None
+
+
+def pinned_files(corpus=PINNED_CORPUS, *, check_versions: bool = True) -> list[tuple[str, Path]]:
+    """``(dist/relative path, absolute path)`` of the pinned corpus' files, in corpus order.
+
+    Raises :class:`CorpusMismatchError` naming the distribution when one is missing or has
+    another version than pinned (``check_versions``)."""
+    from importlib import metadata
+
+    out = []
+    for dist_name, version in corpus:
+        try:
+            d = metadata.distribution(dist_name)
+        except metadata.PackageNotFoundError:
+            raise CorpusMismatchError(
+                f"pinned corpus: distribution {dist_name}=={version} is not installed (run `make setup`, or "
+                f"`pip install {dist_name}=={version}`; or use the stdlib corpus: --data stdlib)") from None
+        if check_versions and d.version != version:
+            raise CorpusMismatchError(
+                f"pinned corpus: {dist_name} {d.version} is installed but the corpus pins {dist_name}=={version} "
+                f"(its .py sources are the text; another version gives other bytes). Install "
+                f"`pip install {dist_name}=={version}` (`make setup` does), or use --data stdlib")
+        rels = sorted(str(f) for f in (d.files or []) if str(f).endswith(".py") and str(f) not in PINNED_EXCLUDE
+                      and "__pycache__" not in str(f) and not str(f).startswith(".."))
+        if not rels:
+            raise CorpusMismatchError(f"pinned corpus: {dist_name} {d.version} lists no .py files in its RECORD")
+        out += [(f"{dist_name}/{r}", Path(d.locate_file(r))) for r in rels]
+    return out
+
+
+def pinned_dataset(val_permille: int = 50, *, use_cache: bool = True, cache: str | os.PathLike | None = None,
+                   corpus=PINNED_CORPUS, expected_sha256: str | None = PINNED_SHA256) -> TextDataset:
+    """The pinned corpus (see module doc): identical bytes on every machine, checked by SHA-256."""
+    if not 0 < val_permille < 1000:
+        raise ValueError(f"val_permille={val_permille} must be in (0, 1000)")
+    tag = hashlib.sha1(repr(tuple(corpus)).encode()).hexdigest()[:8]
+    sha_tag = (expected_sha256 or "unchecked")[:12]
+    key = f"pinned-{tag}-{sha_tag}-val{val_permille}-v{_CACHE_FORMAT}"
+    cdir = Path(cache) if cache is not None else cache_dir()
+    paths = {s: cdir / f"{key}.{s}.u8" for s in ("train", "val")}
+    meta_path = cdir / f"{key}.json"
+    name = "pinned(" + ", ".join(f"{d}=={v}" for d, v in corpus) + ")"
+    if use_cache:
+        hit = _load_cached(paths, meta_path, name)
+        if hit is not None:
+            return hit
+    files = pinned_files(corpus)
+    chosen, h = [], hashlib.sha256()
+    for rel, full in files:
+        try:
+            data = full.read_bytes() + b"\n"
+        except OSError as exc:
+            raise CorpusMismatchError(f"pinned corpus: cannot read {rel} ({full}): {exc}") from exc
+        h.update(data)
+        chosen.append((rel, data))
+    got = h.hexdigest()
+    if expected_sha256 is not None and got != expected_sha256:
+        vers = ", ".join(f"{d}=={v}" for d, v in corpus)
+        raise CorpusMismatchError(
+            f"pinned corpus: the .py sources of {vers} hash to sha256 {got} ({sum(len(d) for _, d in chosen)} "
+            f"bytes, {len(chosen)} files), expected {expected_sha256} ({PINNED_BYTES} bytes). The versions match, "
+            f"so an installed file was modified (an editable or patched install?): reinstall with "
+            f"`pip install --force-reinstall --no-deps {' '.join(f'{d}=={v}' for d, v in corpus)}`")
+    return _split_and_cache(chosen, val_permille, f"sha256:{got}", use_cache, paths, meta_path, name,
+                            empty_msg="pinned corpus is empty")
 
 
 def _tail_split(arr: np.ndarray, val_fraction: float, what: str):
@@ -257,12 +376,15 @@ def token_file_dataset(path: str | os.PathLike, dtype: str = "uint8", val_fracti
 def load_dataset(data: str = "stdlib", *, max_bytes: int = DEFAULT_MAX_BYTES, files: Iterable[str] | None = None,
                  token_file: str | None = None, token_dtype: str = "uint8", val_fraction: float = 0.05,
                  vocab_size: int | None = None) -> TextDataset:
-    """One entry point for the command lines: ``token_file`` wins, then ``files``, else the stdlib corpus."""
+    """One entry point for the command lines: ``token_file`` wins, then ``files``, else ``data``:
+    ``"stdlib"`` (this Python's standard library) or ``"deps"`` (the pinned corpus, same bytes everywhere)."""
     if token_file:
         return token_file_dataset(token_file, token_dtype, val_fraction, vocab_size=vocab_size)
     files = list(files or [])
     if files:
         return files_dataset(files, val_fraction)
+    if data == "deps":
+        return pinned_dataset()
     if data != "stdlib":
-        raise ValueError(f"data={data!r} is not allowed; allowed: stdlib (or pass files / token_file)")
+        raise ValueError(f"data={data!r} is not allowed; allowed: deps, stdlib (or pass files / token_file)")
     return stdlib_dataset(max_bytes=max_bytes)

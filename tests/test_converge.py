@@ -1,0 +1,167 @@
+"""Fast tests for ``bench converge``: the pinned corpus, the t-interval, paired-seed
+determinism, and the simulated N-worker LionCub against the real multi-rank LionCub."""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+
+from lioncub_ds.bench import converge as C
+from lioncub_ds.bench.common import run_ranks
+from lioncub_ds.data import (PINNED_BYTES, PINNED_CORPUS, PINNED_SHA256, CorpusMismatchError, pinned_dataset,
+                             pinned_files)
+
+# A run small enough for a unit test: 1 layer, d=32, 8 steps of 2x16 tokens per worker.
+TINY = dict(steps=8, n_layer=1, n_head=2, d_model=32, seq_len=16, batch_size=2, warmup=2, eval_every=4, eval_iters=2,
+            eval_batch=4)
+LRS = dict(C.DEFAULT_LR, cub=3e-3, avg=1e-2)
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    return pinned_dataset(cache=tmp_path_factory.mktemp("pinned"))
+
+
+# ----------------------------------------------------------------------------- the pinned corpus
+def test_pinned_corpus_sha256(ds, tmp_path):
+    """The corpus is exactly the pinned bytes (SHA-256 over the concatenation, >= 8 MB of real text)."""
+    h = hashlib.sha256()
+    n = 0
+    for _, full in pinned_files():
+        data = full.read_bytes() + b"\n"
+        h.update(data)
+        n += len(data)
+    assert h.hexdigest() == PINNED_SHA256 and n == PINNED_BYTES and n >= 8 * 2**20
+    assert len(ds.train) + len(ds.val) == PINNED_BYTES
+    assert 0.03 < len(ds.val) / len(ds) < 0.07
+    assert b"import torch" in ds.train[:200_000].tobytes()  # real Python source text
+    again = pinned_dataset(cache=tmp_path, use_cache=False)
+    assert (again.train == ds.train).all() and (again.val == ds.val).all()
+
+
+def test_pinned_corpus_split_by_whole_files(ds):
+    tr, va = set(ds.files["train"]), set(ds.files["val"])
+    assert tr and va and not tr & va
+    assert len(tr) + len(va) == len(pinned_files())
+
+
+def test_pinned_corpus_wrong_version_or_bytes(tmp_path):
+    with pytest.raises(CorpusMismatchError, match=r"deepspeed 0\.19\.8 is installed but the corpus pins deepspeed==9\.9"):
+        pinned_files((("deepspeed", "9.9"),))
+    with pytest.raises(CorpusMismatchError, match="no-such-dist==1.0 is not installed"):
+        pinned_files((("no-such-dist", "1.0"),))
+    with pytest.raises(CorpusMismatchError, match="expected 00"):
+        pinned_dataset(cache=tmp_path, corpus=PINNED_CORPUS[:1], expected_sha256="00" * 32)
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_t_interval_hand_computed():
+    # gaps 1, 2, 3, 4, 5: mean 3, sd = sqrt(10/4) = 1.5811, t(0.975, 4) = 2.7764,
+    # half-width = 2.7764 * 1.5811 / sqrt(5) = 1.9632
+    mean, half, sd = C.t_interval([1, 2, 3, 4, 5])
+    assert mean == 3.0
+    assert sd == pytest.approx(1.5811388, abs=1e-6)
+    assert half == pytest.approx(1.96323, abs=1e-4)
+    # two values: t(0.975, 1) = 12.7062; sd = sqrt(2)/... (-1, 1): mean 0, sd sqrt(2), half 12.7062*sqrt(2)/sqrt(2)
+    assert C.t_interval([-1.0, 1.0])[1] == pytest.approx(12.7062)
+    assert math.isnan(C.t_interval([0.5])[1])
+    assert C.t_quantile_975(9) == 2.2622 and C.t_quantile_975(1000) == 1.96
+
+
+def test_summary_is_paired():
+    recs = [dict(variant=v, world_size=4, seed=s, val_loss=l, bytes_per_rank=1, bytes_ratio_vs_fp32=r, lr=1e-3)
+            for v, r, ls in (("lion", 1.0, (2.0, 3.0)), ("cub_1bit", 32.0, (2.02, 3.03))) for s, l in zip((0, 1), ls)]
+    rows = {r["variant"]: r for r in C.summarize(recs)}
+    assert rows["lion"]["gap_pct"] == 0.0
+    assert rows["cub_1bit"]["gap_pct"] == pytest.approx(1.0)  # +1% on both seeds, although losses differ by 50%
+    assert rows["cub_1bit"]["ci95_pct"] == pytest.approx(0.0, abs=1e-9) and rows["cub_1bit"]["meets_goal"]
+
+
+# ----------------------------------------------------------------------------- determinism
+def test_same_command_same_numbers(ds):
+    """Two runs of the same tiny study: identical losses, bytes and parameter SHA-1 digests."""
+    kw = dict(TINY, steps=4, eval_every=2)
+    variants = ("lion", "adamw", "cub_1bit", "cub_1bit_sync5", "cub_int8", "cub_avg")
+    a, ca, _ = C.run(variants, seeds=(0, 1), world_sizes=(4,), lrs=LRS, ds=ds, verbose=False, **kw)
+    b, cb, _ = C.run(variants, seeds=(0, 1), world_sizes=(4,), lrs=LRS, ds=ds, verbose=False, **kw)
+    assert [(r["variant"], r["seed"], r["val_loss"], r["bytes_per_rank"], r["digest"]) for r in a] == \
+           [(r["variant"], r["seed"], r["val_loss"], r["bytes_per_rank"], r["digest"]) for r in b]
+    assert ca == cb
+    # Paired: every variant of a seed starts from the same init (same first val loss) ...
+    for s in (0, 1):
+        assert len({r["first_val_loss"] for r in a if r["seed"] == s}) == 1
+    # ... and the seeds differ.
+    assert a[0]["first_val_loss"] != next(r["first_val_loss"] for r in a if r["seed"] == 1)
+    assert len({r["digest"] for r in a}) == len(a)
+
+
+# ----------------------------------------------------------------------------- simulation == real LionCub
+@pytest.mark.parametrize("n,variants", [(2, ("cub_1bit", "dlion", "cub_int8", "cub_avg", "cub_1bit_sync5_small",
+                                             "cub_1bit_geo")),
+                                        (4, ("cub_1bit", "cub_int8"))])
+def test_simulation_equals_real_lioncub(ds, n, variants):
+    """N simulated workers give bit-identical parameters (SHA-1) and the same bytes as N real
+    gloo ranks running LionCub. Momentum sync sums fp32 across ranks, which is exact only
+    for N = 2 (any order), so the sync variants run with N = 2; the votes are integer sums."""
+    cfg = C.make_cfg(**dict(TINY, steps=6))
+    real = run_ranks(C.real_lioncub_rank, n, variants, 3, cfg, LRS, timeout=600)
+    for i, variant in enumerate(variants):
+        assert len({r[i][0] for r in real}) == 1  # the real replicas agree
+        sim = C.train_one(variant, 3, n, cfg, LRS, ds)
+        assert sim["digest"] == real[0][i][0], variant
+        assert sim["bytes"] == real[0][i][1], variant
+        if "sync" in variant or "geo" in variant:
+            assert sim["sync_bytes"] > 0
+    # D-Lion in the study reuses the 1bit run (same Δ): its digest equals the real all-gather run's.
+    if "dlion" in variants:
+        assert real[0][variants.index("dlion")][0] == real[0][variants.index("cub_1bit")][0]
+        one = C.train_one("cub_1bit", 3, n, cfg, LRS, ds)
+        assert C._dlion_from_1bit(one)["bytes"] == real[0][variants.index("dlion")][1]
+
+
+def test_even_n_ties_happen_and_sim_uses_the_hash():
+    """At N=4 many coordinates tie (2 vs 2); the simulated vote applies LionCub's hash rule there."""
+    from lioncub_ds import codec
+
+    torch.manual_seed(0)
+    p = torch.zeros(64)
+    sim = C.SimLionCub([{"params": [p], "names": ["w"], "weight_decay": 0.0}], 4, lr=1.0, betas=(0.9, 0.99))
+    g = torch.tensor([[1.0] * 64, [1.0] * 64, [-1.0] * 64, [-1.0] * 64])
+    sim.step({p: g})
+    expected = -codec.tie_hash_sign(1, torch.arange(64)).float()
+    assert torch.equal(p, expected)
+
+
+def test_variant_with_another_familys_lr():
+    """``cub_1bit:lion`` is Lion Cub (simulated, 1-bit votes) with global Lion's tuned lr."""
+    from lioncub_ds.models import build_model
+
+    cfg = C.make_cfg(**TINY)
+    model = build_model("tiny", seed=0, n_layer=1, d_model=32, n_head=2, seq_len=16)
+    opt, fam, allreduce = C.build_variant("cub_1bit_sync20_bf16:lion", model, 4, cfg, LRS)
+    assert isinstance(opt, C.SimLionCub) and not allreduce and fam == "lion"
+    assert opt.groups[0]["lr"] == LRS["lion"] and opt.sync_dtype == "bf16"
+    assert opt.cfg.momentum_sync.every == 20
+    with pytest.raises(ValueError, match="only Lion Cub"):
+        C.spec_of("adamw:lion")
+    with pytest.raises(ValueError, match="unknown"):
+        C.spec_of("nope")
+
+
+def test_recommended_config_is_valid_and_is_the_studied_one():
+    """configs/ds_lioncub_recommended.json: a valid LionCub config, and the variant docs/convergence.md
+    recommends (1-bit majority vote, hash ties, no momentum sync, Lion's lr, the study's betas)."""
+    import json
+    import pathlib
+
+    from lioncub_ds.config import LionCubConfig
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "ds_lioncub_recommended.json"
+    ds_cfg = json.loads(path.read_text())
+    assert ds_cfg["optimizer"]["type"] == "LionCub"
+    cfg = LionCubConfig.from_kwargs(**ds_cfg["optimizer"]["params"])
+    spec = C.spec_of("cub_1bit:lion")
+    assert (cfg.comm, cfg.vote, cfg.tie_break, cfg.momentum_sync) == (spec["comm"], "majority", "hash", None)
+    assert cfg.betas == (0.8, 0.9) and cfg.lr == 5e-4 and cfg.weight_decay == pytest.approx(0.1 * 8e-3 / 5e-4)
