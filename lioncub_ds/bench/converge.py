@@ -129,8 +129,8 @@ class SimLionCub:
 
     ``groups``: param groups as from ``GPT.optim_groups`` (``params``, ``names``,
     ``weight_decay``). The bucket layout (8-aligned offsets, buckets of at most
-    ``bucket_numel`` elements per group, padded to a multiple of 8·N, a running base
-    index) is LionCub's, so the hash tie rule sees the same indices.
+    ``bucket_numel`` elements per group, padded to a multiple of 8·N) is LionCub's, so the
+    hash tie rule (index inside each parameter) and the abstention lists see the same buckets.
     """
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
@@ -153,6 +153,7 @@ class SimLionCub:
         self.sync_bytes = 0
         self.alt_bytes = {}  # sign comms with the same Δ (1bit / allgather / pbit): what each would send
         self.buckets = []  # (group index, params, offsets, total, base)
+        self.modes = {}  # bucket index -> how abstentions travel this step ("list" / "plane"), as LionCub
         base, cap = 0, cfg.bucket_numel
         for gi, g in enumerate(self.groups):
             cur, size = [], 0
@@ -188,13 +189,16 @@ class SimLionCub:
     def step(self, grads):
         """``grads``: dict param -> [N, *shape] per-worker gradients."""
         from lioncub_ds import codec
-        from lioncub_ds.comm.onebit import phase2_needs_nonzero
         from lioncub_ds.momentum_sync import on_schedule
+
+        from lioncub_ds.comm import make_algorithm
+        from lioncub_ds.comm.abstain import list_capacity, real_mask
 
         cfg, n = self.cfg, self.n
         step = self.step_count + 1
-        sent = self._collective_bytes("all_reduce", 4 * (1 + len(self.buckets)))  # the control flags
-        for gi, params, offsets, total, base in self.buckets:
+        # the control flags: [non-finite, unusable input] + [overflow, abstains] per bucket (int32)
+        sent = self._collective_bytes("all_reduce", 4 * (2 + 2 * len(self.buckets)))
+        for bi, (gi, params, offsets, total, base) in enumerate(self.buckets):
             g = self.groups[gi]
             b1, b2 = g["betas"]
             lr, wd = g["lr"], g["weight_decay"]
@@ -218,23 +222,24 @@ class SimLionCub:
                                                                      grads[p].reshape(n, -1), b1)
                 if not bool(torch.isfinite(c).all()):
                     raise FloatingPointError("SimLionCub: non-finite c (the real LionCub would skip the step)")
-                real = sum(p.numel() for p in params)
-                abstain = int((c == 0).sum()) - n * (total - real) > 0
+                # Abstentions travel as LionCub's (comm/abstain.py): per worker, the bytes of its
+                # nonzero plane that differ from the bucket's mask; a list of capacity K, or the
+                # plane after a step in which some worker overflowed; an overflow all-gathers the
+                # planes once in its own step.
+                mask = real_mask(offsets, [p.numel() for p in params], total, dev)
+                counts = [int((codec.pack_bits(c[i] != 0) != mask).sum()) for i in range(n)]
+                abstain = max(counts) > 0
+                mode = self.modes.get(bi, "list")
+                overflow = max(counts) > list_capacity(total // 8, n)
                 plus = (c > 0).sum(0, dtype=torch.int32)
                 cnt = (c != 0).sum(0, dtype=torch.int32) if abstain else torch.full_like(plus, n)
-                delta = codec.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, base)
-                planes = 2 if abstain else 1
-                shard = total // 8 // n
-                p_bits = codec.lane_bits_for(n) if n <= 255 else 8
-                by = {"allgather": self._collective_bytes("all_gather", n * planes * total // 8),
-                      "pbit": self._collective_bytes("all_reduce", planes * total * p_bits // 8)}
-                # 1bit: all-to-all of the planes, then all-gather of the shard results
-                by["1bit"] = self._collective_bytes("all_to_all", planes * total // 8)
-                if cfg.vote == "average":
-                    by["1bit"] += self._collective_bytes("all_gather", n * planes * shard * p_bits)
-                else:
-                    planes2 = 2 if phase2_needs_nonzero(n, abstain, cfg.tie_break) else 1
-                    by["1bit"] += self._collective_bytes("all_gather", n * planes2 * shard)
+                delta = codec.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, codec.tie_segments(offsets))
+                by = {name: make_algorithm(name).wire_bytes(total, n, mode=mode, vote=cfg.vote,
+                                                            tie_break=cfg.tie_break, abstain=abstain)
+                      for name in ("allgather", "pbit", "1bit")}
+                if mode == "list" and overflow:
+                    sent += self._collective_bytes("all_gather", n * total // 8)
+                self.modes[bi] = "plane" if overflow else "list"
                 sent += by[self.comm]
                 for k, v in by.items():
                     self.alt_bytes[k] = self.alt_bytes.get(k, 0) + v - by[self.comm]
