@@ -743,24 +743,36 @@ class _Hub:
         return out
 
 
+class _Done:
+    """What an ``async_op=True`` collective returns: ``wait()`` gives the output."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def wait(self):
+        return self.out
+
+
 class _ThreadColl:
     def __init__(self, hub, rank):
         self.hub, self.rank, self.world_size = hub, rank, hub.n
 
-    def all_gather(self, inp, purpose):
-        return torch.stack([t.reshape(-1) for t in self.hub.exchange(self.rank, inp.reshape(-1).clone())])
+    def all_gather(self, inp, purpose, async_op=False):
+        out = torch.stack([t.reshape(-1) for t in self.hub.exchange(self.rank, inp.reshape(-1).clone())])
+        return _Done(out) if async_op else out
 
-    def all_to_all(self, inp, purpose):
+    def all_to_all(self, inp, purpose, async_op=False):
         rows = self.hub.exchange(self.rank, inp.clone())
-        return torch.stack([r[self.rank] for r in rows])
+        out = torch.stack([r[self.rank] for r in rows])
+        return _Done(out) if async_op else out
 
-    def all_reduce_(self, tensor, purpose, op=None):
+    def all_reduce_(self, tensor, purpose, op=None, async_op=False):
         vals = self.hub.exchange(self.rank, tensor.clone())
         tot = vals[0].clone()
         for v in vals[1:]:
             tot += v  # uint8 / int8 wrap like a SUM all-reduce (lanes never carry)
         tensor.copy_(tot)
-        return tensor
+        return _Done(tensor) if async_op else tensor
 
 
 ALGOS = [("allgather", "majority"), ("1bit", "majority"), ("1bit", "average"), ("pbit", "majority")]

@@ -59,7 +59,7 @@ def test_list_mode_bytes_near_the_vote_floor(algo):
 
 
 # ----------------------------------------------------------------------------- lists vs brute force
-N_BIG = 24_000  # elements: large enough for abstention lists at N = 4 (capacity 2)
+N_BIG = 80_000  # elements: large enough for abstention lists at N = 4 (capacity 2)
 
 
 def _abstentions_vs_brute_force(rank, n):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import tie_segments
-from .abstain import decode_lists, list_capacity, payload_bytes
+from .abstain import decode_lists, list_capacity, payload_bytes, real_mask
 from ..groups import broadcast
 from ..telemetry import CommStats
 
@@ -208,6 +208,20 @@ class VoteAlgorithm:
 
     def complete(self, state, jobs: list[VoteJob], coll: Collectives, backend) -> None:
         raise NotImplementedError
+
+    def run(self, job: VoteJob, coll: Collectives, backend) -> None:
+        """One bucket on its own, outside a step's pipeline (tools, tests): its abstentions travel
+        as the plane (``job.nonzero``; None: nobody abstains). Every rank calls it with the same
+        bucket. Gives the same parameters as the pipeline."""
+        if self.encoding == "bits":
+            job.mask = real_mask(job.offsets, [p.numel() for p in job.params], job.numel, job.sign.device)
+            job.nonzero = job.mask if job.nonzero is None else job.nonzero
+            job.mode, job.capacity, job.payload = "plane", 0, job.nonzero
+        state = self.launch([job], coll, backend)
+        received = self.received(state, [job], coll)[0]
+        if self.encoding == "bits":
+            job.planes = job.payloads_from(received)
+        self.complete(state, [job], coll, backend)
 
     def wire_bytes(self, numel: int, world_size: int, *, mode: str = "list", vote: str = "majority",
                    tie_break: str = "hash", abstain: bool = False) -> int:
