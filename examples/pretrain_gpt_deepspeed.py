@@ -16,7 +16,7 @@ try:
 except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lioncub_ds.deepspeed.pretrain_gpt import main  # noqa: E402
+from lioncub_ds.deepspeed.pretrain_gpt import exit_cleanly, main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_cleanly(main())

@@ -271,5 +271,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def exit_cleanly(rc: int) -> None:
+    """Tear the process groups down, flush, and leave without the interpreter's own teardown:
+    gloo groups (and their threads) finalised during interpreter shutdown can abort a finished
+    run with "terminate called without an active exception" (pytorch/pytorch#65231; seen here
+    after training had finished and been written)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_cleanly(main())
