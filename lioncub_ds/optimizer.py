@@ -224,8 +224,10 @@ class LionCub(Optimizer):
         self._created_groups = []
         self._node_group = None
         self._dist = None
-        if self._buckets is not None and self._pipe is not None and self._pipe.busy:
-            self._pipe.reset()
+        for handle in getattr(self, "_hook_handles", []):
+            handle.remove()  # the next layout installs its own
+        self._hook_handles = []
+        self._pipe = None
         self._buckets = None  # rebuilt (with the new group's collectives) at the next step
 
     @property
@@ -486,7 +488,7 @@ class LionCub(Optimizer):
                     lambda param, i=i: self._on_grad_ready(i, param)))
 
     def _on_grad_ready(self, i, p):
-        if self._no_sync_depth == 0:
+        if self._no_sync_depth == 0 and self._pipe is not None:
             self._pipe.grad_ready(i, p)
 
     @contextlib.contextmanager

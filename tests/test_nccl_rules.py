@@ -233,3 +233,28 @@ def test_drift_check_memory_is_bounded():
         assert out["same"] is True
         assert out["caught"] and "ReplicaDriftError" in out["caught"] and "param #0" in out["caught"], out
         assert out["grew_mb"] < 96, f"the drift check grew the peak memory by {out['grew_mb']:.0f} MB"
+
+
+# ----------------------------------------------------------------------------- release_process_group
+def _release_and_resume(rank, n):
+    torch.manual_seed(0)
+    model = Net()
+    opt = LionCub(model.parameters(), lr=1e-2, comm="1bit", timeout_s=60, overlap=True)
+    gen = torch.Generator().manual_seed(7)  # the same data on every rank
+    created = list(opt._created_groups)
+    _backward(model, gen)
+    opt.step()
+    opt.release_process_group()  # every rank: LionCub's own groups destroyed, references dropped
+    released = opt._created_groups == []
+    _backward(model, gen)  # a backward after the release: no stale hook fires into the old layout
+    opt.step()  # resolves and creates its groups again, on every rank
+    return {"created": len(created), "released": released, "recreated": len(opt._created_groups),
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "steps": opt.step_count}
+
+
+def test_release_process_group_then_resume():
+    res = run_ranks(_release_and_resume, 2, timeout=300)
+    for out in res:
+        assert out["created"] == 1 and out["recreated"] == 1 and out["steps"] == 2, out
+        assert out["released"], out
+        assert torch.equal(out["params"], res[0]["params"])
