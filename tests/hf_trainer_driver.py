@@ -58,4 +58,13 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    # The recipe docs/deepspeed.md gives for the end of an HF script: tear the process groups
+    # down, flush, and leave without the interpreter's teardown, where gloo's threads can abort
+    # a finished run ("terminate called without an active exception", pytorch/pytorch#65231).
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
