@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .data import DEFAULT_MAX_BYTES, load_dataset
+from .groups import exit_cleanly
 from .models import PRESETS, build_model
 from .models.gpt import param_digest
 from .telemetry import format_bytes
@@ -362,14 +363,10 @@ def _worker(rank: int, world_size: int, port: int, args, out_path: str) -> None:
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(summary, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    # The work is done and written: leave without the interpreter's teardown, where gloo's
-    # threads can abort a finished rank ("terminate called without an active exception",
-    # pytorch/pytorch#65231; seen once in this demo's test).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        raise
+    exit_cleanly(0)  # the work is done and written (see groups.exit_cleanly)
 
 
 def _prepare_kernels(quiet: bool = False) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import os
+import sys
 
 import torch.distributed as dist
 
@@ -55,3 +57,15 @@ def broadcast(tensor, src_group_rank: int, group, async_op: bool = False, *, use
     if use_group_src:
         return dist.broadcast(tensor, group_src=src_group_rank, group=group, async_op=async_op)
     return dist.broadcast(tensor, src=group_ranks(group)[src_group_rank], group=group, async_op=async_op)
+
+
+def exit_cleanly(rc: int = 0) -> None:
+    """End a finished training process: tear its process groups down, flush, and leave without
+    the interpreter's own teardown, where gloo's threads can abort a finished run with
+    "terminate called without an active exception" (pytorch/pytorch#65231; seen here in the
+    demo and HF launches after their work had been written). Never returns."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

@@ -47,6 +47,7 @@ import deepspeed  # noqa: E402
 import lioncub_ds.deepspeed as lds  # noqa: E402  (registers "type": "LionCub"; also done lazily by the .pth hook)
 from lioncub_ds import Lion  # noqa: E402
 from lioncub_ds.data import DEFAULT_MAX_BYTES, load_dataset  # noqa: E402
+from lioncub_ds.groups import exit_cleanly  # noqa: E402,F401  (also the examples' exit)
 from lioncub_ds.models import PRESETS, build_model  # noqa: E402
 from lioncub_ds.models.gpt import param_digest  # noqa: E402
 from lioncub_ds.telemetry import format_bytes  # noqa: E402
@@ -269,18 +270,6 @@ def main(argv=None) -> int:
             summary["last_val_loss"] <= summary["first_val_loss"] - args.min_drop):
         return 1
     return 0
-
-
-def exit_cleanly(rc: int) -> None:
-    """Tear the process groups down, flush, and leave without the interpreter's own teardown:
-    gloo groups (and their threads) finalised during interpreter shutdown can abort a finished
-    run with "terminate called without an active exception" (pytorch/pytorch#65231; seen here
-    after training had finished and been written)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
 
 
 if __name__ == "__main__":
