@@ -1,6 +1,6 @@
 """lioncub_ds: communication-efficient distributed Lion for DeepSpeed and Megatron.
 
-The C++ CPU kernels are JIT-built on first use by ``lioncub_ds.ops`` (ninja, cached). Set
+The C++ CPU kernels are JIT-built on first use by ``lioncub_ds.kernels`` (ninja, cached). Set
 ``LIONCUB_BUILD_EXT=1`` to build them ahead of time (``LIONCUB_BUILD_EXT=1 pip install
 --no-build-isolation .``; torch must be importable); add ``LIONCUB_BUILD_CUDA=1`` to also build
 the CUDA kernels (needs nvcc and a CUDA torch).
@@ -16,7 +16,7 @@ from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
-# The one table of sources and flags, shared with the JIT loader (lioncub_ds/_native.py); read with
+# The one table of sources and flags, shared with the JIT loader (lioncub_ds/kernels/loader.py); read with
 # runpy so that setup.py needs neither torch nor the package importable.
 BUILD = runpy.run_path(str(HERE / "lioncub_ds" / "kernels" / "build.py"))
 
@@ -37,7 +37,7 @@ if os.environ.get("LIONCUB_BUILD_EXT") == "1":
     cpp_hash = BUILD["source_hash"](CSRC, BUILD["CPP_SOURCES"], BUILD["CPP_HEADERS"])
     ext_modules.append(
         CppExtension(
-            name=BUILD["CPP_MODULE"],  # loaded first by lioncub_ds._native
+            name=BUILD["CPP_MODULE"],  # loaded first by lioncub_ds.kernels.loader
             sources=[f"csrc/{s}" for s in BUILD["CPP_SOURCES"]],
             include_dirs=[str(CSRC)],
             extra_compile_args=list(BUILD["CFLAGS"]) + [f"-DLIONCUB_SRC_HASH=h{cpp_hash}"],
@@ -51,7 +51,7 @@ if os.environ.get("LIONCUB_BUILD_EXT") == "1":
         cuda_hash = BUILD["source_hash"](CSRC, BUILD["CUDA_SOURCES"], BUILD["CUDA_HEADERS"])
         ext_modules.append(
             CUDAExtension(
-                name=BUILD["CUDA_MODULE"],  # what lioncub_ds._native loads for the cuda backend
+                name=BUILD["CUDA_MODULE"],  # what lioncub_ds.kernels.loader loads for the cuda backend
                 sources=[f"csrc/{s}" for s in BUILD["CUDA_SOURCES"]],
                 include_dirs=[str(CSRC)],
                 extra_compile_args={"cxx": list(BUILD["CFLAGS"]) + list(BUILD["CUDA_DEFINES"])

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from .kernels.reference import SCALE_KINDS, TIE_RULES, VOTE_MODES
+
 COMM_ALGORITHMS = ("auto", "allgather", "1bit", "pbit", "int8")
 SIGN_ALGORITHMS = ("allgather", "1bit", "pbit")
-VOTES = ("majority", "average")
-QUANTS = ("sign", "l1", "l0", "linf")
-TIE_RULES = ("zero", "alternate", "hash")
+VOTES = VOTE_MODES
+QUANTS = ("sign",) + SCALE_KINDS  # "sign": 1-bit votes; the others: int8 codes with that scale
 NONFINITE_POLICIES = ("skip", "raise")
 DRIFT_ACTIONS = ("raise", "resync")
 MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
@@ -25,6 +26,8 @@ SYNC_KEYS = ("every", "until", "schedule", "k", "layers", "group", "group_size",
 SYNC_SCHEDULES = ("every", "geometric")
 SYNC_GROUPS = ("world", "node")
 NETWORK_KEYS = ("bandwidth_gbit", "latency_us")
+# The network comm="auto" plans for when none is given: 10 Gbit/s Ethernet, 50 µs per message.
+DEFAULT_NETWORK = {"bandwidth_gbit": 10.0, "latency_us": 50.0}
 
 
 class LionCubConfigError(ValueError):
@@ -75,7 +78,7 @@ def validate_common(*, lr, betas, weight_decay, momentum_dtype=torch.float32, fo
 
 @dataclass(frozen=True)
 class MomentumSyncConfig:
-    """When to average momenta across ranks (SPEC §3, lever 3)."""
+    """When to average momenta across ranks (docs/conventions.md, lever 3)."""
     schedule: str = "every"        # "every": every K steps; "geometric": T(j+1) = T(j) + floor(2**(j/k))
     every: int = 1                 # K (schedule="every")
     k: float = 1.0                 # geometric growth: the gap doubles every k syncs
@@ -139,7 +142,7 @@ class LionCubConfig:
     momentum_dtype: torch.dtype = torch.float32
     bucket_size_mb: float = 25.0
     pbit_bits: int | None = None
-    network: dict = field(default_factory=lambda: {"bandwidth_gbit": 10.0, "latency_us": 50.0})
+    network: dict = field(default_factory=lambda: dict(DEFAULT_NETWORK))
     nonfinite: str = "skip"
     drift_check_every: int = 0
     drift_action: str = "raise"
@@ -216,5 +219,5 @@ class LionCubConfig:
         if "momentum_sync" in kw:
             kw["momentum_sync"] = MomentumSyncConfig.from_value(kw["momentum_sync"])
         if "network" in kw and isinstance(kw["network"], dict):
-            kw["network"] = {**{"bandwidth_gbit": 10.0, "latency_us": 50.0}, **kw["network"]}
+            kw["network"] = {**DEFAULT_NETWORK, **kw["network"]}
         return cls(**kw)

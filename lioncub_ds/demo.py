@@ -6,7 +6,7 @@
 
 Every rank trains on its own shard of the byte-level corpus (lioncub_ds.data) with its
 own random window stream; with ``--optim lioncub`` the gradients are NEVER all-reduced:
-each rank keeps its own momentum and only 1-bit votes travel (SPEC §2-3). Baselines
+each rank keeps its own momentum and only 1-bit votes travel (docs/conventions.md). Baselines
 ``lion`` and ``adamw`` all-reduce (average) the gradients first, as plain DDP would.
 
 Exit status: 0 on success; 1 when the validation loss did not go down by at least
@@ -372,9 +372,9 @@ def _worker(rank: int, world_size: int, port: int, args, out_path: str) -> None:
 def _prepare_kernels(quiet: bool = False) -> None:
     """Load (JIT-building once, then cached) the CPU kernels before the ranks start, so they don't race."""
     try:
-        from . import ops
+        from . import kernels
         t = time.perf_counter()
-        name = ops.active_backend_name("cpu")
+        name = kernels.active_backend_name("cpu")
         dt = time.perf_counter() - t
         if dt > 2.0 and not quiet:
             print(f"[lioncub_ds.demo] prepared the '{name}' CPU kernels in {dt:.0f} s (cached for later runs)",

@@ -69,8 +69,8 @@ def _backend(device_type: str) -> str:
     cap = _Capture()
     logger.addHandler(cap)
     try:
-        from . import ops
-        name = ops.active_backend_name(device_type)
+        from . import kernels
+        name = kernels.active_backend_name(device_type)
     except Exception as exc:  # noqa: BLE001
         first = str(exc).splitlines()[0] if str(exc) else ""
         return f"unavailable ({type(exc).__name__}{': ' + first[:160] if first else ''})"

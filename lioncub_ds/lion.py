@@ -1,9 +1,9 @@
-"""Reference Lion (SPEC §1): a functional core with single-tensor and foreach paths.
+"""Reference Lion (docs/conventions.md): a functional core with single-tensor and foreach paths.
 
     c = β1·m + (1−β1)·g ;  θ ← θ·(1 − η·λ) − η·sign(c) ;  m ← β2·m + (1−β2)·g
 
 sign(0) = 0 (no move). fp32 math with one rounding per operation and no fused
-multiply-add, the same arithmetic as :mod:`lioncub_ds.codec`, so LionCub on one rank
+multiply-add, the same arithmetic as :mod:`lioncub_ds.kernels.reference`, so LionCub on one rank
 reproduces this optimizer bit for bit.
 """
 from __future__ import annotations

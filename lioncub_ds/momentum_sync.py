@@ -1,4 +1,4 @@
-"""Selective momentum synchronization (SPEC §3, lever 3): when, what and with whom.
+"""Selective momentum synchronization (docs/conventions.md, lever 3): when, what and with whom.
 
 Steps are 0-based indices of applied optimizer steps (the first step is 0). A sync
 happens right after that step's local momentum update:

@@ -1,4 +1,4 @@
-"""LionCub: Distributed Lion with compressed vote collectives (SPEC §2–4).
+"""LionCub: Distributed Lion with compressed vote collectives (docs/conventions.md).
 
 One process (torch.distributed not initialized, or a group of one rank): exactly
 :class:`lioncub_ds.Lion`. N > 1 ranks: each rank keeps its own momentum, never
@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from .codec import padded_numel
+from .kernels.reference import padded_numel
 from .comm import Collectives, make_algorithm
 from .comm.abstain import list_capacity, real_mask
 from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
-from .config import LionCubConfig, LionCubConfigError
+from .config import DEFAULT_NETWORK, LionCubConfig, LionCubConfigError
 from .lion import lion as lion_functional
 from .groups import consecutive_blocks, create_on_all_ranks, group_ranks
 from .momentum_sync import MomentumSync, node_group_size, select_params
@@ -260,7 +260,8 @@ class LionCub(Optimizer):
         group, n, _ = self._dist
         stats_coll = Collectives(group, self.stats, cfg.timeout_s)
         self._coll = stats_coll
-        cost = CostModel.from_network(cfg.network.get("bandwidth_gbit", 10.0), cfg.network.get("latency_us", 50.0))
+        net = {**DEFAULT_NETWORK, **cfg.network}
+        cost = CostModel.from_network(net["bandwidth_gbit"], net["latency_us"])
         buckets, base, frozen = [], 0, []
         cap = cfg.bucket_numel
         for gi, g in enumerate(self.param_groups):

@@ -16,8 +16,8 @@ import logging
 
 import torch
 
-from . import ops
-from .codec import int8_levels
+from . import kernels
+from .kernels.reference import int8_levels
 from .comm import VoteJob
 from .comm.abstain import differing, encode_list
 
@@ -92,7 +92,7 @@ class VotePipeline:
         g = opt.param_groups[b.group_index]
         b1, b2 = g["betas"]
         dev = b.params[0].device
-        be = ops.backend_for(dev.type)
+        be = kernels.backend_for(dev.type)
         job = VoteJob(b.params, b.offsets, b.numel, None, g["lr"], g["weight_decay"], opt._step_count + 1,
                       cfg.tie_break, cfg.vote)
         problem = self._grad_problem(b)

@@ -1,15 +1,13 @@
 """Bytes and time per collective, per step and cumulative.
 
-Bytes are what ONE rank sends, by the ring model used throughout SPEC §3/§6:
+Bytes are what ONE rank sends, by the ring model used throughout docs/conventions.md and docs/results.md:
 all_reduce of T bytes: 2·(N−1)/N·T; all_gather producing T bytes: (N−1)/N·T;
 all_to_all of T bytes: (N−1)/N·T; broadcast of T bytes from the root: T (the root;
 others 0, counted on every rank as the root's T/N share is not meaningful).
 """
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from contextlib import contextmanager
 
 
 def format_bytes(n: float) -> str:
@@ -96,9 +94,3 @@ def _plain(acc):
     out["ratio_vs_bf16"] = (out["bf16_allreduce_bytes"] / out["bytes_sent"]) if out["bytes_sent"] else None
     return out
 
-
-@contextmanager
-def timed():
-    t = [time.perf_counter()]
-    yield t
-    t.append(time.perf_counter() - t[0])

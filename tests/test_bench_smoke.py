@@ -137,7 +137,7 @@ def test_scaling_predictions_and_crossovers(tmp_path):
     assert max(r["world_size"] for r in recs if r["algorithm"] == "pbit") <= 255
     ag = [c for c in cross if c["bench"] == "scaling_crossover" and c["a"] == "allgather"
           and c["b"] == "bf16_allreduce" and c["network"] == "400G-IB, γ=0"]
-    assert ag and ag[0]["world_size"] is not None and 8 <= ag[0]["world_size"] <= 64  # SPEC: ~32
+    assert ag and ag[0]["world_size"] is not None and 8 <= ag[0]["world_size"] <= 64  # docs/conventions.md: ~32
     files = scaling.plot(recs + cross, str(tmp_path))
     assert all(os.path.getsize(f) > 0 for f in files)
 

@@ -88,8 +88,8 @@ def test_cuda_backend_has_the_reference_signatures():
     TorchBackend parameters (plus the optional return_delta)."""
     import inspect
 
-    from lioncub_ds._native_cuda import CudaBackend
-    from lioncub_ds.ops import TorchBackend
+    from lioncub_ds.kernels.cuda import CudaBackend
+    from lioncub_ds.kernels import TorchBackend
 
     for name in ("local_step", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes", "lanes_apply",
                  "int8_local_step", "int8_apply"):
@@ -104,14 +104,14 @@ def test_one_build_table():
     sees every change), and the CUDA build produces the module the CUDA loader loads."""
     import runpy
 
-    from lioncub_ds import _native
+    from lioncub_ds.kernels import loader
 
     table = runpy.run_path(str(ROOT / "lioncub_ds" / "kernels" / "build.py"))
     listed = set(table["CUDA_SOURCES"]) | set(table["CUDA_HEADERS"])
     on_disk = {str(p.relative_to(ROOT / "csrc")) for p in (ROOT / "csrc").rglob("*") if p.is_file()}
     assert on_disk == listed, f"csrc/ files not in the build table: {on_disk - listed}; listed but absent: {listed - on_disk}"
-    assert _native.SOURCES == table["CPP_SOURCES"] and _native.CUDA_SOURCES == table["CUDA_SOURCES"]
-    assert table["CUDA_MODULE"] == "lioncub_ds._lioncub_cuda" and table["CPP_MODULE"] == _native.PREBUILT_MODULE
+    assert loader.SOURCES == table["CPP_SOURCES"] and loader.CUDA_SOURCES == table["CUDA_SOURCES"]
+    assert table["CUDA_MODULE"] == "lioncub_ds._lioncub_cuda" and table["CPP_MODULE"] == loader.PREBUILT_MODULE
     setup_text = (ROOT / "setup.py").read_text()
     assert "kernels\" / \"build.py\"" in setup_text or "kernels/build.py" in setup_text
     assert "cpu/" not in setup_text and ".cu\"" not in setup_text, "setup.py must not list sources itself"

@@ -1,8 +1,8 @@
-"""The fused CUDA kernels against the pure-torch reference (lioncub_ds/codec.py).
+"""The fused CUDA kernels against the pure-torch reference (lioncub_ds/kernels/reference.py).
 
 Every test runs against two backends with the TorchBackend signatures:
 
-* ``cuda``: ``lioncub_ds.ops.backend_for('cuda')`` with ``LIONCUB_KERNELS=cuda`` (the
+* ``cuda``: ``lioncub_ds.kernels.backend_for('cuda')`` with ``LIONCUB_KERNELS=cuda`` (the
   built extension, CUDA tensors). Skipped when ``torch.cuda.is_available()`` is False.
 * ``emu``: tests/cuda_emu/lioncub_cuda_emu.cpp, the serial host emulation of the same
   kernels (the same per-element code, csrc/cuda/lioncub_cuda_common.cuh and
@@ -33,14 +33,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lioncub_ds import codec, ops
+from lioncub_ds import kernels
+from lioncub_ds.kernels import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 EMU_SRC = ROOT / "tests" / "cuda_emu" / "lioncub_cuda_emu.cpp"
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-TIE_CODE, VOTE_CODE, SCALE_CODE = codec.TIE_CODES, codec.VOTE_CODES, codec.SCALE_CODES
+TIE_CODE, VOTE_CODE, SCALE_CODE = reference.TIE_CODES, reference.VOTE_CODES, reference.SCALE_CODES
 LC_CHUNK = 16384
 BIG = 1048579  # the large odd size of the GPU runs
 BIG_EMU = 65539    # its stand-in for the (serial) host emulation: still > 4 chunks of LC_CHUNK
@@ -158,7 +159,7 @@ class EmuBackend:
 
     def vote_apply(self, sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size,
                    segments=None, return_delta=True):
-        segs = codec.tie_segments(offsets) if segments is None else codec.as_segments(segments)
+        segs = reference.tie_segments(offsets) if segments is None else reference.as_segments(segments)
         rows = sign.shape[0] if sign.dim() > 1 else 1
         row_bytes = sign.numel() // rows
         meta, nt, _ = build_meta(params, None, offsets, row_bytes * 8)
@@ -171,7 +172,7 @@ class EmuBackend:
         return delta
 
     def shard_vote(self, sign, nonzero, step, tie_break, segments):
-        segs = codec.as_segments(segments)
+        segs = reference.as_segments(segments)
         rows, s = sign.shape
         out_s = torch.empty(s, dtype=torch.uint8)
         out_z = torch.empty(s, dtype=torch.uint8)
@@ -195,7 +196,7 @@ class EmuBackend:
 
     def lanes_apply(self, plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break,
                     vote, segments=None, return_delta=True):
-        segs = codec.tie_segments(offsets) if segments is None else codec.as_segments(segments)
+        segs = reference.tie_segments(offsets) if segments is None else reference.as_segments(segments)
         numel = plus_lanes.numel() * 8 // p
         meta, nt, _ = build_meta(params, None, offsets, numel)
         delta = torch.empty(numel, dtype=torch.float32) if return_delta else None
@@ -239,12 +240,12 @@ def backend(request, monkeypatch):
     if request.param == "emu":
         return EmuBackend(), torch.device("cpu"), BIG_EMU
     monkeypatch.setenv("LIONCUB_KERNELS", "cuda")
-    be = ops.backend_for("cuda")  # LIONCUB_KERNELS=cuda: must build/load, never falls back
+    be = kernels.backend_for("cuda")  # LIONCUB_KERNELS=cuda: must build/load, never falls back
     assert be.name == "cuda", f"expected the CUDA backend, got {be.name!r}"
     return be, torch.device("cuda"), BIG
 
 
-REF = ops.TorchBackend()
+REF = kernels.TorchBackend()
 
 
 def gen(seed):
@@ -276,7 +277,7 @@ def layout(sizes, world, gap=8):
     for n in sizes:
         offsets.append(cur)
         cur = (cur + n + 7) // 8 * 8 + gap
-    return offsets, codec.padded_numel(cur, world)
+    return offsets, reference.padded_numel(cur, world)
 
 
 def rand_tensors(sizes, dtype, g, planted=True, scale=1.0):
@@ -378,7 +379,7 @@ def test_momentum_update_list(backend, gdt, mdt):
 def rand_planes(n_rows, nbytes, g, nz_density=0.8):
     sign = torch.randint(0, 256, (n_rows, nbytes), generator=g, dtype=torch.int32).to(torch.uint8)
     bits = (torch.rand(n_rows, nbytes * 8, generator=g) < nz_density).to(torch.uint8)
-    return sign, codec.pack_bits(bits.reshape(-1)).reshape(n_rows, nbytes)
+    return sign, reference.pack_bits(bits.reshape(-1)).reshape(n_rows, nbytes)
 
 
 VOTE_CASES = [(n, tie, vote) for n in (1, 2, 3, 4, 7, 8) for tie, vote in
@@ -398,7 +399,7 @@ def test_vote_apply(backend, n, tie, vote, pdt, with_nz):
     dev_p, ref_p = make_params(sizes, pdt, g, dev)
     for step in (3, 4):
         kw = dict(lr=1e-3, weight_decay=0.1 if step == 3 else 0.0, step=step, tie_break=tie, vote=vote,
-                  world_size=n, segments=None if step == 3 else codec.tie_segments(offsets, [12345, 0, 2**32 - 3, 5]))
+                  world_size=n, segments=None if step == 3 else reference.tie_segments(offsets, [12345, 0, 2**32 - 3, 5]))
         d_got = be.vote_apply(sign.to(dev), None if nz is None else nz.to(dev), dev_p, offsets, **kw)
         d_ref = REF.vote_apply(sign, nz, ref_p, offsets, **kw)
         same(d_got, d_ref, f"delta (step {step})")
@@ -435,7 +436,7 @@ def test_shard_vote(backend, n, tie, with_nz, nbytes):
     if not with_nz:
         nz = None
     for step in (6, 7):
-        segs = codec.tie_segments([0, 64, 8 * nbytes - 8], [7, 0, 3], start=40, stop=40 + 8 * nbytes)
+        segs = reference.tie_segments([0, 64, 8 * nbytes - 8], [7, 0, 3], start=40, stop=40 + 8 * nbytes)
         got = be.shard_vote(sign.to(dev), None if nz is None else nz.to(dev), step, tie, segs)
         ref = REF.shard_vote(sign, nz, step, tie, segs)
         same(got[0], ref[0], "result sign plane")
@@ -454,8 +455,8 @@ def test_count_lanes(backend, n, with_nz, nbytes):
     sign, nz = rand_planes(n, nbytes, g)
     if not with_nz:
         nz = None
-    for p in sorted({codec.lane_bits_for(n), 4, 8}):
-        if p < codec.lane_bits_for(n):
+    for p in sorted({reference.lane_bits_for(n), 4, 8}):
+        if p < reference.lane_bits_for(n):
             continue
         got = be.count_lanes(sign.to(dev), None if nz is None else nz.to(dev), p)
         ref = REF.count_lanes(sign, nz, p)
@@ -468,12 +469,12 @@ def test_count_lanes(backend, n, with_nz, nbytes):
 
 _OVERFLOW_CHECK = """
 import torch
-from lioncub_ds import codec
+from lioncub_ds.kernels import reference
 
 def check(be, dev):
     sign = torch.full((4, 5), 255, dtype=torch.uint8)
     nz = torch.full((4, 5), 255, dtype=torch.uint8)
-    for call in (lambda: codec.count_lanes(sign, nz, 2), lambda: be.count_lanes(sign.to(dev), nz.to(dev), 2),
+    for call in (lambda: reference.count_lanes(sign, nz, 2), lambda: be.count_lanes(sign.to(dev), nz.to(dev), 2),
                  lambda: be.count_lanes(sign.to(dev), None, 2)):
         try:
             call()
@@ -484,7 +485,7 @@ def check(be, dev):
     nz[:, :] = 0b01010101
     nz[0] = 0  # row 0 never votes: at most 3 voters per element
     got = be.count_lanes(sign.to(dev), nz.to(dev), 2)  # max count 3 fits 2 bits: no error, as in codec
-    ref = codec.count_lanes(sign, nz, 2)
+    ref = reference.count_lanes(sign, nz, 2)
     assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1])
 """
 
@@ -498,8 +499,8 @@ def test_count_lanes_overflow_raises(backend):
         exec(_OVERFLOW_CHECK, scope)
         scope["check"](be, dev)
         return
-    code = _OVERFLOW_CHECK + "\nimport os\nos.environ['LIONCUB_KERNELS'] = 'cuda'\nfrom lioncub_ds import ops\n" \
-                             "check(ops.backend_for('cuda'), torch.device('cuda'))\nprint('ok')\n"
+    code = _OVERFLOW_CHECK + "\nimport os\nos.environ['LIONCUB_KERNELS'] = 'cuda'\nfrom lioncub_ds import kernels\n" \
+                             "check(kernels.backend_for('cuda'), torch.device('cuda'))\nprint('ok')\n"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), \
         f"rc={res.returncode} (negative: a signal, -11 = segfault)\n{res.stdout}\n{res.stderr[-4000:]}"
@@ -519,8 +520,8 @@ def test_lanes_apply(backend, n, p, tie, vote, pdt, with_cnt):
     offsets, total = layout(sizes, n)
     cnt = torch.randint(0, n + 1, (total,), generator=g) if with_cnt else torch.full((total,), n)
     plus = (torch.rand(total, generator=g) * (cnt + 1).float()).floor().clamp_(max=cnt.float()).to(torch.int64)
-    plus_l = codec.pack_lanes(plus, p)
-    cnt_l = codec.pack_lanes(cnt, p) if with_cnt else None
+    plus_l = reference.pack_lanes(plus, p)
+    cnt_l = reference.pack_lanes(cnt, p) if with_cnt else None
     dev_p, ref_p = make_params(sizes, pdt, g, dev)
     kw = dict(lr=3e-4, weight_decay=0.5, step=9, tie_break=tie, vote=vote)
     d_got = be.lanes_apply(plus_l.to(dev), None if cnt_l is None else cnt_l.to(dev), n, p, dev_p, offsets, **kw)
@@ -552,7 +553,7 @@ def test_int8_local_step(backend, kind, n, gdt, mdt):
     grads, moms = grads + zero_t, moms + [torch.zeros(5, dtype=mdt)]
     sizes = sizes + [5]
     offsets, total = layout(sizes, n)
-    levels = codec.int8_levels(n)
+    levels = reference.int8_levels(n)
     q, n_bad = be.int8_local_step(to(grads, dev), to(moms, dev), offsets, total, 0.9, kind, levels)
     ref_q, ref_bad = REF.int8_local_step(grads, moms, offsets, total, 0.9, kind, levels)
     assert n_bad == ref_bad
@@ -621,8 +622,8 @@ def test_apply_without_delta(backend):
     sizes = [4097, 9, 1]
     offsets, total = layout(sizes, 4)
     sign, nz = rand_planes(4, total // 8, g)
-    p = codec.lane_bits_for(4)
-    plus = codec.pack_lanes(torch.randint(0, 5, (total,), generator=g), p)
+    p = reference.lane_bits_for(4)
+    plus = reference.pack_lanes(torch.randint(0, 5, (total,), generator=g), p)
     qsum = torch.randint(-20, 21, (total,), generator=g).to(torch.int8)
     kw = dict(lr=1e-3, weight_decay=0.2, step=5, tie_break="hash")
     calls = [
@@ -666,7 +667,7 @@ TIE_LAYOUTS = [[["a", "b", "c"]], [["c"], ["b", "a"]], [["b", "c", "a"]]]
 
 @pytest.mark.parametrize("n,abstain", [(2, False), (4, True)])
 def test_tie_outcome_independent_of_layout(backend, n, abstain):
-    """SPEC §4: the same votes give the same Δ per parameter whatever the bucket layout, through
+    """docs/conventions.md: the same votes give the same Δ per parameter whatever the bucket layout, through
     vote_apply, shard_vote (+ 1-voter decode) and lanes_apply."""
     be, dev, _ = backend
     g = gen(900 + n)
@@ -677,7 +678,7 @@ def test_tie_outcome_independent_of_layout(backend, n, abstain):
         if abstain:
             v[0, 1::5] = 0
         votes[name] = v
-    p = codec.lane_bits_for(n)
+    p = reference.lane_bits_for(n)
 
     def run(layout, how):
         params = {name: torch.zeros(numel, device=dev) for name, numel in TIE_PARAMS.items()}
@@ -686,12 +687,12 @@ def test_tie_outcome_independent_of_layout(backend, n, abstain):
             for name in names:
                 offs.append(o)
                 o += (TIE_PARAMS[name] + 7) // 8 * 8
-            total = codec.padded_numel(o, n)
+            total = reference.padded_numel(o, n)
             full = torch.zeros(n, total, dtype=torch.int8)
             for name, off in zip(names, offs):
                 full[:, off:off + TIE_PARAMS[name]] = votes[name]
-            sign = torch.stack([codec.pack_bits(r > 0) for r in full]).to(dev)
-            nz = torch.stack([codec.pack_bits(r != 0) for r in full]).to(dev) if abstain else None
+            sign = torch.stack([reference.pack_bits(r > 0) for r in full]).to(dev)
+            nz = torch.stack([reference.pack_bits(r != 0) for r in full]).to(dev) if abstain else None
             ps = [params[nm] for nm in names]
             if how == "vote_apply":
                 be.vote_apply(sign, nz, ps, offs, 1.0, 0.0, 3, "hash", "majority", n)
@@ -699,7 +700,7 @@ def test_tie_outcome_independent_of_layout(backend, n, abstain):
                 shard = total // 8 // n
                 rs, rz = [], []
                 for r in range(n):
-                    segs = codec.tie_segments(offs, start=r * shard * 8, stop=(r + 1) * shard * 8)
+                    segs = reference.tie_segments(offs, start=r * shard * 8, stop=(r + 1) * shard * 8)
                     s, z = be.shard_vote(sign[:, r * shard:(r + 1) * shard].contiguous(),
                                          None if nz is None else nz[:, r * shard:(r + 1) * shard].contiguous(), 3,
                                          "hash", segs)

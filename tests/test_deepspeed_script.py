@@ -261,7 +261,7 @@ def bruteforce_scenario(cfg, rank, steps=5):
     """Stage 0 through the real engine: after every engine.step(), each parameter equals what a
     literal majority vote over every rank's (gradient, momentum) gives, exactly.
 
-    Literal implementation (SPEC §2): c_i = β1·m_i + (1−β1)·g_i, δ_i = sign(c_i) (0 abstains),
+    Literal implementation (docs/conventions.md): c_i = β1·m_i + (1−β1)·g_i, δ_i = sign(c_i) (0 abstains),
     Δ = sign(Σ_i δ_i) (tie_break="zero": a tie moves nothing), θ ← θ·(1 − η·λ) − η·Δ; g_i is the
     local gradient after DeepSpeed's ``gradient_clipping`` (default 1.0), which at stage 0 scales
     each rank's gradient by clip / (‖g_i‖ + 1e-6) when that is below 1 (its local norm)."""

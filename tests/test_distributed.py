@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import lioncub_ds
-from lioncub_ds import checkpoint, codec
+from lioncub_ds import checkpoint
+from lioncub_ds.kernels import reference
 from lioncub_ds.momentum_sync import geometric_steps
 from dist_helpers import run_ranks
 
@@ -45,7 +46,7 @@ def _bucket_c(opt, b, grads, momenta):
     c = torch.zeros(b.numel)
     b1 = opt.param_groups[b.group_index]["betas"][0]
     for p, off in zip(b.params, b.offsets):
-        c[off:off + p.numel()] = codec.lion_direction(momenta[p].reshape(-1), grads[p].reshape(-1), b1)
+        c[off:off + p.numel()] = reference.lion_direction(momenta[p].reshape(-1), grads[p].reshape(-1), b1)
     return c
 
 
@@ -74,9 +75,9 @@ def _brute_force(opt, before, grads, momenta, n):
                 tie = torch.zeros(b.numel)
                 for p, off in zip(b.params, b.offsets):
                     idx = torch.arange(p.numel(), dtype=torch.int64)
-                    tie[off:off + p.numel()] = codec.tie_values(cfg.tie_break, opt.step_count + 1, [(0, 0)],
+                    tie[off:off + p.numel()] = reference.tie_values(cfg.tie_break, opt.step_count + 1, [(0, 0)],
                                                                 p.numel(), "cpu").float() \
-                        if cfg.tie_break != "hash" else codec.tie_hash_sign(opt.step_count + 1, idx).float()
+                        if cfg.tie_break != "hash" else reference.tie_hash_sign(opt.step_count + 1, idx).float()
                 delta = torch.where(ties, tie, delta)
         else:
             q = torch.zeros(b.numel, dtype=torch.int32)
@@ -84,7 +85,7 @@ def _brute_force(opt, before, grads, momenta, n):
             for r in range(n):
                 for p, off in zip(b.params, b.offsets):
                     cp = c_all[r, off:off + p.numel()]
-                    q[off:off + p.numel()] += codec.int8_quantize(cp, codec.int8_scale(cp, cfg.quant), levels).to(torch.int32)
+                    q[off:off + p.numel()] += reference.int8_quantize(cp, reference.int8_scale(cp, cfg.quant), levels).to(torch.int32)
             assert int(q.abs().max()) <= 127  # the int8 sum can never have overflowed
             delta = torch.sign(q).float()
         lr, wd = g["lr"], g["weight_decay"]
@@ -247,7 +248,7 @@ def test_momentum_sync_and_telemetry(n):
     padded = (P + 8 * n - 1) // (8 * n) * (8 * n)
     # flag all-reduce, int32: [non-finite, unusable input, and per bucket: overflow, abstains]
     control = 2 * (n - 1) * 4 * 4 // n
-    p_lane = codec.lane_bits_for(n)
+    p_lane = reference.lane_bits_for(n)
     lst = 4  # a small bucket's abstention list: the count alone (no rank abstains here)
     formulas = {"allgather": (n - 1) * (padded // 8 + lst),
                 "1bit": (n - 1) * (padded // 8 // n + lst) + (n - 1) * (padded // 8 // n),

@@ -1,4 +1,4 @@
-"""The fused C++ CPU kernels equal the pure-torch reference (lioncub_ds.codec) bit for bit.
+"""The fused C++ CPU kernels equal the pure-torch reference (lioncub_ds.kernels.reference) bit for bit.
 
 Bit planes, lanes, int8 codes and counts must be identical; momenta, parameters and Δ must be
 identical element by element (compared as raw bits; NaN positions compared as a mask). Every
@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from lioncub_ds import _native, codec, ops
+from lioncub_ds import kernels
+from lioncub_ds.kernels import cpp, loader, reference
 
 SMALL = [1, 7, 8, 9, 1000, 4097]   # several tensors per bucket, odd sizes
 BIG = 1048579
@@ -33,7 +34,7 @@ TIE_VOTE = [("majority", "zero"), ("majority", "alternate"), ("majority", "hash"
 
 @pytest.fixture(scope="module")
 def be():
-    backend = _native.load("cpp")  # must build on this machine: an exception here fails the tests
+    backend = loader.load("cpp")  # must build on this machine: an exception here fails the tests
     assert backend.name == "cpp"
     return backend
 
@@ -144,7 +145,7 @@ def clone_all(ts):
 
 # ----------------------------------------------------------------------------- interface
 def test_backend_interface_matches_torch_backend(be):
-    ref = ops.TorchBackend
+    ref = kernels.TorchBackend
     for name in ("local_step", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes", "lanes_apply",
                  "int8_local_step", "int8_apply"):
         want = list(inspect.signature(getattr(ref, name)).parameters.values())
@@ -153,27 +154,27 @@ def test_backend_interface_matches_torch_backend(be):
         assert all(p.default is not inspect.Parameter.empty for p in got[len(want):]), name
     assert be.name == "cpp"
     assert be.isa in ("avx2", "baseline")
-    from lioncub_ds._native_cuda import CudaBackend
+    from lioncub_ds.kernels.cuda import CudaBackend
 
-    for backend in (be, ops.TorchBackend(), CudaBackend(None)):
-        assert isinstance(backend, ops.Backend), backend
+    for backend in (be, kernels.TorchBackend(), CudaBackend(None)):
+        assert isinstance(backend, kernels.Backend), backend
     for name in ("vote_apply", "shard_vote", "lanes_apply", "int8_local_step"):  # the Protocol is the reference's
-        want = [p.name for p in inspect.signature(getattr(codec, name)).parameters.values()]
-        got = [p.name for p in inspect.signature(getattr(ops.Backend, name)).parameters.values()][1:]
+        want = [p.name for p in inspect.signature(getattr(reference, name)).parameters.values()]
+        got = [p.name for p in inspect.signature(getattr(kernels.Backend, name)).parameters.values()][1:]
         assert got == want, name
 
 
 def test_loader_forced_cpp(monkeypatch):
     monkeypatch.setenv("LIONCUB_KERNELS", "cpp")
-    monkeypatch.setattr(ops, "_cache", {})
-    assert ops.backend_for("cpu").name == "cpp"
+    monkeypatch.setattr(kernels, "_cache", {})
+    assert kernels.backend_for("cpu").name == "cpp"
 
 
 def test_cuda_kind_is_clear_error():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present; the CUDA loader is tested elsewhere")
     with pytest.raises(RuntimeError, match="no CUDA device is available"):
-        _native.load("cuda")
+        loader.load("cuda")
 
 
 # ----------------------------------------------------------------------------- (a) local step
@@ -184,7 +185,7 @@ def test_local_step(isa_be, gdt, mdt, update):
     seed = GRAD_DTYPES.index(gdt) * 10 + STATE_DTYPES.index(mdt) * 2 + int(update)
     grads, moms, offs, total = make_bucket(SMALL, gdt, mdt, seed)
     m_ref, m_cpp = clone_all(moms), clone_all(moms)
-    ref = codec.local_step(grads, m_ref, offs, total, 0.9, 0.99, update)
+    ref = reference.local_step(grads, m_ref, offs, total, 0.9, 0.99, update)
     got = isa_be.local_step(grads, m_cpp, offs, total, 0.9, 0.99, update)
     for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
         assert_same(a, b, what)
@@ -197,7 +198,7 @@ def test_local_step(isa_be, gdt, mdt, update):
 def test_local_step_big(be, gdt, mdt, update):
     grads, moms, offs, total = make_bucket([BIG, 9, 1000], gdt, mdt, 99, plant_bad=(gdt is F32))
     m_ref, m_cpp = clone_all(moms), clone_all(moms)
-    ref = codec.local_step(grads, m_ref, offs, total, 0.95, 0.98, update)
+    ref = reference.local_step(grads, m_ref, offs, total, 0.95, 0.98, update)
     got = be.local_step(grads, m_cpp, offs, total, 0.95, 0.98, update)
     for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
         assert_same(a, b, what)
@@ -209,13 +210,13 @@ def test_local_step_odd_betas_and_empty(be):
     grads, moms, offs, total = make_bucket([5, 17], F32, F32, 3)
     for b1, b2 in ((0.0, 0.0), (0.123456789, 0.987654321), (0.999, 0.5)):
         m_ref, m_cpp = clone_all(moms), clone_all(moms)
-        ref = codec.local_step(grads, m_ref, offs, total, b1, b2, True)
+        ref = reference.local_step(grads, m_ref, offs, total, b1, b2, True)
         got = be.local_step(grads, m_cpp, offs, total, b1, b2, True)
         for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
             assert_same(a, b, what)
         for a, b in zip(m_ref, m_cpp):
             assert_same_float(a, b, "momentum")
-    ref = codec.local_step([], [], [], 64, 0.9, 0.99, False)
+    ref = reference.local_step([], [], [], 64, 0.9, 0.99, False)
     got = be.local_step([], [], [], 64, 0.9, 0.99, False)
     for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
         assert_same(a, b, what)
@@ -228,7 +229,7 @@ def test_momentum_update_list(be, gdt, mdt):
     sizes = SMALL + ([BIG] if gdt is BF16 else [])
     grads, moms, _, _ = make_bucket(sizes, gdt, mdt, 7)
     m_ref, m_cpp = clone_all(moms), clone_all(moms)
-    ops.TorchBackend.momentum_update_list(m_ref, grads, 0.99)
+    kernels.TorchBackend.momentum_update_list(m_ref, grads, 0.99)
     be.momentum_update_list(m_cpp, grads, 0.99)
     for i, (a, b) in enumerate(zip(m_ref, m_cpp)):
         assert_same_float(a, b, f"momentum[{i}]")
@@ -247,8 +248,8 @@ def test_vote_apply(isa_be, n, abstain, vote, tie):
     wd = 0.1 if n % 2 else 0.0
     for step in (n, n + 1):  # both step parities (alternate rule)
         p_ref, p_cpp = clone_all(params), clone_all(params)
-        segs = None if step % 2 else codec.tie_segments(offs, [12345 + 8 * i for i in range(len(offs))])
-        d_ref = codec.vote_apply(sign, nz, p_ref, offs, 3e-3, wd, step, tie, vote, n, segments=segs)
+        segs = None if step % 2 else reference.tie_segments(offs, [12345 + 8 * i for i in range(len(offs))])
+        d_ref = reference.vote_apply(sign, nz, p_ref, offs, 3e-3, wd, step, tie, vote, n, segments=segs)
         d_cpp = isa_be.vote_apply(sign, nz, p_cpp, offs, 3e-3, wd, step, tie, vote, n, segments=segs)
         assert_same_float(d_ref, d_cpp, "delta")
         for i, (a, b) in enumerate(zip(p_ref, p_cpp)):
@@ -264,7 +265,7 @@ def test_vote_apply_one_dim_planes_and_no_delta(be):
     sign, nz = random_planes(1, total // 8, 5, abstain=True)
     params = make_params(sizes, (BF16, F32), 5)
     p_ref, p_cpp, p_nod = clone_all(params), clone_all(params), clone_all(params)
-    d_ref = codec.vote_apply(sign[0], nz[0], p_ref, offs, 1e-2, 0.5, 4, "hash", "majority", 1)
+    d_ref = reference.vote_apply(sign[0], nz[0], p_ref, offs, 1e-2, 0.5, 4, "hash", "majority", 1)
     d_cpp = be.vote_apply(sign[0], nz[0], p_cpp, offs, 1e-2, 0.5, 4, "hash", "majority", 1)
     assert be.vote_apply(sign[0], nz[0], p_nod, offs, 1e-2, 0.5, 4, "hash", "majority", 1, 0, False) is None
     assert_same_float(d_ref, d_cpp, "delta")
@@ -281,44 +282,44 @@ def test_vote_apply_big(be, pdt):
     params = make_params(sizes, (pdt,), 77)
     p_ref, p_cpp = clone_all(params), clone_all(params)
     # parameter-local indices that cross 2**32 inside the big parameter (the hash mixes the high word)
-    segs = codec.tie_segments(offs, [2**32 - 100000, 5])
-    d_ref = codec.vote_apply(sign, nz, p_ref, offs, 1e-4, 0.1, 11, "hash", "majority", 4, segments=segs)
+    segs = reference.tie_segments(offs, [2**32 - 100000, 5])
+    d_ref = reference.vote_apply(sign, nz, p_ref, offs, 1e-4, 0.1, 11, "hash", "majority", 4, segments=segs)
     d_cpp = be.vote_apply(sign, nz, p_cpp, offs, 1e-4, 0.1, 11, "hash", "majority", 4, segments=segs)
     assert_same_float(d_ref, d_cpp, "delta")
     for a, b in zip(p_ref, p_cpp):
         assert_same_float(a, b, "param")
     # the same indices through lanes_apply (its decision loop splits runs where the low word wraps)
-    plus = codec.count_lanes(sign, nz, 4)
+    plus = reference.count_lanes(sign, nz, 4)
     p_ref, p_cpp = clone_all(params), clone_all(params)
-    d_ref = codec.lanes_apply(plus[0], plus[1], 4, 4, p_ref, offs, 1e-4, 0.1, 11, "hash", "majority", segs)
+    d_ref = reference.lanes_apply(plus[0], plus[1], 4, 4, p_ref, offs, 1e-4, 0.1, 11, "hash", "majority", segs)
     d_cpp = be.lanes_apply(plus[0], plus[1], 4, 4, p_cpp, offs, 1e-4, 0.1, 11, "hash", "majority", segs)
     assert_same_float(d_ref, d_cpp, "delta (lanes)")
 
 
 # ----------------------------------------------------------------------------- (d) shard_vote
-@pytest.mark.parametrize("tie", codec.TIE_RULES)
+@pytest.mark.parametrize("tie", reference.TIE_RULES)
 @pytest.mark.parametrize("abstain", [False, True])
 @pytest.mark.parametrize("n", NS)
 def test_shard_vote(be, n, abstain, tie):
     for nbytes in (1, 513):
         sign, nz = random_planes(n, nbytes, 2000 + n + nbytes, abstain=abstain)
         # a shard that starts inside a parameter, with more parameters starting in it
-        segs = codec.tie_segments([0, 40, 8 * nbytes - 8, 8 * nbytes + 16], start=24, stop=24 + 8 * nbytes)
+        segs = reference.tie_segments([0, 40, 8 * nbytes - 8, 8 * nbytes + 16], start=24, stop=24 + 8 * nbytes)
         for step in (2, 3):
-            ref = codec.shard_vote(sign, nz, step, tie, segs)
+            ref = reference.shard_vote(sign, nz, step, tie, segs)
             got = be.shard_vote(sign, nz, step, tie, segs)
             assert_same(ref[0], got[0], "result sign")
             assert_same(ref[1], got[1], "result nonzero")
 
 
 # ----------------------------------------------------------------------------- (e) count_lanes
-@pytest.mark.parametrize("p", codec.LANE_WIDTHS)
+@pytest.mark.parametrize("p", reference.LANE_WIDTHS)
 @pytest.mark.parametrize("abstain", [False, True])
 @pytest.mark.parametrize("n", NS)
 def test_count_lanes(be, n, abstain, p):
     sign, nz = random_planes(n, 517, 3000 + n * 4 + p, abstain=abstain)
     try:
-        ref = codec.count_lanes(sign, nz, p)
+        ref = reference.count_lanes(sign, nz, p)
     except ValueError as exc:
         with pytest.raises(ValueError) as info:
             be.count_lanes(sign, nz, p)
@@ -335,7 +336,7 @@ def test_count_lanes_p1_with_abstentions_fits(be):
     nz = torch.zeros(2, 64, dtype=torch.uint8)
     nz[0, :32] = 0xFF
     nz[1, 32:] = 0xFF
-    ref = codec.count_lanes(sign, nz, 1)
+    ref = reference.count_lanes(sign, nz, 1)
     got = be.count_lanes(sign, nz, 1)
     assert_same(ref[0], got[0], "plus lanes")
     assert_same(ref[1], got[1], "cnt lanes")
@@ -351,14 +352,14 @@ def test_lanes_apply(isa_be, n, abstain, vote, tie):
     seed = 4000 + n * 16 + int(abstain) * 8 + TIE_VOTE.index((vote, tie))
     sign, nz = random_planes(n, total // 8, seed, abstain=abstain)
     params = make_params(sizes, (BF16, F32), seed)
-    for p in codec.LANE_WIDTHS:
+    for p in reference.LANE_WIDTHS:
         if (1 << p) - 1 < n:
             continue
         # the pbit algorithm: every rank packs its own plane (N = 1), a SUM all-reduce adds the bytes
         plus = torch.zeros(total // 8 * p, dtype=torch.uint8)
         cnt = torch.zeros(total // 8 * p, dtype=torch.uint8) if abstain else None
         for r in range(n):
-            pr, cr = codec.count_lanes(sign[r:r + 1], None if nz is None else nz[r:r + 1], p)
+            pr, cr = reference.count_lanes(sign[r:r + 1], None if nz is None else nz[r:r + 1], p)
             pr2, cr2 = isa_be.count_lanes(sign[r:r + 1], None if nz is None else nz[r:r + 1], p)
             assert_same(pr, pr2, "p-bit pack")
             assert_same(cr, cr2, "p-bit pack (cnt)")
@@ -366,7 +367,7 @@ def test_lanes_apply(isa_be, n, abstain, vote, tie):
             if abstain:
                 cnt += cr
         p_ref, p_cpp = clone_all(params), clone_all(params)
-        d_ref = codec.lanes_apply(plus, cnt, n, p, p_ref, offs, 1e-3, 0.2, n + p, tie, vote, 777)
+        d_ref = reference.lanes_apply(plus, cnt, n, p, p_ref, offs, 1e-3, 0.2, n + p, tie, vote, 777)
         d_cpp = isa_be.lanes_apply(plus, cnt, n, p, p_cpp, offs, 1e-3, 0.2, n + p, tie, vote, 777)
         assert_same_float(d_ref, d_cpp, f"delta (p={p})")
         for i, (a, b) in enumerate(zip(p_ref, p_cpp)):
@@ -374,16 +375,16 @@ def test_lanes_apply(isa_be, n, abstain, vote, tie):
 
 
 # ----------------------------------------------------------------------------- (g) int8 local step
-@pytest.mark.parametrize("kind", codec.SCALE_KINDS)
+@pytest.mark.parametrize("kind", reference.SCALE_KINDS)
 @pytest.mark.parametrize("mdt", STATE_DTYPES)
 @pytest.mark.parametrize("gdt", GRAD_DTYPES)
 def test_int8_local_step(isa_be, gdt, mdt, kind):
     ns = NS if (gdt, mdt) == (F32, F32) else ((3,) if gdt is F16 else (2, 7))
     for n in ns:
-        levels = codec.int8_levels(n)
+        levels = reference.int8_levels(n)
         seed = 5000 + GRAD_DTYPES.index(gdt) * 100 + STATE_DTYPES.index(mdt) * 10 + n
         grads, moms, offs, total = make_bucket(SMALL + [40000], gdt, mdt, seed)
-        ref = codec.int8_local_step(grads, moms, offs, total, 0.9, kind, levels)
+        ref = reference.int8_local_step(grads, moms, offs, total, 0.9, kind, levels)
         got = isa_be.int8_local_step(grads, moms, offs, total, 0.9, kind, levels)
         assert_same(ref[0], got[0], f"int8 codes (N={n})")
         assert_same(ref[1], got[1], f"#non-finite (N={n})")
@@ -395,19 +396,19 @@ def test_int8_zero_and_tiny_scales(be):
     moms = [torch.zeros(100), torch.zeros(9), torch.full((16,), 3e38)]
     grads[1][4] = 1e-30
     offs, total = layout([100, 9, 16])
-    for kind in codec.SCALE_KINDS:
-        ref = codec.int8_local_step(grads, moms, offs, total, 0.9, kind, 63)
+    for kind in reference.SCALE_KINDS:
+        ref = reference.int8_local_step(grads, moms, offs, total, 0.9, kind, 63)
         got = be.int8_local_step(grads, moms, offs, total, 0.9, kind, 63)
         assert_same(ref[0], got[0], f"int8 codes ({kind})")
         assert_same(ref[1], got[1], f"#non-finite ({kind})")
 
 
-@pytest.mark.parametrize("kind", codec.SCALE_KINDS)
+@pytest.mark.parametrize("kind", reference.SCALE_KINDS)
 def test_int8_local_step_big(be, kind):
     """The l1/l0 scales follow the project's own summation order: the same codes with 1 and 2
     threads, on both ISA paths, equal to the reference (odd sizes, several sum blocks)."""
     grads, moms, offs, total = make_bucket([BIG, 70001, 16385, 3], BF16 if kind == "l0" else F32, F32, 6000)
-    ref = codec.int8_local_step(grads, moms, offs, total, 0.95, kind, 31)
+    ref = reference.int8_local_step(grads, moms, offs, total, 0.95, kind, 31)
     old = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -433,8 +434,8 @@ def test_int8_scales_equal_reference_on_odd_sizes(be, n):
         g[1] = 1e-39  # subnormal fp32 |c| after the beta1 scaling: exercises log_parts' exponent path
     m = torch.zeros(n)
     offs, total = layout([n])
-    for kind in codec.SCALE_KINDS:
-        ref = codec.int8_local_step([g], [m], offs, total, 0.5, kind, 127)
+    for kind in reference.SCALE_KINDS:
+        ref = reference.int8_local_step([g], [m], offs, total, 0.5, kind, 127)
         got = be.int8_local_step([g], [m], offs, total, 0.5, kind, 127)
         assert_same(ref[0], got[0], f"int8 codes ({kind})")
 
@@ -442,23 +443,23 @@ def test_int8_scales_equal_reference_on_odd_sizes(be, n):
 def test_ordered_sum_and_det_math_pinned():
     """The reference's defined arithmetic, pinned on values computed here by hand."""
     # 3 blocks + a partial one: lane sums in index order, lane tree, block order
-    v = torch.arange(1, 3 * codec.SUM_BLOCK + 11, dtype=torch.float64)
+    v = torch.arange(1, 3 * reference.SUM_BLOCK + 11, dtype=torch.float64)
     total = float(v.numel() * (v.numel() + 1) // 2)  # integers < 2**53: every order is exact here
-    assert codec.ordered_sum(v) == total
+    assert reference.ordered_sum(v) == total
     # an order-sensitive case: 1e16 then 1.0s in lane 0 vanish one by one, but in other lanes they sum first
-    w = torch.zeros(codec.SUM_BLOCK, dtype=torch.float64)
+    w = torch.zeros(reference.SUM_BLOCK, dtype=torch.float64)
     w[0] = 1e16
     w[256] = 1.0  # lane 0, after 1e16: 1e16 + 1 == 1e16 in fp64
     w[1] = 1.0    # lane 1
     w[257] = 1.0  # lane 1: lane 1 holds 2.0; the tree adds lane 1 into lane 0 -> 1e16 + 2
-    assert codec.ordered_sum(w) == 1e16 + 2.0
-    assert codec.det_exp(0.0) == 1.0 and codec.det_exp(math.log(8.0)) == pytest.approx(8.0, rel=1e-15)
-    e, lm = codec.log_parts(torch.tensor([1.0, 2.0, 3.0, 1e-40]))
+    assert reference.ordered_sum(w) == 1e16 + 2.0
+    assert reference.det_exp(0.0) == 1.0 and reference.det_exp(math.log(8.0)) == pytest.approx(8.0, rel=1e-15)
+    e, lm = reference.log_parts(torch.tensor([1.0, 2.0, 3.0, 1e-40]))
     assert e.tolist()[:2] == [0, 1] and lm.tolist()[:2] == [0.0, 0.0]
     assert lm[2].item() == pytest.approx(math.log(0.75), rel=1e-15) and e[2].item() == 2  # 3 = 0.75 * 2**2
     assert e[3].item() * math.log(2) + lm[3].item() == pytest.approx(math.log(float(torch.tensor(1e-40))), rel=1e-14)
-    assert codec.int8_scale(torch.tensor([0.0, 4.0, 1.0]), "l0") == 2.0
-    assert codec.int8_scale(torch.tensor([0.0, 4.0, 1.0, -3.0]), "l1") == 2.0
+    assert reference.int8_scale(torch.tensor([0.0, 4.0, 1.0]), "l0") == 2.0
+    assert reference.int8_scale(torch.tensor([0.0, 4.0, 1.0, -3.0]), "l1") == 2.0
 
 
 # ----------------------------------------------------------------------------- (h) int8 apply
@@ -471,7 +472,7 @@ def test_int8_apply(be, pdt):
     params = make_params(sizes, (pdt, F32), 8)
     for wd in (0.0, 0.3):
         p_ref, p_cpp = clone_all(params), clone_all(params)
-        d_ref = codec.int8_apply(q, p_ref, offs, 2e-3, wd)
+        d_ref = reference.int8_apply(q, p_ref, offs, 2e-3, wd)
         d_cpp = be.int8_apply(q, p_cpp, offs, 2e-3, wd)
         assert_same_float(d_ref, d_cpp, "delta")
         for i, (a, b) in enumerate(zip(p_ref, p_cpp)):
@@ -495,8 +496,8 @@ def test_binding_checks_name_the_argument(be):
     the argument. Run in a subprocess: they throw C++ exceptions."""
     out = run_isolated("""
         import torch
-        from lioncub_ds import _native
-        ext = _native.build_cpp_extension()
+        from lioncub_ds.kernels import loader
+        ext = loader.build_cpp_extension()
         seg = torch.zeros(1, 2, dtype=torch.int64)
         cases = [
             ("offsets", lambda: ext.local_step([torch.zeros(8)], [torch.zeros(8)], [4], 16, 0.9, 0.99, False)),
@@ -565,9 +566,9 @@ def _bad_calls(backend):
 def test_public_entries_validate_before_the_extension(kind):
     """Every public kernel entry rejects bad input with a ValueError that names the argument, and
     never reaches the extension (where a TORCH_CHECK could crash the process)."""
-    from lioncub_ds._native_cuda import CudaBackend
+    from lioncub_ds.kernels.cuda import CudaBackend
 
-    backend = _native.CppBackend(_Boom()) if kind == "cpp" else CudaBackend(_Boom())
+    backend = cpp.CppBackend(_Boom()) if kind == "cpp" else CudaBackend(_Boom())
     for want, call in _bad_calls(backend):
         with pytest.raises((ValueError, TypeError), match=want):
             call()
@@ -577,23 +578,23 @@ def test_public_entries_validate_before_the_extension(kind):
 def test_unsupported_tensors_take_the_reference_path(kind):
     """float64 / non-contiguous parameters (and CPU tensors given to the CUDA backend) are updated
     by the reference, bit for bit, without touching the extension."""
-    from lioncub_ds._native_cuda import CudaBackend
+    from lioncub_ds.kernels.cuda import CudaBackend
 
-    backend = _native.CppBackend(_Boom()) if kind == "cpp" else CudaBackend(_Boom())
+    backend = cpp.CppBackend(_Boom()) if kind == "cpp" else CudaBackend(_Boom())
     sizes = [64, 9]
     offs, total = layout(sizes)
     sign, nz = random_planes(4, total // 8, 9, abstain=True)
     base = torch.randn(64, 2)
     mk = lambda: [base.clone()[:, 0], torch.randn(9, dtype=torch.float64, generator=_gen(3))]  # noqa: E731
     p_ref, p_be = mk(), mk()
-    d_ref = codec.vote_apply(sign, nz, p_ref, offs, 1e-3, 0.0, 2, "hash", "majority", 4)
+    d_ref = reference.vote_apply(sign, nz, p_ref, offs, 1e-3, 0.0, 2, "hash", "majority", 4)
     d_be = backend.vote_apply(sign, nz, p_be, offs, 1e-3, 0.0, 2, "hash", "majority", 4)
     assert_same_float(d_ref, d_be, "delta")
     for a, b in zip(p_ref, p_be):
         assert_same_float(a, b, "param")
     g64 = [torch.randn(16, dtype=torch.float64)]
     m64 = [torch.zeros(16, dtype=torch.float64)]
-    ref = codec.local_step(g64, [m64[0].clone()], [0], 16, 0.9, 0.99)
+    ref = reference.local_step(g64, [m64[0].clone()], [0], 16, 0.9, 0.99)
     got = backend.local_step(g64, [m64[0].clone()], [0], 16, 0.9, 0.99)
     for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
         assert_same(a, b, what)
@@ -619,7 +620,7 @@ def test_bf16_nan_matches_torch(be):
 
 
 # ----------------------------------------------------------------------------- tie rule: layout independence
-# SPEC §4: a tie breaks by (step, the element's index inside its parameter), so the same votes give
+# docs/conventions.md: a tie breaks by (step, the element's index inside its parameter), so the same votes give
 # the same Δ whatever the bucket size, the parameter order or a parameter's place in its bucket.
 TIE_PARAMS = {"a": 37, "b": 100, "c": 13}
 TIE_LAYOUTS = [[["a", "b", "c"]], [["c"], ["b", "a"]], [["b", "c", "a"]], [["a"], ["b"], ["c"]]]
@@ -647,12 +648,12 @@ def bucket_planes(names, votes, n):
     for name in names:
         offs.append(o)
         o += (TIE_PARAMS[name] + 7) // 8 * 8
-    total = codec.padded_numel(o, n)
+    total = reference.padded_numel(o, n)
     full = torch.zeros(n, total, dtype=torch.int8)
     for name, off in zip(names, offs):
         full[:, off:off + TIE_PARAMS[name]] = votes[name]
-    sign = torch.stack([codec.pack_bits(r > 0) for r in full])
-    nz = torch.stack([codec.pack_bits(r != 0) for r in full])
+    sign = torch.stack([reference.pack_bits(r > 0) for r in full])
+    nz = torch.stack([reference.pack_bits(r != 0) for r in full])
     return offs, total, sign, nz
 
 
@@ -675,7 +676,7 @@ def assert_layouts_agree(results, what):
 
 
 def _both_backends(be):
-    return [("torch", ops.TorchBackend()), ("cpp", be)]
+    return [("torch", kernels.TorchBackend()), ("cpp", be)]
 
 
 @pytest.mark.parametrize("n,abstain", [(2, False), (4, False), (4, True), (3, True)])
@@ -692,7 +693,7 @@ def test_tie_outcome_independent_of_layout_vote_apply(be, n, abstain):
 @pytest.mark.parametrize("n,abstain", [(2, False), (4, True)])
 def test_tie_outcome_independent_of_layout_pbit_lanes(be, n, abstain):
     votes = tie_votes(n, 13 * n + abstain, abstain)
-    p = codec.lane_bits_for(n)
+    p = reference.lane_bits_for(n)
     for bname, backend in _both_backends(be):
         def fn(names, ps, offs, total, sign, nz):
             plus = cnt = None
@@ -715,7 +716,7 @@ def test_tie_outcome_independent_of_layout_sharded(be, n, abstain):
             shard = total // 8 // n
             rs, rz = [], []
             for r in range(n):
-                segs = codec.tie_segments(offs, start=r * shard * 8, stop=(r + 1) * shard * 8)
+                segs = reference.tie_segments(offs, start=r * shard * 8, stop=(r + 1) * shard * 8)
                 s, z = backend.shard_vote(sign[:, r * shard:(r + 1) * shard].contiguous(),
                                           None if nz is None else nz[:, r * shard:(r + 1) * shard].contiguous(),
                                           7, "hash", segs)

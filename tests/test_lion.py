@@ -1,4 +1,4 @@
-"""Reference Lion: against lion_pytorch (an independent oracle), foreach == single tensor, SPEC §1 rules."""
+"""Reference Lion: against lion_pytorch (an independent oracle), foreach == single tensor, docs/conventions.md."""
 import pytest
 import torch
 
@@ -42,7 +42,7 @@ def test_matches_lion_pytorch_elementwise(dtype):
             torch.testing.assert_close(a, b, atol=4 * lr, rtol=0)
     else:
         # bf16: lion_pytorch rounds c and m to bf16 at every op; ours computes them in fp32 and rounds once
-        # (SPEC §4), so trajectories differ by bf16 rounding: small against how far the parameters moved.
+        # (docs/conventions.md), so trajectories differ by bf16 rounding: small against how far the parameters moved.
         init = [p.detach().float() for p in _model(dtype).parameters()]
         diff = torch.cat([(a - b).abs().reshape(-1) for a, b in zip(ours, ref)])
         moved = torch.cat([(a - i).abs().reshape(-1) for a, i in zip(ours, init)])

@@ -351,7 +351,7 @@ def _bruteforce_run(tp, experts, comm, steps=3):
     """Through Megatron's DDP + FP32Optimizer/ChainedOptimizer: after every opt.step(), each parameter
     equals a literal majority vote over its vote group's (gradient, momentum), exactly.
 
-    Literal implementation (SPEC §2): c_i = β1·m_i + (1−β1)·g_i, Δ = sign(Σ_i sign(c_i)) over the
+    Literal implementation (docs/conventions.md): c_i = β1·m_i + (1−β1)·g_i, Δ = sign(Σ_i sign(c_i)) over the
     data-parallel group (expert-DP for expert parameters), tie_break="zero", θ ← θ·(1 − η·λ) − η·Δ."""
     import torch.distributed as dist
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers

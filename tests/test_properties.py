@@ -1,9 +1,9 @@
 """Property tests of the vote codecs (issue 8), with hypothesis.
 
-The reference codecs (lioncub_ds.codec) are checked against plain Python loops: bit and
+The reference codecs (lioncub_ds.kernels.reference) are checked against plain Python loops: bit and
 lane layouts, vote counting and the tie rules, lanes that never carry, int8 sums that
 never overflow, and the two-phase sharded vote against the direct one. If the C++
-kernels (lioncub_ds._native) load, every backend function is checked against the
+kernels (lioncub_ds.kernels.loader) load, every backend function is checked against the
 torch reference, bit for bit.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lioncub_ds import codec
+from lioncub_ds.kernels import reference
 from lioncub_ds.comm.abstain import any_voter
 from lioncub_ds.comm.onebit import phase2_needs_nonzero
 
@@ -68,8 +68,8 @@ def py_decide(votes, vote, tie_break, step, base):
 def planes(votes):
     """votes [N][numel] of -1/0/+1 -> (sign, nonzero) uint8 [N, numel/8] via the codec's packer."""
     v = torch.tensor(votes, dtype=torch.int8)
-    sign = torch.stack([codec.pack_bits(row > 0) for row in v])
-    nonzero = torch.stack([codec.pack_bits(row != 0) for row in v])
+    sign = torch.stack([reference.pack_bits(row > 0) for row in v])
+    nonzero = torch.stack([reference.pack_bits(row != 0) for row in v])
     return sign, nonzero
 
 
@@ -112,20 +112,20 @@ BASE = st.integers(0, 2**31).map(lambda b: b // 8 * 8)
 @given(st.lists(st.integers(0, 1), min_size=0, max_size=40).map(lambda b: b * 8))
 def test_pack_bits_layout_and_roundtrip(bits):
     t = torch.tensor(bits, dtype=torch.uint8)
-    packed = codec.pack_bits(t)
+    packed = reference.pack_bits(t)
     assert packed.dtype == torch.uint8 and packed.tolist() == py_pack_bits(bits)  # LSB first
-    assert codec.unpack_bits(packed).tolist() == bits
-    assert codec.pack_bits(t.bool()).tolist() == packed.tolist()
+    assert reference.unpack_bits(packed).tolist() == bits
+    assert reference.pack_bits(t.bool()).tolist() == packed.tolist()
 
 
 @FAST
 @given(st.binary(min_size=0, max_size=64), st.integers(0, 64))
 def test_unpack_then_pack_is_identity(raw, cut):
     packed = torch.tensor(list(raw), dtype=torch.uint8)
-    bits = codec.unpack_bits(packed)
-    assert torch.equal(codec.pack_bits(bits), packed)
+    bits = reference.unpack_bits(packed)
+    assert torch.equal(reference.pack_bits(bits), packed)
     numel = min(cut, bits.numel())
-    assert torch.equal(codec.unpack_bits(packed, numel), bits[:numel])
+    assert torch.equal(reference.unpack_bits(packed, numel), bits[:numel])
 
 
 @FAST
@@ -134,17 +134,17 @@ def test_unpack_then_pack_is_identity(raw, cut):
 def test_lanes_layout_and_roundtrip(case):
     p, values = case
     t = torch.tensor(values, dtype=torch.int64)
-    packed = codec.pack_lanes(t, p)
+    packed = reference.pack_lanes(t, p)
     assert packed.dtype == torch.uint8 and packed.tolist() == py_pack_lanes(values, p)
-    assert codec.unpack_lanes(packed, p).tolist() == values
+    assert reference.unpack_lanes(packed, p).tolist() == values
     if p == 1:
-        assert torch.equal(packed, codec.pack_bits(t))
+        assert torch.equal(packed, reference.pack_bits(t))
 
 
 @FAST
 @given(st.integers(1, 255))
 def test_lane_width_is_the_smallest_that_cannot_carry(n):
-    p = codec.lane_bits_for(n)
+    p = reference.lane_bits_for(n)
     assert (1 << p) - 1 >= n
     assert p == 1 or (1 << (p // 2)) - 1 < n
 
@@ -160,7 +160,7 @@ def test_pbit_lanes_never_carry_in_a_uint8_sum(case):
     sign, nonzero = planes(votes)
     plus_lanes, cnt_lanes = [], []
     for r in range(n):
-        pl, cl = codec.count_lanes(sign[r:r + 1], nonzero[r:r + 1], p)
+        pl, cl = reference.count_lanes(sign[r:r + 1], nonzero[r:r + 1], p)
         plus_lanes.append(pl)
         cnt_lanes.append(cl)
     for lanes, expect in ((plus_lanes, [sum(1 for r in range(n) if votes[r][i] > 0) for i in range(len(votes[0]))]),
@@ -169,7 +169,7 @@ def test_pbit_lanes_never_carry_in_a_uint8_sum(case):
         for ln in reversed(lanes):
             acc += ln  # uint8: wraps mod 256 like the collective would
         assert torch.equal(torch.stack(lanes).sum(0, dtype=torch.uint8), acc)
-        assert codec.unpack_lanes(acc, p).tolist() == expect
+        assert reference.unpack_lanes(acc, p).tolist() == expect
 
 
 # ----------------------------------------------------------------------------- votes
@@ -179,22 +179,22 @@ def test_vote_equals_brute_force_count(votes, vote, tie_break, step, base):
     n, numel = len(votes), len(votes[0])
     sign, nonzero = planes(votes)
     abstains = any(v == 0 for row in votes for v in row)
-    plus, cnt = codec.count_votes(sign, nonzero if abstains else None, numel)
+    plus, cnt = reference.count_votes(sign, nonzero if abstains else None, numel)
     assert plus.tolist() == [sum(1 for r in range(n) if votes[r][i] > 0) for i in range(numel)]
     assert cnt.tolist() == [sum(1 for r in range(n) if votes[r][i] != 0) for i in range(numel)]
-    delta = codec.decide(plus, cnt, n, vote, tie_break, step, base)
+    delta = reference.decide(plus, cnt, n, vote, tie_break, step, base)
     assert delta.dtype == torch.float32
     assert delta.tolist() == py_decide(votes, vote, tie_break, step, base)
     # the full vote-and-apply path gives the same Δ (θ = 0, lr = 1, no decay: θ' = -Δ)
     theta = torch.zeros(numel)
-    out = codec.vote_apply(sign, nonzero if abstains else None, [theta], [0], 1.0, 0.0, step, tie_break, vote, n, base)
+    out = reference.vote_apply(sign, nonzero if abstains else None, [theta], [0], 1.0, 0.0, step, tie_break, vote, n, base)
     assert torch.equal(out, delta) and torch.equal(theta, -delta)
 
 
 @FAST
 @given(STEP, st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64))
 def test_tie_hash_matches_python(step, indices):
-    got = codec.tie_hash_sign(step, torch.tensor(indices, dtype=torch.int64)).tolist()
+    got = reference.tie_hash_sign(step, torch.tensor(indices, dtype=torch.int64)).tolist()
     assert got == [py_tie_hash(step, i) for i in indices]
 
 
@@ -207,12 +207,12 @@ def test_sharded_two_phase_vote_equals_direct_vote(votes, tie_break, step, base)
     sign, nonzero = planes(votes)
     abstain = any(v == 0 for row in votes for v in row)
     nz = nonzero if abstain else None
-    direct = codec.decide(*codec.count_votes(sign, nz, numel), n, "majority", tie_break, step, base)
+    direct = reference.decide(*reference.count_votes(sign, nz, numel), n, "majority", tie_break, step, base)
     shard = numel // 8 // n
     send_nz = phase2_needs_nonzero(n, tie_break, abstain)
     res_sign, res_nz = [], []
     for r in range(n):
-        s, z = codec.shard_vote(sign[:, r * shard:(r + 1) * shard].contiguous(),
+        s, z = reference.shard_vote(sign[:, r * shard:(r + 1) * shard].contiguous(),
                                 None if nz is None else nz[:, r * shard:(r + 1) * shard].contiguous(),
                                 step, tie_break, base + r * shard * 8)
         res_sign.append(s)
@@ -226,7 +226,7 @@ def test_sharded_two_phase_vote_equals_direct_vote(votes, tie_break, step, base)
     else:  # every rank has every rank's nonzero plane (the abstention payloads): OR them
         full_nz = any_voter(nz).reshape(1, -1) if nz is not None else None
     theta = torch.zeros(numel)
-    decoded = codec.vote_apply(full_sign, full_nz, [theta], [0], 1.0, 0.0, step, tie_break, "majority", 1, base)
+    decoded = reference.vote_apply(full_sign, full_nz, [theta], [0], 1.0, 0.0, step, tie_break, "majority", 1, base)
     assert torch.equal(decoded, direct)
 
 
@@ -238,17 +238,17 @@ def test_sharded_average_vote_equals_direct_average(votes, step, base):
     sign, nonzero = planes(votes)
     abstain = any(v == 0 for row in votes for v in row)
     nz = nonzero if abstain else None
-    direct = codec.decide(*codec.count_votes(sign, nz, numel), n, "average", "hash", step, base)
-    p = codec.lane_bits_for(n)
+    direct = reference.decide(*reference.count_votes(sign, nz, numel), n, "average", "hash", step, base)
+    p = reference.lane_bits_for(n)
     shard = numel // 8 // n
     plus, cnt = [], []
     for r in range(n):
-        pl, cl = codec.count_lanes(sign[:, r * shard:(r + 1) * shard].contiguous(),
+        pl, cl = reference.count_lanes(sign[:, r * shard:(r + 1) * shard].contiguous(),
                                    None if nz is None else nz[:, r * shard:(r + 1) * shard].contiguous(), p)
         plus.append(pl)
         cnt.append(cl)
     theta = torch.zeros(numel)
-    got = codec.lanes_apply(torch.cat(plus), None if nz is None else torch.cat(cnt), n, p, [theta], [0], 1.0, 0.0,
+    got = reference.lanes_apply(torch.cat(plus), None if nz is None else torch.cat(cnt), n, p, [theta], [0], 1.0, 0.0,
                             step, "hash", "average", base)
     assert torch.equal(got, direct)
 
@@ -259,7 +259,7 @@ def test_sharded_average_vote_equals_direct_average(votes, step, base):
        st.booleans())
 def test_int8_sum_never_overflows(n, k, kind, seed, extreme):
     """s = floor(127/N) levels: any N codes in [-s, s] sum (in int8, in any order) without overflow."""
-    levels = codec.int8_levels(n)
+    levels = reference.int8_levels(n)
     assert n * levels <= 127 < n * (levels + 1)  # the most levels that cannot overflow
     numel = 8 * k
     gen = torch.Generator().manual_seed(seed)
@@ -269,7 +269,7 @@ def test_int8_sum_never_overflows(n, k, kind, seed, extreme):
         if extreme:
             c = c.sign() * 1e6 + c  # every code clipped to +-s
         c[torch.rand(numel, generator=gen) < 0.1] = 0.0
-        q = codec.int8_quantize(c, codec.int8_scale(c, kind), levels)
+        q = reference.int8_quantize(c, reference.int8_scale(c, kind), levels)
         assert q.dtype == torch.int8 and int(q.abs().max()) <= levels
         codes.append(q)
     exact = torch.stack(codes).to(torch.int32).sum(0)
@@ -288,14 +288,14 @@ def test_int8_sum_never_overflows(n, k, kind, seed, extreme):
 @given(st.integers(128, 100000))
 def test_int8_refuses_worlds_that_could_overflow(n):
     with pytest.raises(ValueError, match="world size <= 127"):
-        codec.int8_levels(n)
+        reference.int8_levels(n)
 
 
 # ============================================================================= native kernels
 def _native_backend():
     try:
-        from lioncub_ds import ops
-        return ops._load_native("cpp")
+        from lioncub_ds import kernels
+        return kernels._load_native("cpp")
     except Exception as exc:  # noqa: BLE001 - not built on this machine / not written yet
         return exc
 
@@ -304,7 +304,7 @@ def _native_backend():
 def native():
     be = _native_backend()
     if isinstance(be, Exception):
-        pytest.skip(f"lioncub_ds._native C++ backend unavailable: {str(be).splitlines()[0] if str(be) else be!r}")
+        pytest.skip(f"lioncub_ds.kernels.loader C++ backend unavailable: {str(be).splitlines()[0] if str(be) else be!r}")
     return be
 
 
@@ -350,7 +350,7 @@ def buckets(draw, allow_bad=True):
         moms.append(m.to(mdtype))
         offsets.append(off)
         off += (n + 7) // 8 * 8
-    total = codec.padded_numel(off, world)
+    total = reference.padded_numel(off, world)
     beta1 = draw(st.sampled_from([0.9, 0.95, 0.5]))
     beta2 = draw(st.sampled_from([0.99, 0.98, 0.9]))
     return grads, moms, offsets, total, beta1, beta2, world
@@ -362,7 +362,7 @@ def test_native_local_step_matches_torch(native, bucket, update):
     grads, moms, offsets, total, b1, b2, _ = bucket
     m_ref = [m.clone() for m in moms]
     m_nat = [m.clone() for m in moms]
-    ref = codec.local_step(grads, m_ref, offsets, total, b1, b2, update)
+    ref = reference.local_step(grads, m_ref, offsets, total, b1, b2, update)
     got = native.local_step(grads, m_nat, offsets, total, b1, b2, update)
     assert bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1])
     assert (got[2], got[3]) == (ref[2], ref[3])  # non-finite count drives the skip; zero count the abstain flag
@@ -376,7 +376,7 @@ def test_native_momentum_update_matches_torch(native, bucket):
     m_ref = [m.clone() for m in moms]
     m_nat = [m.clone() for m in moms]
     for m, g in zip(m_ref, grads):
-        codec.momentum_update(m, g, b2)
+        reference.momentum_update(m, g, b2)
     native.momentum_update_list(m_nat, grads, b2)
     assert all(bits_equal(a, b) for a, b in zip(m_nat, m_ref))
 
@@ -400,7 +400,7 @@ def test_native_vote_apply_matches_torch(native, votes, vote, tie_break, step, b
     offsets = [0, first][:len(sizes)]
     p_ref = _params_like(sizes, pdtype, seed)
     p_nat = [p.clone() for p in p_ref]
-    d_ref = codec.vote_apply(sign, nz, p_ref, offsets, lr, wd, step, tie_break, vote, n, base)
+    d_ref = reference.vote_apply(sign, nz, p_ref, offsets, lr, wd, step, tie_break, vote, n, base)
     d_nat = native.vote_apply(sign, nz, p_nat, offsets, lr, wd, step, tie_break, vote, n, base)
     assert bits_equal(d_nat, d_ref)
     assert all(bits_equal(a, b) for a, b in zip(p_nat, p_ref))
@@ -411,7 +411,7 @@ def test_native_vote_apply_matches_torch(native, votes, vote, tie_break, step, b
 def test_native_shard_vote_matches_torch(native, votes, tie_break, step, base):
     sign, nonzero = planes(votes)
     for nz in (None, nonzero) if not any(v == 0 for row in votes for v in row) else (nonzero,):
-        ref = codec.shard_vote(sign, nz, step, tie_break, base)
+        ref = reference.shard_vote(sign, nz, step, tie_break, base)
         got = native.shard_vote(sign, nz, step, tie_break, base)
         assert bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1])
 
@@ -425,11 +425,11 @@ def test_native_lanes_match_torch(native, case, step, base, vote, tie_break):
     sign, nonzero = planes(votes)
     abstain = any(v == 0 for row in votes for v in row)
     nz = nonzero if abstain else None
-    ref = codec.count_lanes(sign, nz, p)
+    ref = reference.count_lanes(sign, nz, p)
     got = native.count_lanes(sign, nz, p)
     assert bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1])
     theta_ref, theta_nat = [torch.zeros(numel)], [torch.zeros(numel)]
-    d_ref = codec.lanes_apply(ref[0], ref[1], n, p, theta_ref, [0], 0.01, 0.1, step, tie_break, vote, base)
+    d_ref = reference.lanes_apply(ref[0], ref[1], n, p, theta_ref, [0], 0.01, 0.1, step, tie_break, vote, base)
     d_nat = native.lanes_apply(ref[0], ref[1], n, p, theta_nat, [0], 0.01, 0.1, step, tie_break, vote, base)
     assert bits_equal(d_nat, d_ref) and bits_equal(theta_nat[0], theta_ref[0])
 
@@ -438,15 +438,15 @@ def test_native_lanes_match_torch(native, case, step, base, vote, tie_break):
 @given(buckets(), st.sampled_from(["l1", "l0", "linf"]), st.integers(1, 127))
 def test_native_int8_matches_torch(native, bucket, kind, n):
     grads, moms, offsets, total, b1, _, _ = bucket
-    levels = codec.int8_levels(n)
-    q_ref, bad_ref = codec.int8_local_step(grads, moms, offsets, total, b1, kind, levels)
+    levels = reference.int8_levels(n)
+    q_ref, bad_ref = reference.int8_local_step(grads, moms, offsets, total, b1, kind, levels)
     q_nat, bad_nat = native.int8_local_step(grads, moms, offsets, total, b1, kind, levels)
     assert bad_nat == bad_ref
     assert bits_equal(q_nat, q_ref), f"int8 codes differ at {(q_nat != q_ref).nonzero().reshape(-1)[:8].tolist()}"
     qsum = (q_ref.to(torch.int32) * min(n, 3)).clamp(-127, 127).to(torch.int8)
     p_ref = [torch.randn(g.numel()) for g in grads]
     p_nat = [p.clone() for p in p_ref]
-    d_ref = codec.int8_apply(qsum, p_ref, offsets, 1e-3, 0.1)
+    d_ref = reference.int8_apply(qsum, p_ref, offsets, 1e-3, 0.1)
     d_nat = native.int8_apply(qsum, p_nat, offsets, 1e-3, 0.1)
     assert bits_equal(d_nat, d_ref) and all(bits_equal(a, b) for a, b in zip(p_nat, p_ref))
 

@@ -37,16 +37,16 @@ def _rank_env(kernels):
 
 def _build_native():
     """Build (or load from the cache) the C++ kernels once here, before the ranks import them."""
-    from lioncub_ds import ops
+    from lioncub_ds import kernels
     try:
-        ops._load_native("cpp")
+        kernels._load_native("cpp")
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"the C++ kernels do not build here: {exc}")
 
 
 def _backend_name():
-    from lioncub_ds import ops
-    return ops.backend_for("cpu").name
+    from lioncub_ds import kernels
+    return kernels.backend_for("cpu").name
 
 
 class Net(torch.nn.Module):

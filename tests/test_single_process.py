@@ -1,4 +1,4 @@
-"""LionCub on one process (no torch.distributed, or a group of one) is exactly Lion (SPEC §1, checked
+"""LionCub on one process (no torch.distributed, or a group of one) is exactly Lion (docs/conventions.md, checked
 against a step-by-step numpy oracle and against lion-pytorch); argument checks."""
 import os
 import tempfile
@@ -15,9 +15,9 @@ LR, WD, BETAS = 2e-3, 0.2, (0.9, 0.99)
 
 
 # ----------------------------------------------------------------------------- the oracle
-# SPEC §1 written out step by step in numpy, sharing no code with lioncub_ds (LionCub and Lion
+# Lion (docs/conventions.md) written out step by step in numpy, sharing no code with lioncub_ds (LionCub and Lion
 # both call lioncub_ds.lion.lion, so comparing them with each other proves nothing). Every
-# operation is one IEEE fp32 operation with one rounding, in the order the SPEC writes:
+# operation is one IEEE fp32 operation with one rounding, in the order docs/conventions.md writes:
 #   c = β1·m + (1−β1)·g ;  θ ← θ·(1 − η·λ) − η·sign(c) ;  m ← β2·m + (1−β2)·g
 # The scalars are Python doubles rounded once to fp32 (as torch does for a float tensor times a
 # Python scalar), 1 − η·λ and 1 − β computed in double first. numpy never fuses a multiply-add,
@@ -100,7 +100,7 @@ def test_group_of_one_equals_the_spec_oracle():
 
 
 def test_oracle_itself_sign_zero_and_decay():
-    # the oracle follows SPEC §1 on hand-computed values: c = 0 does not move, decay is decoupled
+    # the oracle follows docs/conventions.md on hand-computed values: c = 0 does not move, decay is decoupled
     p, m = _oracle_step(np.array([1.0, 1.0, 1.0], np.float32), np.zeros(3, np.float32),
                         np.array([2.0, -3.0, 0.0], np.float32), lr=0.5, wd=0.5, betas=(0.9, 0.99))
     assert p.tolist() == [0.25, 1.25, 0.75]  # 1·(1 − 0.25) ∓ 0.5, and 0.75 where sign(c) = 0

@@ -9,7 +9,7 @@
 //
 //   * enums: dtype, tie rule, vote mode, int8 scale kind (codes shared with lioncub_ds/codec.py);
 //   * f2u / u2f, bf16 and fp16 <-> fp32 (bf16: round to nearest even, NaN -> 0x7FC0 like torch);
-//   * the tie hash of (step, parameter-local index) and the tie-index table lookup (SPEC §4);
+//   * the tie hash of (step, parameter-local index) and the tie-index table lookup (docs/conventions.md);
 //   * the int8 L1/L0 scale: fixed-order fp64 sum (lane tree), deterministic log / exp.
 #ifndef LIONCUB_COMMON_H_
 #define LIONCUB_COMMON_H_
@@ -198,7 +198,7 @@ LC_HD uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
-// ----------------------------------------------------------------------------- tie rule (SPEC §4)
+// ----------------------------------------------------------------------------- tie rule (docs/conventions.md)
 // The hash tie rule keys on (step, i) where i is the element's index INSIDE ITS PARAMETER,
 // never a position in a bucket: codec.tie_hash_sign. uint32 arithmetic mod 2**32; the tied
 // coordinate takes +1 when bit 0 of the hash is set, -1 otherwise.
@@ -252,7 +252,7 @@ LC_HD int tie_value(int rule, int64_t step, uint64_t index) {
   return 0;
 }
 
-// ----------------------------------------------------------------------------- int8 scales (SPEC §4)
+// ----------------------------------------------------------------------------- int8 scales (docs/conventions.md)
 // The L1 / L0 scales sum per tensor in an order this project defines (codec.ordered_sum):
 // blocks of kSumBlock elements from element 0; in a block, lane l (0..kSumLanes-1) adds the
 // fp64 values of elements l, l + kSumLanes, l + 2*kSumLanes, ... in index order starting

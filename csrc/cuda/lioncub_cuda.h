@@ -1,7 +1,7 @@
 // lioncub_cuda.h -- C API of the fused Lion Cub CUDA kernels (raw pointers + stream).
 //
 // The contract of every launcher is the pure-torch reference lioncub_ds/codec.py
-// (SPEC §3, §4): LSB-first bit order, (sign, nonzero) vote planes, plus/cnt counting,
+// (docs/conventions.md, docs/kernels.md): LSB-first bit order, (sign, nonzero) vote planes, plus/cnt counting,
 // diff = 2*plus - cnt, tie rules zero/alternate/hash (hash of the step and the element's
 // index inside its parameter, via a tie-index table), average = (float)diff/(float)N,
 // apply theta <- fl(theta*decay); theta <- fl(theta + fl(neg_lr*delta)) rounded to the

@@ -7,7 +7,7 @@
 // tests check against lioncub_ds/codec.py on a machine without a GPU. The kernels only
 // add the grid-stride loops, the warp shuffles and the block reductions around it.
 //
-// Bit order (SPEC §4): element i of a packed plane is bit (i & 7) of byte (i >> 3);
+// Bit order (docs/conventions.md): element i of a packed plane is bit (i & 7) of byte (i >> 3);
 // read as little-endian 32-bit words, element 32*w + k is bit k of word w.
 #ifndef LIONCUB_CUDA_COMMON_CUH_
 #define LIONCUB_CUDA_COMMON_CUH_

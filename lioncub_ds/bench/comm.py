@@ -1,9 +1,9 @@
-"""``python -m lioncub_ds.bench comm``: wire bytes per rank per optimizer step (SPEC §6).
+"""``python -m lioncub_ds.bench comm``: wire bytes per rank per optimizer step (docs/results.md).
 
 For N gloo ranks and P parameters, every algorithm and vote rule runs real optimizer
 steps; the bytes are those the telemetry counts inside the collectives (``comm_stats()``,
 ring model: what one rank sends), shown next to an fp32 and a bf16 ring all-reduce of
-the same gradients (2·(N−1)/N·bytes) and next to the SPEC §3 closed-form formula.
+the same gradients (2·(N−1)/N·bytes) and next to the closed-form formula of docs/conventions.md.
 Bytes are counted, not timed, so the gradients are random and there is no model compute.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from .common import add_output_args, finish, fmt_bytes, line_plot, print_table, run_ranks
+from ..telemetry import format_bytes
+from .common import add_output_args, finish, line_plot, print_table, run_ranks
 
 NAME = "comm"
 
@@ -39,7 +40,7 @@ def lane_bits(n: int) -> int:
 
 
 def spec_formula(kw: dict, n: int, p: int) -> tuple[float, str]:
-    """SPEC §3 closed form (no padding, no control message): bytes one rank sends per step."""
+    """Closed form (docs/conventions.md) (no padding, no control message): bytes one rank sends per step."""
     comm, vote, tie = kw["comm"], kw.get("vote", "majority"), kw.get("tie_break", "hash")
     if comm == "allgather":
         return (n - 1) * p / 8, "(N-1)·P/8"
@@ -131,7 +132,7 @@ def run(world_sizes=(2, 4, 8), numel=25_000_000, steps=1, chunk=4_000_000, confi
 
 
 TABLE = [("world_size", "N"), ("label", "algorithm/vote"), ("bytes_per_rank", "bytes/rank/step"),
-         ("spec_formula_bytes", "SPEC formula"), ("spec_formula", "formula"),
+         ("spec_formula_bytes", "closed form"), ("spec_formula", "formula"),
          ("fp32_allreduce_bytes", "fp32 AR"), ("bf16_allreduce_bytes", "bf16 AR"),
          ("ratio_vs_fp32", "x vs fp32", ".1f"), ("ratio_vs_bf16", "x vs bf16", ".1f")]
 
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     records = run(args.world_sizes, args.numel, args.steps, args.chunk)
     print_table(records, TABLE, title=f"[bench comm] bytes each rank sends per optimizer step, P={args.numel:,} "
-                                      f"({fmt_bytes(4 * args.numel)} fp32)")
+                                      f"({format_bytes(4 * args.numel)} fp32)")
     for m in check_goal(records):
         print("[bench comm] " + m)
     bad = [r for r in records if not r["same_on_all_ranks"]]

@@ -22,7 +22,7 @@ from lioncub_ds.testing.spawn import RankError, free_port
 from lioncub_ds.testing.spawn import run_ranks as _run_ranks
 
 __all__ = ["free_port", "run_ranks", "print_table", "write_json", "machine_info", "add_output_args",
-           "finish", "line_plot", "fmt_bytes", "median", "RankError"]
+           "finish", "line_plot", "median", "RankError"]
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -37,14 +37,6 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 1800.0, env: dict | N
 
 
 # ----------------------------------------------------------------------------- output
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024.0
-    return f"{n:.2f} GB"
-
-
 def median(xs):
     xs = sorted(xs)
     if not xs:

@@ -1,4 +1,4 @@
-"""``python -m lioncub_ds.bench converge``: does Lion Cub train as well as Lion? (SPEC §6)
+"""``python -m lioncub_ds.bench converge``: does Lion Cub train as well as Lion? (docs/results.md)
 
 A small byte-level GPT trained on the **pinned corpus** (the Python sources of
 ``deepspeed==0.19.8`` + ``megatron-core==0.16.1``, checked by SHA-256; ``--data stdlib``
@@ -10,7 +10,7 @@ for CPython's standard library) by **N simulated data-parallel workers in one pr
   of a Lion Cub run are bit-identical, so one copy is enough);
 * the optimizer math of each variant is run over the N gradients: per-worker momenta,
   the vote of the chosen ``comm``/``vote``/``quant``/``tie_break`` with LionCub's own codec
-  functions (:mod:`lioncub_ds.codec`), the same bucket layout and tie indices, the
+  functions (:mod:`lioncub_ds.kernels.reference`), the same bucket layout and tie indices, the
   momentum-sync policy of :mod:`lioncub_ds.momentum_sync`. ``tests/test_converge.py``
   checks that the simulation gives bit-identical parameters and the same bytes as the real
   multi-rank :class:`~lioncub_ds.LionCub` on gloo ranks;
@@ -135,7 +135,7 @@ class SimLionCub:
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
                  momentum_sync=None, sync_dtype="fp32", bucket_size_mb=25.0):
-        from lioncub_ds.codec import padded_numel
+        from lioncub_ds.kernels.reference import padded_numel
         from lioncub_ds.config import LionCubConfig
         from lioncub_ds.momentum_sync import select_params
 
@@ -188,7 +188,7 @@ class SimLionCub:
     @torch.no_grad()
     def step(self, grads):
         """``grads``: dict param -> [N, *shape] per-worker gradients."""
-        from lioncub_ds import codec
+        from lioncub_ds.kernels import reference
         from lioncub_ds.momentum_sync import on_schedule
 
         from lioncub_ds.comm import make_algorithm
@@ -204,21 +204,21 @@ class SimLionCub:
             lr, wd = g["lr"], g["weight_decay"]
             dev = params[0].device
             if self.comm == "int8":
-                levels = codec.int8_levels(n)
+                levels = reference.int8_levels(n)
                 qsum = torch.zeros(total, dtype=torch.int32, device=dev)
                 for p, off in zip(params, offsets):
-                    c = codec.lion_direction(self.momenta[p].reshape(n, -1), grads[p].reshape(n, -1), b1)
+                    c = reference.lion_direction(self.momenta[p].reshape(n, -1), grads[p].reshape(n, -1), b1)
                     if not bool(torch.isfinite(c).all()):
                         raise FloatingPointError("SimLionCub: non-finite c (the real LionCub would skip the step)")
                     for i in range(n):  # per worker: the per-tensor scale is a reduction over that worker's c
-                        q = codec.int8_quantize(c[i], codec.int8_scale(c[i], cfg.quant), levels)
+                        q = reference.int8_quantize(c[i], reference.int8_scale(c[i], cfg.quant), levels)
                         qsum[off:off + p.numel()] += q.to(torch.int32)
                 delta = torch.sign(qsum).float()
                 sent += self._collective_bytes("all_reduce", total)
             else:
                 c = torch.zeros((n, total), dtype=torch.float32, device=dev)
                 for p, off in zip(params, offsets):
-                    c[:, off:off + p.numel()] = codec.lion_direction(self.momenta[p].reshape(n, -1),
+                    c[:, off:off + p.numel()] = reference.lion_direction(self.momenta[p].reshape(n, -1),
                                                                      grads[p].reshape(n, -1), b1)
                 if not bool(torch.isfinite(c).all()):
                     raise FloatingPointError("SimLionCub: non-finite c (the real LionCub would skip the step)")
@@ -227,13 +227,13 @@ class SimLionCub:
                 # plane after a step in which some worker overflowed; an overflow all-gathers the
                 # planes once in its own step.
                 mask = real_mask(offsets, [p.numel() for p in params], total, dev)
-                counts = [int((codec.pack_bits(c[i] != 0) != mask).sum()) for i in range(n)]
+                counts = [int((reference.pack_bits(c[i] != 0) != mask).sum()) for i in range(n)]
                 abstain = max(counts) > 0
                 mode = self.modes.get(bi, "list")
                 overflow = max(counts) > list_capacity(total // 8, n)
                 plus = (c > 0).sum(0, dtype=torch.int32)
                 cnt = (c != 0).sum(0, dtype=torch.int32) if abstain else torch.full_like(plus, n)
-                delta = codec.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, codec.tie_segments(offsets))
+                delta = reference.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, reference.tie_segments(offsets))
                 by = {name: make_algorithm(name).wire_bytes(total, n, mode=mode, vote=cfg.vote,
                                                             tie_break=cfg.tie_break, abstain=abstain)
                       for name in ("allgather", "pbit", "1bit")}
@@ -243,9 +243,9 @@ class SimLionCub:
                 sent += by[self.comm]
                 for k, v in by.items():
                     self.alt_bytes[k] = self.alt_bytes.get(k, 0) + v - by[self.comm]
-            codec.apply_update(params, offsets, delta, lr, wd)
+            reference.apply_update(params, offsets, delta, lr, wd)
             for p in params:
-                codec.momentum_update(self.momenta[p], grads[p], b2)
+                reference.momentum_update(self.momenta[p], grads[p], b2)
         self.step_count = step
         ms = cfg.momentum_sync
         if ms is not None and on_schedule(ms, step - 1):

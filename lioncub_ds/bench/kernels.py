@@ -1,4 +1,4 @@
-"""Kernel benchmark: fused C++ CPU kernels vs unfused torch vs the machine's copy floor (SPEC §6).
+"""Kernel benchmark: fused C++ CPU kernels vs unfused torch vs the machine's copy floor (docs/results.md).
 
     python -m lioncub_ds.bench kernels [--json PATH] [--out DIR] [--numel N] [--threads T]
 
@@ -18,7 +18,7 @@ kernels' planes, counts and momenta (``baseline_*_match``); ``speedup`` = unfuse
 ``unfused_alloc``: the same ops allocating fresh temporaries on every call; for 16M-element
 temporaries that mostly measures the allocator's page faults (glibc returns large blocks to
 the OS), kept for reference only. ``unfused_codec``: the
-pure-torch reference ``lioncub_ds.codec`` (3 runs; ``--codec-numel`` params, default all). The floor is the bytes a
+pure-torch reference ``lioncub_ds.kernels.reference`` (3 runs; ``--codec-numel`` params, default all). The floor is the bytes a
 kernel must move per parameter divided by the copy bandwidth (read+write bytes per second of a
 large ``torch.Tensor.copy_``), timed round-robin with the fused kernels in the same run so that a
 busy machine slows both alike; ``fraction_of_floor`` = floor / fused time (1.0 = at the copy
@@ -182,8 +182,8 @@ class TorchPrealloc:
 
 # ----------------------------------------------------------------------------- runner
 def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
-    from .. import codec
-    from .._native import load
+    from ..kernels import reference
+    from ..kernels.loader import load
 
     be = load("cpp")
     threads = torch.get_num_threads()
@@ -233,27 +233,27 @@ def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
                            lambda: be.local_step([g], [m], [0], numel, B1, B2, True),
                            lambda: pre.local_step(g, m, B1, B2),
                            lambda: torch_local_step(g, m, B1, B2, True),
-                           lambda: codec.local_step([gc], [mc], [0], codec_numel, B1, B2, True)),
+                           lambda: reference.local_step([gc], [mc], [0], codec_numel, B1, B2, True)),
             "local_step_2pass": (5 * s + 0.25,
                                  lambda: (be.local_step([g], [m], [0], numel, B1, B2, False),
                                           be.momentum_update_list([m], [g], B2)),
                                  lambda: pre.local_step(g, m, B1, B2),
                                  lambda: torch_local_step(g, m, B1, B2, True),
-                                 lambda: (codec.local_step([gc], [mc], [0], codec_numel, B1, B2, False),
-                                          codec.momentum_update(mc, gc, B2))),
+                                 lambda: (reference.local_step([gc], [mc], [0], codec_numel, B1, B2, False),
+                                          reference.momentum_update(mc, gc, B2))),
             "vote_apply": (2 * s + N_VOTERS / 8,
                            lambda: be.vote_apply(planes, None, [p], [0], LR, WD, 3, "hash", "majority", N_VOTERS, 0,
                                                  False),
                            lambda: pre.vote_apply(planes, p, LR, WD, 3),
                            lambda: torch_vote_apply(planes, p, LR, WD, 3),
-                           lambda: codec.vote_apply(planes_c, None, [pc], [0], LR, WD, 3, "hash", "majority",
+                           lambda: reference.vote_apply(planes_c, None, [pc], [0], LR, WD, 3, "hash", "majority",
                                                     N_VOTERS)),
             "vote_apply+delta": (2 * s + N_VOTERS / 8 + 4,
                                  lambda: be.vote_apply(planes, None, [p], [0], LR, WD, 3, "hash", "majority",
                                                        N_VOTERS),
                                  lambda: pre.vote_apply(planes, p, LR, WD, 3),
                                  lambda: torch_vote_apply(planes, p, LR, WD, 3),
-                                 lambda: codec.vote_apply(planes_c, None, [pc], [0], LR, WD, 3, "hash", "majority",
+                                 lambda: reference.vote_apply(planes_c, None, [pc], [0], LR, WD, 3, "hash", "majority",
                                                           N_VOTERS)),
         }
         # fused kernels, the preallocated torch baseline and the copy floor in ONE round-robin (a busy

@@ -1,8 +1,8 @@
-"""CUDA kernel benchmark (SPEC §6 "Kernels"): fused CUDA kernels vs the unfused torch path.
+"""CUDA kernel benchmark (docs/results.md): fused CUDA kernels vs the unfused torch path.
 
 For each kernel of a Lion Cub step and for fp32 and bf16 (grads, params, momenta of that
-dtype), times the fused kernel (the ``cuda`` backend: ``lioncub_ds.ops.backend_for('cuda')``)
-and the unfused torch path (``lioncub_ds.codec`` functions on the same CUDA tensors),
+dtype), times the fused kernel (the ``cuda`` backend: ``lioncub_ds.kernels.backend_for('cuda')``)
+and the unfused torch path (``lioncub_ds.kernels.reference`` functions on the same CUDA tensors),
 per 1B parameters, and reports each as a fraction of its bandwidth floor: the bytes the
 kernel must move per parameter divided by the device-to-device copy bandwidth measured
 in the same run. Timings: warm-up calls, then CUDA events around each call, median of
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .. import codec, ops
+from .. import kernels
+from ..kernels import reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -53,7 +54,7 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20, warmup: int
 def _fused_backend():
     """The CUDA backend, or None when it cannot be built/loaded here."""
     try:
-        be = ops.backend_for("cuda")
+        be = kernels.backend_for("cuda")
     except Exception:  # noqa: BLE001 - LIONCUB_KERNELS may forbid it; report torch only
         return None
     return be if getattr(be, "name", "") == "cuda" else None
@@ -66,7 +67,7 @@ def _layout(numel: int, world: int):
     for n in sizes:
         offsets.append(cur)
         cur = (cur + n + 7) // 8 * 8
-    return sizes, offsets, codec.padded_numel(cur, world)
+    return sizes, offsets, reference.padded_numel(cur, world)
 
 
 def _call(fn, *args, **kw):
@@ -88,10 +89,10 @@ def _cases(be, dtype, numel, world, device, gen):
     sign = torch.randint(0, 256, (world, nbytes), device=device, dtype=torch.int32, generator=gen).to(torch.uint8)
     nz = torch.full((world, nbytes), 0xFF, device=device, dtype=torch.uint8)
     nz[:, ::97] = 0x7F  # a few abstentions
-    p = codec.lane_bits_for(world)
+    p = reference.lane_bits_for(world)
     plus_l = torch.randint(0, 256, (total * p // 8,), device=device, dtype=torch.int32, generator=gen).to(torch.uint8)
     plus_l &= {1: 0xFF, 2: 0x55, 4: 0x33, 8: 0x03}[p]  # counts <= 3 <= world in every lane
-    levels = codec.int8_levels(world)
+    levels = reference.int8_levels(world)
     qsum = torch.randint(-127, 128, (total,), device=device, dtype=torch.int32, generator=gen).to(torch.int8)
     apply_kw = dict(lr=1e-6, weight_decay=0.1, step=3, tie_break="hash")
     pb = 1.0 / 8.0  # one bit plane, bytes per parameter
@@ -128,7 +129,7 @@ def run_cuda(json_path=None, numel: int = 1 << 26, world_size: int = 8, repeats:
     name = torch.cuda.get_device_name(device)
     bw = copy_bandwidth(device)
     fused = _fused_backend()
-    torch_be = ops.TorchBackend()
+    torch_be = kernels.TorchBackend()
     per_b = 1e9 / numel
     records = []
     for dt_name in dtypes:

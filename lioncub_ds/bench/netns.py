@@ -1,4 +1,4 @@
-"""``python -m lioncub_ds.bench netns``: step time on a slow network (SPEC §6), as root.
+"""``python -m lioncub_ds.bench netns``: step time on a slow network (docs/results.md), as root.
 
 The benchmark creates its own network namespace (unique name), brings its loopback up,
 puts a token bucket on it (``tc qdisc add dev lo root tbf rate 1gbit burst 512kb latency
@@ -86,12 +86,12 @@ class FusedLion:
     (θ·(1-ηλ) - η·sign(c); sign(0) = 0 through the nonzero plane). No communication."""
 
     def __init__(self, params, lr, betas):
-        from lioncub_ds import ops
+        from lioncub_ds import kernels
 
         self.params, self.lr, self.betas = params, lr, betas
         self.buckets = _baseline_buckets(params)
         self.mom = {id(p): torch.zeros_like(p) for p in params}
-        self.be = ops.backend_for("cpu")
+        self.be = kernels.backend_for("cpu")
         self.step_count = 0
 
     def apply_bucket(self, ps, offs, total, grads):

@@ -140,9 +140,9 @@ def _calib_rank(rank, n, sizes, reps, validate_numel, validate_steps):
 def measure_gamma(numel: int = 1 << 22, voters=(1, 4, 16, 64), reps: int = 5) -> tuple[float, float, list, str]:
     """γ from the vote kernel of the active backend (this process, one thread; the fastest of
     ``reps`` runs, since other work on the machine only ever adds time)."""
-    from lioncub_ds import ops
+    from lioncub_ds import kernels
 
-    be = ops.backend_for("cpu")
+    be = kernels.backend_for("cpu")
     k = numel // 8
     params = [torch.zeros(numel)]
     gen = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..codec import tie_segments
+from ..kernels.reference import tie_segments
 from .abstain import decode_lists, list_capacity, payload_bytes, real_mask
 from ..groups import broadcast
 from ..telemetry import CommStats
@@ -141,7 +141,7 @@ class VoteJob:
     offsets: list         # element offset of each parameter in the bucket (multiples of 8)
     numel: int            # padded bucket size: a multiple of 8·N
     # index inside its parameter of each parameter's first element in this bucket (the hash tie
-    # rule keys on the parameter-local index, SPEC §4); None: every parameter starts whole, at 0
+    # rule keys on the parameter-local index, docs/conventions.md); None: every parameter starts whole, at 0
     param_starts: list | None
     lr: float
     weight_decay: float
@@ -167,7 +167,7 @@ class VoteJob:
                             f"got {self.param_starts!r} (the hash tie rule no longer takes a flat bucket base)")
 
     def segments(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The tie-index table of bucket positions [start, stop) (codec.tie_segments)."""
+        """The tie-index table of bucket positions [start, stop) (reference.tie_segments)."""
         return tie_segments(self.offsets, self.param_starts, start, stop)
 
     @property

@@ -13,7 +13,7 @@ What :func:`register` patches (idempotent; originals kept as ``__wrapped__``):
   1-bit sign all-gather for engines that enabled it (see :mod:`.zero`), and DeepSpeed's own
   all-gather for everything else.
 
-Wiring, ZeRO stage 0 (Lion Cub semantics, SPEC §2): ``engine.enable_backward_allreduce =
+Wiring, ZeRO stage 0 (Lion Cub semantics, docs/conventions.md): ``engine.enable_backward_allreduce =
 False`` (gradients are never all-reduced, also not at the accumulation boundary or in the
 unmanaged-accumulation path: both test that flag), LionCub votes over the engine's
 data-parallel group (the mpu's when one is given), gradient clipping clips each rank's

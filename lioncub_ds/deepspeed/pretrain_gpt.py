@@ -114,13 +114,13 @@ def grad_bytes_per_element(engine) -> int:
 
 def prepare_kernels(device_type: str, rank: int) -> None:
     """Load LionCub's fused kernels (JIT-built once, then cached) before the timed loop; local rank 0 first."""
-    from lioncub_ds import ops
+    from lioncub_ds import kernels
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if local_rank == 0:
-        ops.backend_for(device_type)
+        kernels.backend_for(device_type)
     dist.barrier()
     if local_rank != 0:
-        ops.backend_for(device_type)
+        kernels.backend_for(device_type)
 
 
 

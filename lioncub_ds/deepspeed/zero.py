@@ -13,7 +13,7 @@ Where replicas reproduce the owner's result exactly:
 
 * **fp32 parameters** (no extra memory): every rank's flat buffer *is* an fp32 replica.
   The owner applies the same update to its master partition (and the flat copy of it)
-  with the same arithmetic (:func:`lioncub_ds.codec.apply_update`), so all ranks stay
+  with the same arithmetic (:func:`lioncub_ds.kernels.reference.apply_update`), so all ranks stay
   bit-identical.
 * **bf16 / fp16 parameters** with ``zero_fp32_replica: true``: every rank keeps an fp32
   replica of all parameters (extra memory: 4 bytes per parameter per rank, i.e. what
@@ -23,7 +23,7 @@ Where replicas reproduce the owner's result exactly:
   integration keeps DeepSpeed's parameter all-gather (``zero_allgather: "auto"``) or
   refuses (``"sign"``).
 
-Conventions: the bit order is lioncub_ds.codec's (LSB first); the alignment padding of
+Conventions: the bit order is lioncub_ds.kernels.reference's (LSB first); the alignment padding of
 DeepSpeed's flat buffers never moves (Δ = 0 there on every rank, no bits needed); a real
 coordinate whose c is exactly 0 (or non-finite) does not move (the nonzero plane carries it).
 One all-gather per step carries every group's sign bits plus one flag byte per rank saying
@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from .. import ops
+from .. import kernels
 from ..comm.base import Collectives
 from ..telemetry import CommStats, ring_bytes
 from . import _compat
@@ -119,7 +119,7 @@ class ZeroSignAllGather:
             # Equal to every owner's master now: DeepSpeed built each master as flat_partition.float().
             self.replica = [f.detach().float().clone() for f in self.flat]
         dev = self.flat[0].device
-        self.backend = ops.backend_for(dev.type)
+        self.backend = kernels.backend_for(dev.type)
         self.pad_index = []  # [group][partition] -> LongTensor of local padding positions
         for i, ps in enumerate(self.psize):
             gaps = _pad_ranges(zopt, i, self.flat[i].numel())

@@ -33,7 +33,7 @@ inf/NaN: ONE extra 4-byte all-reduce over the world per step, issued by the
 number of sub-optimizers (a rank with no expert parameters has no expert optimizer, as in
 Megatron), and data-parallel peers never disagree about whether to vote.
 
-Process groups (NCCL contract, SPEC §5): every group the LionCubs need (the vote groups with
+Process groups (the NCCL contract, docs/conventions.md): every group the LionCubs need (the vote groups with
 ``timeout_s``, the per-node momentum-sync subgroups, for dense AND expert parameters) is
 created here, at construction, in ONE call of :func:`lioncub_ds.groups.create_on_all_ranks`
 by every rank of the world (it all-gathers the wanted member lists, then every rank creates

@@ -3,7 +3,7 @@
 // Not part of any build of the package (it lives under tests/, so it is not in the wheel).
 // tests/test_cuda_kernels.py compiles it with the
 // host C++ compiler (CUDA include dir on the path, no GPU needed) and checks it against
-// lioncub_ds/codec.py, so the per-element logic of the kernels -- everything in
+// lioncub_ds/kernels/reference.py, so the per-element logic of the kernels -- everything in
 // lioncub_cuda_common.cuh: bit order, bit-sliced counting, majority masks, tie rules,
 // lanes, int8 scales and codes, the 16-byte vector paths, the tensor lookup -- is
 // verified on a machine without a GPU. The emulation mirrors each kernel's thread

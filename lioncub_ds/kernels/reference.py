@@ -1,6 +1,6 @@
 """Pure-torch reference codecs: the contract every fast path (C++, CUDA) must match.
 
-Conventions (SPEC §4), identical in torch, C++ and CUDA:
+Conventions (docs/conventions.md), identical in torch, C++ and CUDA:
 
 * **Bit order**: LSB first. Element ``i`` lives in byte ``i >> 3`` at bit ``i & 7``.
   p-bit lanes likewise: element ``i`` occupies bits ``[(i*p) & 7, +p)`` of byte
@@ -27,7 +27,7 @@ Conventions (SPEC §4), identical in torch, C++ and CUDA:
 * **Momentum**: m <- fl(fl(beta2*m) + fl((1-beta2)*g)) in fp32, then rounded to
   the momentum dtype once. c = fl(fl(beta1*m) + fl((1-beta1)*g)) in fp32.
 
-* **int8 scales** (SPEC §4): L1 = fp32(S / n) with S the fp64 sum of |c| in the order
+* **int8 scales** (docs/conventions.md): L1 = fp32(S / n) with S the fp64 sum of |c| in the order
   of :func:`ordered_sum`; L0 = fp32(exp(mean log|c|)) over the nonzero |c|, with the log
   and exp written out in IEEE fp64 operations (:func:`log_parts`, :func:`det_exp`) so
   that torch, C++ and CUDA give the same bits; Linf = max|c| (order-free).
@@ -164,7 +164,7 @@ def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=Fal
 # ----------------------------------------------------------------------------- votes
 def tie_hash(step: int, index: torch.Tensor) -> torch.Tensor:
     """The 32-bit tie hash (as int64 values in [0, 2**32)) of (step, index), index = the
-    element's index inside its parameter (int64 >= 0). uint32 arithmetic mod 2**32 (SPEC §4):
+    element's index inside its parameter (int64 >= 0). uint32 arithmetic mod 2**32 (docs/conventions.md):
 
     h = lo(i)*0x9E3779B1 + hi(i)*0xC2B2AE3D + lo(step)*0x85EBCA77 + 0x165667B1
     h ^= h >> 15; h *= 0x2C1B3C6D; h ^= h >> 12; h *= 0x297A2D39; h ^= h >> 15
@@ -230,7 +230,7 @@ def as_segments(segments) -> torch.Tensor:
     where = segments.device if isinstance(segments, torch.Tensor) else "cpu"  # never the default device
     t = torch.as_tensor(segments, dtype=torch.int64, device=where).detach().cpu().reshape(-1, 2).contiguous()
     if t.shape[0] == 0 or int(t[0, 0]) != 0:
-        raise ValueError("a tie-index table needs a first row at position 0 (codec.tie_segments builds one)")
+        raise ValueError("a tie-index table needs a first row at position 0 (tie_segments builds one)")
     if t.shape[0] > 1 and not bool((t[1:, 0] > t[:-1, 0]).all()):
         raise ValueError("tie-index table positions must increase strictly")
     if bool((t[:, 1] < 0).any()):
@@ -268,7 +268,7 @@ def count_votes(sign: torch.Tensor, nonzero: torch.Tensor | None, numel: int):
 
 
 def decide(plus, cnt, world_size, vote, tie_break, step, segments=None):
-    """(plus, cnt) counts -> fp32 Δ for every element (SPEC §2, §4); ``segments``: the
+    """(plus, cnt) counts -> fp32 Δ for every element (docs/conventions.md); ``segments``: the
     tie-index table of the elements (:func:`as_segments`)."""
     diff = 2 * plus - cnt
     if vote == "average":
@@ -372,7 +372,7 @@ _EXP_COEF = [1.0 / math.factorial(k) for k in range(15)]     # 1/k!, k = 0..14
 
 
 def ordered_sum(values: torch.Tensor) -> float:
-    """The fp64 sum of a flat fp64 tensor in the order this project defines (SPEC §4).
+    """The fp64 sum of a flat fp64 tensor in the order this project defines (docs/conventions.md).
 
     Blocks of SUM_BLOCK elements from element 0. In a block, lane l (0..255) adds elements
     l, l+256, l+512, ... in index order, starting from +0.0 (missing elements of the last
@@ -435,7 +435,7 @@ def _f32(x: float) -> float:
 
 
 def int8_scale(c: torch.Tensor, kind: str) -> float:
-    """Per-tensor scale a of |c| as an fp32 value (SPEC §4; c finite):
+    """Per-tensor scale a of |c| as an fp32 value (docs/conventions.md; c finite):
 
     * l1: fp32(S / n), S = :func:`ordered_sum` of |c| (fp64), n = numel;
     * l0: over the nnz nonzero |c| = m * 2**e (:func:`log_parts`): E = sum of e (exact

@@ -1,0 +1,199 @@
+"""Argument checks shared by the native backends (cpp, cuda), run in Python before any extension call.
+
+On some platforms a C++ exception thrown through a JIT-built extension crashes the process
+(docs/kernels.md), so bad input must never reach a TORCH_CHECK. Structural errors raise a
+ValueError (TypeError for a non-tensor) that names the argument and what is allowed. Tensors the
+kernels do not handle (non-contiguous, float64, another device type) are not errors: the backend
+sends them to the reference path, whose results are the contract.
+
+The ``validate_*`` functions hold everything both backends check for one entry point, so the
+two backends cannot drift apart in what they accept.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+
+def is_plain(t, dtypes, device_type="cpu") -> bool:
+    return (isinstance(t, torch.Tensor) and t.device.type == device_type and t.layout == torch.strided
+            and t.is_contiguous() and t.dtype in dtypes)
+
+
+def all_plain(ts, dtypes, device_type="cpu") -> bool:
+    return all(is_plain(t, dtypes, device_type) for t in ts)
+
+
+def _offsets(offsets) -> list:
+    if isinstance(offsets, torch.Tensor):
+        return [int(v) for v in offsets.tolist()]
+    return [int(v) for v in offsets]
+
+
+def check_tensors(named) -> None:
+    """``named``: [(name, tensor or None)]: every tensor is a torch.Tensor, all on one device."""
+    dev = None
+    for name, t in named:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"lioncub kernels: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if dev is None:
+            dev, first = t.device, name
+        elif t.device != dev:
+            raise ValueError(f"lioncub kernels: {name} is on {t.device} but {first} is on {dev}: every tensor of a "
+                             "call must be on one device")
+
+
+def check_bucket(tensors, offsets, limit, name, others=None, others_name=None) -> list:
+    """Offsets are non-negative multiples of 8, every tensor fits [0, limit) and none overlap;
+    ``others`` (momenta of grads...) pair one to one with ``tensors``. Returns the int offsets."""
+    offs = _offsets(offsets)
+    if len(offs) != len(tensors):
+        raise ValueError(f"lioncub kernels: {name} has {len(tensors)} tensors but offsets has {len(offs)} entries")
+    if others is not None:
+        if len(others) != len(tensors):
+            raise ValueError(f"lioncub kernels: {name} has {len(tensors)} tensors but {others_name} has {len(others)}")
+        for i, (a, b) in enumerate(zip(tensors, others)):
+            if a.numel() != b.numel():
+                raise ValueError(f"lioncub kernels: {name}[{i}] has {a.numel()} elements but {others_name}[{i}] has "
+                                 f"{b.numel()}")
+    spans = []
+    ordered = True
+    for i, (t, o) in enumerate(zip(tensors, offs)):
+        n = t.numel()
+        if o < 0 or o % 8:
+            raise ValueError(f"lioncub kernels: offsets[{i}]={o} must be a non-negative multiple of 8")
+        if limit is not None and o + n > limit:
+            raise ValueError(f"lioncub kernels: {name}[{i}] ({n} elements at offset {o}) does not fit the "
+                             f"bucket of {limit} elements")
+        if n:
+            ordered = ordered and (not spans or o >= spans[-1][0])
+            spans.append((o, o + n, i))
+    if not ordered:
+        spans.sort()
+    for (a0, a1, i), (b0, _, j) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"lioncub kernels: {name}[{i}] and {name}[{j}] overlap in the bucket "
+                             f"(offsets {a0} and {b0})")
+    return offs
+
+
+def check_planes(sign, nonzero, two_d: bool, max_rows=None) -> None:
+    """sign: uint8 [N, bytes] (or [bytes] when not two_d); nonzero: None or the same shape."""
+    check_tensors([("sign", sign), ("nonzero", nonzero)])
+    dims = (2,) if two_d else (1, 2)
+    if sign.dim() not in dims:
+        raise ValueError(f"lioncub kernels: sign must be a {'2-D [N, bytes]' if two_d else '1-D or 2-D [N, bytes]'} "
+                         f"uint8 tensor, got {sign.dim()} dims")
+    if nonzero is not None and tuple(nonzero.shape) != tuple(sign.shape):
+        raise ValueError(f"lioncub kernels: nonzero planes {tuple(nonzero.shape)} must match the sign planes "
+                         f"{tuple(sign.shape)}")
+    if sign.dim() == 2 and sign.shape[0] < 1:
+        raise ValueError("lioncub kernels: sign must hold at least one plane")
+
+
+def check_world(world_size) -> int:
+    w = int(world_size)
+    if not 1 <= w < 2**31:
+        raise ValueError(f"lioncub kernels: world_size must be in 1..2**31-1, got {world_size!r}")
+    return w
+
+
+def check_lane_width(p) -> int:
+    if p not in ref.LANE_WIDTHS:
+        raise ValueError(f"lane width p must be one of {ref.LANE_WIDTHS}, got {p!r}")
+    return int(p)
+
+
+def check_total(total) -> int:
+    t = int(total)
+    if t < 0 or t % 8:
+        raise ValueError(f"lioncub kernels: total must be a non-negative multiple of 8, got {total!r}")
+    return t
+
+
+def planes_ok(sign, nonzero, device_type="cpu", max_rows=65535) -> bool:
+    rows = sign.shape[0] if sign.dim() == 2 else 1
+    return (is_plain(sign, (torch.uint8,), device_type) and 1 <= rows <= max_rows
+            and (nonzero is None or is_plain(nonzero, (torch.uint8,), device_type)))
+
+
+
+
+# ----------------------------------------------------------------------------- per entry point
+def _grads_momenta(grads, momenta):
+    check_tensors([(f"grads[{i}]", g) for i, g in enumerate(grads)]
+                  + [(f"momenta[{i}]", m) for i, m in enumerate(momenta)])
+
+
+def validate_local(grads, momenta, offsets, total):
+    """local_step / int8_local_step: returns (total, int offsets)."""
+    total = check_total(total)
+    _grads_momenta(grads, momenta)
+    return total, check_bucket(grads, offsets, total, "grads", momenta, "momenta")
+
+
+def validate_momentum(momenta, grads) -> None:
+    _grads_momenta(grads, momenta)
+    if len(momenta) != len(grads):
+        raise ValueError(f"lioncub kernels: momenta has {len(momenta)} tensors but grads has {len(grads)}")
+    for i, (m, g) in enumerate(zip(momenta, grads)):
+        if m.numel() != g.numel():
+            raise ValueError(f"lioncub kernels: momenta[{i}] has {m.numel()} elements but grads[{i}] has "
+                             f"{g.numel()}")
+
+
+def _vote_codes(tie_break, vote, world_size):
+    v = ref.enum_code("vote", vote)
+    t = ref.enum_code("tie_break", tie_break) if v == 0 else 0
+    return v, t, check_world(world_size)
+
+
+def _segments(offs, segments):
+    return ref.tie_segments(offs) if segments is None else ref.as_segments(segments)
+
+
+def validate_vote_apply(sign, nonzero, params, offsets, tie_break, vote, world_size, segments):
+    """vote_apply: returns (vote code, tie code, world size, int offsets, tie-index table)."""
+    v, t, world = _vote_codes(tie_break, vote, world_size)
+    check_planes(sign, nonzero, False)
+    check_tensors([("sign", sign)] + [(f"params[{i}]", p) for i, p in enumerate(params)])
+    offs = check_bucket(params, offsets, sign.shape[-1] * 8, "params")
+    return v, t, world, offs, _segments(offs, segments)
+
+
+def validate_shard_vote(sign, nonzero, tie_break, segments):
+    """shard_vote: returns (tie code, tie-index table)."""
+    t = ref.enum_code("tie_break", tie_break)
+    check_planes(sign, nonzero, True)
+    return t, ref.as_segments(segments)
+
+
+def validate_count_lanes(sign, nonzero, p) -> int:
+    """count_lanes: returns the lane width. Without abstentions every rank's vote counts, so N
+    ranks must fit a p-bit lane (a count is at most N)."""
+    p = check_lane_width(p)
+    check_planes(sign, nonzero, True)
+    if nonzero is None and sign.shape[1] > 0 and sign.shape[0] > (1 << p) - 1:
+        raise ValueError(f"count {sign.shape[0]} does not fit a {p}-bit lane")
+    return p
+
+
+def validate_lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offsets, tie_break, vote, segments):
+    """lanes_apply: returns (lane width, vote code, tie code, world size, int offsets, tie-index table)."""
+    p = check_lane_width(p)
+    v, t, world = _vote_codes(tie_break, vote, world_size)
+    check_tensors([("plus_lanes", plus_lanes), ("cnt_lanes", cnt_lanes)]
+                  + [(f"params[{i}]", q) for i, q in enumerate(params)])
+    if cnt_lanes is not None and cnt_lanes.numel() != plus_lanes.numel():
+        raise ValueError(f"lioncub kernels: cnt_lanes has {cnt_lanes.numel()} bytes but plus_lanes has "
+                         f"{plus_lanes.numel()}")
+    offs = check_bucket(params, offsets, plus_lanes.numel() * 8 // p, "params")
+    return p, v, t, world, offs, _segments(offs, segments)
+
+
+def validate_int8_apply(qsum, params, offsets) -> list:
+    """int8_apply: returns the int offsets."""
+    check_tensors([("qsum", qsum)] + [(f"params[{i}]", p) for i, p in enumerate(params)])
+    return check_bucket(params, offsets, qsum.numel(), "params")

@@ -1,0 +1,121 @@
+"""The C++ CPU backend: the fused kernels of ``csrc/cpu`` behind the reference's signatures.
+
+Built and loaded by :mod:`lioncub_ds.kernels.loader`. Arguments are checked in Python first
+(:mod:`lioncub_ds.kernels.checks`); tensors the kernels do not handle take the reference path.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+from .checks import (all_plain, is_plain, planes_ok, validate_count_lanes, validate_int8_apply, validate_local,
+                     validate_lanes_apply, validate_momentum, validate_shard_vote, validate_vote_apply)
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CppBackend:
+    """Fused C++ CPU kernels with the exact interface of :class:`lioncub_ds.kernels.TorchBackend`.
+
+    ``vote_apply``, ``lanes_apply`` and ``int8_apply`` return Δ like the reference; pass
+    ``return_delta=False`` to skip materialising it (4 bytes per element of extra writes).
+    """
+
+    name = "cpp"
+
+    def __init__(self, ext):
+        self._ext = ext
+
+    # -- introspection / test hooks
+    @property
+    def isa(self) -> str:
+        return self._ext.isa()
+
+    def set_isa(self, isa: str) -> None:
+        """'auto', 'baseline' or 'avx2' (both paths give identical results)."""
+        codes = {"auto": 0, "baseline": 1, "base": 1, "avx2": 2}
+        if isa not in codes:
+            raise ValueError(f"isa must be one of {tuple(codes)}, got {isa!r}")
+        self._ext.set_isa(codes[isa])
+
+    def _state_ok(self, grads, momenta) -> bool:
+        return all_plain(grads, _GRAD_DTYPES) and all_plain(momenta, _STATE_DTYPES)
+
+    # -- (a) local step
+    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False):
+        total, offs = validate_local(grads, momenta, offsets, total)
+        if not self._state_ok(grads, momenta):
+            return ref.local_step(grads, momenta, offs, total, beta1, beta2, update_momentum)
+        sign, nz, n_bad, n_zero = self._ext.local_step(list(grads), list(momenta), offs, total, float(beta1),
+                                                      float(beta2), bool(update_momentum))
+        return sign, nz, int(n_bad), int(n_zero)
+
+    # -- (b) momentum
+    def momentum_update_list(self, momenta, grads, beta2):
+        validate_momentum(momenta, grads)
+        if self._state_ok(grads, momenta):
+            self._ext.momentum_update_list(list(momenta), list(grads), float(beta2))
+            return
+        for m, g in zip(momenta, grads):
+            ref.momentum_update(m, g, beta2)
+
+    # -- (c) vote + apply
+    def vote_apply(self, sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size,
+                   segments=None, return_delta=True):
+        v, t, world, offs, segs = validate_vote_apply(sign, nonzero, params, offsets, tie_break, vote, world_size,
+                                                      segments)
+        if not (planes_ok(sign, nonzero) and all_plain(params, _STATE_DTYPES)):
+            return ref.vote_apply(sign, nonzero, params, offs, lr, weight_decay, step, tie_break, vote, world_size,
+                                  segs, return_delta)
+        return self._ext.vote_apply(sign, nonzero, list(params), offs, float(lr), float(weight_decay), int(step), t,
+                                    v, world, segs, bool(return_delta))
+
+    # -- (d) two-phase vote, phase 1
+    def shard_vote(self, sign, nonzero, step, tie_break, segments):
+        t, segs = validate_shard_vote(sign, nonzero, tie_break, segments)
+        if not planes_ok(sign, nonzero):
+            return ref.shard_vote(sign, nonzero, step, tie_break, segs)
+        out_sign, out_nz = self._ext.shard_vote(sign, nonzero, int(step), t, segs)
+        return out_sign, out_nz
+
+    # -- (e) p-bit count lanes
+    def count_lanes(self, sign, nonzero, p):
+        p = validate_count_lanes(sign, nonzero, p)
+        if not planes_ok(sign, nonzero):
+            return ref.count_lanes(sign, nonzero, p)
+        plus, cnt, mx = self._ext.count_lanes(sign, nonzero, p)
+        if sign.shape[1] > 0 and mx > (1 << p) - 1:
+            raise ValueError(f"count {mx} does not fit a {p}-bit lane")
+        return plus, cnt
+
+    # -- (f) summed lanes + apply
+    def lanes_apply(self, plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break,
+                    vote, segments=None, return_delta=True):
+        p, v, t, world, offs, segs = validate_lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offsets,
+                                                          tie_break, vote, segments)
+        lanes_ok = is_plain(plus_lanes, (torch.uint8,)) and (cnt_lanes is None or is_plain(cnt_lanes, (torch.uint8,)))
+        if not (lanes_ok and all_plain(params, _STATE_DTYPES)):
+            return ref.lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offs, lr, weight_decay, step,
+                                   tie_break, vote, segs, return_delta)
+        return self._ext.lanes_apply(plus_lanes.reshape(-1), None if cnt_lanes is None else cnt_lanes.reshape(-1),
+                                     world, p, list(params), offs, float(lr), float(weight_decay), int(step), t, v,
+                                     segs, bool(return_delta))
+
+    # -- (g) int8 codes
+    def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels):
+        code = ref.enum_code("quant scale", kind)
+        total, offs = validate_local(grads, momenta, offsets, total)
+        if not self._state_ok(grads, momenta) or not 1 <= levels <= 127:
+            return ref.int8_local_step(grads, momenta, offs, total, beta1, kind, levels)
+        q, n_bad = self._ext.int8_local_step(list(grads), list(momenta), offs, total, float(beta1), code,
+                                             int(levels))
+        return q, int(n_bad)
+
+    # -- (h) int8 apply
+    def int8_apply(self, qsum, params, offsets, lr, weight_decay, return_delta=True):
+        offs = validate_int8_apply(qsum, params, offsets)
+        if not (is_plain(qsum, (torch.int8,)) and all_plain(params, _STATE_DTYPES)):
+            return ref.int8_apply(qsum, params, offs, lr, weight_decay, return_delta)
+        return self._ext.int8_apply(qsum.reshape(-1), list(params), offs, float(lr), float(weight_decay),
+                                    bool(return_delta))
