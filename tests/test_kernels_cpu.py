@@ -599,6 +599,17 @@ def test_unsupported_tensors_take_the_reference_path(kind):
     for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
         assert_same(a, b, what)
 
+    # momentum over several tensors: each momentum is its own tensor (no bucket offsets), so none
+    # "overlap" (the CUDA backend once rejected every list longer than one as overlapping)
+    grads = [torch.randn(n, dtype=torch.float64, generator=_gen(5 + n)) for n in (13, 8, 1)]
+    m_ref = [torch.randn(g.numel(), dtype=torch.float64, generator=_gen(9)) for g in grads]
+    m_be = [m.clone() for m in m_ref]
+    for m, g in zip(m_ref, grads):
+        reference.momentum_update(m, g, 0.99)
+    backend.momentum_update_list(m_be, grads, 0.99)
+    for a, b in zip(m_ref, m_be):
+        assert_same_float(a, b, "momentum")
+
 
 def test_bf16_nan_matches_torch(be):
     """fp32 -> bf16 of a NaN (any sign or payload) gives 0x7FC0, torch's scalar rule, on both ISA
