@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ..telemetry import ring_bytes
 from . import make_algorithm
 
 log = logging.getLogger("lioncub_ds")
@@ -45,8 +46,7 @@ class CostModel:
         if algorithm in ("fp32_allreduce", "bf16_allreduce"):
             width = 4 if algorithm.startswith("fp32") else 2
             gamma = self.gamma_s_per_byte if self.gamma_reduce_s_per_byte is None else self.gamma_reduce_s_per_byte
-            return (2 * (n - 1) * self.alpha_s + 2 * (n - 1) * width * numel / n * self.beta_s_per_byte
-                    + width * numel * gamma)
+            return self.collective_time(*self.collective_terms("all_reduce", width * numel, n)) + width * numel * gamma
         algo = make_algorithm(algorithm, pbit_bits=pbit_bits)
         padded = (numel + 8 * n - 1) // (8 * n) * (8 * n)
         sent = algo.wire_bytes(padded, n, mode=mode, vote=vote, tie_break=tie_break)
@@ -66,16 +66,16 @@ class CostModel:
 
     @staticmethod
     def collective_terms(kind: str, nbytes: int, world_size: int) -> tuple[int, float]:
-        """(messages, bytes one rank sends) of one collective over ``nbytes`` (the full tensor),
-        ring model as in the telemetry: all_reduce 2(N−1) rounds, all_gather / all_to_all N−1."""
+        """(messages, bytes one rank sends) of one collective over ``nbytes`` (the full tensor), by
+        the ring model the telemetry counts with (:func:`lioncub_ds.telemetry.ring_bytes`):
+        all_reduce 2(N−1) rounds, all_gather / all_to_all / reduce_scatter N−1."""
         n = world_size
         if n <= 1:
             return 0, 0.0
-        if kind == "all_reduce":
-            return 2 * (n - 1), 2 * (n - 1) * nbytes / n
-        if kind in ("all_gather", "all_to_all", "reduce_scatter"):
-            return n - 1, (n - 1) * nbytes / n
-        raise ValueError(f"unknown collective kind {kind!r}")
+        if kind not in ("all_reduce", "all_gather", "all_to_all", "reduce_scatter"):
+            raise ValueError(f"unknown collective kind {kind!r}")
+        sent = ring_bytes(kind, nbytes, n)
+        return (2 * (n - 1) if kind == "all_reduce" else n - 1), float(sent)
 
     @classmethod
     def fit(cls, samples, gamma_s_per_byte: float = 0.0, gamma_reduce_s_per_byte: float | None = None) -> "CostModel":
