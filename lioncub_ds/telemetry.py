@@ -34,8 +34,10 @@ def ring_bytes(kind: str, nbytes: int, world_size: int) -> int:
 
 
 def _zero():
+    # comm_time_s: each collective from launch to done (overlapped time included);
+    # wait_time_s: the time the host spent blocked waiting for them (the exposed part)
     return {"bytes_sent": 0, "fp32_allreduce_bytes": 0, "bf16_allreduce_bytes": 0, "comm_time_s": 0.0,
-            "collectives": 0, "by_collective": defaultdict(int), "by_algorithm": defaultdict(int)}
+            "wait_time_s": 0.0, "collectives": 0, "by_collective": defaultdict(int), "by_algorithm": defaultdict(int)}
 
 
 class CommStats:
@@ -56,6 +58,10 @@ class CommStats:
             acc["by_collective"][kind] += sent
             acc["by_algorithm"][purpose] += sent
         return sent
+
+    def record_wait(self, seconds: float) -> None:
+        for acc in (self._current, self.cumulative):
+            acc["wait_time_s"] += seconds
 
     def add_baseline(self, numel: int, world_size: int) -> None:
         """What an fp32 / bf16 ring all-reduce of ``numel`` gradients would send."""

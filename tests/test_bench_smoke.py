@@ -198,7 +198,7 @@ def test_netns_refuses_clearly_when_it_cannot_run(monkeypatch, capsys):
 @pytest.mark.skipif(not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")),
                     reason="bench netns needs root and iproute2 (ip, tc)")
 def test_netns_tiny_run():
-    variants = ("no_comm", "ddp_lion_bf16", "lion_bf16_allreduce", "lioncub_1bit")
+    variants = ("no_comm", "ddp_lion_bf16", "lion_bf16_allreduce", "lioncub_1bit", "lioncub_1bit_overlap")
     recs = netns.run(bandwidths=(10.0,), world_size=2, steps=1, warmup=1, seq_len=8, batch_size=1,
                      variants=variants, timeout=600,
                      model_overrides={"n_layer": 1, "d_model": 32, "n_head": 2}, verbose=False)
@@ -211,10 +211,12 @@ def test_netns_tiny_run():
                 "link_rate_per_rank_gbit"} <= set(r)
         assert r["link_bytes_per_rank"] is not None  # the namespace's lo counter was read
     assert by["no_comm"]["bytes_per_rank"] == 0
-    for v in ("ddp_lion_bf16", "lion_bf16_allreduce", "lioncub_1bit"):
+    for v in ("ddp_lion_bf16", "lion_bf16_allreduce", "lioncub_1bit", "lioncub_1bit_overlap"):
         # what crossed the link: the formula's bytes plus headers and barriers (no_comm's row), never less
         assert by[v]["link_bytes_per_rank"] >= by[v]["bytes_per_rank"] > 0
     assert by["ddp_lion_bf16"]["bytes_per_rank"] == by["lion_bf16_allreduce"]["bytes_per_rank"]
     assert by["lioncub_1bit"]["link_bytes_per_rank"] < by["lion_bf16_allreduce"]["link_bytes_per_rank"]
+    assert by["lioncub_1bit_overlap"]["link_bytes_per_rank"] < by["lion_bf16_allreduce"]["link_bytes_per_rank"]
+    assert by["lioncub_1bit_overlap"]["comm_time_method"].startswith("overlapped")
     assert not [ln for ln in os.popen("ip netns list").read().splitlines() if ln.startswith("lioncub-bench-")
                 and ln.split("-")[2] == str(os.getpid())]

@@ -122,6 +122,7 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if not self._done:
             coll = self.coll
+            t_wait = time.perf_counter()
             try:
                 if coll.timeout is not None:
                     self.work.wait(coll.timeout)
@@ -130,7 +131,9 @@ class Pending:
             except RuntimeError as exc:
                 raise coll._failed(self.kind, self.purpose, self._t, self._in_bytes, self._device, exc) from exc
             self._done = True
-            coll.stats.record(self.kind, self.purpose, self._sent, coll.world_size, time.perf_counter() - self._t)
+            now = time.perf_counter()
+            coll.stats.record_wait(now - t_wait)
+            coll.stats.record(self.kind, self.purpose, self._sent, coll.world_size, now - self._t)
         return self.out
 
 
