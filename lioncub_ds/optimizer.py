@@ -448,7 +448,7 @@ class LionCub(Optimizer):
                             "second backward without opt.no_sync(), or in-place clipping); voting again in step()")
                 self._warned_revote = True
             pipe.drain()
-        flags, input_error, nonfinite = pipe.finish(self._frozen_param_error())
+        flags, input_error = pipe.finish(self._frozen_param_error())
         if flags[1] > 0:
             pipe.drain()
             self.stats.end_step()
@@ -461,8 +461,9 @@ class LionCub(Optimizer):
             self._skipped_steps += 1
             self.stats.end_step()
             if cfg.nonfinite == "raise":
+                count = f"{flags[2]}{'+' if flags[2] >= 2**20 else ''}"
                 raise NonFiniteError(f"LionCub: non-finite gradient or momentum on {flags[0]} of {n} ranks at step "
-                                     f"{step} (this rank: {nonfinite} values); nonfinite='raise'. No state was "
+                                     f"{step} (non-finite values in all: {count}); nonfinite='raise'. No state was "
                                      "changed.")
             log.warning("LionCub: non-finite gradient/momentum on %d of %d ranks at step %d: step skipped on every rank",
                         flags[0], n, step)

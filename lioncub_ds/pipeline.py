@@ -23,6 +23,11 @@ from .comm.abstain import differing, encode_list
 
 log = logging.getLogger("lioncub_ds")
 
+# The step's flag tensor, summed over ranks: [ranks with a non-finite value, ranks with an unusable
+# input, non-finite values in all (each rank's count capped at 2**20)], then per bucket
+# [ranks whose abstention list overflowed, ranks with an abstention].
+FLAG_HEAD = 3
+
 
 def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[int]]:
     """Bucket indices per communication batch, in launch order (last buckets first).
@@ -106,16 +111,19 @@ class VotePipeline:
             else:
                 self._payload(job, b, torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev),
                               torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev))
-            self.local[i] = _Local(job, grads, momenta, be, 0, torch.zeros(2, dtype=torch.int32, device=dev), [])
+            zero = torch.zeros((), dtype=torch.int64, device=dev)
+            self.local[i] = _Local(job, grads, momenta, be, zero, torch.zeros(2, dtype=torch.int32, device=dev), [])
             return
         grads = opt._grads(b)
         momenta = [opt._momentum(p) for p in b.params]
+        # counts stay on the device (device_counts): finish() folds them into the step's one flag read
         if b.algorithm.encoding == "int8":
             job.codes, nonfinite = be.int8_local_step(grads, momenta, b.offsets, b.numel, b1, cfg.quant,
-                                                      int8_levels(opt.world_size))
+                                                      int8_levels(opt.world_size), device_counts=True)
             flags = torch.zeros(2, dtype=torch.int32, device=dev)
         else:
-            sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, False)
+            sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, False,
+                                                   device_counts=True)
             flags = self._payload(job, b, sign, nz)
         versions = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
         self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions)
@@ -193,12 +201,16 @@ class VotePipeline:
         opt = self.opt
         self.launch_all()
         error = frozen_error or self.error
-        nonfinite = sum(loc.nonfinite for loc in self.local)
-        head = torch.tensor([1 if nonfinite else 0, 1 if error else 0], dtype=torch.int32, device=opt._device)
+        dev = opt._device
+        # this rank's non-finite count, summed on the device; clamped so that the sum over ranks
+        # cannot overflow int32 (the message says "at least")
+        nonfinite = torch.stack([loc.nonfinite.to(dev) for loc in self.local]).sum().clamp_(max=2**20)
+        head = torch.stack([(nonfinite > 0).to(torch.int32), torch.full((), int(bool(error)), dtype=torch.int32,
+                                                                        device=dev), nonfinite.to(torch.int32)])
         flags = torch.cat([head] + [loc.flags for loc in self.local])
         opt._coll.all_reduce_(flags, "control")
         flags = flags.tolist()  # the one host read of the step
-        return flags, error, nonfinite
+        return flags, error
 
     def complete(self, flags) -> None:
         opt = self.opt
@@ -215,7 +227,7 @@ class VotePipeline:
                 job.lr, job.weight_decay, job.step = g["lr"], g["weight_decay"], step
                 if b.algorithm.encoding != "bits":
                     continue
-                overflow, abstains = flags[2 + 2 * i], flags[3 + 2 * i]
+                overflow, abstains = flags[FLAG_HEAD + 2 * i], flags[FLAG_HEAD + 1 + 2 * i]
                 if abstains == 0:
                     job.planes = None
                 elif job.mode == "list" and overflow > 0:  # some rank's list was too short: the planes

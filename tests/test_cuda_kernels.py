@@ -359,6 +359,44 @@ def test_local_step_empty_bucket_and_gaps(backend):
     assert got[2:] == ref[2:]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_GPU)
+def test_local_step_never_synchronizes_with_device_counts(monkeypatch):
+    """The optimizer's local half of a step on CUDA (local_step / int8_local_step with
+    device_counts=True, then the abstention payload) issues no host synchronization:
+    torch's sync debug mode turns any into an error. The counts still equal the reference's."""
+    from lioncub_ds.comm.abstain import differing, encode_list, list_capacity, real_mask
+
+    monkeypatch.setenv("LIONCUB_KERNELS", "cuda")
+    be = kernels.backend_for("cuda")
+    g = gen(11)
+    sizes = [7, 4097, 9, 1]
+    grads = rand_tensors(sizes, torch.bfloat16, g)
+    plant_nonfinite(grads)
+    moms = rand_tensors(sizes, torch.float32, g, scale=0.1)
+    for gr, m in zip(grads, moms):
+        gr[-1:] = 0.0
+        m[-1:] = 0.0
+    offsets, total = layout(sizes, 4)
+    d_grads, d_moms = to(grads, "cuda"), to(moms, "cuda")
+    mask = real_mask(offsets, sizes, total, "cuda")
+    cap = list_capacity(total // 8, 4)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sign, nz, n_bad, n_zero = be.local_step(d_grads, d_moms, offsets, total, 0.9, 0.99, device_counts=True)
+        count = differing(nz, mask)
+        payload = encode_list(nz, mask, cap)
+        q, q_bad = be.int8_local_step(d_grads, d_moms, offsets, total, 0.9, "l1", 3, device_counts=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ref = REF.local_step(grads, [m.clone() for m in moms], offsets, total, 0.9, 0.99)
+    same(sign, ref[0], "sign plane")
+    same(nz, ref[1], "nonzero plane")
+    assert (int(n_bad), int(n_zero)) == (ref[2], ref[3])
+    assert int(q_bad) == REF.int8_local_step(grads, moms, offsets, total, 0.9, "l1", 3)[1]
+    assert int(count) >= 0 and payload.is_cuda and q.is_cuda
+
+
 @pytest.mark.parametrize("gdt,mdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                      (torch.float16, torch.float32)])
 def test_momentum_update_list(backend, gdt, mdt):

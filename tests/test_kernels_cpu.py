@@ -390,6 +390,25 @@ def test_int8_local_step(isa_be, gdt, mdt, kind):
         assert_same(ref[1], got[1], f"#non-finite (N={n})")
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "cpp"])
+def test_device_counts_equal_the_int_counts(be, backend_name):
+    """device_counts=True (what the optimizer's pipeline asks for, so CUDA never syncs per bucket):
+    the same counts as 0-dim int64 tensors on the bucket's device; everything else unchanged."""
+    backend = kernels.TorchBackend() if backend_name == "torch" else be
+    grads, moms, offs, total = make_bucket(SMALL, F32, F32, 77)
+    plain = backend.local_step(grads, clone_all(moms), offs, total, 0.9, 0.99)
+    dev = backend.local_step(grads, clone_all(moms), offs, total, 0.9, 0.99, device_counts=True)
+    assert_same(plain[0], dev[0], "sign")
+    assert_same(plain[1], dev[1], "nonzero")
+    for what, a, b in zip(("n_nonfinite", "n_zero"), plain[2:], dev[2:]):
+        assert isinstance(b, torch.Tensor) and b.dim() == 0 and b.dtype == torch.int64 and b.device == grads[0].device
+        assert int(b) == a > 0, what
+    q, n_bad = backend.int8_local_step(grads, moms, offs, total, 0.9, "l1", 3)
+    q_dev, n_bad_dev = backend.int8_local_step(grads, moms, offs, total, 0.9, "l1", 3, device_counts=True)
+    assert_same(q, q_dev, "int8 codes")
+    assert isinstance(n_bad_dev, torch.Tensor) and n_bad_dev.dim() == 0 and int(n_bad_dev) == n_bad > 0
+
+
 def test_int8_zero_and_tiny_scales(be):
     # an all-zero tensor (a == 0 -> q = 0), a single nonzero value, and huge values (c*(s/2) overflows)
     grads = [torch.zeros(100), torch.zeros(9), torch.full((16,), 3e38)]

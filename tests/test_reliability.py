@@ -185,6 +185,7 @@ def test_nonfinite_raise_raises_on_every_rank_and_changes_nothing(nonfinite_run)
         rec = res["raise"]
         assert rec["raised"] is not None, f"rank {rank} did not raise NonFiniteError"
         assert "non-finite gradient or momentum on 1 of 3 ranks at step 5" in rec["raised"]
+        assert "(non-finite values in all: 1)" in rec["raised"]  # the one planted NaN, counted on the device, summed over ranks
         assert "No state was changed" in rec["raised"]
         assert rec["momenta_unchanged"] and rec["params_unchanged"], rank
         assert rec["count_before_after"] == (BAD_STEP - 1, BAD_STEP - 1)

@@ -193,11 +193,12 @@ class SimLionCub:
 
         from lioncub_ds.comm import make_algorithm
         from lioncub_ds.comm.abstain import list_capacity, real_mask
+        from lioncub_ds.pipeline import FLAG_HEAD
 
         cfg, n = self.cfg, self.n
         step = self.step_count + 1
-        # the control flags: [non-finite, unusable input] + [overflow, abstains] per bucket (int32)
-        sent = self._collective_bytes("all_reduce", 4 * (2 + 2 * len(self.buckets)))
+        # the control flags (int32): the head (pipeline.FLAG_HEAD) + [overflow, abstains] per bucket
+        sent = self._collective_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(self.buckets)))
         for bi, (gi, params, offsets, total, base) in enumerate(self.buckets):
             g = self.groups[gi]
             b1, b2 = g["betas"]

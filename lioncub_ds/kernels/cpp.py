@@ -43,12 +43,14 @@ class CppBackend:
         return all_plain(grads, _GRAD_DTYPES) and all_plain(momenta, _STATE_DTYPES)
 
     # -- (a) local step
-    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False):
+    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False):
         total, offs = validate_local(grads, momenta, offsets, total)
         if not self._state_ok(grads, momenta):
-            return ref.local_step(grads, momenta, offs, total, beta1, beta2, update_momentum)
+            return ref.local_step(grads, momenta, offs, total, beta1, beta2, update_momentum, device_counts)
         sign, nz, n_bad, n_zero = self._ext.local_step(list(grads), list(momenta), offs, total, float(beta1),
                                                       float(beta2), bool(update_momentum))
+        if device_counts:
+            return sign, nz, *ref.as_device_counts(sign.device, n_bad, n_zero)
         return sign, nz, int(n_bad), int(n_zero)
 
     # -- (b) momentum
@@ -103,13 +105,15 @@ class CppBackend:
                                      segs, bool(return_delta))
 
     # -- (g) int8 codes
-    def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels):
+    def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels, device_counts=False):
         code = ref.enum_code("quant scale", kind)
         total, offs = validate_local(grads, momenta, offsets, total)
         if not self._state_ok(grads, momenta) or not 1 <= levels <= 127:
-            return ref.int8_local_step(grads, momenta, offs, total, beta1, kind, levels)
+            return ref.int8_local_step(grads, momenta, offs, total, beta1, kind, levels, device_counts)
         q, n_bad = self._ext.int8_local_step(list(grads), list(momenta), offs, total, float(beta1), code,
                                              int(levels))
+        if device_counts:
+            return q, *ref.as_device_counts(q.device, n_bad)
         return q, int(n_bad)
 
     # -- (h) int8 apply

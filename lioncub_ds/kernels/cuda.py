@@ -41,8 +41,9 @@ class CudaBackend:
     """Fused CUDA kernels (csrc/cuda) behind the TorchBackend signatures; CUDA tensors only.
 
     Every method is one multi-tensor launch per bucket (int8_local_step: three), on the
-    current CUDA stream; only local_step / int8_local_step (their int counts) and
-    count_lanes (an overflow check, only when a count could overflow) synchronize.
+    current CUDA stream. local_step / int8_local_step synchronize only to return their counts
+    as ints; with ``device_counts=True`` (what the optimizer uses) they do not. count_lanes
+    synchronizes for its overflow check, only when a count could overflow.
     """
 
     name = "cuda"
@@ -55,17 +56,19 @@ class CudaBackend:
         return _cuda_plain(momenta) and all(g.is_cuda and g.dtype in _DTYPES for g in grads)
 
     # ------------------------------------------------------------------ local step
-    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False):
+    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False):
         total, offs = validate_local(grads, momenta, offsets, total)
         if not grads:
             dev = "cuda" if torch.cuda.is_available() else "cpu"
             z = torch.zeros(total // 8, dtype=torch.uint8, device=dev)
-            return z, z.clone(), 0, 0
+            return (z, z.clone(), *ref.as_device_counts(dev, 0, 0)) if device_counts else (z, z.clone(), 0, 0)
         if not self._state_ok(grads, momenta):
-            return ref.local_step(grads, momenta, offs, total, beta1, beta2, update_momentum)
+            return ref.local_step(grads, momenta, offs, total, beta1, beta2, update_momentum, device_counts)
         sign, nonzero, counts = self._ext.cuda_local_step(
             [g.contiguous() for g in grads], list(momenta), offs, total, float(beta1), float(beta2),
             bool(update_momentum))
+        if device_counts:  # no host read: the caller folds them into its flags
+            return sign, nonzero, counts[0].to(torch.int64), counts[1].to(torch.int64)
         n_nonfinite, n_zero = counts.tolist()
         return sign, nonzero, n_nonfinite, n_zero
 
@@ -116,16 +119,19 @@ class CudaBackend:
                                           float(lr), float(weight_decay), int(step), t, v, segs, bool(return_delta))
 
     # ------------------------------------------------------------------ int8
-    def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels):
+    def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels, device_counts=False):
         code = ref.enum_code("quant scale", kind)
         total, offs = validate_local(grads, momenta, offsets, total)
         if not grads:
             dev = "cuda" if torch.cuda.is_available() else "cpu"
-            return torch.zeros(total, dtype=torch.int8, device=dev), 0
+            q = torch.zeros(total, dtype=torch.int8, device=dev)
+            return (q, *ref.as_device_counts(dev, 0)) if device_counts else (q, 0)
         if not (self._state_ok(grads, momenta) and 1 <= int(levels) <= 127):
-            return ref.int8_local_step(grads, momenta, offs, total, beta1, kind, levels)
+            return ref.int8_local_step(grads, momenta, offs, total, beta1, kind, levels, device_counts)
         q, n_bad, _scales = self._ext.cuda_int8_local_step(
             [g.contiguous() for g in grads], list(momenta), offs, total, float(beta1), code, int(levels))
+        if device_counts:
+            return q, n_bad.reshape(()).to(torch.int64)
         return q, int(n_bad.item())
 
     def int8_apply(self, qsum, params, offsets, lr, weight_decay, return_delta=True):

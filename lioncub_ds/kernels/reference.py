@@ -141,7 +141,7 @@ def encode_votes(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]
     return pack_bits(sign), pack_bits(nonzero), n_nonfinite, n_zero
 
 
-def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=False):
+def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False):
     """The local half of a Distributed Lion step over one bucket.
 
     ``grads``/``momenta``: lists of tensors; ``offsets``: element offset of each tensor in
@@ -149,6 +149,9 @@ def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=Fal
     (sign bits, nonzero bits, #non-finite c, #zero c) over the real elements only
     (padding abstains and is not counted). With ``update_momentum`` the momenta are
     advanced in the same pass (otherwise call :func:`momentum_update` after the vote).
+    ``device_counts``: the two counts are 0-dim int64 tensors on the bucket's device instead
+    of Python ints, so a caller can fold them into other device flags without a host read
+    (the CUDA backend then never synchronizes).
     """
     c = torch.zeros(total, dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for g, m, off in zip(grads, momenta, offsets):
@@ -158,7 +161,14 @@ def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=Fal
     sign, nonzero, n_nonfinite, _ = encode_votes(c)
     n_real = sum(g.numel() for g in grads)
     n_zero = int((c == 0).sum()) - (total - n_real)
+    if device_counts:
+        return sign, nonzero, *as_device_counts(c.device, n_nonfinite, n_zero)
     return sign, nonzero, n_nonfinite, n_zero
+
+
+def as_device_counts(device, *counts):
+    """Host ints -> 0-dim int64 tensors on ``device`` (the ``device_counts=True`` form)."""
+    return tuple(torch.tensor(int(v), dtype=torch.int64, device=device) for v in counts)
 
 
 # ----------------------------------------------------------------------------- votes
@@ -468,8 +478,9 @@ def int8_quantize(c: torch.Tensor, scale: float, levels: int) -> torch.Tensor:
     return q.to(torch.int8)
 
 
-def int8_local_step(grads, momenta, offsets, total, beta1, kind, levels):
-    """c per tensor -> int8 codes in a flat bucket buffer. Returns (q, #non-finite)."""
+def int8_local_step(grads, momenta, offsets, total, beta1, kind, levels, device_counts=False):
+    """c per tensor -> int8 codes in a flat bucket buffer. Returns (q, #non-finite);
+    ``device_counts``: the count as a 0-dim int64 tensor on q's device (see :func:`local_step`)."""
     q = torch.zeros(total, dtype=torch.int8, device=grads[0].device if grads else "cpu")
     n_bad = 0
     for g, m, off in zip(grads, momenta, offsets):
@@ -478,6 +489,8 @@ def int8_local_step(grads, momenta, offsets, total, beta1, kind, levels):
         n_bad += int((~finite).sum())
         c = torch.where(finite, c, torch.zeros_like(c))
         q[off:off + c.numel()] = int8_quantize(c, int8_scale(c, kind), levels)
+    if device_counts:
+        return q, *as_device_counts(q.device, n_bad)
     return q, n_bad
 
 
