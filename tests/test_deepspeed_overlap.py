@@ -165,6 +165,9 @@ def _overlap_rank(rank, world_size, tmp):
     torch.set_num_threads(1)
     caught = _Warnings()
     logging.getLogger("lioncub_ds").addHandler(caught)
+    from deepspeed.utils import logger as ds_logger
+    ds_caught = _Warnings()
+    ds_logger.addHandler(ds_caught)
     out = {}
     # several parameter buckets and communication batches, so batches launch one by one in backward
     small = {"bucket_size_mb": 0.0005, "comm_bucket_mb": 0.00002}
@@ -182,6 +185,7 @@ def _overlap_rank(rank, world_size, tmp):
     for overlap in (False, True):
         out[("clip", overlap)] = _run(_cfg(gas=2, clip=1e-4, comm="1bit", overlap=overlap), rank, None)
     out["revote_warnings_clip"] = [m for m in caught.messages if "voting again" in m]
+    out["clip_notes"] = [m for m in ds_caught.messages if "overlap=true with gradient_clipping" in m]
     # refusals, before any state exists
     out["zero1"] = _expect_refusal(_cfg(stage=1, overlap=True))
     out["zero2"] = _expect_refusal(_cfg(stage=2, overlap=True))
@@ -274,6 +278,9 @@ def test_clipping_after_the_votes_started_votes_again_and_stays_exact(results):
         # gradients afterwards: each of those steps voted again, once
         assert on["overlap"]["revotes"] == STEPS - 1, on["overlap"]
         assert len(res["revote_warnings_clip"]) == 1  # one warning per optimizer, not per step
+    # said once at wiring, on rank 0, for the one engine with overlap and clipping
+    assert len(results[0]["clip_notes"]) == 1 and "gradient_clipping=0.0001" in results[0]["clip_notes"][0]
+    assert results[1]["clip_notes"] == []
 
 
 @needs_deepspeed

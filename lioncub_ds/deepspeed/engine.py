@@ -252,6 +252,13 @@ def accumulation_boundary_condition(engine):
     return condition
 
 
+def overlap_clipping_warning(clip: float) -> str:
+    return (f"LionCub overlap=true with gradient_clipping={clip:g} (DeepSpeed's default is 1.0): a vote needs the "
+            "clipped gradient, so a step whose local gradient norm exceeds the clip votes again in step() after "
+            "clipping (exact, but that step's overlapped votes are wasted; comm_stats(engine)['overlap']['revotes'] "
+            "counts them). Set \"gradient_clipping\": 0 to keep every step overlapped.")
+
+
 def check_supported(engine, optimizer=None) -> None:
     """Refuse settings LionCub cannot honour, naming the setting (never mis-train silently).
 
@@ -432,6 +439,9 @@ def wire(engine) -> EngineState:
                     "gradients inside step(). Allowed: overlap=false with this config.")
             # Gradient accumulation: only the accumulation-boundary micro-batch's backward starts votes.
             opt.set_launch_condition(accumulation_boundary_condition(engine))
+            clip = float(engine.gradient_clipping() or 0.0)
+            if clip > 0 and getattr(engine, "global_rank", 0) == 0:
+                _compat.ds_logger().warning(overlap_clipping_warning(clip))
         state = EngineState(opt, stage, "local_momentum", options, world_size=opt.world_size, wrapper=wrapper)
     else:
         if dist.is_available() and dist.is_initialized() and opt.world_size != 1:
