@@ -72,9 +72,25 @@ def _train(engine, rank, steps, start=0, no_sync_first=False):
     """``steps`` optimizer steps; per step the collectives of each backward and of each engine.step().
 
     ``no_sync_first``: gradient_accumulation_steps=1 and the user accumulates one extra
-    micro-batch inside ``engine.no_sync()`` before the step's last one."""
+    micro-batch inside ``engine.no_sync()`` before the step's last one. With
+    ``managed_gradient_accumulation: false`` the loop calls backward for every micro-batch,
+    then ``step()`` once (the caller owns the boundary)."""
     from lioncub_ds.testing import nccl_contract
     gas = engine.gradient_accumulation_steps()
+    if not engine.managed_gradient_accumulation():
+        trace = []
+        for s in range(start, start + steps):
+            rec = {"backward": [], "step": []}
+            for micro in range(gas):
+                x, y = _batch(rank, s, micro)
+                mark = len(nccl_contract.log())
+                engine.backward(((engine(x) - y) ** 2).mean())
+                rec["backward"].append(_calls(mark))
+            mark = len(nccl_contract.log())
+            engine.step()
+            rec["step"].append(_calls(mark))
+            trace.append(rec)
+        return trace
     trace = []
     for s in range(start, start + steps):
         rec = {"backward": [], "step": []}
@@ -181,6 +197,10 @@ def _overlap_rank(rank, world_size, tmp):
         out[("no_sync", overlap)] = _run(_cfg(gas=1, comm="1bit", overlap=overlap, **small), rank, None,
                                          no_sync_first=True)
     out["revote_warnings_no_sync"] = [m for m in caught.messages if "voting again" in m]
+    # unmanaged accumulation: the caller's step() is the boundary, so the votes start there
+    for overlap in (False, True):
+        out[("unmanaged", overlap)] = _run(dict(_cfg(comm="pbit", overlap=overlap),
+                                                managed_gradient_accumulation=False), rank, None)
     # gradient clipping that always clips: the votes started in backward are redone after clipping
     for overlap in (False, True):
         out[("clip", overlap)] = _run(_cfg(gas=2, clip=1e-4, comm="1bit", overlap=overlap), rank, None)
@@ -266,6 +286,18 @@ def test_engine_no_sync_micro_batch_does_not_launch(results):
             assert bool(b["backward"][1]) == (s > 0), (r, s, b)
         assert on["overlap"]["revotes"] == 0
         assert res["revote_warnings_no_sync"] == []
+
+
+@needs_deepspeed
+def test_unmanaged_accumulation_votes_in_step(results):
+    import torch
+    for r, res in enumerate(results):
+        off, on = res[("unmanaged", False)], res[("unmanaged", True)]
+        assert torch.equal(on["params"], off["params"]) and torch.equal(on["momenta"], off["momenta"]), r
+        assert on["step_count"] == STEPS
+        for a, b in zip(off["trace"], on["trace"]):
+            assert b["backward"] == [[], [], []] and b["step"] == a["step"], (r, b)
+        assert on["overlap"] == {"batches_launched_in_backward": 0, "revotes": 0}
 
 
 @needs_deepspeed
