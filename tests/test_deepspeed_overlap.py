@@ -68,7 +68,7 @@ def _calls(since):
     return [f"{e[0]}:{e[2]}" for e in nccl_contract.log()[since:] if e[0] not in ("new_group", "new_subgroups")]
 
 
-def _train(engine, rank, steps, start=0, no_sync_first=False):
+def _train(engine, rank, steps, start=0, no_sync_first=False, nan_at=None):
     """``steps`` optimizer steps; per step the collectives of each backward and of each engine.step().
 
     ``no_sync_first``: gradient_accumulation_steps=1 and the user accumulates one extra
@@ -103,7 +103,10 @@ def _train(engine, rank, steps, start=0, no_sync_first=False):
         for micro in range(gas):
             x, y = _batch(rank, s, micro)
             mark = len(nccl_contract.log())
-            engine.backward(((engine(x) - y) ** 2).mean())
+            loss = ((engine(x) - y) ** 2).mean()
+            if nan_at == (s, rank) and micro == gas - 1:
+                loss = loss * float("nan")  # this rank's boundary gradients are NaN when its votes start
+            engine.backward(loss)
             rec["backward"].append(_calls(mark))
             mark = len(nccl_contract.log())
             engine.step()
@@ -121,15 +124,15 @@ def _state(engine):
             "summary": engine.lioncub.summary()}
 
 
-def _run(cfg, rank, ckpt, no_sync_first=False):
+def _run(cfg, rank, ckpt, no_sync_first=False, nan_at=None):
     """Train STEPS steps with a checkpoint at SAVE_AT; resume a fresh engine from it."""
     engine = _initialize(cfg)
-    trace = _train(engine, rank, SAVE_AT, no_sync_first=no_sync_first)
+    trace = _train(engine, rank, SAVE_AT, no_sync_first=no_sync_first, nan_at=nan_at)
     out = {}
     if ckpt is not None:
         engine.save_checkpoint(ckpt, tag="mid")
-    trace += _train(engine, rank, STEPS - SAVE_AT, start=SAVE_AT, no_sync_first=no_sync_first)
-    out.update(_state(engine), trace=trace)
+    trace += _train(engine, rank, STEPS - SAVE_AT, start=SAVE_AT, no_sync_first=no_sync_first, nan_at=nan_at)
+    out.update(_state(engine), trace=trace, skipped_steps=int(engine.skipped_steps))
     if ckpt is not None:
         engine2 = _initialize(cfg, seed=123)  # another init: everything must come from the checkpoint
         path, _ = engine2.load_checkpoint(ckpt, tag="mid")
@@ -197,6 +200,10 @@ def _overlap_rank(rank, world_size, tmp):
         out[("no_sync", overlap)] = _run(_cfg(gas=1, comm="1bit", overlap=overlap, **small), rank, None,
                                          no_sync_first=True)
     out["revote_warnings_no_sync"] = [m for m in caught.messages if "voting again" in m]
+    # a NaN on rank 1 at step 2's boundary micro-batch: every rank skips that step, with or without overlap
+    for overlap in (False, True):
+        out[("nan", overlap)] = _run(_cfg(comm="1bit", overlap=overlap, **small), rank, None, nan_at=(2, 1))
+    out["revote_warnings_nan"] = [m for m in caught.messages if "voting again" in m]
     # unmanaged accumulation: the caller's step() is the boundary, so the votes start there
     for overlap in (False, True):
         out[("unmanaged", overlap)] = _run(dict(_cfg(comm="pbit", overlap=overlap),
@@ -286,6 +293,19 @@ def test_engine_no_sync_micro_batch_does_not_launch(results):
             assert bool(b["backward"][1]) == (s > 0), (r, s, b)
         assert on["overlap"]["revotes"] == 0
         assert res["revote_warnings_no_sync"] == []
+
+
+@needs_deepspeed
+def test_nonfinite_on_one_rank_skips_on_every_rank_with_overlap(results):
+    import torch
+    for r, res in enumerate(results):
+        off, on = res[("nan", False)], res[("nan", True)]
+        assert torch.equal(on["params"], off["params"]) and torch.equal(on["momenta"], off["momenta"]), r
+        assert torch.equal(on["params"], results[0][("nan", True)]["params"])
+        assert on["skipped_steps"] == off["skipped_steps"] == 1 and on["step_count"] == STEPS - 1, on
+        assert on["trace"][2]["backward"][-1], "the NaN step's votes were launched in backward too"
+        assert on["overlap"]["revotes"] == 0
+    assert results[0]["revote_warnings_nan"] == []
 
 
 @needs_deepspeed
