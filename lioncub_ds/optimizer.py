@@ -170,7 +170,10 @@ class LionCub(Optimizer):
         self._buckets = None
         self._pipe = None
         self._no_sync_depth = 0
+        self._launch_condition = None
         self._warned_revote = False
+        self._revotes = 0                   # steps that voted again (gradients changed after their vote)
+        self._backward_launches = 0         # communication batches launched from gradient-ready hooks
         self._step_count = 0
         self.stats = CommStats()
         self._plan_logged = False
@@ -342,6 +345,9 @@ class LionCub(Optimizer):
         """Bytes sent per collective / algorithm, per step and cumulative (see telemetry)."""
         snap = self.stats.snapshot()
         snap["skipped_steps"] = self._skipped_steps
+        # overlap=True: how many communication batches a backward launched (cumulative), and how
+        # many steps had to vote again because gradients changed after their vote (wasted votes).
+        snap["overlap"] = {"batches_launched_in_backward": self._backward_launches, "revotes": self._revotes}
         return snap
 
     # ------------------------------------------------------------------ state
@@ -447,6 +453,7 @@ class LionCub(Optimizer):
                 log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward (a "
                             "second backward without opt.no_sync(), or in-place clipping); voting again in step()")
                 self._warned_revote = True
+            self._revotes += 1
             pipe.drain()
         flags, input_error = pipe.finish(self._frozen_param_error())
         if flags[1] > 0:
@@ -490,8 +497,21 @@ class LionCub(Optimizer):
                     lambda param, i=i: self._on_grad_ready(i, param)))
 
     def _on_grad_ready(self, i, p):
-        if self._no_sync_depth == 0 and self._pipe is not None:
+        if self._no_sync_depth == 0 and self._pipe is not None and \
+                (self._launch_condition is None or self._launch_condition()):
             self._pipe.grad_ready(i, p)
+
+    def set_launch_condition(self, condition) -> None:
+        """``overlap=True``: ``condition()`` (no arguments, returns a bool) is asked whenever a
+        gradient-ready hook fires during backward; False keeps that backward from starting votes,
+        exactly as if it ran inside :meth:`no_sync`. For training loops that own the
+        gradient-accumulation boundary (the DeepSpeed integration passes "is this micro-batch
+        the engine's accumulation boundary"). It must answer the same on every rank for the same
+        backward. ``None`` (the default): every backward outside ``no_sync()`` may start votes.
+        Without overlap it changes nothing."""
+        if condition is not None and not callable(condition):
+            raise TypeError(f"LionCub.set_launch_condition: expected a callable or None, got {condition!r}")
+        self._launch_condition = condition
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -148,7 +148,9 @@ class VotePipeline:
         self.ready[i].add(id(p))
         if len(self.ready[i]) == len(self.opt._buckets[i].params):
             self.prepare(i)
+            before = self.next_batch
             self.launch_ready()
+            self.opt._backward_launches += self.next_batch - before
 
     def launch_ready(self) -> None:
         """Launch, in the fixed order, every batch whose buckets all have their local step."""

@@ -194,3 +194,42 @@ def test_overlap_is_bit_identical_to_the_plain_step():
             assert torch.equal(plain[0], overlapped[0]), (key, r)
             assert torch.equal(plain[0], r0[False][0]), (key, r)  # replicas identical
             assert plain[1] == overlapped[1] == 1, (key, r)  # the NaN step skipped on every rank
+
+
+def _launch_condition_run(rank, n):
+    """A training loop that owns the accumulation boundary: set_launch_condition instead of no_sync()."""
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        opt = lioncub_ds.LionCub(model.parameters(), lr=1e-2, comm="1bit", bucket_size_mb=0.004,
+                                 comm_bucket_mb=0.0002, overlap=overlap)
+        boundary = {"now": False}
+        opt.set_launch_condition(lambda: boundary["now"])
+        gen = torch.Generator().manual_seed(70 + rank)
+        for step in range(4):
+            for k in range(3):
+                boundary["now"] = k == 2
+                model(torch.randint(0, 30, (5, 3), generator=gen), True).backward()
+            opt.step()
+            opt.zero_grad()
+        out[overlap] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                        opt.comm_stats()["overlap"], len(opt._batches))
+    return out
+
+
+def test_launch_condition_lets_only_the_boundary_backward_launch():
+    res = run_ranks(_launch_condition_run, 2, timeout=300)
+    for r in res:
+        assert torch.equal(r[False][0], r[True][0]) and torch.equal(r[True][0], res[0][True][0])
+        stats, batches = r[True][1], r[True][2]
+        # steps 2..4 launched every batch from the boundary backward, and nothing was voted on twice
+        assert stats == {"batches_launched_in_backward": 3 * batches, "revotes": 0}, stats
+        assert r[False][1] == {"batches_launched_in_backward": 0, "revotes": 0}
+
+
+def test_launch_condition_must_be_callable():
+    opt = lioncub_ds.LionCub([torch.nn.Parameter(torch.zeros(3))], overlap=True)
+    with pytest.raises(TypeError, match="callable"):
+        opt.set_launch_condition(True)
+    opt.set_launch_condition(None)

@@ -41,12 +41,14 @@ ENGINE_PATCHED = ("_is_supported_optimizer", "_configure_basic_optimizer", "_con
 # Methods called on an engine.
 ENGINE_METHODS = ("optimizer_name", "optimizer_params", "zero_optimization", "zero_optimization_stage",
                   "zero_offload_optimizer", "torch_autocast_enabled", "torch_autocast_dtype", "gradient_clipping",
-                  "bfloat16_enabled", "clip_fp32_gradients", "save_checkpoint", "load_checkpoint")
+                  "bfloat16_enabled", "fp16_enabled", "clip_fp32_gradients", "save_checkpoint", "load_checkpoint",
+                  "is_gradient_accumulation_boundary")
 # Attributes read on an engine instance (checked when it is wired).
 ENGINE_ATTRS = ("basic_optimizer", "optimizer", "client_optimizer", "module", "global_rank", "global_steps",
                 "enable_backward_allreduce")
 # Optional engine attributes (absent is fine): mpu, data_parallel_group, seq_data_parallel_group,
-# param_names, pipeline_parallelism, has_moe_layers, pipeline_enable_backward_allreduce.
+# param_names, pipeline_parallelism, has_moe_layers, pipeline_enable_backward_allreduce,
+# inside_no_sync_ctxt (overlap: a backward inside engine.no_sync() starts no votes).
 
 # Module-level names.
 MODULE_NAMES = (

@@ -201,8 +201,68 @@ def destroy_created_groups() -> int:
 
 
 # ----------------------------------------------------------------------------- checks
-def check_supported(engine) -> None:
-    """Refuse settings LionCub cannot honour, naming the setting (never mis-train silently)."""
+def overlap_requested(engine, optimizer=None) -> bool:
+    """Whether the LionCub of this engine has ``overlap`` on: the client optimizer's setting, else
+    the ds_config ``optimizer.params`` (only ``true`` counts; other values fail validation)."""
+    if isinstance(optimizer, LionCub):
+        return bool(optimizer.config.overlap)
+    if optimizer is None and is_lioncub_name(engine.optimizer_name()):
+        return (engine.optimizer_params() or {}).get("overlap") is True
+    return False
+
+
+def check_overlap(engine, optimizer=None) -> None:
+    """``overlap: true`` needs votes that can start in backward: ZeRO stage 0 with fp32 parameters.
+
+    Raised from ``deepspeed.initialize`` before LionCub is built (ds_config) or touched (a
+    client optimizer), so nothing has changed yet."""
+    if not overlap_requested(engine, optimizer):
+        return
+    stage = engine.zero_optimization_stage()
+    if stage >= 1:
+        raise LionCubDeepSpeedError(
+            f"LionCub: optimizer.params overlap=true is not supported at ZeRO stage {stage} "
+            f"(zero_optimization.stage={stage}): there DeepSpeed reduces the gradients and LionCub steps its fp32 "
+            "partition as a single-process Lion, so there are no votes to start in backward (DeepSpeed overlaps its "
+            "own gradient reduction: zero_optimization.overlap_comm). Allowed: overlap=false (or leave it out) at "
+            "stage 1/2, or overlap=true with zero_optimization.stage=0 (Lion Cub votes).")
+    low = "fp16.enabled=true" if engine.fp16_enabled() else "bf16.enabled=true" if engine.bfloat16_enabled() else None
+    if low is not None:
+        raise LionCubDeepSpeedError(
+            f"LionCub: optimizer.params overlap=true at ZeRO stage 0 needs fp32 parameters; with {low} DeepSpeed's "
+            "fp16/bf16 wrapper hands LionCub fp32 master copies and copies (unscales, clips) their gradients inside "
+            "step(), so no vote can start in backward. Allowed: overlap=false with fp16/bf16, or overlap=true with "
+            "fp32 parameters.")
+
+
+def accumulation_boundary_condition(engine):
+    """LionCub's launch condition at stage 0: a backward starts votes only when it is the engine's
+    gradient-accumulation boundary (``engine.is_gradient_accumulation_boundary()``, which also
+    honours ``set_gradient_accumulation_boundary``) and it does not run inside ``engine.no_sync()``.
+    With ``managed_gradient_accumulation: false`` the boundary is ``step()`` itself, so the votes
+    start there. Holds the engine weakly (the engine owns the optimizer)."""
+    ref = weakref.ref(engine)
+
+    def condition() -> bool:
+        eng = ref()
+        if eng is None:
+            return True
+        return not getattr(eng, "inside_no_sync_ctxt", False) and bool(eng.is_gradient_accumulation_boundary())
+
+    return condition
+
+
+def overlap_clipping_warning(clip: float) -> str:
+    return (f"LionCub overlap=true with gradient_clipping={clip:g} (DeepSpeed's default is 1.0): a vote needs the "
+            "clipped gradient, so a step whose local gradient norm exceeds the clip votes again in step() after "
+            "clipping (exact, but that step's overlapped votes are wasted; comm_stats(engine)['overlap']['revotes'] "
+            "counts them). Set \"gradient_clipping\": 0 to keep every step overlapped.")
+
+
+def check_supported(engine, optimizer=None) -> None:
+    """Refuse settings LionCub cannot honour, naming the setting (never mis-train silently).
+
+    ``optimizer``: the client LionCub when one was passed (else the ds_config settings are read)."""
     stage = engine.zero_optimization_stage()
     if stage >= 3:
         raise LionCubDeepSpeedError(
@@ -231,6 +291,7 @@ def check_supported(engine) -> None:
                 "LionCub at ZeRO stage 0 does not support torch_autocast with float16 (torch.amp.GradScaler "
                 "decides overflow per rank, ranks would diverge). Use \"fp16\": {\"enabled\": true} (DeepSpeed's "
                 "loss scaler agrees on overflow across ranks) or bf16.")
+    check_overlap(engine, optimizer)
 
 
 # ----------------------------------------------------------------------------- build
@@ -309,8 +370,11 @@ class EngineState:
             what = "global Lion on DeepSpeed's reduced gradients"
             comm = "none (DeepSpeed reduces gradients)"
             sign = "on" if self.sign_allgather else f"off ({self.sign_off_reason})"
-        return (f"LionCub: ZeRO stage {self.stage} ({what}); comm={comm}; N={self.world_size}; "
+        line = (f"LionCub: ZeRO stage {self.stage} ({what}); comm={comm}; N={self.world_size}; "
                 f"sign all-gather={sign}; wrapper={self.wrapper}")
+        if self.mode == "local_momentum" and self.optimizer.config.overlap:
+            line += "; overlap=on (votes start in the backward of each accumulation-boundary micro-batch)"
+        return line
 
     def __repr__(self):
         return (f"EngineState(stage={self.stage}, mode={self.mode!r}, "
@@ -345,7 +409,7 @@ _BF16_ADVICE = ("Either keep zero_optimization.stage=0 (Lion Cub) with bf16.enab
 def wire(engine) -> EngineState:
     opt = engine.basic_optimizer
     stage = engine.zero_optimization_stage()
-    check_supported(engine)
+    check_supported(engine, opt)
     missing = _compat.engine_missing(engine)
     if missing:
         raise LionCubDeepSpeedError(f"LionCub cannot wire this DeepSpeed engine: it lacks {', '.join(missing)} "
@@ -367,6 +431,17 @@ def wire(engine) -> EngineState:
         engine.clip_fp32_gradients = types.MethodType(clip_local_gradients, engine)
         if engine.optimizer is opt:
             _report_skips_as_overflow(opt)
+        if opt.config.overlap:
+            if engine.optimizer is not opt:  # check_overlap refuses fp16/bf16; any other wrapper too
+                raise LionCubDeepSpeedError(
+                    f"LionCub: optimizer.params overlap=true at ZeRO stage 0 needs LionCub to step the model's own "
+                    f"parameters, but DeepSpeed wrapped it in {type(engine.optimizer).__name__}, which copies the "
+                    "gradients inside step(). Allowed: overlap=false with this config.")
+            # Gradient accumulation: only the accumulation-boundary micro-batch's backward starts votes.
+            opt.set_launch_condition(accumulation_boundary_condition(engine))
+            clip = float(engine.gradient_clipping() or 0.0)
+            if clip > 0 and getattr(engine, "global_rank", 0) == 0:
+                _compat.ds_logger().warning(overlap_clipping_warning(clip))
         state = EngineState(opt, stage, "local_momentum", options, world_size=opt.world_size, wrapper=wrapper)
     else:
         if dist.is_available() and dist.is_initialized() and opt.world_size != 1:
@@ -475,7 +550,7 @@ def register() -> None:
     def make_basic(orig):
         def _configure_basic_optimizer(self, model_parameters):
             if self.client_optimizer is None and is_lioncub_name(self.optimizer_name()):
-                check_supported(self)
+                check_supported(self)  # reads the ds_config optimizer.params (overlap)
                 return build_optimizer(self, model_parameters)
             return orig(self, model_parameters)
         return _configure_basic_optimizer
@@ -483,7 +558,7 @@ def register() -> None:
     def make_configure(orig):
         def _configure_optimizer(self, client_optimizer, model_parameters):
             if isinstance(client_optimizer, LionCub):
-                check_supported(self)
+                check_supported(self, client_optimizer)  # before its process group is touched
                 if self.zero_optimization_stage() >= 1 and dist.is_available() and dist.is_initialized() \
                         and client_optimizer.world_size != 1:
                     client_optimizer.set_process_group(singleton_group())

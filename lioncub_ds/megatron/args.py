@@ -50,6 +50,9 @@ def add_lioncub_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     a("--lioncub-drift-action", choices=DRIFT_ACTIONS, default=None, help="on drift: raise, or resync from rank 0")
     a("--lioncub-timeout-s", type=float, default=None, help="vote collective timeout in seconds")
     a("--lioncub-foreach", type=_bool, default=None, help="single-rank path: use foreach kernels (true/false/auto)")
+    a("--lioncub-overlap", action="store_true", default=None,
+      help="NOT SUPPORTED under Megatron (refused with the reason): votes cannot start during backward, because "
+           "Megatron hands the optimizer its gradients (main_grad) only inside step(); votes start in step()")
     # selective momentum synchronization
     a("--lioncub-momentum-sync-every", type=int, default=None,
       help="average momenta over the data-parallel group every K steps (enables momentum sync)")
@@ -83,7 +86,8 @@ _SIMPLE = {"vote": "lioncub_vote", "comm": "lioncub_comm", "quant": "lioncub_qua
            "tie_break": "lioncub_tie_break", "momentum_dtype": "lioncub_momentum_dtype",
            "bucket_size_mb": "lioncub_bucket_size_mb", "pbit_bits": "lioncub_pbit_bits",
            "nonfinite": "lioncub_nonfinite", "drift_check_every": "lioncub_drift_check_every",
-           "drift_action": "lioncub_drift_action", "timeout_s": "lioncub_timeout_s", "foreach": "lioncub_foreach"}
+           "drift_action": "lioncub_drift_action", "timeout_s": "lioncub_timeout_s", "foreach": "lioncub_foreach",
+           "overlap": "lioncub_overlap"}
 _SYNC = {"every": "lioncub_momentum_sync_every", "schedule": "lioncub_momentum_sync_schedule",
          "k": "lioncub_momentum_sync_k", "until": "lioncub_momentum_sync_until",
          "layers": "lioncub_momentum_sync_layers", "group": "lioncub_momentum_sync_group",

@@ -70,6 +70,15 @@ _UNSUPPORTED = (
     ("overlap_param_gather_with_optimizer_step", "needs the distributed optimizer"),
     ("reuse_grad_buf_for_mxfp8_param_ag", "needs the distributed optimizer"),
 )
+# overlap=True (votes started from gradient-ready hooks during backward) cannot be real here.
+OVERLAP_UNSUPPORTED = (
+    "LionCub: overlap=True (--lioncub-overlap, lioncub={'overlap': True}) is not supported under Megatron: "
+    "Megatron's DDP accumulates gradients into its main_grad buffers, and its optimizer wrappers hand them to "
+    "the parameters LionCub steps (param.grad = main_grad; the fp32 main parameters with bf16/fp16) only inside "
+    "optimizer.step(), after unscaling and clip_grad (which a vote must see). No gradient-ready hook on those "
+    "parameters fires during backward, so no vote can start there; overlap would only vote twice. Use "
+    "overlap=False (the default): the votes start in step(), one vote per optimizer step (Megatron's gradient "
+    "accumulation only fills main_grad).")
 # LionCub settings that come from OptimizerConfig instead.
 _FROM_MEGATRON = {"lr": "OptimizerConfig.lr (--lr)", "weight_decay": "OptimizerConfig.weight_decay (--weight-decay)",
                   "process_group": "Megatron's data-parallel groups"}
@@ -93,6 +102,8 @@ class MegatronLionCub(LionCub):
         # None (= Megatron's own group), "node": group or None}. With them, this LionCub creates
         # no process group itself (its own creation is a world collective, which a rank without
         # this kind of parameters would not join).
+        if kwargs.get("overlap"):
+            raise LionCubConfigError(OVERLAP_UNSUPPORTED)  # before any state exists
         self._premade = megatron_groups
         super().__init__(params, *args, **kwargs)
 
@@ -137,6 +148,8 @@ def lioncub_settings(lioncub=None, **kwargs) -> dict:
         settings["betas"] = tuple(settings["betas"])
     # Validate early (names, types, combinations) with a placeholder lr.
     LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, **settings)
+    if settings.get("overlap"):
+        raise LionCubConfigError(OVERLAP_UNSUPPORTED)
     return settings
 
 
@@ -364,7 +377,9 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
     Args: the six arguments of ``get_megatron_optimizer`` (megatron-core 0.16-0.19), then
         lioncub: dict of LionCub settings (vote, comm, quant, tie_break, momentum_sync, betas,
             momentum_dtype, bucket_size_mb, pbit_bits, network, nonfinite, drift_check_every,
-            drift_action, timeout_s, foreach); keyword arguments are merged in.
+            drift_action, timeout_s, foreach, comm_bucket_mb); keyword arguments are merged in.
+            ``overlap=True`` is refused (:data:`OVERLAP_UNSUPPORTED` says why), before anything
+            is changed.
             ``momentum_sync={"group": "node", ...}`` without ``group_size`` uses the number of
             data-parallel peers on this node (from LOCAL_WORLD_SIZE).
         disable_grad_reduction: switch off DDP's data-parallel gradient reduction on

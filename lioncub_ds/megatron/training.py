@@ -96,6 +96,9 @@ INCOMPATIBLE_FLAGS = (
      and (_compat.megatron_version() or (0, 99)) < (0, 18),
      "Megatron-LM before 0.18 builds no optimizer config for --optimizer lion (\"Invalid optimizer type!\"); use "
      "--optimizer adam with --lioncub-beta1 / --lioncub-beta2"),
+    ("lioncub_overlap", _on("lioncub_overlap"),
+     "Megatron hands the optimizer its gradients (main_grad, unscaled and clipped) only inside step(), so no "
+     "vote can start during backward; leave it out (votes start in step(), one per optimizer step)"),
     ("non_persistent_ckpt_type",
      lambda a: getattr(a, "non_persistent_ckpt_type", None) == "local"
      and getattr(a, "non_persistent_save_interval", None)
