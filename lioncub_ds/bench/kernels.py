@@ -227,7 +227,7 @@ def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
                           and torch.equal(px1, px2))
         del gx, mx1, mx2, px1, px2
         # kernel -> (bytes moved per param, fused, plain torch with reused buffers, plain torch with
-        # fresh temporaries, codec reference)
+        # fresh temporaries, the pure-torch reference)
         cases = {
             "local_step": (3 * s + 0.25,
                            lambda: be.local_step([g], [m], [0], numel, B1, B2, True),

@@ -1,6 +1,6 @@
 """The one table of kernel sources and build flags (standard library only).
 
-Read by :mod:`lioncub_ds._native` (JIT builds) and by ``setup.py`` (ahead-of-time builds, through
+Read by :mod:`lioncub_ds.kernels.loader` (JIT builds) and by ``setup.py`` (ahead-of-time builds, through
 ``runpy``, so that it works before torch is importable). Paths are relative to ``csrc/``.
 
 ``-ffp-contract=off`` / ``--fmad=false`` are part of the numerical contract: a fused multiply-add
