@@ -198,7 +198,8 @@ def test_netns_refuses_clearly_when_it_cannot_run(monkeypatch, capsys):
 @pytest.mark.skipif(not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")),
                     reason="bench netns needs root and iproute2 (ip, tc)")
 def test_netns_tiny_run():
-    variants = ("no_comm", "ddp_lion_bf16", "lion_bf16_allreduce", "lioncub_1bit", "lioncub_1bit_overlap")
+    variants = ("no_comm", "ddp_lion_bf16", "lion_bf16_allreduce", "lioncub_1bit", "lioncub_1bit_overlap",
+                "lioncub_1bit_cb0.5")
     recs = netns.run(bandwidths=(10.0,), world_size=2, steps=1, warmup=1, seq_len=8, batch_size=1,
                      variants=variants, timeout=600,
                      model_overrides={"n_layer": 1, "d_model": 32, "n_head": 2}, verbose=False)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -61,6 +62,26 @@ VARIANTS = ("no_comm", "ddp_lion_bf16", "lion_fp32_allreduce", "lion_bf16_allred
 LIONCUB_KW = {"dlion_allgather": dict(comm="allgather"), "lioncub_1bit": dict(comm="1bit"),
               "lioncub_1bit_overlap": dict(comm="1bit", overlap=True),
               "lioncub_pbit": dict(comm="pbit"), "lioncub_int8": dict(comm="int8", quant="l1")}
+_CB = re.compile(r"^(?P<base>.+)_cb(?P<mb>[0-9]+(?:\.[0-9]+)?)$")
+
+
+def lioncub_kw(variant: str) -> dict | None:
+    """LionCub's settings for a variant, or None when the variant is not a LionCub. A suffix
+    ``_cb<MB>`` sets ``comm_bucket_mb`` (e.g. ``lioncub_1bit_cb16``: the sweep behind its default)."""
+    m = _CB.match(variant)
+    if m and m.group("base") in LIONCUB_KW:
+        return dict(LIONCUB_KW[m.group("base")], comm_bucket_mb=float(m.group("mb")))
+    return LIONCUB_KW.get(variant)
+
+
+def variant_name(value: str) -> str:
+    """argparse type: a known variant, or a LionCub variant with a ``_cb<MB>`` suffix."""
+    if value in VARIANTS or lioncub_kw(value) is not None:
+        return value
+    raise argparse.ArgumentTypeError(f"unknown variant {value!r}; allowed: {', '.join(VARIANTS)}, or a LionCub "
+                                     f"variant with _cb<MB> (comm_bucket_mb), e.g. lioncub_1bit_cb16")
+
+
 BASELINE = "lion_bf16_allreduce"
 DDP_BASELINE = "ddp_lion_bf16"
 FLOOR_VARIANT = "no_comm"
@@ -194,14 +215,15 @@ def _rank_fn(rank, n, cfg):
     ds = load_dataset()
     opts, ddp = {}, None
     for v in cfg["variants"]:
-        if v in LIONCUB_KW and LIONCUB_KW[v].get("overlap"):
+        kw = lioncub_kw(v)
+        if kw is not None and kw.get("overlap"):
             # overlap hooks on a copy of their own: they must not fire in other variants' backward
             models[v] = build_model(cfg["preset"], seed=0, n_layer=cfg["n_layer"], d_model=cfg["d_model"],
                                     n_head=cfg["n_head"], seq_len=cfg["seq_len"])
             own = [p for p in models[v].parameters() if p.requires_grad]
-            opts[v] = LionCub(own, lr=1e-4, betas=(0.95, 0.98), **LIONCUB_KW[v])
-        elif v in LIONCUB_KW:
-            opts[v] = LionCub(params, lr=1e-4, betas=(0.95, 0.98), **LIONCUB_KW[v])
+            opts[v] = LionCub(own, lr=1e-4, betas=(0.95, 0.98), **kw)
+        elif kw is not None:
+            opts[v] = LionCub(params, lr=1e-4, betas=(0.95, 0.98), **kw)
         elif v in (FLOOR_VARIANT, DDP_BASELINE):
             opts[v] = FusedLion(params, 1e-4, (0.95, 0.98))
         else:
@@ -230,14 +252,14 @@ def _rank_fn(rank, n, cfg):
             dist.barrier()  # compute skew ends here, not inside the first collective
             t2 = time.perf_counter()
             opt = opts[v]
-            if v in LIONCUB_KW:
+            if lioncub_kw(v) is not None:
                 opt.step()
                 last = opt.comm_stats()["last_step"]
                 # exposed communication: the time step() was blocked on its collectives (their
                 # lifetimes overlap each other and the kernels: summing those would overcount)
                 sent, in_step_wait = last["bytes_sent"], last["wait_time_s"]
                 comm_s = in_step_wait
-                if LIONCUB_KW[v].get("overlap"):  # + what backward did not hide
+                if lioncub_kw(v).get("overlap"):  # + what backward did not hide
                     comm_s += t2 - t1
                 ncoll = last["collectives"]
             else:
@@ -382,7 +404,7 @@ def summarize(raw, bandwidth_gbit: float, world_size: int, warmup: int) -> list[
                      "tokens_per_rank": raw["cfg"]["batch_size"] * raw["cfg"]["seq_len"]})
     by = {r["variant"]: r for r in recs}
     for v, r in by.items():
-        if LIONCUB_KW.get(v, {}).get("overlap"):
+        if (lioncub_kw(v) or {}).get("overlap"):
             r["comm_time_method"] = ("overlapped with backward: the slowest rank's wait after backward for the "
                                      "votes still in flight (rank skew included) plus its waits inside step()")
     floor_rec = by.get(FLOOR_VARIANT)
@@ -614,7 +636,8 @@ def build_parser():
     p.add_argument("--n-layer", type=int, default=None, help=f"model override (default {MODEL['n_layer']})")
     p.add_argument("--d-model", type=int, default=None, help=f"model override (default {MODEL['d_model']})")
     p.add_argument("--n-head", type=int, default=None, help=f"model override (default {MODEL['n_head']})")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name,
+                   help=f"default: all of {', '.join(VARIANTS)}; a LionCub variant + _cb<MB> sets comm_bucket_mb")
     p.add_argument("--baseline-update", default="fused", choices=("fused", "reference"),
                    help="the all-reduce baselines' Lion update: LionCub's fused kernels (fair: only the "
                         "communication differs) or the pure-torch reference lioncub_ds.Lion")
