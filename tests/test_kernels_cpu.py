@@ -685,6 +685,15 @@ def test_binding_checks_name_the_argument(be):
                                                1, 0, seg)),
             ("segments", lambda: ext.shard_vote(torch.zeros(2, 8, dtype=torch.uint8), None, 1, 0,
                                                 torch.zeros(3, dtype=torch.int64))),
+            ("grads", lambda: ext.lion_step([torch.zeros(8)], [torch.zeros(9)], [torch.zeros(8)], 1e-3, 0.0, 0.9,
+                                            0.99)),
+            ("params[0] must be float32 or bfloat16",
+             lambda: ext.lion_step([torch.zeros(8).half()], [torch.zeros(8)], [torch.zeros(8)], 1e-3, 0.0, 0.9, 0.99)),
+            ("layout row 0", lambda: ext.zero_sign_apply(torch.zeros(2, 1, dtype=torch.uint8), None, [torch.zeros(32)],
+                                                         [None], torch.tensor([[0, 0, 0, 0, 16]]), [1e-3], [0.0])),
+            ("targets must be float32", lambda: ext.zero_sign_apply(torch.zeros(2, 2, dtype=torch.uint8), None,
+                                                                    [torch.zeros(32, dtype=torch.float64)], [None],
+                                                                    torch.tensor([[0, 0, 0, 0, 16]]), [1e-3], [0.0])),
         ]
         for want, call in cases:
             try:
