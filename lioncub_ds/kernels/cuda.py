@@ -147,7 +147,7 @@ class CudaBackend:
         (non-contiguous parameters or momenta, float64, CPU tensors) take the reference path."""
         validate_lion_step(params, grads, momenta)
         fast = [i for i, (p, g, m) in enumerate(zip(params, grads, momenta))
-                if _cuda_plain((p, m)) and g.is_cuda and g.dtype in _DTYPES]
+                if _cuda_plain((p, m)) and g.is_cuda and g.layout == torch.strided and g.dtype in _DTYPES]
         if fast:
             self._ext.cuda_lion_step([params[i] for i in fast], [grads[i].contiguous() for i in fast],
                                      [momenta[i] for i in fast], float(lr), float(weight_decay), float(beta1),
