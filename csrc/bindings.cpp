@@ -289,6 +289,90 @@ c10::optional<at::Tensor> int8_apply(const at::Tensor& qsum, const std::vector<a
   return c10::nullopt;
 }
 
+void lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& momenta, double lr, double weight_decay, double beta1, double beta2) {
+  check_pairs(params, "params", grads, "grads");
+  check_pairs(params, "params", momenta, "momenta");
+  std::vector<int64_t> offs(params.size(), 0);
+  auto p = make_slots(params, offs, "params", false, INT64_MAX);
+  auto g = make_slots(grads, offs, "grads", true, INT64_MAX);
+  auto m = make_slots(momenta, offs, "momenta", false, INT64_MAX);
+  const lc::LionStepArgs a = lc_make_lion_step_args(lr, weight_decay, beta1, beta2);
+  pybind11::gil_scoped_release nogil;
+  lc::lion_step(p.data(), g.data(), m.data(), static_cast<int64_t>(p.size()), a, threads());
+}
+
+}  // namespace
+
+// The pieces of a ZeRO sign all-gather apply (shared by the CPU and CUDA bindings): `layout` int64
+// [K, 5] rows (group, row, bit, start, numel) (reference.ZeroLayout.pieces), targets[g] fp32 and
+// casts[g] (optional) with the element counts of their groups, one lr / weight decay per group.
+// Every row is checked to lie inside its planes and tensors (a second line behind checks.py).
+constexpr int64_t kPieceChunk = 16384;  // chunk_start counts chunks of this many elements (LC_CHUNK)
+static std::vector<lc_zero_piece> zero_pieces(int64_t rows, int64_t row_bits, const std::vector<at::Tensor>& targets,
+                                              const std::vector<c10::optional<at::Tensor>>& casts,
+                                              const at::Tensor& layout, const std::vector<double>& lrs,
+                                              const std::vector<double>& wds, int32_t (*code)(const at::Tensor&)) {
+  const size_t ng = targets.size();
+  TORCH_CHECK(casts.size() == ng && lrs.size() == ng && wds.size() == ng, "lioncub kernels: targets, casts, lrs and "
+              "weight_decays must have one entry per group");
+  TORCH_CHECK(layout.device().is_cpu() && layout.scalar_type() == at::kLong && layout.dim() == 2 &&
+                  layout.size(1) == 5 && layout.is_contiguous(),
+              "lioncub kernels: layout must be a contiguous int64 [K, 5] CPU tensor");
+  std::vector<lc_zero_piece> out(static_cast<size_t>(layout.size(0)));
+  const int64_t* L = layout.data_ptr<int64_t>();
+  int64_t chunks = 0;
+  for (size_t k = 0; k < out.size(); ++k) {
+    const int64_t g = L[5 * k], row = L[5 * k + 1], bit = L[5 * k + 2], start = L[5 * k + 3], n = L[5 * k + 4];
+    TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(ng) && row >= 0 && row < rows && bit >= 0 && n >= 0 &&
+                    bit + n <= row_bits && start >= 0 && start + n <= targets[g].numel(),
+                "lioncub kernels: layout row ", k, " lies outside its planes or tensors");
+    TORCH_CHECK(targets[g].scalar_type() == at::kFloat, "lioncub kernels: targets must be float32");
+    const auto& c = casts[g];
+    TORCH_CHECK(!c.has_value() || c->numel() == targets[g].numel(), "lioncub kernels: casts[", g,
+                "] must have the element count of targets[", g, "]");
+    const lc_lion_step_args a = lc_make_lion_step_args(lrs[g], wds[g], 0.0, 0.0);
+    lc_zero_piece& P = out[k];
+    P.target = reinterpret_cast<uint64_t>(targets[g].data_ptr<float>() + start);
+    P.cast = c.has_value() ? reinterpret_cast<uint64_t>(static_cast<char*>(c->data_ptr()) + start * c->element_size())
+                           : 0;
+    P.cast_dtype = c.has_value() ? code(*c) : 0;
+    P.row = row;
+    P.bit = bit;
+    P.numel = n;
+    P.chunk_start = chunks;
+    chunks += (n + kPieceChunk - 1) / kPieceChunk;
+    P.neg_lr = a.neg_lr;
+    P.decay = a.decay;
+    P.apply_decay = a.apply_decay;
+  }
+  return out;
+}
+
+namespace {
+
+int32_t cpu_cast_code(const at::Tensor& t) { return float_code(t, "casts", true); }
+
+void zero_sign_apply(const at::Tensor& sign, const c10::optional<at::Tensor>& nonzero,
+                     const std::vector<at::Tensor>& targets, const std::vector<c10::optional<at::Tensor>>& casts,
+                     const at::Tensor& layout, const std::vector<double>& lrs, const std::vector<double>& wds) {
+  const auto [n, b] = plane_shape(sign, "sign", true);
+  int64_t zb = b;
+  if (nonzero.has_value()) {
+    const auto z = plane_shape(*nonzero, "nonzero", true);
+    TORCH_CHECK(z.first == n, "lioncub kernels: nonzero has ", z.first, " rows but sign has ", n);
+    zb = z.second;
+  }
+  for (size_t g = 0; g < targets.size(); ++g) {
+    check_cpu_contig(targets[g], arg_name("targets", static_cast<int64_t>(g)));
+    if (casts[g].has_value()) check_cpu_contig(*casts[g], arg_name("casts", static_cast<int64_t>(g)));
+  }
+  const auto pieces = zero_pieces(n, 8 * std::min(b, zb), targets, casts, layout, lrs, wds, &cpu_cast_code);
+  pybind11::gil_scoped_release nogil;
+  lc::zero_sign_apply(sign.data_ptr<uint8_t>(), b, nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, zb,
+                      pieces.data(), static_cast<int64_t>(pieces.size()), threads());
+}
+
 }  // namespace
 
 // ---- CUDA launchers (LIONCUB_WITH_CUDA) ----
@@ -620,6 +704,83 @@ std::optional<at::Tensor> int8_apply(const at::Tensor& qsum, const std::vector<a
   return delta;
 }
 
+// ----------------------------------------------------------------------------- single-process step
+void lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& momenta, double lr, double weight_decay, double beta1, double beta2) {
+  TORCH_CHECK(grads.size() == params.size() && momenta.size() == params.size(),
+              "params, grads and momenta must have the same length, got ", params.size(), ", ", grads.size(), " and ",
+              momenta.size());
+  if (params.empty()) return;
+  const at::Device dev = params[0].device();
+  const c10::cuda::CUDAGuard guard(dev);
+  std::vector<std::array<int64_t, LC_META_WORDS>> rows;
+  int64_t chunks = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string idx = "[" + std::to_string(i) + "]";
+    check_cuda(params[i], "params" + idx, dev);
+    check_cuda(grads[i], "grads" + idx, dev);
+    check_cuda(momenta[i], "momenta" + idx, dev);
+    const int64_t n = params[i].numel();
+    TORCH_CHECK(grads[i].numel() == n && momenta[i].numel() == n, "params", idx, " has ", n,
+                " elements; grads and momenta must have as many");
+    const int64_t dt = dtype_code(params[i], "params" + idx) | (dtype_code(grads[i], "grads" + idx) << 8) |
+                       (static_cast<int64_t>(dtype_code(momenta[i], "momenta" + idx)) << 16);
+    if (n == 0) continue;
+    rows.push_back({static_cast<int64_t>(reinterpret_cast<uint64_t>(params[i].data_ptr())),
+                    static_cast<int64_t>(reinterpret_cast<uint64_t>(grads[i].data_ptr())),
+                    static_cast<int64_t>(reinterpret_cast<uint64_t>(momenta[i].data_ptr())), n, chunks, dt});
+    chunks += lc_num_chunks(n);
+  }
+  if (rows.empty()) return;
+  static_assert(sizeof(lc_lion_meta) == LC_META_WORDS * 8, "lc_lion_meta layout");
+  at::Tensor host = at::empty({static_cast<int64_t>(rows.size()), LC_META_WORDS},
+                              at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(host.data_ptr<int64_t>(), rows.data(), rows.size() * sizeof(rows[0]));
+  const at::Tensor meta = host.to(dev, /*non_blocking=*/true);
+  LC_CUDA_CHECK(lc_lion_step(reinterpret_cast<const lc_lion_meta*>(meta.data_ptr<int64_t>()),
+                             static_cast<int>(rows.size()), chunks,
+                             lc_make_lion_step_args(lr, weight_decay, beta1, beta2), at::cuda::getCurrentCUDAStream()),
+                "lion_step");
+}
+
+static int32_t cuda_cast_code(const at::Tensor& t) { return dtype_code(t, "casts"); }
+
+void zero_sign_apply(const at::Tensor& sign, const std::optional<at::Tensor>& nonzero,
+                     const std::vector<at::Tensor>& targets, const std::vector<std::optional<at::Tensor>>& casts,
+                     const at::Tensor& layout, const std::vector<double>& lrs, const std::vector<double>& wds) {
+  const at::Device dev = sign.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  check_plane(sign, "sign", dev, at::kByte);
+  TORCH_CHECK(sign.dim() == 2, "sign must be 2-D [ranks, bytes], got ", sign.dim(), "-D");
+  int64_t zb = sign.size(1);
+  if (nonzero) {
+    check_plane(*nonzero, "nonzero", dev, at::kByte);
+    TORCH_CHECK(nonzero->dim() == 2 && nonzero->size(0) == sign.size(0), "nonzero must be 2-D with ", sign.size(0),
+                " rows");
+    zb = nonzero->size(1);
+  }
+  TORCH_CHECK(casts.size() == targets.size(), "casts must have one entry per target");
+  for (size_t g = 0; g < targets.size(); ++g) {
+    check_cuda(targets[g], "targets[" + std::to_string(g) + "]", dev);
+    if (casts[g]) check_cuda(*casts[g], "casts[" + std::to_string(g) + "]", dev);
+  }
+  static_assert(LC_CHUNK == kPieceChunk, "piece chunks are LC_CHUNK chunks");
+  const auto pieces = zero_pieces(sign.size(0), 8 * std::min<int64_t>(sign.size(1), zb), targets, casts, layout, lrs,
+                                  wds, &cuda_cast_code);
+  if (pieces.empty()) return;
+  const int64_t chunks = pieces.back().chunk_start + lc_num_chunks(pieces.back().numel);
+  static_assert(sizeof(lc_zero_piece) == 64, "lc_zero_piece layout");
+  at::Tensor host = at::empty({static_cast<int64_t>(pieces.size() * sizeof(lc_zero_piece))},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr<uint8_t>(), pieces.data(), pieces.size() * sizeof(lc_zero_piece));
+  const at::Tensor dpieces = host.to(dev, /*non_blocking=*/true);
+  LC_CUDA_CHECK(lc_zero_sign_apply(sign.data_ptr<uint8_t>(), sign.size(1),
+                                   nonzero ? nonzero->data_ptr<uint8_t>() : nullptr, zb,
+                                   reinterpret_cast<const lc_zero_piece*>(dpieces.data_ptr<uint8_t>()),
+                                   static_cast<int>(pieces.size()), chunks, at::cuda::getCurrentCUDAStream()),
+                "zero_sign_apply");
+}
+
 void register_cuda(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("cuda_local_step", &local_step, "fused local step (CUDA)", py::arg("grads"), py::arg("momenta"),
@@ -640,6 +801,12 @@ void register_cuda(pybind11::module_& m) {
         py::arg("offsets"), py::arg("total"), py::arg("beta1"), py::arg("kind"), py::arg("levels"));
   m.def("cuda_int8_apply", &int8_apply, "int8 apply (CUDA)", py::arg("qsum"), py::arg("params"), py::arg("offsets"),
         py::arg("lr"), py::arg("weight_decay"), py::arg("return_delta"));
+  m.def("cuda_lion_step", &lion_step, "single-process Lion step (CUDA, one launch)", py::arg("params"),
+        py::arg("grads"), py::arg("momenta"), py::arg("lr"), py::arg("weight_decay"), py::arg("beta1"),
+        py::arg("beta2"));
+  m.def("cuda_zero_sign_apply", &zero_sign_apply, "ZeRO sign all-gather apply (CUDA, one launch)", py::arg("sign"),
+        py::arg("nonzero"), py::arg("targets"), py::arg("casts"), py::arg("layout"), py::arg("lrs"),
+        py::arg("weight_decays"));
 }
 
 }  // namespace lioncub_cuda
@@ -657,6 +824,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes_apply", &lanes_apply, "summed p-bit lanes -> Δ -> apply");
   m.def("int8_local_step", &int8_local_step, "scaled int8 codes of c");
   m.def("int8_apply", &int8_apply, "summed int8 codes -> Δ -> apply");
+  m.def("lion_step", &lion_step, "single-process Lion step over lists of tensors (one pass)");
+  m.def("zero_sign_apply", &zero_sign_apply, "ZeRO sign all-gather: apply every partition's update in one call");
   m.def("set_isa", [](int64_t isa) { lc::set_isa(static_cast<int>(isa)); }, "0 auto, 1 baseline, 2 avx2");
   m.def("isa", []() { return std::string(lc::isa_name()); });
   m.def("src_hash", []() { return std::string(LIONCUB_SRC_HASH_STR); });

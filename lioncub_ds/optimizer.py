@@ -127,7 +127,8 @@ class LionCub(Optimizer):
         drift_check_every: every K steps compare parameter checksums across ranks (0 = off).
         drift_action: "raise" or "resync" (broadcast from rank 0, with a warning).
         timeout_s: collective timeout; a dead rank makes the others fail after this long.
-        foreach: single-process path: None (auto), True, False.
+        foreach: single-process path: None (auto: the fused kernel of the device's backend), True (torch
+            foreach) or False (single tensor); all give the same bits.
         comm_bucket_mb: MB of packed votes per communication batch: one collective per phase for a
             whole batch of parameter buckets (default 4).
         overlap: start each bucket's vote from gradient-ready hooks during backward (like DDP);

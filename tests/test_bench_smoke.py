@@ -221,3 +221,16 @@ def test_netns_tiny_run():
     assert by["lioncub_1bit_overlap"]["comm_time_method"].startswith("overlapped")
     assert not [ln for ln in os.popen("ip netns list").read().splitlines() if ln.startswith("lioncub-bench-")
                 and ln.split("-")[2] == str(os.getpid())]
+
+
+def test_kernels_lion_step_table_smoke():
+    """The single-process step table: every implementation timed, the fused step checked against foreach."""
+    import torch
+
+    from lioncub_ds.bench import kernels as kb
+
+    recs = kb.run_lion_step(4096, 1, [torch.float32, torch.bfloat16])
+    impls = {r["impl"] for r in recs}
+    assert {"fused", "foreach", "single"} <= impls
+    assert all(r["lion_match"] and r["bytes_per_param"] in (20, 10) and r["s_per_1M"] > 0 for r in recs)
+    assert "fused" in kb.format_lion_table(recs)

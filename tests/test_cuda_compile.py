@@ -61,7 +61,7 @@ def compiled():
 
 
 def test_sources_exist():
-    assert "lioncub_local.cu" in SOURCES and "lioncub_vote.cu" in SOURCES, SOURCES
+    assert {"lioncub_local.cu", "lioncub_vote.cu", "lioncub_step.cu"} <= set(SOURCES), SOURCES
     assert (CUDA_DIR / "lioncub_cuda.h").exists() and COMMON.exists()
     # the host emulation is test-only: it lives under tests/, never in csrc/ (the wheel ships csrc/)
     assert not list(CUDA_DIR.glob("*emu*")) and (ROOT / "tests" / "cuda_emu" / "lioncub_cuda_emu.cpp").exists()

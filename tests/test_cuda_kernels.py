@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,8 @@ def _emu_lib():
         "lc_emu_count_lanes": [P, P, I, L, I, P, P, L],
         "lc_emu_lanes_apply": [P, P, L, I, P, I, F, F, I, I, I, I, L, P, L, P, L],
         "lc_emu_int8_apply": [P, L, P, I, F, F, I, P, L],
+        "lc_emu_lion_step": [P, I, L, F, F, F, F, F, F, I],
+        "lc_emu_zero_sign_apply": [P, L, P, L, P, I, L],
     }
     for name, args in sig.items():
         fn = getattr(lib, name)
@@ -227,6 +230,37 @@ class EmuBackend:
                                         self.threads)
         assert rc == 0
         return delta
+
+
+    def lion_step(self, params, grads, momenta, lr, weight_decay, beta1, beta2):
+        grads = [g.contiguous() for g in grads]
+        rows, chunks = [], 0
+        for p, g, m in zip(params, grads, momenta):
+            if p.numel() == 0:
+                continue
+            dt = DTYPE_CODE[p.dtype] | (DTYPE_CODE[g.dtype] << 8) | (DTYPE_CODE[m.dtype] << 16)
+            rows.append([p.data_ptr(), g.data_ptr(), m.data_ptr(), p.numel(), chunks, dt])
+            chunks += (p.numel() + LC_CHUNK - 1) // LC_CHUNK
+        meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
+        neg_lr, decay, apply_decay = _apply_scalars(lr, weight_decay)
+        assert self.lib.lc_emu_lion_step(_ptr(meta), len(rows), chunks, _f32(beta1), _f32(1.0 - beta1), _f32(beta2),
+                                         _f32(1.0 - beta2), neg_lr, decay, apply_decay) == 0
+
+    def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays):
+        """The pieces the binding builds (lc_zero_piece, 64 bytes each) from the layout's rows."""
+        raw, chunks = b"", 0
+        for g, row, bit, start, numel in layout.rows():
+            t, c = targets[g], None if casts is None else casts[g]
+            neg_lr, decay, apply_decay = _apply_scalars(lrs[g], weight_decays[g])
+            raw += struct.pack("<QQqqqqffii", t.data_ptr() + 4 * start,
+                               0 if c is None else c.data_ptr() + c.element_size() * start, row, bit, numel, chunks,
+                               neg_lr, decay, apply_decay, 0 if c is None else DTYPE_CODE[c.dtype])
+            chunks += (numel + LC_CHUNK - 1) // LC_CHUNK
+        pieces = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(64, dtype=torch.uint8)
+        rc = self.lib.lc_emu_zero_sign_apply(_ptr(sign), sign.shape[1], _ptr(nonzero),
+                                             0 if nonzero is None else nonzero.shape[1], _ptr(pieces),
+                                             len(layout.rows()), chunks)
+        assert rc == 0
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -763,3 +797,134 @@ def test_tie_outcome_independent_of_layout(backend, n, abstain):
         for k, r in enumerate(res[1:], 1):
             for name in TIE_PARAMS:
                 same(r[name], res[0][name], f"{how}: parameter {name!r}, layout {k} vs 0")
+
+
+# ----------------------------------------------------------------------------- single-process step, ZeRO apply
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def lion_inputs(sizes, pdt, gdt, mdt, g, dev):
+    """Params (one a storage-offset view), grads and momenta on `dev` + CPU reference copies. Planted:
+    NaN/+-Inf grads, exact zeros of c (g = m = 0, and g = -0.0), subnormal-sized momenta."""
+    grads = rand_tensors(sizes, gdt, g)
+    plant_nonfinite(grads)
+    moms = rand_tensors(sizes, mdt, g, scale=0.1)
+    for gr, m in zip(grads, moms):
+        gr[-1:] = 0.0
+        m[-1:] = 0.0
+        if gr.numel() >= 12:
+            gr[10], m[10] = -0.0, 0.0
+            m[11] = 1e-40 if mdt == F32 else 0.0
+    dev_p, ref_p = make_params(sizes, pdt, g, dev)
+    return dev_p, ref_p, to(grads, dev), grads, [m.clone().to(dev) for m in moms], moms
+
+
+@pytest.mark.parametrize("pdt,gdt,mdt", [(F32, F32, F32), (F32, BF16, F32), (F32, F16, BF16), (BF16, BF16, BF16),
+                                         (BF16, F32, F32), (F16, F16, F32)])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_lion_step(backend, pdt, gdt, mdt, wd):
+    """The fused single-process step == reference.lion_step (lion.py's arithmetic) element by element."""
+    be, dev, big = backend
+    g = gen(1000 + 7 * DTYPE_CODE[pdt] + DTYPE_CODE[gdt] + int(wd * 10))
+    sizes = [1, 7, 9, 4097, 0, big] if pdt == F32 else [1, 7, 9, 4097, 33]
+    dev_p, ref_p, dev_g, ref_g, dev_m, ref_m = lion_inputs(sizes, pdt, gdt, mdt, g, dev)
+    for step in range(2):
+        be.lion_step(dev_p, dev_g, dev_m, 1e-3, wd, 0.9, 0.99)
+        REF.lion_step(ref_p, ref_g, ref_m, 1e-3, wd, 0.9, 0.99)
+        for k in range(len(sizes)):
+            same(dev_p[k], ref_p[k], f"param {k} (step {step})")
+            same(dev_m[k], ref_m[k], f"momentum {k} (step {step})")
+
+
+def zero_case(n, g, cast_dtype, with_nz, dev):
+    """Two groups (odd partition sizes, a byte offset, padding inside and at the end), planes with
+    a flag byte (sign rows longer than nonzero rows, as zero.py sends them)."""
+    parts, offs = [37, 1001], [0, 5]
+    nbytes = offs[1] + (parts[1] + 7) // 8
+    sign = torch.randint(0, 256, (n, nbytes + 1), generator=g, dtype=torch.int32).to(torch.uint8)
+    nz = (torch.randint(0, 256, (n, nbytes), generator=g, dtype=torch.int32).to(torch.uint8)
+          | torch.randint(0, 256, (n, nbytes), generator=g, dtype=torch.int32).to(torch.uint8)) if with_nz else None
+    ranges = [[(0, n * parts[0] - 3)], [(3, 500), (700, n * parts[1] - 11)]]
+    layout = reference.zero_layout(n, parts, offs, ranges)
+    targets = [torch.randn(n * p, generator=g) for p in parts]
+    targets[0][2], targets[1][4], targets[1][6] = float("nan"), -0.0, float("inf")
+    casts = None if cast_dtype is None else [torch.randn(n * p, generator=g).to(cast_dtype) for p in parts]
+    dev_t = []
+    for t in targets:  # storage-offset views: the 16-byte vector paths see unaligned starts too
+        host = torch.zeros(t.numel() + 1, device=dev)
+        host[1:].copy_(t.to(dev))
+        dev_t.append(host[1:])
+    dev_c = None if casts is None else [c.clone().to(dev) for c in casts]
+    return sign, nz, layout, targets, casts, dev_t, dev_c
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("with_nz", [False, True])
+@pytest.mark.parametrize("cast_dtype", [None, BF16, F16])
+def test_zero_sign_apply(backend, n, with_nz, cast_dtype):
+    """Every partition of every group in one call == the reference (padding untouched, casts rounded once)."""
+    be, dev, _ = backend
+    g = gen(1100 + 10 * n + int(with_nz))
+    sign, nz, layout, targets, casts, dev_t, dev_c = zero_case(n, g, cast_dtype, with_nz, dev)
+    lrs, wds = [1e-3, 2e-3], [0.1, 0.0]
+    be.zero_sign_apply(sign.to(dev), None if nz is None else nz.to(dev), dev_t, dev_c, layout, lrs, wds)
+    REF.zero_sign_apply(sign, nz, targets, casts, layout, lrs, wds)
+    for k in range(2):
+        same(dev_t[k], targets[k], f"target {k}")
+        if casts is not None:
+            same(dev_c[k], casts[k], f"cast {k}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_GPU)
+def test_torch_sign_on_cuda_is_the_kernel_rule():
+    """The kernels' sign (lcc::lion_sign: +0 for +-0 and NaN) is what torch.sign and _foreach_sign give on
+    CUDA too, so the fused step equals the pure-torch Lion there."""
+    x = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), -float("inf"), 2.0, -3.0] * 3, device="cuda")
+    want = [0, 0, 0, 0x3F800000, -0x40800000, 0x3F800000, -0x40800000] * 3
+    assert torch.sign(x).view(torch.int32).tolist() == want
+    assert torch._foreach_sign([x])[0].view(torch.int32).tolist() == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_GPU)
+def test_lion_step_and_zero_apply_never_synchronize(monkeypatch):
+    """lion_step and zero_sign_apply on CUDA issue no host synchronization (sync debug mode 'error')."""
+    monkeypatch.setenv("LIONCUB_KERNELS", "cuda")
+    be = kernels.backend_for("cuda")
+    g = gen(1200)
+    dev_p, ref_p, dev_g, ref_g, dev_m, ref_m = lion_inputs([7, 4097, 9], F32, BF16, F32, g, "cuda")
+    sign, nz, layout, targets, casts, dev_t, dev_c = zero_case(4, g, BF16, True, "cuda")
+    d_sign, d_nz = sign.cuda(), nz.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        be.lion_step(dev_p, dev_g, dev_m, 1e-3, 0.1, 0.9, 0.99)
+        be.zero_sign_apply(d_sign, d_nz, dev_t, dev_c, layout, [1e-3, 2e-3], [0.1, 0.0])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    REF.lion_step(ref_p, ref_g, ref_m, 1e-3, 0.1, 0.9, 0.99)
+    REF.zero_sign_apply(sign, nz, targets, casts, layout, [1e-3, 2e-3], [0.1, 0.0])
+    for a, b in zip(dev_p + dev_m + dev_t + dev_c, ref_p + ref_m + targets + casts):
+        same(a, b, "after the sync-free calls")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_GPU)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_lion_fused_equals_foreach_on_cuda(dtype):
+    """lioncub_ds.Lion on CUDA: the fused kernel (default) and the pure-torch foreach path give the same bits."""
+    from lioncub_ds import Lion
+
+    def run(foreach):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(17, 33), torch.nn.GELU(), torch.nn.Linear(33, 5)).to("cuda", dtype)
+        opt = Lion(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=foreach,
+                   momentum_dtype=torch.float32 if dtype == F32 else BF16)
+        gx = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(20):
+            x = torch.randn(16, 17, generator=gx, device="cuda").to(dtype)
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+        return [p.detach() for p in model.parameters()]
+
+    for a, b in zip(run(None), run(True)):
+        same(a, b, "param")

@@ -147,7 +147,7 @@ def clone_all(ts):
 def test_backend_interface_matches_torch_backend(be):
     ref = kernels.TorchBackend
     for name in ("local_step", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes", "lanes_apply",
-                 "int8_local_step", "int8_apply"):
+                 "int8_local_step", "int8_apply", "lion_step", "zero_sign_apply"):
         want = list(inspect.signature(getattr(ref, name)).parameters.values())
         got = list(inspect.signature(getattr(be, name)).parameters.values())
         assert [(p.name, p.default) for p in got[:len(want)]] == [(p.name, p.default) for p in want], name
@@ -158,7 +158,8 @@ def test_backend_interface_matches_torch_backend(be):
 
     for backend in (be, kernels.TorchBackend(), CudaBackend(None)):
         assert isinstance(backend, kernels.Backend), backend
-    for name in ("vote_apply", "shard_vote", "lanes_apply", "int8_local_step"):  # the Protocol is the reference's
+    for name in ("vote_apply", "shard_vote", "lanes_apply", "int8_local_step", "lion_step",
+                 "zero_sign_apply"):  # the Protocol is the reference's
         want = [p.name for p in inspect.signature(getattr(reference, name)).parameters.values()]
         got = [p.name for p in inspect.signature(getattr(kernels.Backend, name)).parameters.values()][1:]
         assert got == want, name
@@ -498,6 +499,161 @@ def test_int8_apply(be, pdt):
             assert_same_float(a, b, f"param[{i}]")
 
 
+# ----------------------------------------------------------------------------- (i) single-process Lion step
+def lion_bucket(sizes, pdt, gdt, mdt, seed):
+    """Params, grads and momenta of ``sizes``: planted NaN/+-Inf grads, exact zeros of c (g = m = 0,
+    and g = -0.0 with m = 0: c = -0.0 + 0.0), -0.0 parameters, a subnormal momentum."""
+    grads, moms, _, _ = make_bucket(sizes, gdt, mdt, seed)
+    gen = _gen(seed + 1)
+    params = []
+    for i, n in enumerate(sizes):
+        p = torch.randn(n, generator=gen)
+        if n >= 12:
+            p[:3] = -0.0
+            grads[i][10], moms[i][10] = -0.0, 0.0
+            if mdt == F32:
+                moms[i][11] = 1e-41
+        params.append(p.to(pdt))
+    return params, grads, moms
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+@pytest.mark.parametrize("mdt", STATE_DTYPES)
+@pytest.mark.parametrize("gdt", GRAD_DTYPES)
+@pytest.mark.parametrize("pdt", STATE_DTYPES)
+def test_lion_step(isa_be, pdt, gdt, mdt, wd):
+    """The fused step == reference.lion_step (lion.py's arithmetic) element by element, two steps."""
+    seed = 30 + 7 * STATE_DTYPES.index(pdt) + GRAD_DTYPES.index(gdt) + 3 * STATE_DTYPES.index(mdt)
+    params, grads, moms = lion_bucket(SMALL + [0, 65 + 64 * 3], pdt, gdt, mdt, seed)
+    p_ref, m_ref, p_cpp, m_cpp = clone_all(params), clone_all(moms), clone_all(params), clone_all(moms)
+    for step in range(2):
+        reference.lion_step(p_ref, grads, m_ref, 3e-3, wd, 0.9, 0.99)
+        isa_be.lion_step(p_cpp, grads, m_cpp, 3e-3, wd, 0.9, 0.99)
+        for i in range(len(params)):
+            assert_same_float(p_ref[i], p_cpp[i], f"param[{i}] (step {step})")
+            assert_same_float(m_ref[i], m_cpp[i], f"momentum[{i}] (step {step})")
+    assert any(bool(torch.isnan(m).any()) for m in m_ref)  # the planted NaN really went through
+
+
+@pytest.mark.parametrize("pdt,gdt,mdt", [(F32, F32, F32), (BF16, BF16, BF16), (F32, F16, BF16)])
+def test_lion_step_big(be, pdt, gdt, mdt):
+    """Several threads and work items per tensor; odd betas (1 - beta not exact in fp32)."""
+    params, grads, moms = lion_bucket([BIG, 9, 70001], pdt, gdt, mdt, 41)
+    p_ref, m_ref, p_cpp, m_cpp = clone_all(params), clone_all(moms), clone_all(params), clone_all(moms)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        reference.lion_step(p_ref, grads, m_ref, 1e-4, 0.3, 0.95, 0.98)
+        be.lion_step(p_cpp, grads, m_cpp, 1e-4, 0.3, 0.95, 0.98)
+    finally:
+        torch.set_num_threads(old)
+    for i in range(len(params)):
+        assert_same_float(p_ref[i], p_cpp[i], f"param[{i}]")
+        assert_same_float(m_ref[i], m_cpp[i], f"momentum[{i}]")
+
+
+def test_lion_step_mixed_call(be):
+    """Tensors the kernel does not take (a non-contiguous parameter, float64, fp16 parameters, a
+    non-contiguous gradient) take the reference path inside the same call: the same bits."""
+    gen = _gen(50)
+    base = torch.randn(40, 3, generator=gen)
+    mk = lambda: [base.clone()[:, 1], torch.randn(9, dtype=torch.float64, generator=_gen(51)),  # noqa: E731
+                  torch.randn(17, generator=_gen(52)).half(), torch.randn(33, generator=_gen(53))]
+    grads = [torch.randn(40, generator=gen), torch.randn(9, dtype=torch.float64, generator=gen),
+             torch.randn(17, generator=gen).half(), torch.randn(33, 2, generator=gen)[:, 0]]
+    moms = [torch.randn(40, generator=gen) * 0.1, torch.zeros(9, dtype=torch.float64), torch.zeros(17),
+            torch.randn(33, generator=gen)]
+    p_ref, p_cpp, m_ref, m_cpp = mk(), mk(), clone_all(moms), clone_all(moms)
+    reference.lion_step(p_ref, grads, m_ref, 1e-2, 0.1, 0.9, 0.99)
+    be.lion_step(p_cpp, grads, m_cpp, 1e-2, 0.1, 0.9, 0.99)
+    for i in range(4):
+        assert_same_float(p_ref[i], p_cpp[i], f"param[{i}]")
+        assert_same_float(m_ref[i], m_cpp[i], f"momentum[{i}]")
+
+
+# ----------------------------------------------------------------------------- (j) ZeRO sign all-gather apply
+def zero_inputs(n, abstain, cast_dtype, seed):
+    """Two groups with odd partition sizes, a byte offset, padding inside and at the end; sign rows
+    one flag byte longer than the nonzero rows (as the ZeRO adapter sends them)."""
+    gen = _gen(seed)
+    parts, offs = [37, 5003], [0, 5]
+    nbytes = offs[1] + (parts[1] + 7) // 8
+    sign = torch.randint(0, 256, (n, nbytes + 1), dtype=torch.uint8, generator=gen)
+    nz = None
+    if abstain:
+        nz = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+        nz |= torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+    ranges = [[(0, n * parts[0] - 3)], [(3, 500), (700, 701), (900, n * parts[1] - 11)]]
+    targets = [torch.randn(n * p, generator=gen) for p in parts]
+    targets[0][2], targets[1][4], targets[1][6], targets[1][7] = float("nan"), -0.0, float("inf"), 0.0
+    casts = None if cast_dtype is None else [torch.randn(n * p, generator=gen).to(cast_dtype) for p in parts]
+    return sign, nz, reference.zero_layout(n, parts, offs, ranges), targets, casts
+
+
+def old_zero_loop(sign, nz, targets, casts, layout, lrs, wds):
+    """What deepspeed/zero.py did before zero_sign_apply: per group and rank, vote_apply with one voter on
+    the partition, padding restored from a copy, then the cast (its padding is left out here: the old
+    whole-buffer copy wrote there the unchanged values the buffer already held)."""
+    n = sign.shape[0]
+    for g, (ps, o) in enumerate(zip(layout.part_numels, layout.byte_offsets)):
+        nb = (ps + 7) // 8
+        real = torch.zeros(n * ps, dtype=torch.bool)
+        for gg, _r, _b, start, numel in layout.rows():
+            if gg == g:
+                real[start:start + numel] = True
+        for j in range(n):
+            view = targets[g][j * ps:(j + 1) * ps]
+            pad = (~real[j * ps:(j + 1) * ps]).nonzero().reshape(-1)
+            keep = view[pad].clone()
+            reference.vote_apply(sign[j:j + 1, o:o + nb].contiguous(),
+                                 None if nz is None else nz[j:j + 1, o:o + nb].contiguous(), [view], [0], lrs[g],
+                                 wds[g], 1, "zero", "majority", 1, 0, return_delta=False)
+            view[pad] = keep
+        if casts is not None:
+            casts[g][real] = targets[g][real].to(casts[g].dtype)
+
+
+@pytest.mark.parametrize("abstain", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 4, 7])
+def test_zero_reference_equals_the_per_rank_loop(n, abstain):
+    sign, nz, lay, targets, casts = zero_inputs(n, abstain, BF16, 60 + n)
+    t_old, c_old = clone_all(targets), clone_all(casts)
+    old_zero_loop(sign, nz, t_old, c_old, lay, [1e-3, 3e-3], [0.1, 0.0])
+    reference.zero_sign_apply(sign, nz, targets, casts, lay, [1e-3, 3e-3], [0.1, 0.0])
+    for a, b in zip(t_old + c_old, targets + casts):
+        assert_same_float(a, b, "per-rank loop vs reference")
+
+
+@pytest.mark.parametrize("cast_dtype", [None, BF16, F16])
+@pytest.mark.parametrize("abstain", [False, True])
+@pytest.mark.parametrize("n", NS)
+def test_zero_sign_apply(isa_be, n, abstain, cast_dtype):
+    """All partitions of all groups in one call == the reference; padding (and the casts' padding) untouched."""
+    sign, nz, lay, targets, casts = zero_inputs(n, abstain, cast_dtype, 70 + n)
+    t_cpp, c_cpp = clone_all(targets), None if casts is None else clone_all(casts)
+    t0 = clone_all(targets)
+    for lrs, wds in (([1e-3, 3e-3], [0.1, 0.0]), ([2e-3, 2e-3], [0.0, 0.5])):
+        reference.zero_sign_apply(sign, nz, targets, casts, lay, lrs, wds)
+        isa_be.zero_sign_apply(sign, nz, t_cpp, c_cpp, lay, lrs, wds)
+        for i in range(2):
+            assert_same_float(targets[i], t_cpp[i], f"target[{i}]")
+            if casts is not None:
+                assert_same_float(casts[i], c_cpp[i], f"cast[{i}]")
+    n1 = n * 5003
+    for a, b in ((0, 3), (500, 700), (701, 900), (n1 - 11, n1)):  # padding of group 1 never moves
+        assert_same_float(t_cpp[1][a:b], t0[1][a:b], "padding")
+
+
+def test_zero_layout_pieces():
+    lay = reference.zero_layout(3, [10, 4], [0, 2], [[(5, 25)], None])
+    assert lay.rows() == ((0, 0, 5, 5, 5), (0, 1, 0, 10, 10), (0, 2, 0, 20, 5),
+                          (1, 0, 16, 0, 4), (1, 1, 16, 4, 4), (1, 2, 16, 8, 4))
+    assert lay.plane_bytes == 3 and lay.pieces.shape == (6, 5)
+    for bad in ([[(5, 31)], None], [[(6, 8), (7, 9)], None]):
+        with pytest.raises(ValueError, match="real range"):
+            reference.zero_layout(3, [10, 4], [0, 2], bad)
+
+
 # ----------------------------------------------------------------------------- fallbacks / checks
 def run_isolated(code: str) -> str:
     """Run ``code`` in a fresh interpreter. On some platforms a C++ exception thrown through a
@@ -529,6 +685,15 @@ def test_binding_checks_name_the_argument(be):
                                                1, 0, seg)),
             ("segments", lambda: ext.shard_vote(torch.zeros(2, 8, dtype=torch.uint8), None, 1, 0,
                                                 torch.zeros(3, dtype=torch.int64))),
+            ("grads", lambda: ext.lion_step([torch.zeros(8)], [torch.zeros(9)], [torch.zeros(8)], 1e-3, 0.0, 0.9,
+                                            0.99)),
+            ("params[0] must be float32 or bfloat16",
+             lambda: ext.lion_step([torch.zeros(8).half()], [torch.zeros(8)], [torch.zeros(8)], 1e-3, 0.0, 0.9, 0.99)),
+            ("layout row 0", lambda: ext.zero_sign_apply(torch.zeros(2, 1, dtype=torch.uint8), None, [torch.zeros(32)],
+                                                         [None], torch.tensor([[0, 0, 0, 0, 16]]), [1e-3], [0.0])),
+            ("targets must be float32", lambda: ext.zero_sign_apply(torch.zeros(2, 2, dtype=torch.uint8), None,
+                                                                    [torch.zeros(32, dtype=torch.float64)], [None],
+                                                                    torch.tensor([[0, 0, 0, 0, 16]]), [1e-3], [0.0])),
         ]
         for want, call in cases:
             try:
@@ -578,6 +743,29 @@ def _bad_calls(backend):
         ("quant scale", lambda: backend.int8_local_step([torch.zeros(8)], [torch.zeros(8)], [0], 8, 0.9, "l2", 31)),
         ("qsum is on meta", lambda: backend.int8_apply(torch.zeros(8, dtype=torch.int8, device="meta"),
                                                        [torch.zeros(8)], [0], 1e-3, 0.0)),
+        ("same length", lambda: backend.lion_step(p, p, [], 1e-3, 0.0, 0.9, 0.99)),
+        ("grads\\[0\\] has 9", lambda: backend.lion_step(p, [torch.zeros(9)], p, 1e-3, 0.0, 0.9, 0.99)),
+        ("momenta\\[0\\] is on meta", lambda: backend.lion_step(p, p, [meta], 1e-3, 0.0, 0.9, 0.99)),
+        ("grads\\[0\\] must be a torch.Tensor", lambda: backend.lion_step(p, [1.0], p, 1e-3, 0.0, 0.9, 0.99)),
+        ("ZeroLayout", lambda: backend.zero_sign_apply(u8, None, p, None, [(0, 0, 0, 0, 8)], [1e-3], [0.0])),
+        ("world_size", lambda: backend.zero_sign_apply(u8, None, [torch.zeros(8)], None,
+                                                       reference.zero_layout(1, [8], [0]), [1e-3], [0.0])),
+        ("need", lambda: backend.zero_sign_apply(u8[:, :1], None, [torch.zeros(32)], None,
+                                                 reference.zero_layout(2, [16], [0]), [1e-3], [0.0])),
+        ("targets\\[0\\] must be 1-D", lambda: backend.zero_sign_apply(u8, None, [torch.zeros(8)], None,
+                                                                        reference.zero_layout(2, [8], [0]), [1e-3],
+                                                                        [0.0])),
+        ("casts\\[0\\] must be 1-D", lambda: backend.zero_sign_apply(u8, None, [torch.zeros(16)],
+                                                                      [torch.zeros(15, dtype=torch.bfloat16)],
+                                                                      reference.zero_layout(2, [8], [0]), [1e-3],
+                                                                      [0.0])),
+        ("lrs has", lambda: backend.zero_sign_apply(u8, None, [torch.zeros(16)], None,
+                                                    reference.zero_layout(2, [8], [0]), [], [0.0])),
+        ("nonzero", lambda: backend.zero_sign_apply(u8, torch.zeros(3, 8, dtype=torch.uint8), [torch.zeros(16)], None,
+                                                    reference.zero_layout(2, [8], [0]), [1e-3], [0.0])),
+        ("targets\\[0\\] is on meta", lambda: backend.zero_sign_apply(u8, None, [torch.zeros(16, device="meta")],
+                                                                       None, reference.zero_layout(2, [8], [0]),
+                                                                       [1e-3], [0.0])),
     ]
 
 
@@ -628,6 +816,22 @@ def test_unsupported_tensors_take_the_reference_path(kind):
     backend.momentum_update_list(m_be, grads, 0.99)
     for a, b in zip(m_ref, m_be):
         assert_same_float(a, b, "momentum")
+
+    # the Lion step and the ZeRO apply with float64 / non-contiguous tensors
+    p_ref, p_be = mk(), mk()
+    g2 = [torch.randn(64, generator=_gen(6)), torch.randn(9, dtype=torch.float64, generator=_gen(7))]
+    m_ref, m_be = [torch.zeros(64), torch.zeros(9, dtype=torch.float64)], [torch.zeros(64),
+                                                                            torch.zeros(9, dtype=torch.float64)]
+    reference.lion_step(p_ref, g2, m_ref, 1e-3, 0.1, 0.9, 0.99)
+    backend.lion_step(p_be, g2, m_be, 1e-3, 0.1, 0.9, 0.99)
+    for a, b in zip(p_ref + m_ref, p_be + m_be):
+        assert_same_float(a, b, "lion step")
+    lay = reference.zero_layout(4, [16], [0], [[(3, 60)]])
+    t_ref = [torch.randn(64, dtype=torch.float64, generator=_gen(8))]
+    t_be = clone_all(t_ref)
+    reference.zero_sign_apply(sign, nz, t_ref, None, lay, [1e-3], [0.1])
+    backend.zero_sign_apply(sign, nz, t_be, None, lay, [1e-3], [0.1])
+    assert_same_float(t_ref[0], t_be[0], "zero apply")
 
 
 def test_bf16_nan_matches_torch(be):

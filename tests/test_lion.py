@@ -78,3 +78,51 @@ def test_sign_zero_does_not_move_and_decay_is_decoupled():
 def test_invalid_hyperparameters(kwargs, text):
     with pytest.raises(LionCubConfigError, match=text):
         Lion([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mdtype", [torch.float32, torch.bfloat16])
+def test_fused_default_equals_foreach_and_single_tensor(dtype, mdtype, monkeypatch):
+    """foreach=None takes the fused kernel of the device's backend (C++ on CPU): the same bits as both
+    pure-torch paths, and the kernel really ran."""
+    from lioncub_ds import kernels
+
+    be = kernels.backend_for("cpu")
+    if be.name == "torch":
+        pytest.skip("the C++ kernels are not available here (LIONCUB_KERNELS=torch or no compiler)")
+    calls = []
+    orig = type(be).lion_step
+    monkeypatch.setattr(type(be), "lion_step", lambda self, *a: (calls.append(len(a[0])), orig(self, *a))[1])
+    fused = _run(lambda ps: Lion(ps, lr=1e-3, weight_decay=0.3, momentum_dtype=mdtype), dtype, steps=30)
+    assert len(calls) == 30 and calls[0] == 4
+    for foreach in (True, False):
+        ref = _run(lambda ps: Lion(ps, lr=1e-3, weight_decay=0.3, momentum_dtype=mdtype, foreach=foreach), dtype,
+                   steps=30)
+        for x, y in zip(fused, ref):
+            assert torch.equal(x, y)
+    assert len(calls) == 30  # the explicit foreach paths never call the kernel
+
+
+def test_torch_backend_keeps_the_pure_torch_path(monkeypatch):
+    from lioncub_ds import kernels
+
+    monkeypatch.setenv("LIONCUB_KERNELS", "torch")
+    monkeypatch.setattr(kernels, "_cache", {})
+    a = _run(lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1), torch.float32, steps=10)
+    monkeypatch.setenv("LIONCUB_KERNELS", "auto")
+    monkeypatch.setattr(kernels, "_cache", {})
+    b = _run(lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1), torch.float32, steps=10)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lioncub_single_process_equals_lion_bit_for_bit(dtype):
+    from lioncub_ds import LionCub
+
+    mdt = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    a = _run(lambda ps: Lion(ps, lr=2e-3, betas=(0.95, 0.98), weight_decay=0.2, momentum_dtype=mdt), dtype, steps=40)
+    b = _run(lambda ps: LionCub(ps, lr=2e-3, betas=(0.95, 0.98), weight_decay=0.2, momentum_dtype=mdt), dtype,
+             steps=40)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

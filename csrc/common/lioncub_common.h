@@ -55,6 +55,34 @@ typedef struct lc_lion_args {
   float b1, omb1, b2, omb2;
 } lc_lion_args;
 
+// The scalars of a single-process Lion step (reference.lion_step): the betas as in lc_lion_args,
+// neg_lr / decay / apply_decay as in lc_apply_args.
+typedef struct lc_lion_step_args {
+  lc_lion_args betas;
+  float neg_lr;
+  float decay;
+  int32_t apply_decay;
+} lc_lion_step_args;
+
+// One piece of a ZeRO sign all-gather apply (reference.zero_sign_apply): numel consecutive fp32
+// elements at `target` take Δ from the vote bits bit .. bit+numel-1 of plane row `row` (the
+// owner rank): +1 where the sign bit is set, -1 where not, 0 where the nonzero bit is clear;
+// target <- fl(target*decay) (if apply_decay); target <- fl(target + fl(Δ*neg_lr)); then `cast`
+// (if not 0) receives target rounded once to cast_dtype (lcc::DType). 64 bytes; chunk_start
+// is the prefix sum of LC_CHUNK chunks (CUDA only).
+typedef struct lc_zero_piece {
+  uint64_t target;
+  uint64_t cast;
+  int64_t row;
+  int64_t bit;
+  int64_t numel;
+  int64_t chunk_start;
+  float neg_lr;
+  float decay;
+  int32_t apply_decay;
+  int32_t cast_dtype;
+} lc_zero_piece;
+
 inline lc_apply_args lc_make_apply_args(double lr, double weight_decay, int64_t step, int32_t tie, int32_t vote,
                                         int32_t world_size, const int64_t* tie_rows, int64_t tie_nrows) {
   const double decay = 1.0 - lr * weight_decay;  // exactly codec.apply_update
@@ -78,6 +106,16 @@ inline lc_lion_args lc_make_lion_args(double beta1, double beta2) {
   la.b2 = static_cast<float>(beta2);
   la.omb2 = static_cast<float>(1.0 - beta2);
   return la;
+}
+
+inline lc_lion_step_args lc_make_lion_step_args(double lr, double weight_decay, double beta1, double beta2) {
+  const lc_apply_args ap = lc_make_apply_args(lr, weight_decay, 0, 0, 0, 1, nullptr, 0);
+  lc_lion_step_args a;
+  a.betas = lc_make_lion_args(beta1, beta2);
+  a.neg_lr = ap.neg_lr;
+  a.decay = ap.decay;
+  a.apply_decay = ap.apply_decay;
+  return a;
 }
 
 namespace lcc {
@@ -149,6 +187,12 @@ LC_HD double ddiv(double a, double b) {
 #else
   return a / b;
 #endif
+}
+
+// torch.sign of an fp32 value: +1 / -1, and +0 for +-0 and NaN (both compares are false), so a
+// NaN c leaves theta where the decay put it, as in the reference Lion. Branch-free.
+LC_HD float lion_sign(float c) {
+  return static_cast<float>(static_cast<int32_t>(c > 0.0f) - static_cast<int32_t>(c < 0.0f));
 }
 
 // ----------------------------------------------------------------------------- 16-bit floats

@@ -93,6 +93,21 @@ int64_t int8_local_step(const Slot* grads, const Slot* momenta, int64_t ntensors
 void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, const ApplyArgs& args,
                 float* delta_out, int nthreads);
 
+// (i) single-process Lion step over ntensors tensors (reference.lion_step), one pass: reads g, m,
+//     theta once, writes m, theta once. c = fl(fl(b1*m) + fl(omb1*g)); theta <- fl(theta*decay)
+//     rounded to theta's dtype (if apply_decay); theta <- fl(theta + fl(lion_sign(c)*neg_lr));
+//     m <- fl(fl(b2*m) + fl(omb2*g)) rounded once. params / momenta: f32 or bf16; grads: f32, bf16
+//     or f16; offsets are ignored.
+using LionStepArgs = ::lc_lion_step_args;
+void lion_step(const Slot* params, const Slot* grads, const Slot* momenta, int64_t ntensors,
+               const LionStepArgs& args, int nthreads);
+
+// (j) ZeRO sign all-gather apply (reference.zero_sign_apply): every piece (lc_zero_piece, host
+//     addresses, fp32 targets) in one call. Planes: sign [N, sign_stride] bytes, nonzero
+//     [N, nz_stride] or nullptr (every bit votes).
+void zero_sign_apply(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero, int64_t nz_stride,
+                     const ::lc_zero_piece* pieces, int64_t npieces, int nthreads);
+
 // Instruction-set path: 0 = auto (AVX2 when the CPU has it), 1 = portable baseline, 2 = AVX2.
 // Both paths give identical results; the switch exists for tests and benchmarks.
 void set_isa(int isa);

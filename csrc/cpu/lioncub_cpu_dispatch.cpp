@@ -20,7 +20,11 @@
   int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total,             \
                                double beta1, int32_t kind, int32_t levels, int8_t* q_out, int nthreads);            \
   void int8_apply_impl(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams,                      \
-                       const ApplyArgs& args, float* delta_out, int nthreads);
+                       const ApplyArgs& args, float* delta_out, int nthreads);                                      \
+  void lion_step_impl(const Slot* params, const Slot* grads, const Slot* momenta, int64_t ntensors,                 \
+                      const LionStepArgs& args, int nthreads);                                                      \
+  void zero_sign_apply_impl(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero, int64_t nz_stride,    \
+                            const ::lc_zero_piece* pieces, int64_t npieces, int nthreads);
 
 namespace lioncub {
 namespace cpu {
@@ -117,6 +121,16 @@ int64_t int8_local_step(const Slot* grads, const Slot* momenta, int64_t ntensors
 void int8_apply(const int8_t* qsum, int64_t numel, const Slot* params, int64_t nparams, const ApplyArgs& args,
                 float* delta_out, int nthreads) {
   LC_CALL(int8_apply_impl, qsum, numel, params, nparams, args, delta_out, nthreads);
+}
+
+void lion_step(const Slot* params, const Slot* grads, const Slot* momenta, int64_t ntensors, const LionStepArgs& args,
+               int nthreads) {
+  LC_CALL(lion_step_impl, params, grads, momenta, ntensors, args, nthreads);
+}
+
+void zero_sign_apply(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero, int64_t nz_stride,
+                     const ::lc_zero_piece* pieces, int64_t npieces, int nthreads) {
+  LC_CALL(zero_sign_apply_impl, sign, sign_stride, nonzero, nz_stride, pieces, npieces, nthreads);
 }
 
 #undef LC_CALL

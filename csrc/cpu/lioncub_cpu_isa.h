@@ -6,6 +6,7 @@ using namespace ::lioncub::cpu::detail;
 using ::lioncub::cpu::Slot;
 using ::lioncub::cpu::ApplyArgs;
 using ::lioncub::cpu::LocalStepCounts;
+using ::lioncub::cpu::LionStepArgs;
 
 namespace {
 

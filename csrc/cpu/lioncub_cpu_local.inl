@@ -309,4 +309,93 @@ int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t nte
   return bad_total;
 }
 
+// ------------------------------------------------------------------ (i) single-process Lion step
+namespace {
+
+// Elements [e0, e1) of one tensor: c, theta and m in one pass (reference.lion_step).
+template <int PT, int GT, int MT, bool DECAY>
+void lion_range(void* p, const void* g, void* m, int64_t e0, int64_t e1, const Coef& k, float df, float nl) {
+  alignas(64) float gf[64], mf[64], pf[64];
+  for (int64_t i0 = e0; i0 < e1; i0 += 64) {
+    const int n = static_cast<int>(std::min<int64_t>(64, e1 - i0));
+    if (n == 64) {
+      load64<GT>(g, i0, gf);
+      load64<MT>(m, i0, mf);
+      load64<PT>(p, i0, pf);
+    } else {
+      for (int j = 0; j < n; ++j) {
+        gf[j] = ld<GT>(g, i0 + j);
+        mf[j] = ld<MT>(m, i0 + j);
+        pf[j] = ld<PT>(p, i0 + j);
+      }
+      for (int j = n; j < 64; ++j) gf[j] = mf[j] = pf[j] = 0.0f;
+    }
+    for (int j = 0; j < 64; ++j) {
+      const float c = mf[j] * k.b1 + gf[j] * k.ob1;
+      float v = pf[j];
+      if constexpr (DECAY) {
+        v = v * df;
+        if constexpr (PT != kF32) v = round_bf16(v);
+      }
+      const float x = lion_sign(c) * nl;
+      pf[j] = v + x;
+      mf[j] = mf[j] * k.b2 + gf[j] * k.ob2;
+    }
+    if (n == 64) {
+      if constexpr (PT == kF32) {
+        std::memcpy(static_cast<float*>(p) + i0, pf, sizeof(pf));
+      } else {
+        uint16_t* pp = static_cast<uint16_t*>(p) + i0;
+        for (int j = 0; j < 64; ++j) pp[j] = f32_to_bf16(pf[j]);
+      }
+      if constexpr (MT == kF32) {
+        std::memcpy(static_cast<float*>(m) + i0, mf, sizeof(mf));
+      } else {
+        uint16_t* mp = static_cast<uint16_t*>(m) + i0;
+        for (int j = 0; j < 64; ++j) mp[j] = f32_to_bf16(mf[j]);
+      }
+    } else {
+      for (int j = 0; j < n; ++j) {
+        st<PT>(p, i0 + j, pf[j]);
+        st<MT>(m, i0 + j, mf[j]);
+      }
+    }
+  }
+}
+
+template <int PT, int GT, int MT>
+inline void lion_range_d(bool decay, void* p, const void* g, void* m, int64_t e0, int64_t e1, const Coef& k, float df,
+                         float nl) {
+  if (decay) lion_range<PT, GT, MT, true>(p, g, m, e0, e1, k, df, nl);
+  else lion_range<PT, GT, MT, false>(p, g, m, e0, e1, k, df, nl);
+}
+
+template <int PT>
+inline void lion_range_pt(int gt, int mt, bool decay, void* p, const void* g, void* m, int64_t e0, int64_t e1,
+                          const Coef& k, float df, float nl) {
+#define LC_LION(G, M) lion_range_d<PT, G, M>(decay, p, g, m, e0, e1, k, df, nl);
+  LC_GM_SWITCH(gt, mt, LC_LION);
+#undef LC_LION
+}
+
+}  // namespace
+
+void lion_step_impl(const Slot* params, const Slot* grads, const Slot* momenta, int64_t ntensors,
+                    const LionStepArgs& args, int nthreads) {
+  const Coef k{args.betas.b1, args.betas.omb1, args.betas.b2, args.betas.omb2};
+  const bool decay = args.apply_decay != 0;
+  int64_t work = 0;
+  const std::vector<Item> items = chunk_items(params, ntensors, kChunk, &work);
+  parallel_for_dynamic(static_cast<int64_t>(items.size()), threads_for(work, nthreads), [&](int64_t it) {
+    const Item& I = items[it];
+    const Slot& p = params[I.t];
+    const Slot& g = grads[I.t];
+    const Slot& m = momenta[I.t];
+    if (p.dtype == kF32)
+      lion_range_pt<kF32>(g.dtype, m.dtype, decay, p.data, g.data, m.data, I.e0, I.e1, k, args.decay, args.neg_lr);
+    else
+      lion_range_pt<kBF16>(g.dtype, m.dtype, decay, p.data, g.data, m.data, I.e0, I.e1, k, args.decay, args.neg_lr);
+  });
+}
+
 #undef LC_GM_SWITCH

@@ -583,3 +583,65 @@ void int8_apply_impl(const int8_t* qsum, int64_t numel, const Slot* params, int6
   };
   apply_driver(numel, params, nparams, args, delta_out, nthreads, prod);
 }
+
+// ------------------------------------------------------------------ (j) ZeRO sign all-gather apply
+namespace {
+
+// The n (<= 64) bits starting at bit `bit` of `row`, LSB first (bits past n are 0); reads only the
+// bytes that hold them.
+inline uint64_t load_bits64(const uint8_t* row, int64_t bit, int n) {
+  const uint8_t* b = row + (bit >> 3);
+  const int sh = static_cast<int>(bit & 7);
+  const int nbytes = (sh + n + 7) >> 3;  // 1..9
+  uint64_t w = load_word(b, std::min(nbytes, 8)) >> sh;
+  if (nbytes == 9) w |= static_cast<uint64_t>(b[8]) << (64 - sh);  // sh > 0 here
+  return n == 64 ? w : (w & ((uint64_t(1) << n) - 1));
+}
+
+template <bool DECAY>
+void zero_piece_range(const lc_zero_piece& P, const uint8_t* srow, const uint8_t* zrow, int64_t e0, int64_t e1) {
+  alignas(64) float delta[64];
+  float* t = reinterpret_cast<float*>(P.target);
+  for (int64_t i0 = e0; i0 < e1; i0 += 64) {
+    const int n = static_cast<int>(std::min<int64_t>(64, e1 - i0));
+    const uint64_t s = load_bits64(srow, P.bit + i0, n);
+    const uint64_t z = zrow ? load_bits64(zrow, P.bit + i0, n) : ~uint64_t(0);
+    expand_delta(s & z, ~s & z, delta);  // +1 where it voted +, -1 where it voted -, 0 where it abstained
+    apply_range_t<kF32, DECAY>(t, i0, delta, n, P.decay, P.neg_lr);
+    if (P.cast == 0) continue;
+    const float* v = t + i0;
+    if (P.cast_dtype == kF32) {
+      std::memcpy(reinterpret_cast<float*>(P.cast) + i0, v, sizeof(float) * n);
+    } else if (P.cast_dtype == kBF16) {
+      uint16_t* c = reinterpret_cast<uint16_t*>(P.cast) + i0;
+      for (int j = 0; j < n; ++j) c[j] = f32_to_bf16(v[j]);
+    } else {
+      uint16_t* c = reinterpret_cast<uint16_t*>(P.cast) + i0;
+      for (int j = 0; j < n; ++j) c[j] = f32_to_f16(v[j]);
+    }
+  }
+}
+
+}  // namespace
+
+void zero_sign_apply_impl(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero, int64_t nz_stride,
+                          const ::lc_zero_piece* pieces, int64_t npieces, int nthreads) {
+  struct Work {
+    int64_t k, e0, e1;
+  };
+  std::vector<Work> items;
+  int64_t work = 0;
+  for (int64_t k = 0; k < npieces; ++k) {
+    const int64_t n = pieces[k].numel;
+    for (int64_t e0 = 0; e0 < n; e0 += kChunk) items.push_back({k, e0, std::min(n, e0 + kChunk)});
+    work += n;
+  }
+  parallel_for_dynamic(static_cast<int64_t>(items.size()), threads_for(work, nthreads), [&](int64_t it) {
+    const Work& W = items[it];
+    const lc_zero_piece& P = pieces[W.k];
+    const uint8_t* srow = sign + P.row * sign_stride;
+    const uint8_t* zrow = nonzero ? nonzero + P.row * nz_stride : nullptr;
+    if (P.apply_decay) zero_piece_range<true>(P, srow, zrow, W.e0, W.e1);
+    else zero_piece_range<false>(P, srow, zrow, W.e0, W.e1);
+  });
+}

@@ -136,6 +136,31 @@ cudaError_t lc_int8_local_step(const lc_tensor_meta* meta, int n_tensors, int64_
 cudaError_t lc_int8_apply(const int8_t* qsum, int64_t numel, const lc_tensor_meta* params, int n_tensors,
                           lc_apply_args args, float* delta_out, cudaStream_t stream);
 
+// ----------------------------------------------------------------------------- single-process step
+// One tensor of a Lion step: 6 x 8 bytes, filled by the binding as int64 (chunk_start as in
+// lc_tensor_meta; tensors in any order, numel > 0).
+typedef struct lc_lion_meta {
+  uint64_t param;       // fp32 / bf16 / fp16
+  uint64_t grad;        // fp32 / bf16 / fp16
+  uint64_t momentum;    // fp32 / bf16 / fp16
+  int64_t numel;
+  int64_t chunk_start;
+  int64_t dtypes;       // lc_dtype of param | grad << 8 | momentum << 16
+} lc_lion_meta;
+
+// reference.lion_step over a list (one launch, one pass: reads g, m, theta once, writes m,
+// theta once): c = fl(fl(b1*m) + fl(omb1*g)); theta <- fl(theta*decay) rounded to theta's dtype
+// (if apply_decay); theta <- fl(theta + fl(lcc::lion_sign(c)*neg_lr)); m <- fl(fl(b2*m) +
+// fl(omb2*g)) rounded once to m's dtype.
+cudaError_t lc_lion_step(const lc_lion_meta* meta, int n_tensors, int64_t n_chunks, lc_lion_step_args args,
+                         cudaStream_t stream);
+
+// reference.zero_sign_apply: every piece (lc_zero_piece, device array, fp32 targets, chunk_start
+// the prefix sum of lc_num_chunks(numel)) in one launch, n_chunks chunks in all. sign: [rows,
+// sign_stride] bytes; nonzero: [rows, nz_stride] or NULL (every bit votes).
+cudaError_t lc_zero_sign_apply(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero, int64_t nz_stride,
+                               const lc_zero_piece* pieces, int n_pieces, int64_t n_chunks, cudaStream_t stream);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

@@ -338,6 +338,91 @@ LC_HD void momentum_unit(const Tensor& T, int64_t j, int n, const lc_lion_args& 
   store8(T.b, T.dtb, j, n, m);
 }
 
+// ----------------------------------------------------------------------------- single-process step
+// The entry (tensor or piece) owning global chunk `chunk` of an array with chunk_start ascending.
+template <class M>
+LC_HD int search_chunk_of(const M* __restrict__ meta, int n, int64_t chunk) {
+  int lo = 0, hi = n - 1, ans = 0;
+  while (lo <= hi) {
+    const int mid = (lo + hi) >> 1;
+    if (meta[mid].chunk_start <= chunk) {
+      ans = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return ans;
+}
+
+struct LionTensor {
+  uint64_t p, g, m;
+  int64_t numel, chunk_start;
+  int dtp, dtg, dtm;
+};
+
+LC_HD LionTensor read_lion_meta(const lc_lion_meta* __restrict__ meta, int t) {
+  LionTensor r;
+  r.p = meta[t].param;
+  r.g = meta[t].grad;
+  r.m = meta[t].momentum;
+  r.numel = meta[t].numel;
+  r.chunk_start = meta[t].chunk_start;
+  const int64_t d = meta[t].dtypes;
+  r.dtp = static_cast<int>(d & 0xff);
+  r.dtg = static_cast<int>((d >> 8) & 0xff);
+  r.dtm = static_cast<int>((d >> 16) & 0xff);
+  return r;
+}
+
+// Elements [j, j+n) (n <= 8) of one tensor: one Lion step (reference.lion_step).
+LC_HD void lion_unit(const LionTensor& T, int64_t j, int n, const lc_lion_step_args& a) {
+  float g[8], m[8], p[8];
+  load8(T.g, T.dtg, j, n, g);
+  load8(T.m, T.dtm, j, n, m);
+  load8(T.p, T.dtp, j, n, p);
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    const float c = lion_c(m[i], g[i], a.betas);
+    float x = p[i];
+    if (a.apply_decay) x = round_to(T.dtp, fmul(x, a.decay));
+    p[i] = fadd(x, fmul(lcc::lion_sign(c), a.neg_lr));
+    m[i] = lion_m(m[i], g[i], a.betas);
+  }
+  store8(T.p, T.dtp, j, n, p);
+  store8(T.m, T.dtm, j, n, m);
+}
+
+// ----------------------------------------------------------------------------- ZeRO sign all-gather apply
+// The n (<= 8) bits starting at bit `bit` of `row`, LSB first; reads only the bytes holding them.
+LC_HD uint32_t load_bits8(const uint8_t* __restrict__ row, int64_t bit, int n) {
+  const uint8_t* q = row + (bit >> 3);
+  const int sh = static_cast<int>(bit & 7);
+  uint32_t x = q[0];
+  if (sh + n > 8) x |= static_cast<uint32_t>(q[1]) << 8;
+  return (x >> sh) & ((1u << n) - 1u);
+}
+
+// Elements [j, j+n) (n <= 8) of one piece (lc_zero_piece): Δ from the owner's vote bits, apply,
+// then the low-precision copy.
+LC_HD void zero_unit(const lc_zero_piece& P, const uint8_t* __restrict__ sign, int64_t sign_stride,
+                     const uint8_t* __restrict__ nonzero, int64_t nz_stride, int64_t j, int n) {
+  const int64_t b = P.bit + j;
+  const uint32_t s = load_bits8(sign + P.row * sign_stride, b, n);
+  const uint32_t z = nonzero ? load_bits8(nonzero + P.row * nz_stride, b, n) : 0xffu;
+  float v[8];
+  load8(P.target, LC_FLOAT32, j, n, v);
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    const float d = ((z >> i) & 1u) ? (((s >> i) & 1u) ? 1.0f : -1.0f) : 0.0f;
+    float x = v[i];
+    if (P.apply_decay) x = fmul(x, P.decay);
+    v[i] = fadd(x, fmul(d, P.neg_lr));
+  }
+  store8(P.target, LC_FLOAT32, j, n, v);
+  if (P.cast) store8(P.cast, P.cast_dtype, j, n, v);
+}
+
 // ----------------------------------------------------------------------------- votes
 // The tie index of bucket/shard position e (the element's index inside its parameter).
 LC_HD uint64_t tie_index_of(const lc_apply_args& a, int64_t e) { return lcc::tie_index(a.tie_rows, a.tie_nrows, e); }

@@ -11,6 +11,13 @@ For fp32 and bf16 (gradients, momenta and parameters of that dtype) it times, pe
 * ``vote_apply``: N=4 packed sign planes -> majority (hash ties) -> θ·(1-ηλ) - ηΔ, Δ not returned;
 * ``vote_apply+delta``: the same, also returning Δ (the reference contract; 4 more bytes/param).
 
+* ``lion_step`` (a second table): the single-process Lion step over 8 parameters of one dtype
+  (params, grads and momenta), ``numel`` in all: the fused kernel (``backend.lion_step``, one pass:
+  20 B/param in fp32, 10 in bf16) side by side with lioncub_ds.Lion's pure-torch foreach and
+  single-tensor paths and, when installed, lion-pytorch (its per-tensor ``update_fn``, what
+  ``lion_pytorch.Lion`` runs, and its foreach optimizer), all in one round-robin with the copy.
+  ``lion_match``: the fused step gave the foreach path's bits (checked in the run).
+
 Baselines: ``unfused``: the same math written with plain torch ops (a few large tensor ops,
 vectorized pack by a multiply trick) into buffers allocated once and reused (``out=`` and
 in-place ops), timed in the same round-robin as the fused kernels and the copy; checked in the run to produce the fused
@@ -290,6 +297,93 @@ def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
     return records
 
 
+# ----------------------------------------------------------------------------- single-process Lion step
+LION_TENSORS = 8  # parameters per step (odd sizes summing to numel)
+
+
+def _lion_set(numel: int, dt, gen):
+    weights = [3, 1, 7, 2, 5, 1, 4, 9]  # uneven parameter sizes
+    sizes = [max(1, numel * w // sum(weights)) | 1 for w in weights]
+    sizes[-1] = max(1, numel - sum(sizes[:-1]))
+    params = [torch.randn(n, generator=gen).to(dt) for n in sizes]
+    grads = [torch.randn(n, generator=gen).to(dt) for n in sizes]
+    moms = [(torch.randn(n, generator=gen) * 0.1).to(dt) for n in sizes]
+    return params, grads, moms
+
+
+def run_lion_step(numel: int, repeat: int, dtypes) -> list[dict]:
+    """The single-process step: fused vs the pure-torch paths vs lion-pytorch, against the copy floor."""
+    from ..kernels.loader import load
+    from ..lion import _foreach_lion, _single_tensor_lion
+
+    try:
+        from lion_pytorch.foreach import Lion as LPForeach
+        from lion_pytorch.lion_pytorch import update_fn as lp_update
+    except ImportError:
+        LPForeach = lp_update = None
+    be = load("cpp")
+    threads = torch.get_num_threads()
+    copy_n = max(numel, 16 << 20)
+    ca, cb = torch.randn(copy_n), torch.empty(copy_n)
+    copy_bytes = 2 * 4 * copy_n
+    per_m = numel / 1e6
+    kw = dict(lr=LR, beta1=B1, beta2=B2, weight_decay=WD)
+    records = []
+    gen = torch.Generator().manual_seed(1)
+    for dt in dtypes:
+        s = torch.tensor([], dtype=dt).element_size()
+        ps, gs, ms = _lion_set(numel, dt, gen)
+        # the fused step gives the foreach path's bits (one step on copies)
+        p1, m1, p2, m2 = [p.clone() for p in ps], [m.clone() for m in ms], [p.clone() for p in ps], [m.clone() for m in ms]
+        be.lion_step(p1, gs, m1, LR, WD, B1, B2)
+        _foreach_lion(p2, gs, m2, **kw)
+        match = all(torch.equal(a, b) for a, b in zip(p1 + m1, p2 + m2))
+        del p1, m1, p2, m2
+        cases = {"copy": lambda: cb.copy_(ca),
+                 "fused": lambda: be.lion_step(ps, gs, ms, LR, WD, B1, B2),
+                 "foreach": lambda: _foreach_lion(ps, gs, ms, **kw),
+                 "single": lambda: _single_tensor_lion(ps, gs, ms, **kw)}
+        if lp_update is not None:
+            cases["lion_pytorch"] = lambda: [lp_update(p, g, m, LR, WD, B1, B2) for p, g, m in zip(ps, gs, ms)]
+            lp_params = [torch.nn.Parameter(p) for p in ps]  # the same storage
+            for p, g in zip(lp_params, gs):
+                p.grad = g
+            lp_opt = LPForeach(lp_params, lr=LR, betas=(B1, B2), weight_decay=WD)
+            cases["lion_pytorch_foreach"] = lp_opt.step
+        rr = _interleaved(cases, repeat)
+        bw = copy_bytes / statistics.median(rr.pop("copy"))
+        bpp = 5 * s  # read g, m, theta; write m, theta
+        floor = bpp * 1e6 / bw
+        t = {k: statistics.median(v) / per_m for k, v in rr.items()}
+        for impl, ti in t.items():
+            records.append({"bench": NAME, "kernel": "lion_step", "impl": impl, "dtype": str(dt).replace("torch.", ""),
+                            "numel": numel, "tensors": len(ps), "threads": threads, "isa": be.isa,
+                            "s_per_1M": ti, "bytes_per_param": bpp, "copy_GBps": bw / 1e9, "floor_s_per_1M": floor,
+                            "fraction_of_floor": floor / ti, "x_of_floor": ti / floor,
+                            "speedup_of_fused": ti / t["fused"], "lion_match": match})
+        del ps, gs, ms
+    return records
+
+
+def format_lion_table(records: list[dict]) -> str:
+    if not records:
+        return "(no lion_step records)"
+    r0 = records[0]
+    lines = [f"lion_step: {r0['numel'] / 1e6:.1f}M params in {r0['tensors']} tensors, {r0['threads']} threads, "
+             f"isa={r0['isa']}; ms per 1M params (medians, one round-robin with the copy); floor = bytes/param at the "
+             "copy bandwidth; x floor = time / floor (1.0 = at the copy bandwidth); x fused = time / fused time",
+             f"{'impl':<22}{'dtype':<10}{'ms/1M':>8}{'B/param':>9}{'copy GB/s':>11}{'floor':>8}{'x floor':>9}"
+             f"{'x fused':>9}"]
+    for r in records:
+        lines.append(f"{r['impl']:<22}{r['dtype']:<10}{r['s_per_1M'] * 1e3:>8.3f}{r['bytes_per_param']:>9.1f}"
+                     f"{r['copy_GBps']:>11.2f}{r['floor_s_per_1M'] * 1e3:>8.3f}{r['x_of_floor']:>9.2f}"
+                     f"{r['speedup_of_fused']:>9.2f}")
+    bad = sorted({r["dtype"] for r in records if not r["lion_match"]})
+    lines.append("check: the fused step gives the foreach path's bits: " + ("OK" if not bad else "MISMATCH " +
+                                                                              ", ".join(bad)))
+    return "\n".join(lines)
+
+
 def format_table(records: list[dict]) -> str:
     if not records:
         return "(no records)"
@@ -326,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeat", type=int, default=7, help="timed runs per measurement (median)")
     ap.add_argument("--threads", type=int, default=None, help="torch (and OpenMP) threads; default: torch's")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma list of float32,bfloat16")
+    ap.add_argument("--only", default="all", choices=("all", "votes", "lion"),
+                    help="cpu: votes = the LionCub kernels table, lion = the single-process step table")
     return ap
 
 
@@ -349,8 +445,15 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None:
             print(f"[bench {NAME}] wrote {path}")
         return 0
-    records = run(args.numel or (16 << 20), args.repeat, args.codec_numel, dtypes)
-    print(format_table(records))
+    numel = args.numel or (16 << 20)
+    records = []
+    if args.only in ("all", "votes"):
+        records += run(numel, args.repeat, args.codec_numel, dtypes)
+        print(format_table(records))
+    if args.only in ("all", "lion"):
+        lion_records = run_lion_step(numel, args.repeat, dtypes)
+        print(format_lion_table(lion_records))
+        records += lion_records
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(records, indent=1))

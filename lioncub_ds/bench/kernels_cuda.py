@@ -1,5 +1,8 @@
 """CUDA kernel benchmark (docs/results.md): fused CUDA kernels vs the unfused torch path.
 
+The single-process ``lion_step`` is also timed against lion-pytorch's Triton update when
+lion-pytorch and triton are installed (``impl: lion_pytorch_triton``).
+
 For each kernel of a Lion Cub step and for fp32 and bf16 (grads, params, momenta of that
 dtype), times the fused kernel (the ``cuda`` backend: ``lioncub_ds.kernels.backend_for('cuda')``)
 and the unfused torch path (``lioncub_ds.kernels.reference`` functions on the same CUDA tensors),
@@ -96,7 +99,19 @@ def _cases(be, dtype, numel, world, device, gen):
     qsum = torch.randint(-127, 128, (total,), device=device, dtype=torch.int32, generator=gen).to(torch.int8)
     apply_kw = dict(lr=1e-6, weight_decay=0.1, step=3, tie_break="hash")
     pb = 1.0 / 8.0  # one bit plane, bytes per parameter
+    # ZeRO sign all-gather apply: N partitions of one group (an fp32 replica; for bf16 also the cast
+    # into the bf16 flat buffer), sign rows with the flag byte, a little end padding
+    part = numel // world
+    zlay = reference.zero_layout(world, [part], [0], [[(0, world * part - 5)]])
+    zsign = torch.randint(0, 256, (world, (part + 7) // 8 + 1), device=device, dtype=torch.int32,
+                          generator=gen).to(torch.uint8)
+    ztarget = [torch.randn(world * part, device=device, generator=gen)]
+    zcast = None if dtype == torch.float32 else [ztarget[0].to(dtype)]
+    zbytes = 8 + pb + (0 if zcast is None else esz)
     return [
+        ("lion_step", 5 * esz, lambda: be.lion_step(params, grads, moms, 1e-6, 0.1, 0.9, 0.99)),
+        (f"zero_sign_apply_N{world}", zbytes,
+         lambda: be.zero_sign_apply(zsign, None, ztarget, zcast, zlay, [1e-6], [0.1])),
         ("local_step", esz + 2 * esz + 2 * pb,
          lambda: be.local_step(grads, moms, offsets, total, 0.9, 0.99, update_momentum=True)),
         ("momentum_update", esz + 2 * esz, lambda: be.momentum_update_list(moms, grads, 0.99)),
@@ -150,12 +165,36 @@ def run_cuda(json_path=None, numel: int = 1 << 26, world_size: int = 8, repeats:
                 "bytes_per_param": bpp, "floor_ms_per_1B": floor_ms, "frac_of_floor": floor_ms / (ms * per_b),
                 "copy_GBps": bw / 1e9, "speedup_vs_torch": torch_ms / ms,
             })
+    records += _lion_pytorch(numel, dtypes, bw, repeats, warmup, device, name, per_b)
     _print_table(records, name, bw, fused is not None)
     if json_path is not None:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(records, indent=1))
     return records
+
+
+def _lion_pytorch(numel, dtypes, bw, repeats, warmup, device, name, per_b):
+    """lion-pytorch's Triton update (lion_pytorch.triton.update_fn, one launch per parameter) on the
+    lion_step tensors, when lion-pytorch and triton are installed."""
+    try:
+        from lion_pytorch.triton import update_fn
+    except Exception:  # noqa: BLE001 - not installed (or no triton): nothing to compare with
+        return []
+    out = []
+    for dt_name in dtypes:
+        dtype = DTYPES[dt_name]
+        esz = torch.tensor([], dtype=dtype).element_size()
+        gen = torch.Generator(device=device).manual_seed(0)
+        sizes, _, _ = _layout(numel, 1)
+        ps, gs, ms = ([torch.randn(n, device=device, generator=gen).to(dtype) for n in sizes] for _ in range(3))
+        ms_t = _median_ms(lambda: [update_fn(p, g, m, 1e-6, 0.1, 0.9, 0.99) for p, g, m in zip(ps, gs, ms)], repeats,
+                          warmup)
+        floor_ms = 5 * esz * 1e9 / bw * 1e3
+        out.append({"bench": "kernels_cuda", "kernel": "lion_step", "dtype": dt_name, "impl": "lion_pytorch_triton",
+                    "device": name, "numel": numel, "ms": ms_t, "ms_per_1B": ms_t * per_b, "bytes_per_param": 5 * esz,
+                    "floor_ms_per_1B": floor_ms, "frac_of_floor": floor_ms / (ms_t * per_b), "copy_GBps": bw / 1e9})
+    return out
 
 
 def _print_table(records, name, bw, have_fused):
@@ -169,11 +208,17 @@ def _print_table(records, name, bw, have_fused):
     for r in records:
         rows.setdefault((r["kernel"], r["dtype"]), {})[r["impl"]] = r
     for (kernel, dt), d in rows.items():
+        if "torch" not in d:
+            continue
         t, f = d["torch"], d.get("fused")
         fused_cols = f"{f['ms_per_1B']:>9.2f} {f['frac_of_floor']:>8.1%} " if f else f"{'-':>9} {'-':>8} "
         speed = f"{f['speedup_vs_torch']:>7.1f}x" if f else f"{'-':>8}"
         print(f"{kernel:<24} {dt:<5} {t['bytes_per_param']:>7.3f} {t['floor_ms_per_1B']:>9.2f} " + fused_cols
               + f"{t['ms_per_1B']:>9.2f} {t['frac_of_floor']:>8.1%} " + speed)
+    for r in records:
+        if r["impl"] == "lion_pytorch_triton":
+            print(f"lion_step {r['dtype']}: lion-pytorch Triton {r['ms_per_1B']:.2f} ms per 1B ({r['frac_of_floor']:.1%} "
+                  "of floor)")
 
 
 if __name__ == "__main__":  # pragma: no cover - manual run on a GPU machine

@@ -27,7 +27,10 @@ Conventions: the bit order is lioncub_ds.kernels.reference's (LSB first); the al
 DeepSpeed's flat buffers never moves (Δ = 0 there on every rank, no bits needed); a real
 coordinate whose c is exactly 0 (or non-finite) does not move (the nonzero plane carries it).
 One all-gather per step carries every group's sign bits plus one flag byte per rank saying
-whether the nonzero plane follows.
+whether the nonzero plane follows. Every rank then applies all partitions of all groups with one
+backend call (``zero_sign_apply``: unpack, decay, apply and the cast into the low-precision
+buffer, one kernel), with no per-rank loop; the step's one host read is that flag (whether the
+second all-gather, of the nonzero planes, follows: every rank must know before issuing it).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import torch
 
 from .. import kernels
 from ..comm.base import Collectives
+from ..kernels.reference import zero_layout
 from ..telemetry import CommStats, ring_bytes
 from . import _compat
 
@@ -63,19 +67,21 @@ def make_allgather_dispatch(orig):
     return all_gather_dp_groups
 
 
-def _pad_ranges(zopt, i, flat_numel):
-    """Sorted [a, b) ranges of the flat buffer of group ``i`` that hold no parameter."""
+def _real_ranges(zopt, i, flat_numel):
+    """Sorted, disjoint [a, b) ranges of the flat buffer of group ``i`` that hold parameters (the
+    rest is alignment padding)."""
     offsets = zopt.round_robin_bit16_offsets
     metas = zopt.round_robin_bit16_meta
-    real = sorted((int(o), int(o) + int(m.numel())) for o, m in zip(offsets[i], metas[i]))
-    gaps, pos = [], 0
-    for a, b in real:
-        if a > pos:
-            gaps.append((pos, a))
-        pos = max(pos, b)
-    if pos < flat_numel:
-        gaps.append((pos, flat_numel))
-    return gaps
+    spans = sorted((int(o), min(int(o) + int(m.numel()), flat_numel)) for o, m in zip(offsets[i], metas[i]))
+    out = []
+    for a, b in spans:
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 class ZeroSignAllGather:
@@ -84,8 +90,8 @@ class ZeroSignAllGather:
     Collectives go through :class:`lioncub_ds.comm.base.Collectives` (bytes and time in a
     :class:`~lioncub_ds.telemetry.CommStats`, failures as ``CollectiveError``); the local
     direction, the bit packing and the apply go through the kernel backend of the
-    parameters' device (``local_step`` and ``vote_apply`` with one voter: Δ = the owner's
-    sign, 0 where it abstains).
+    parameters' device (``local_step``, then ``zero_sign_apply`` over every partition: Δ = the
+    owner's sign, 0 where it abstains).
     """
 
     def __init__(self, zopt, lion, replica: bool):
@@ -120,15 +126,19 @@ class ZeroSignAllGather:
             self.replica = [f.detach().float().clone() for f in self.flat]
         dev = self.flat[0].device
         self.backend = kernels.backend_for(dev.type)
-        self.pad_index = []  # [group][partition] -> LongTensor of local padding positions
+        real = [_real_ranges(zopt, i, self.flat[i].numel()) for i in range(len(self.psize))]
+        # every partition of every group: where its votes are in a plane row, which elements are real
+        self.layout = zero_layout(self.n, self.psize, self.offsets, real)
+        self.pad_index, self.pad_count = [], []  # this rank's partition: local padding positions, their count
         for i, ps in enumerate(self.psize):
-            gaps = _pad_ranges(zopt, i, self.flat[i].numel())
-            per = []
-            for j in range(self.n):
-                lo, hi = j * ps, (j + 1) * ps
-                idx = [torch.arange(max(a, lo) - lo, min(b, hi) - lo) for a, b in gaps if min(b, hi) > max(a, lo)]
-                per.append(torch.cat(idx).to(dev) if idx else torch.zeros(0, dtype=torch.long, device=dev))
-            self.pad_index.append(per)
+            lo, hi = self.rank * ps, (self.rank + 1) * ps
+            keep = torch.ones(ps, dtype=torch.bool)
+            for a, b in real[i]:
+                if min(b, hi) > max(a, lo):
+                    keep[max(a, lo) - lo:min(b, hi) - lo] = False
+            idx = keep.nonzero().reshape(-1)
+            self.pad_index.append(idx.to(dev))
+            self.pad_count.append(int(idx.numel()))
         self.master_index = {id(m): i for i, m in enumerate(self.masters)}
         self.pending: dict = {}
         self.steps = 0
@@ -153,7 +163,7 @@ class ZeroSignAllGather:
             if i is None:
                 continue
             ps = self.psize[i]
-            pad = self.pad_index[i][self.rank]
+            pad = self.pad_index[i]
             if p.grad is not None:
                 grad = p.grad.reshape(-1)
                 if pad.numel():
@@ -164,56 +174,41 @@ class ZeroSignAllGather:
                 grad = torch.zeros(ps, dtype=torch.float32, device=p.device)
                 m = grad
             # c = beta1*m + (1-beta1)*g packed to sign / nonzero planes; momentum untouched (Lion updates it).
+            # The counts stay on the device: no host read here.
             sign, nonzero, n_nonfinite, n_zero = self.backend.local_step(
-                [grad], [m], [0], self.nbytes[i] * 8, g["betas"][0], g["betas"][1], False)
-            abstain = n_nonfinite + n_zero - int(pad.numel()) > 0
+                [grad], [m], [0], self.nbytes[i] * 8, g["betas"][0], g["betas"][1], False, device_counts=True)
+            abstain = (n_nonfinite + n_zero) > self.pad_count[i]  # a real coordinate abstained (0-dim bool)
             snap = None if self.replica is not None else self.masters[i].detach().clone()
             self.pending[i] = {"sign": sign, "nonzero": nonzero, "abstain": abstain,
                                "lr": float(g["lr"]), "wd": float(g["weight_decay"]), "snapshot": snap}
 
-    def _apply(self, target, j, i, sign, nonzero, lr, wd):
-        """target (a flat fp32 slice of partition j) <- Lion update with Δ = owner j's sign (0 where it abstains)."""
-        pad = self.pad_index[i][j]
-        keep = target[pad].clone() if pad.numel() else None
-        self.backend.vote_apply(sign, nonzero, [target], [0], lr, wd, 1, "zero", "majority", 1, 0,
-                                return_delta=False)
-        if keep is not None:
-            target[pad] = keep  # padding does not move (its sign bit is 0 when no nonzero plane is sent)
-
     @torch.no_grad()
     def run(self):
-        """All-gather the packed signs and apply every partition's update on every rank."""
+        """All-gather the packed signs and apply every partition's update on every rank (one kernel)."""
         t0 = time.perf_counter()
         pending, self.pending = self.pending, {}
         if len(pending) != len(self.parts):
             missing = sorted(set(range(len(self.parts))) - set(pending))
             raise ZeroSignAllGatherError(f"ZeRO step updated groups {sorted(pending)} but not {missing}")
-        dev = self.flat[0].device
-        flag = torch.tensor([1 if any(v["abstain"] for v in pending.values()) else 0], dtype=torch.uint8, device=dev)
-        signs = self.coll.all_gather(torch.cat([pending[i]["sign"] for i in range(len(self.parts))] + [flag]),
-                                     "zero_sign")
+        groups = range(len(self.parts))
+        flag = torch.stack([pending[i]["abstain"] for i in groups]).any().to(torch.uint8).reshape(1)
+        signs = self.coll.all_gather(torch.cat([pending[i]["sign"] for i in groups] + [flag]), "zero_sign")
         nonzero = None
-        if bool(signs[:, -1].any()):
-            nonzero = self.coll.all_gather(torch.cat([pending[i]["nonzero"] for i in range(len(self.parts))]),
-                                           "zero_nonzero")
+        if bool(signs[:, -1].any()):  # the step's one host read: does the nonzero all-gather follow?
+            nonzero = self.coll.all_gather(torch.cat([pending[i]["nonzero"] for i in groups]), "zero_nonzero")
             self.nonzero_plane_steps += 1
-        for i, ps in enumerate(self.psize):
-            lr, wd = pending[i]["lr"], pending[i]["wd"]
-            o, nb = self.offsets[i], self.nbytes[i]
-            target = self.replica[i] if self.replica is not None else self.flat[i]
-            for j in range(self.n):
-                sign_j = signs[j:j + 1, o:o + nb].contiguous()
-                nz_j = nonzero[j:j + 1, o:o + nb].contiguous() if nonzero is not None else None
-                if j == self.rank and self.replica is None:
-                    x = pending[i]["snapshot"]           # the owner's pre-step master == everyone's replica
-                    self._apply(x, j, i, sign_j, nz_j, lr, wd)
-                    target[j * ps:(j + 1) * ps].copy_(x)
-                    self.masters[i].copy_(x)
-                else:
-                    self._apply(target[j * ps:(j + 1) * ps], j, i, sign_j, nz_j, lr, wd)
-            if self.replica is not None:
-                self.flat[i].copy_(self.replica[i])  # one rounding fp32 -> bf16/fp16, identical everywhere
-                self.masters[i].copy_(self.replica[i][self.rank * ps:(self.rank + 1) * ps])
+        own = [slice(self.rank * ps, (self.rank + 1) * ps) for ps in self.psize]
+        if self.replica is None:
+            # this rank's partition restarts from its pre-step master (== every rank's copy of it)
+            for i in groups:
+                self.flat[i][own[i]].copy_(pending[i]["snapshot"])
+            targets, casts = self.flat, None
+        else:
+            targets, casts = self.replica, self.flat  # one rounding fp32 -> bf16/fp16, identical everywhere
+        self.backend.zero_sign_apply(signs, nonzero, targets, casts, self.layout, [pending[i]["lr"] for i in groups],
+                                     [pending[i]["wd"] for i in groups])
+        for i in groups:
+            self.masters[i].copy_(targets[i][own[i]])
         baseline = sum(ring_bytes("all_gather", f.numel() * f.element_size(), self.n) for f in self.flat)
         self.stats.end_step()
         sent = self.stats.last_step["bytes_sent"]

@@ -13,7 +13,8 @@ cannot be built), ``torch`` (pure-torch reference, never builds), ``cpp`` or ``c
 
 Every backend exposes the same functions as :mod:`.reference` (which *is* the torch
 backend): local_step, momentum_update_list, vote_apply, shard_vote, count_lanes,
-lanes_apply, int8_local_step, int8_apply (:class:`Backend`). The native backends validate
+lanes_apply, int8_local_step, int8_apply, lion_step (the single-process step) and
+zero_sign_apply (the ZeRO sign all-gather apply) (:class:`Backend`). The native backends validate
 their arguments in Python before any extension call (docs/kernels.md).
 """
 from __future__ import annotations
@@ -58,6 +59,10 @@ class Backend(Protocol):
 
     def int8_apply(self, qsum, params, offsets, lr, weight_decay, return_delta=True): ...
 
+    def lion_step(self, params, grads, momenta, lr, weight_decay, beta1, beta2): ...
+
+    def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays): ...
+
 
 class TorchBackend:
     """The pure-torch reference (slow, always available)."""
@@ -69,6 +74,8 @@ class TorchBackend:
     lanes_apply = staticmethod(reference.lanes_apply)
     int8_local_step = staticmethod(reference.int8_local_step)
     int8_apply = staticmethod(reference.int8_apply)
+    lion_step = staticmethod(reference.lion_step)
+    zero_sign_apply = staticmethod(reference.zero_sign_apply)
 
     @staticmethod
     def momentum_update_list(momenta, grads, beta2):

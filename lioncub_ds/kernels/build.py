@@ -24,7 +24,7 @@ LDFLAGS = ("-fopenmp",)
 # CUDA backend: the same extension built with LIONCUB_WITH_CUDA and the .cu kernels
 CUDA_EXT_NAME = "lioncub_cuda"
 CUDA_MODULE = "lioncub_ds._lioncub_cuda"  # prebuilt by LIONCUB_BUILD_EXT=1 LIONCUB_BUILD_CUDA=1 pip install .
-CUDA_SOURCES = CPP_SOURCES + ("cuda/lioncub_local.cu", "cuda/lioncub_vote.cu")
+CUDA_SOURCES = CPP_SOURCES + ("cuda/lioncub_local.cu", "cuda/lioncub_vote.cu", "cuda/lioncub_step.cu")
 CUDA_HEADERS = CPP_HEADERS + ("cuda/lioncub_cuda.h", "cuda/lioncub_cuda_common.cuh")
 CUDA_DEFINES = ("-DLIONCUB_WITH_CUDA",)
 NVCC_FLAGS = ("-O3", "-std=c++17", "--fmad=false")  # no FMA: the same bits as the CPU path

@@ -197,3 +197,47 @@ def validate_int8_apply(qsum, params, offsets) -> list:
     """int8_apply: returns the int offsets."""
     check_tensors([("qsum", qsum)] + [(f"params[{i}]", p) for i, p in enumerate(params)])
     return check_bucket(params, offsets, qsum.numel(), "params")
+
+
+def validate_lion_step(params, grads, momenta) -> None:
+    """lion_step: three lists of tensors on one device, paired one to one with equal element counts."""
+    if not (len(params) == len(grads) == len(momenta)):
+        raise ValueError(f"lioncub kernels: params, grads and momenta must have the same length, got {len(params)}, "
+                         f"{len(grads)} and {len(momenta)}")
+    check_tensors([(f"params[{i}]", p) for i, p in enumerate(params)]
+                  + [(f"grads[{i}]", g) for i, g in enumerate(grads)]
+                  + [(f"momenta[{i}]", m) for i, m in enumerate(momenta)])
+    for i, (p, g, m) in enumerate(zip(params, grads, momenta)):
+        if not p.numel() == g.numel() == m.numel():
+            raise ValueError(f"lioncub kernels: params[{i}] has {p.numel()} elements but grads[{i}] has {g.numel()} "
+                             f"and momenta[{i}] {m.numel()}")
+
+
+def validate_zero_apply(sign, nonzero, targets, casts, layout, lrs, weight_decays) -> None:
+    """zero_sign_apply: planes [N, bytes] holding every group's votes, one 1-D target (and optional
+    cast) of N·P_g elements and one lr / weight decay per group of the layout."""
+    if not isinstance(layout, ref.ZeroLayout):
+        raise TypeError(f"lioncub kernels: layout must be a ZeroLayout (reference.zero_layout), got "
+                        f"{type(layout).__name__}")
+    check_tensors([("sign", sign), ("nonzero", nonzero)] + [(f"targets[{g}]", t) for g, t in enumerate(targets)]
+                  + [(f"casts[{g}]", c) for g, c in enumerate(casts or [])])
+    if sign.dim() != 2 or (nonzero is not None and (nonzero.dim() != 2 or nonzero.shape[0] != sign.shape[0])):
+        raise ValueError(f"lioncub kernels: sign must be 2-D [N, bytes] and nonzero None or 2-D with as many rows, "
+                         f"got {tuple(sign.shape)} and {None if nonzero is None else tuple(nonzero.shape)}")
+    n = sign.shape[0]
+    if n != layout.world_size:
+        raise ValueError(f"lioncub kernels: sign has {n} planes but the layout has world_size {layout.world_size}")
+    need = layout.plane_bytes
+    for name, t in (("sign", sign), ("nonzero", nonzero)):
+        if t is not None and t.shape[1] < need:
+            raise ValueError(f"lioncub kernels: {name} rows have {t.shape[1]} bytes but the layout needs {need}")
+    ng = layout.groups
+    for name, v in (("targets", targets), ("lrs", lrs), ("weight_decays", weight_decays)) + \
+            ((("casts", casts),) if casts is not None else ()):
+        if len(v) != ng:
+            raise ValueError(f"lioncub kernels: {name} has {len(v)} entries but the layout has {ng} groups")
+    for g, ps in enumerate(layout.part_numels):
+        for name, t in (("targets", targets[g]), ("casts", None if casts is None else casts[g])):
+            if t is not None and (t.dim() != 1 or t.numel() != n * ps):
+                raise ValueError(f"lioncub kernels: {name}[{g}] must be 1-D with {n * ps} elements (N x part numel), "
+                                 f"got shape {tuple(t.shape)}")

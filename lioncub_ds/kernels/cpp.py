@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
-from .checks import (all_plain, is_plain, planes_ok, validate_count_lanes, validate_int8_apply, validate_local,
-                     validate_lanes_apply, validate_momentum, validate_shard_vote, validate_vote_apply)
+from .checks import (all_plain, is_plain, planes_ok, validate_count_lanes, validate_int8_apply, validate_lanes_apply,
+                     validate_lion_step, validate_local, validate_momentum, validate_shard_vote, validate_vote_apply,
+                     validate_zero_apply)
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -123,3 +124,29 @@ class CppBackend:
             return ref.int8_apply(qsum, params, offs, lr, weight_decay, return_delta)
         return self._ext.int8_apply(qsum.reshape(-1), list(params), offs, float(lr), float(weight_decay),
                                     bool(return_delta))
+
+    # -- (i) single-process Lion step
+    def lion_step(self, params, grads, momenta, lr, weight_decay, beta1, beta2):
+        """One pass per tensor; tensors the kernel does not take (non-contiguous, float64, fp16
+        parameters) take the reference path in the same call."""
+        validate_lion_step(params, grads, momenta)
+        fast = [i for i, (p, g, m) in enumerate(zip(params, grads, momenta))
+                if is_plain(p, _STATE_DTYPES) and is_plain(g, _GRAD_DTYPES) and is_plain(m, _STATE_DTYPES)]
+        if fast:
+            self._ext.lion_step([params[i] for i in fast], [grads[i] for i in fast], [momenta[i] for i in fast],
+                                float(lr), float(weight_decay), float(beta1), float(beta2))
+        if len(fast) < len(params):
+            rest = sorted(set(range(len(params))) - set(fast))
+            ref.lion_step([params[i] for i in rest], [grads[i] for i in rest], [momenta[i] for i in rest], lr,
+                          weight_decay, beta1, beta2)
+
+    # -- (j) ZeRO sign all-gather apply
+    def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays):
+        validate_zero_apply(sign, nonzero, targets, casts, layout, lrs, weight_decays)
+        casts = [None] * len(targets) if casts is None else list(casts)
+        ok = (planes_ok(sign, nonzero) and all_plain(targets, (torch.float32,))
+              and all(c is None or is_plain(c, _GRAD_DTYPES) for c in casts))
+        if not ok:
+            return ref.zero_sign_apply(sign, nonzero, targets, casts, layout, lrs, weight_decays)
+        self._ext.zero_sign_apply(sign, nonzero, list(targets), casts, layout.pieces, [float(v) for v in lrs],
+                                  [float(v) for v in weight_decays])

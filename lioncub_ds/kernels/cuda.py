@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
-from .checks import (validate_count_lanes, validate_int8_apply, validate_lanes_apply, validate_local,
-                     validate_momentum, validate_shard_vote, validate_vote_apply)
+from .checks import (validate_count_lanes, validate_int8_apply, validate_lanes_apply, validate_lion_step,
+                     validate_local, validate_momentum, validate_shard_vote, validate_vote_apply, validate_zero_apply)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_ROWS = 65535  # LC_MAX_ROWS
@@ -140,3 +140,31 @@ class CudaBackend:
             return ref.int8_apply(qsum, params, offs, lr, weight_decay, return_delta)
         return self._ext.cuda_int8_apply(qsum.contiguous(), list(params), offs, float(lr), float(weight_decay),
                                          bool(return_delta))
+
+    # ------------------------------------------------------------------ single-process step, ZeRO apply
+    def lion_step(self, params, grads, momenta, lr, weight_decay, beta1, beta2):
+        """One launch over every qualifying tensor (one pass: 20 B/param in fp32); the others
+        (non-contiguous parameters or momenta, float64, CPU tensors) take the reference path."""
+        validate_lion_step(params, grads, momenta)
+        fast = [i for i, (p, g, m) in enumerate(zip(params, grads, momenta))
+                if _cuda_plain((p, m)) and g.is_cuda and g.layout == torch.strided and g.dtype in _DTYPES]
+        if fast:
+            self._ext.cuda_lion_step([params[i] for i in fast], [grads[i].contiguous() for i in fast],
+                                     [momenta[i] for i in fast], float(lr), float(weight_decay), float(beta1),
+                                     float(beta2))
+        if len(fast) < len(params):
+            rest = sorted(set(range(len(params))) - set(fast))
+            ref.lion_step([params[i] for i in rest], [grads[i] for i in rest], [momenta[i] for i in rest], lr,
+                          weight_decay, beta1, beta2)
+
+    def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays):
+        """One launch over every partition of every group; no host synchronization."""
+        validate_zero_apply(sign, nonzero, targets, casts, layout, lrs, weight_decays)
+        casts = [None] * len(targets) if casts is None else list(casts)
+        ok = (_cuda_u8(sign) and _cuda_u8(nonzero)
+              and all(t.is_cuda and t.is_contiguous() and t.dtype == torch.float32 for t in targets)
+              and all(c is None or (c.is_cuda and c.is_contiguous() and c.dtype in _DTYPES) for c in casts))
+        if not ok:
+            return ref.zero_sign_apply(sign, nonzero, targets, casts, layout, lrs, weight_decays)
+        self._ext.cuda_zero_sign_apply(sign.contiguous(), _contig(nonzero), list(targets), casts, layout.pieces,
+                                       [float(v) for v in lrs], [float(v) for v in weight_decays])

@@ -363,6 +363,126 @@ def lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weigh
     return delta if return_delta else None
 
 
+# ----------------------------------------------------------------------------- single-process step
+def lion_step(params, grads, momenta, lr, weight_decay, beta1, beta2):
+    """One Lion step over lists of tensors, in place (docs/conventions.md), per tensor:
+
+    c = fl(fl(β1·m) + fl((1−β1)·g)) in fp32; θ ← fl(θ·decay) (decay = 1 − lr·wd, skipped when it is 1);
+    θ ← fl(θ + fl(−lr·sign(c))); m ← fl(fl(β2·m) + fl((1−β2)·g)), rounded once to m's dtype.
+
+    ``sign`` is torch.sign: ±1, and 0 for ±0 and for NaN (a NaN c leaves θ where the decay put it).
+    The fused kernels read g, m, θ once and write m, θ once (20 B/param in fp32).
+    """
+    decay = 1.0 - lr * weight_decay
+    for p, g, m in zip(params, grads, momenta):
+        g32 = g.float()
+        c = m.float().mul(beta1).add_(g32.mul(1.0 - beta1))
+        if decay != 1.0:
+            p.mul_(decay)
+        p.add_(torch.sign(c), alpha=-lr)
+        m.copy_(m.float().mul_(beta2).add_(g32.mul(1.0 - beta2)))
+
+
+# ----------------------------------------------------------------------------- ZeRO sign all-gather apply
+class ZeroLayout:
+    """Where the partitions of a ZeRO sign all-gather live (:func:`zero_layout` builds it; read-only).
+
+    ``world_size`` N; per group g: ``part_numels[g]`` P_g (partition j is elements [j·P_g, (j+1)·P_g) of
+    the group's flat buffer) and ``byte_offsets[g]`` (its votes are bits 8·o_g .. 8·o_g + P_g − 1 of
+    plane row j). ``pieces``: int64 [K, 5] rows (group, row, bit, start, numel): the real elements
+    (padding left out), split at partition boundaries; bit = the row bit of element ``start``.
+    """
+
+    __slots__ = ("world_size", "part_numels", "byte_offsets", "_rows", "_pieces")
+
+    def __init__(self, world_size, part_numels, byte_offsets, rows):
+        self.world_size = int(world_size)
+        self.part_numels = tuple(int(v) for v in part_numels)
+        self.byte_offsets = tuple(int(v) for v in byte_offsets)
+        self._rows = tuple(tuple(int(v) for v in r) for r in rows)
+        self._pieces = None
+
+    @property
+    def groups(self) -> int:
+        return len(self.part_numels)
+
+    @property
+    def plane_bytes(self) -> int:
+        """Bytes a plane row needs to hold every group's votes."""
+        return max((o + (p + 7) // 8 for o, p in zip(self.byte_offsets, self.part_numels)), default=0)
+
+    @property
+    def pieces(self) -> torch.Tensor:
+        if self._pieces is None:
+            self._pieces = torch.tensor(self._rows, dtype=torch.int64, device="cpu").reshape(-1, 5)
+        return self._pieces.clone()  # a copy: the layout cannot be changed through it
+
+    def rows(self):
+        return self._rows
+
+
+def zero_layout(world_size, part_numels, byte_offsets, real_ranges=None) -> ZeroLayout:
+    """The :class:`ZeroLayout` of G groups. ``real_ranges[g]``: sorted, disjoint [a, b) ranges of group
+    g's flat buffer (N·P_g elements) that hold parameters (None, or a None entry: all of it); the rest
+    is padding and never moves. Raises ValueError for ranges or offsets that do not fit."""
+    n = int(world_size)
+    if n < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    parts, offs = [int(v) for v in part_numels], [int(v) for v in byte_offsets]
+    if len(parts) != len(offs):
+        raise ValueError(f"part_numels has {len(parts)} groups but byte_offsets has {len(offs)}")
+    real_ranges = [None] * len(parts) if real_ranges is None else list(real_ranges)
+    if len(real_ranges) != len(parts):
+        raise ValueError(f"real_ranges has {len(real_ranges)} groups but part_numels has {len(parts)}")
+    rows = []
+    for g, (ps, o, ranges) in enumerate(zip(parts, offs, real_ranges)):
+        if ps < 0 or o < 0:
+            raise ValueError(f"group {g}: part_numels and byte_offsets must be >= 0, got {ps} and {o}")
+        total = n * ps
+        ranges = [(0, total)] if ranges is None else [(int(a), int(b)) for a, b in ranges]
+        prev = 0
+        for a, b in ranges:
+            if not prev <= a <= b <= total:
+                raise ValueError(f"group {g}: real range [{a}, {b}) must be sorted, disjoint and inside "
+                                 f"[0, {total})")
+            prev = b
+            while a < b:  # split at partition boundaries
+                j = a // ps
+                stop = min(b, (j + 1) * ps)
+                rows.append((g, j, 8 * o + (a - j * ps), a, stop - a))
+                a = stop
+    return ZeroLayout(n, parts, offs, rows)
+
+
+def zero_sign_apply(sign, nonzero, targets, casts, layout, lrs, weight_decays):
+    """The ZeRO sign all-gather apply: every rank's partition of every group from the all-gathered planes.
+
+    ``sign``: uint8 [N, B] (row j: rank j's packed sign bits, LSB first); ``nonzero``: None (every
+    bit votes) or uint8 [N, B'] (its nonzero bits). For each group g (:class:`ZeroLayout`) and each
+    real element q of partition j = q // P_g: Δ = +1 where rank j's sign bit is set, −1 where not, 0
+    where its nonzero bit is clear; ``targets[g][q]`` ← θ·(1 − lr_g·wd_g) − lr_g·Δ with
+    :func:`apply_update`'s arithmetic (what :func:`vote_apply` with one voter does), and ``casts[g]``
+    (None, or a bf16/fp16 copy of the group) receives it rounded once. Padding is untouched.
+    """
+    n = sign.shape[0]
+    for g, (ps, o) in enumerate(zip(layout.part_numels, layout.byte_offsets)):
+        nb = (ps + 7) // 8
+        s = unpack_bits(sign[:, o:o + nb].reshape(-1)).reshape(n, -1)[:, :ps].reshape(-1).to(torch.int32)
+        delta = 2 * s - 1
+        if nonzero is not None:
+            z = unpack_bits(nonzero[:, o:o + nb].reshape(-1)).reshape(n, -1)[:, :ps].reshape(-1).to(torch.int32)
+            delta = delta * z
+        delta = delta.float()
+        cast = None if casts is None else casts[g]
+        for gg, _row, _bit, start, numel in layout.rows():
+            if gg != g:
+                continue
+            t = targets[g][start:start + numel]
+            apply_update([t], [0], delta[start:start + numel], lrs[g], weight_decays[g])
+            if cast is not None:
+                cast[start:start + numel].copy_(t)
+
+
 # ----------------------------------------------------------------------------- int8
 def int8_levels(world_size: int) -> int:
     """s = floor(127 / N): |sum of N codes| <= N*s <= 127, so an int8 SUM never overflows."""

@@ -293,4 +293,41 @@ int lc_emu_int8_apply(const int8_t* qsum, int64_t numel, const lc_tensor_meta* m
   return 0;
 }
 
+// lioncub_step.cu lion_step_kernel: one block per chunk, thread tid takes units tid, tid + kThreads, ...
+int lc_emu_lion_step(const lc_lion_meta* meta, int nt, int64_t n_chunks, float b1, float omb1, float b2, float omb2,
+                     float neg_lr, float decay, int apply_decay) {
+  lc_lion_step_args a;
+  a.betas = lion_args(b1, omb1, b2, omb2);
+  a.neg_lr = neg_lr;
+  a.decay = decay;
+  a.apply_decay = apply_decay;
+  for (int64_t ch = 0; ch < n_chunks; ++ch) {
+    const LionTensor T = read_lion_meta(meta, search_chunk_of(meta, nt, ch));
+    const int64_t c0 = (ch - T.chunk_start) * LC_CHUNK;
+    const int64_t c1 = T.numel < c0 + LC_CHUNK ? T.numel : c0 + LC_CHUNK;
+    for (int tid = 0; tid < kThreads; ++tid)
+      for (int64_t j = c0 + 8 * tid; j < c1; j += 8 * kThreads) {
+        const int64_t rem = c1 - j;
+        lion_unit(T, j, rem < 8 ? static_cast<int>(rem) : 8, a);
+      }
+  }
+  return 0;
+}
+
+// lioncub_step.cu zero_apply_kernel, likewise over the pieces' chunks.
+int lc_emu_zero_sign_apply(const uint8_t* sign, int64_t sign_stride, const uint8_t* nz, int64_t nz_stride,
+                           const lc_zero_piece* pieces, int np, int64_t n_chunks) {
+  for (int64_t ch = 0; ch < n_chunks; ++ch) {
+    const lc_zero_piece P = pieces[search_chunk_of(pieces, np, ch)];
+    const int64_t c0 = (ch - P.chunk_start) * LC_CHUNK;
+    const int64_t c1 = P.numel < c0 + LC_CHUNK ? P.numel : c0 + LC_CHUNK;
+    for (int tid = 0; tid < kThreads; ++tid)
+      for (int64_t j = c0 + 8 * tid; j < c1; j += 8 * kThreads) {
+        const int64_t rem = c1 - j;
+        zero_unit(P, sign, sign_stride, nz, nz_stride, j, rem < 8 ? static_cast<int>(rem) : 8);
+      }
+  }
+  return 0;
+}
+
 }  // extern "C"
