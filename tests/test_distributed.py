@@ -12,6 +12,7 @@ import torch.distributed as dist
 import lioncub_ds
 from lioncub_ds import checkpoint
 from lioncub_ds.kernels import reference
+from lioncub_ds.pipeline import FLAG_HEAD
 from lioncub_ds.momentum_sync import geometric_steps
 from dist_helpers import run_ranks
 
@@ -246,8 +247,8 @@ def test_momentum_sync_and_telemetry(n):
     assert not res["layers"]["fc1.weight"]
     P = 1000
     padded = (P + 8 * n - 1) // (8 * n) * (8 * n)
-    # flag all-reduce, int32: [non-finite, unusable input, and per bucket: overflow, abstains]
-    control = 2 * (n - 1) * 4 * 4 // n
+    # flag all-reduce, int32: the head (pipeline.FLAG_HEAD entries) and per bucket [overflow, abstains]
+    control = 2 * (n - 1) * 4 * (FLAG_HEAD + 2) // n
     p_lane = reference.lane_bits_for(n)
     lst = 4  # a small bucket's abstention list: the count alone (no rank abstains here)
     formulas = {"allgather": (n - 1) * (padded // 8 + lst),
