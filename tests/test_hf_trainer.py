@@ -121,10 +121,10 @@ def test_repeated_launches_exit_cleanly(tmp_path, launcher):
     (lioncub_ds.testing.exit_abort: 2 gloo ranks that, like the Trainer, exit right after a
     collective; without a mitigation it aborts a few launches in ten), with a LionCub whose
     exit settle is the only mitigation.
-    LIONCUB_HF_LAUNCHES / LIONCUB_EXIT_LAUNCHES set how many (default 2 / 5)."""
+    LIONCUB_HF_LAUNCHES / LIONCUB_EXIT_LAUNCHES set how many (default 2 / 4)."""
     if launcher == "gloo":
         from lioncub_ds.testing.exit_abort import launch as launch_ranks
-        for i in range(int(os.environ.get("LIONCUB_EXIT_LAUNCHES", "5"))):
+        for i in range(int(os.environ.get("LIONCUB_EXIT_LAUNCHES", "4"))):
             rcs, log = launch_ranks("lioncub", env={"PYTHONPATH": str(ROOT)})
             assert rcs == [0, 0] and "terminate called" not in log, f"launch {i}: rcs={rcs}\n{log[-6000:]}"
         return
