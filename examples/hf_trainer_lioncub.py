@@ -137,10 +137,10 @@ def main(argv=None):
 
 if __name__ == "__main__":
     rc = main()
-    # The Trainer leaves the process groups alive, and gloo's threads can abort a finished run
-    # during the interpreter's teardown ("terminate called without an active exception",
-    # pytorch/pytorch#65231; seen in about 1 of 10 launches here, with or without LionCub's own
-    # groups). Tear the groups down, flush, and leave without that teardown.
+    # The Trainer's last collective (an all_gather) can leave a gloo worker releasing its
+    # tensors while the interpreter tears itself down, which aborts a finished run
+    # ("terminate called without an active exception", pytorch/pytorch#38228; with or without
+    # LionCub, docs/deepspeed.md). Tear the groups down, flush, and leave without that teardown.
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     sys.stdout.flush()

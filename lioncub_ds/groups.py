@@ -9,10 +9,12 @@ It runs at construction (or ``set_process_group``), never inside ``step()``.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import inspect
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -59,11 +61,76 @@ def broadcast(tensor, src_group_rank: int, group, async_op: bool = False, *, use
     return dist.broadcast(tensor, src=group_ranks(group)[src_group_rank], group=group, async_op=async_op)
 
 
+# ----------------------------------------------------------------------------- exit
+# Why a finished rank can die with "terminate called without an active exception" (SIGABRT)
+# while the interpreter exits (issue 17, docs/deepspeed.md "Exit status"); backtraces taken
+# with torch 2.13 / CPython 3.11:
+#
+#   pt_gloo_runloop: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> ~AsyncWork
+#     -> TensorImpl::decref_pyobject -> gil_scoped_acquire -> PyEval_AcquireThread
+#     -> take_gil -> PyThread_exit_thread -> pthread_exit -> _Unwind_ForcedUnwind
+#     -> __gxx_personality_v0 -> std::terminate
+#   main thread: Py_FinalizeEx -> finalize_modules
+#
+# torch's intrusive_ptr keeps a tensor's Python object alive while C++ holds extra references
+# to the tensor, and releases it (TensorImpl::decref_pyobject, which takes the GIL) when the
+# last extra reference goes (c10/util/intrusive_ptr.h, "PyObject preservation"). A gloo worker
+# lets go of a finished Work only after the caller's wait() has returned, so the Work's
+# tensors are often released on the worker, GIL and all. When that happens after
+# Py_FinalizeEx has begun, CPython < 3.14 ends the thread with pthread_exit, whose forced
+# unwind cannot pass the noexcept destructors on the stack: std::terminate
+# (pytorch/pytorch#38228; CPython gh-87135 parks such threads instead, from 3.14). It takes a
+# collective with tensors in the last milliseconds before the interpreter exits (the HF
+# Trainer's last all_gather, in store_flos, is one); whether the caller still references the
+# tensor does not matter. Neither LionCub's groups nor its kernels are on the stack.
+
+EXIT_SETTLE_S = 0.05  # LIONCUB_EXIT_SETTLE_S overrides; 0 turns the settle off
+_SETTLE_REGISTERED = False
+_WORKER_THREAD_PREFIXES = ("pt_gloo", "pt_nccl")
+
+
+def _has_pg_worker_threads() -> bool:
+    """Whether this process may run c10d worker threads: torch.distributed is initialized, or
+    (Linux) a thread carries a c10d worker's name (groups can outlive the default group)."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(_WORKER_THREAD_PREFIXES):
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def settle_pg_workers(seconds: float | None = None) -> float:
+    """Release the GIL for ``seconds`` while the interpreter is still whole, so that a c10d
+    worker finishing the last collective frees its tensors now, not during the interpreter's
+    teardown (see the comment above). Returns the seconds slept (0 without worker threads)."""
+    if seconds is None:
+        seconds = float(os.environ.get("LIONCUB_EXIT_SETTLE_S", EXIT_SETTLE_S))
+    if seconds <= 0 or not _has_pg_worker_threads():
+        return 0.0
+    time.sleep(seconds)
+    return seconds
+
+
+def settle_at_exit() -> None:
+    """Run :func:`settle_pg_workers` at interpreter exit (registered once; LionCub does it when
+    it resolves its process group). Best effort: a worker descheduled for longer than the settle
+    can still be late. :func:`exit_cleanly` is the sure way out."""
+    global _SETTLE_REGISTERED
+    if not _SETTLE_REGISTERED:
+        _SETTLE_REGISTERED = True
+        atexit.register(settle_pg_workers)
+
+
 def exit_cleanly(rc: int = 0) -> None:
     """End a finished training process: tear its process groups down, flush, and leave without
-    the interpreter's own teardown, where gloo's threads can abort a finished run with
-    "terminate called without an active exception" (pytorch/pytorch#65231; seen here in the
-    demo and HF launches after their work had been written). Never returns."""
+    the interpreter's own teardown, where a c10d worker that frees a tensor can abort the
+    process ("terminate called without an active exception", see the comment above). Never
+    returns."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()

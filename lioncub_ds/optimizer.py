@@ -26,7 +26,7 @@ from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
 from .config import DEFAULT_NETWORK, LionCubConfig, LionCubConfigError
 from .lion import lion as lion_functional
-from .groups import consecutive_blocks, create_on_all_ranks, group_ranks
+from .groups import consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
 from .momentum_sync import MomentumSync, node_group_size, select_params
 from .pipeline import VotePipeline, comm_batches
 from .telemetry import CommStats
@@ -195,6 +195,7 @@ class LionCub(Optimizer):
         group = self._process_group
         n = dist.get_world_size(group)
         check_world_size(cfg, n)  # before creating anything (the groups below)
+        settle_at_exit()  # a distributed run: let c10d's workers finish before the interpreter's teardown
         ranks = group_ranks(group)
         ms = cfg.momentum_sync
         wanted = []
@@ -216,9 +217,9 @@ class LionCub(Optimizer):
 
     def release_process_group(self) -> None:
         """Destroy the process groups this LionCub created (its timeout group, its node
-        subgroup) and forget its vote group. For the end of training: gloo groups still alive
-        while the interpreter exits are a known cause of a SIGABRT at exit, and a group's
-        threads stop only when the last reference is gone. Call it on every rank. The next
+        subgroup) and forget its vote group. For the end of training: a group's worker threads
+        stop only when its last reference is gone (see :mod:`lioncub_ds.groups` for what they
+        can do during the interpreter's teardown). Call it on every rank. The next
         distributed step (or :meth:`set_process_group`) resolves the groups again."""
         for g in getattr(self, "_created_groups", []):
             try:

@@ -60,8 +60,9 @@ def main():
 if __name__ == "__main__":
     rc = main()
     # The recipe docs/deepspeed.md gives for the end of an HF script: tear the process groups
-    # down, flush, and leave without the interpreter's teardown, where gloo's threads can abort
-    # a finished run ("terminate called without an active exception", pytorch/pytorch#65231).
+    # down, flush, and leave without the interpreter's teardown, where a gloo worker freeing the
+    # last collective's tensors can abort a finished run ("terminate called without an active
+    # exception", pytorch/pytorch#38228; lioncub_ds.groups).
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -484,9 +484,10 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # Leave without the interpreter's teardown once the results are written: gloo's threads
-    # can abort a finished rank there ("terminate called without an active exception",
-    # pytorch/pytorch#65231), which would fail the launch for nothing (docs/deepspeed.md).
+    # Leave without the interpreter's teardown once the results are written: a gloo worker
+    # freeing the last collective's tensors can abort a finished rank there ("terminate called
+    # without an active exception", pytorch/pytorch#38228), which would fail the launch for
+    # nothing (docs/deepspeed.md).
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -171,11 +171,12 @@ def singleton_group():
 def destroy_created_groups() -> int:
     """Destroy the process groups this integration created (runs at interpreter exit).
 
-    Gloo groups still alive while the interpreter tears its modules down are a known cause of
-    ``terminate called without an active exception`` (SIGABRT) at exit (pytorch/pytorch#65231,
-    #190489); the HF Trainer never calls ``destroy_process_group``. These groups hold one rank
-    each, so destroying them is local: it cannot wait for a peer that is gone. Groups the
-    user or DeepSpeed created are left alone. Returns how many were destroyed.
+    Housekeeping: the HF Trainer never calls ``destroy_process_group``, so the groups would
+    otherwise live until the interpreter's teardown. (The SIGABRT at exit seen in issue 17 is
+    not caused by idle groups but by a worker freeing a late collective's tensors; see
+    :mod:`lioncub_ds.groups`.) These groups hold one rank each, so destroying them is local:
+    it cannot wait for a peer that is gone. Groups the user or DeepSpeed created are left
+    alone. Returns how many were destroyed.
     """
     groups = list(_SINGLETON_GROUP.values())
     _SINGLETON_GROUP.clear()
