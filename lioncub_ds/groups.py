@@ -126,11 +126,34 @@ def settle_at_exit() -> None:
         atexit.register(settle_pg_workers)
 
 
+_EXIT_CALLBACKS: list = []
+
+
+def on_exit(fn) -> None:
+    """Run ``fn()`` when the process ends: at interpreter exit (atexit) and in
+    :func:`exit_cleanly` (which skips atexit); registered once per function, run once."""
+    if fn in _EXIT_CALLBACKS:
+        return
+    _EXIT_CALLBACKS.append(fn)
+    atexit.register(_run_exit_callback, fn)
+
+
+def _run_exit_callback(fn) -> None:
+    if fn in _EXIT_CALLBACKS:
+        _EXIT_CALLBACKS.remove(fn)
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
 def exit_cleanly(rc: int = 0) -> None:
     """End a finished training process: tear its process groups down, flush, and leave without
     the interpreter's own teardown, where a c10d worker that frees a tensor can abort the
     process ("terminate called without an active exception", see the comment above). Never
     returns."""
+    for fn in list(_EXIT_CALLBACKS):  # before the groups go: a callback may ask for the rank
+        _run_exit_callback(fn)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()

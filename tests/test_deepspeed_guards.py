@@ -236,3 +236,21 @@ def test_the_integration_destroys_only_the_groups_it_created():
     from dist_helpers import run_ranks
     for r in run_ranks(_singleton_lifecycle, 2, env=ENV, timeout=300):
         assert r == {"single": [1.0] * 3, "first": 1, "second": 0, "world": [2.0] * 3}, r
+
+
+def test_shm_workspaces_of_a_launch_are_removed(tmp_path, monkeypatch):
+    """lioncub_ds.ds_shm removes exactly the DeepSpeed workspaces that appeared during a launch,
+    and a rank's own name follows DeepSpeed's pattern (uid, MASTER_ADDR, MASTER_PORT, rank)."""
+    from lioncub_ds import ds_shm
+
+    monkeypatch.setattr(ds_shm, "SHM_DIR", str(tmp_path))
+    (tmp_path / (ds_shm.SHM_WORKSPACE_PREFIX + "0_old_1_0")).write_bytes(b"x")  # from before: kept
+    (tmp_path / "unrelated").write_bytes(b"x")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with ds_shm.removing_new_shm_workspaces():
+        for rank in (0, 1):
+            (tmp_path / ds_shm.own_shm_workspace(rank)).write_bytes(b"x")
+        assert len(ds_shm.shm_workspaces()) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ds_shm.SHM_WORKSPACE_PREFIX + "0_old_1_0", "unrelated"]
+    assert ds_shm.own_shm_workspace(3) == f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29500_3"

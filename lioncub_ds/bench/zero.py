@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+from ..ds_shm import removing_new_shm_workspaces
 from .common import add_output_args, finish, print_table
 
 NAME = "zero"
@@ -39,8 +40,9 @@ def run_one(label: str, config: str, steps: int, preset: str, world_size: int, t
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         t0 = time.perf_counter()
-        res = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             timeout=timeout)
+        with removing_new_shm_workspaces():  # DeepSpeed's CPU shm buffers outlive the ranks
+            res = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, timeout=timeout)
         if res.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"bench zero: {label} run failed (exit {res.returncode}):\n{res.stdout[-4000:]}")
         with open(out) as f:

@@ -19,6 +19,9 @@ Per engine (instance attributes): ``clip_fp32_gradients`` (stage 0: local clippi
 ``save_checkpoint`` / ``load_checkpoint`` (per-rank momentum files),
 ``enable_backward_allreduce`` (stage 0: off) and ``pipeline_enable_backward_allreduce``.
 
+DeepSpeed's CPU shm all-reduce workspace files (which it never unlinks) are named in
+:mod:`lioncub_ds.ds_shm`, a standard-library module that launchers can import without DeepSpeed.
+
 What is read (engine methods and attributes; ZeRO 1/2 optimizer attributes for the sign
 all-gather): see ``ENGINE_METHODS``, ``ENGINE_ATTRS`` and ``ZERO_ATTRS`` below. A ZeRO
 attribute that is missing turns the sign all-gather off with the reason in the log line
@@ -150,3 +153,4 @@ def zero_missing(zopt) -> list[str]:
 def zero_optimizer_class():
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     return DeepSpeedZeroOptimizer
+

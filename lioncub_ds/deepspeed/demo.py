@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..ds_shm import removing_new_shm_workspaces
 from ..telemetry import format_bytes
 from ..testing.spawn import free_port
 
@@ -82,17 +83,20 @@ def _run_one(mode: str, cfg_path: Path, out_json: Path, *, steps: int, preset: s
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     tail: list[str] = []
-    try:
-        for line in proc.stdout:
-            tail = (tail + [line])[-60:]
-            if verbose and line.startswith("[pretrain]"):
-                print(f"  [{mode}] {line[len('[pretrain]'):].strip()}", flush=True)
-        rc = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise RuntimeError(f"{mode} run timed out after {timeout:.0f} s")
+    with removing_new_shm_workspaces():  # DeepSpeed's CPU shm buffers outlive the ranks
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1)
+        try:
+            for line in proc.stdout:
+                tail = (tail + [line])[-60:]
+                if verbose and line.startswith("[pretrain]"):
+                    print(f"  [{mode}] {line[len('[pretrain]'):].strip()}", flush=True)
+            rc = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"{mode} run timed out after {timeout:.0f} s")
     if rc not in (0, 1) or not out_json.exists():
         raise RuntimeError(f"{mode} run failed (exit {rc}):\n{''.join(tail)}")
     with open(out_json) as f:

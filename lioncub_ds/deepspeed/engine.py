@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import LionCubConfig, LionCubConfigError, unknown_key_error
+from .. import ds_shm, groups
 from ..groups import create_on_all_ranks
 from ..optimizer import LionCub
 from . import _compat
@@ -526,6 +527,13 @@ def _patch(cls_or_mod, name, make):
     setattr(cls_or_mod, name, wrapper)
 
 
+def _remove_own_shm_workspace() -> None:
+    """DeepSpeed's CPU accelerator never unlinks its per-rank shm all-reduce workspace
+    (lioncub_ds.ds_shm): remove this rank's name when the process ends."""
+    if dist.is_available() and dist.is_initialized():
+        ds_shm.remove_shm_workspaces([ds_shm.own_shm_workspace(dist.get_rank())])
+
+
 def register() -> None:
     """Teach DeepSpeed ``"type": "LionCub"`` (idempotent; imports deepspeed)."""
     global _registered
@@ -541,6 +549,7 @@ def register() -> None:
     except BaseException:
         _registered = False
         raise
+    groups.on_exit(_remove_own_shm_workspace)
     Engine = ds_engine.DeepSpeedEngine
 
     def make_supported(orig):

@@ -16,6 +16,15 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _packed(t):
+    """Packed planes, lanes and int8 codes are small (at most 1 byte per element): a strided
+    view (a column of a gathered buffer, a decoded plane) is copied, not sent to the reference,
+    which is 100x slower."""
+    if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_contiguous():
+        return t.contiguous()
+    return t
+
+
 class CppBackend:
     """Fused C++ CPU kernels with the exact interface of :class:`lioncub_ds.kernels.TorchBackend`.
 
@@ -68,6 +77,7 @@ class CppBackend:
                    segments=None, return_delta=True):
         v, t, world, offs, segs = validate_vote_apply(sign, nonzero, params, offsets, tie_break, vote, world_size,
                                                       segments)
+        sign, nonzero = _packed(sign), _packed(nonzero)
         if not (planes_ok(sign, nonzero) and all_plain(params, _STATE_DTYPES)):
             return ref.vote_apply(sign, nonzero, params, offs, lr, weight_decay, step, tie_break, vote, world_size,
                                   segs, return_delta)
@@ -77,6 +87,7 @@ class CppBackend:
     # -- (d) two-phase vote, phase 1
     def shard_vote(self, sign, nonzero, step, tie_break, segments):
         t, segs = validate_shard_vote(sign, nonzero, tie_break, segments)
+        sign, nonzero = _packed(sign), _packed(nonzero)
         if not planes_ok(sign, nonzero):
             return ref.shard_vote(sign, nonzero, step, tie_break, segs)
         out_sign, out_nz = self._ext.shard_vote(sign, nonzero, int(step), t, segs)
@@ -85,6 +96,7 @@ class CppBackend:
     # -- (e) p-bit count lanes
     def count_lanes(self, sign, nonzero, p):
         p = validate_count_lanes(sign, nonzero, p)
+        sign, nonzero = _packed(sign), _packed(nonzero)
         if not planes_ok(sign, nonzero):
             return ref.count_lanes(sign, nonzero, p)
         plus, cnt, mx = self._ext.count_lanes(sign, nonzero, p)
@@ -97,6 +109,7 @@ class CppBackend:
                     vote, segments=None, return_delta=True):
         p, v, t, world, offs, segs = validate_lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offsets,
                                                           tie_break, vote, segments)
+        plus_lanes, cnt_lanes = _packed(plus_lanes), _packed(cnt_lanes)
         lanes_ok = is_plain(plus_lanes, (torch.uint8,)) and (cnt_lanes is None or is_plain(cnt_lanes, (torch.uint8,)))
         if not (lanes_ok and all_plain(params, _STATE_DTYPES)):
             return ref.lanes_apply(plus_lanes, cnt_lanes, world_size, p, params, offs, lr, weight_decay, step,
@@ -120,6 +133,7 @@ class CppBackend:
     # -- (h) int8 apply
     def int8_apply(self, qsum, params, offsets, lr, weight_decay, return_delta=True):
         offs = validate_int8_apply(qsum, params, offsets)
+        qsum = _packed(qsum)
         if not (is_plain(qsum, (torch.int8,)) and all_plain(params, _STATE_DTYPES)):
             return ref.int8_apply(qsum, params, offs, lr, weight_decay, return_delta)
         return self._ext.int8_apply(qsum.reshape(-1), list(params), offs, float(lr), float(weight_decay),
@@ -144,6 +158,7 @@ class CppBackend:
     def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays):
         validate_zero_apply(sign, nonzero, targets, casts, layout, lrs, weight_decays)
         casts = [None] * len(targets) if casts is None else list(casts)
+        sign, nonzero = _packed(sign), _packed(nonzero)
         ok = (planes_ok(sign, nonzero) and all_plain(targets, (torch.float32,))
               and all(c is None or is_plain(c, _GRAD_DTYPES) for c in casts))
         if not ok:
