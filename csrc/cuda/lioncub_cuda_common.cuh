@@ -275,8 +275,9 @@ LC_HD int locate(const lc_tensor_meta* __restrict__ meta, int n, int64_t e, int&
   return (h >= 0 && e < meta[h].offset + meta[h].numel) ? h : -1;
 }
 
-// The tensor owning global chunk `chunk` (chunk_start ascending in array order).
-LC_HD int search_chunk(const lc_tensor_meta* __restrict__ meta, int n, int64_t chunk) {
+// The entry (tensor or piece) owning global chunk `chunk` of an array with chunk_start ascending.
+template <class M>
+LC_HD int search_chunk_of(const M* __restrict__ meta, int n, int64_t chunk) {
   int lo = 0, hi = n - 1, ans = 0;
   while (lo <= hi) {
     const int mid = (lo + hi) >> 1;
@@ -288,6 +289,11 @@ LC_HD int search_chunk(const lc_tensor_meta* __restrict__ meta, int n, int64_t c
     }
   }
   return ans;
+}
+
+// The tensor owning global chunk `chunk` (chunk_start ascending in array order).
+LC_HD int search_chunk(const lc_tensor_meta* __restrict__ meta, int n, int64_t chunk) {
+  return search_chunk_of(meta, n, chunk);
 }
 
 // ----------------------------------------------------------------------------- Lion math
@@ -339,21 +345,6 @@ LC_HD void momentum_unit(const Tensor& T, int64_t j, int n, const lc_lion_args& 
 }
 
 // ----------------------------------------------------------------------------- single-process step
-// The entry (tensor or piece) owning global chunk `chunk` of an array with chunk_start ascending.
-template <class M>
-LC_HD int search_chunk_of(const M* __restrict__ meta, int n, int64_t chunk) {
-  int lo = 0, hi = n - 1, ans = 0;
-  while (lo <= hi) {
-    const int mid = (lo + hi) >> 1;
-    if (meta[mid].chunk_start <= chunk) {
-      ans = mid;
-      lo = mid + 1;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return ans;
-}
 
 struct LionTensor {
   uint64_t p, g, m;

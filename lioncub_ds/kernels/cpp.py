@@ -144,15 +144,11 @@ class CppBackend:
         """One pass per tensor; tensors the kernel does not take (non-contiguous, float64, fp16
         parameters) take the reference path in the same call."""
         validate_lion_step(params, grads, momenta)
-        fast = [i for i, (p, g, m) in enumerate(zip(params, grads, momenta))
-                if is_plain(p, _STATE_DTYPES) and is_plain(g, _GRAD_DTYPES) and is_plain(m, _STATE_DTYPES)]
-        if fast:
-            self._ext.lion_step([params[i] for i in fast], [grads[i] for i in fast], [momenta[i] for i in fast],
-                                float(lr), float(weight_decay), float(beta1), float(beta2))
-        if len(fast) < len(params):
-            rest = sorted(set(range(len(params))) - set(fast))
-            ref.lion_step([params[i] for i in rest], [grads[i] for i in rest], [momenta[i] for i in rest], lr,
-                          weight_decay, beta1, beta2)
+        ref.lion_step_split(
+            lambda ps, gs, ms: self._ext.lion_step(ps, gs, ms, float(lr), float(weight_decay), float(beta1),
+                                                   float(beta2)),
+            lambda p, g, m: is_plain(p, _STATE_DTYPES) and is_plain(g, _GRAD_DTYPES) and is_plain(m, _STATE_DTYPES),
+            params, grads, momenta, lr, weight_decay, beta1, beta2)
 
     # -- (j) ZeRO sign all-gather apply
     def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays):

@@ -146,16 +146,11 @@ class CudaBackend:
         """One launch over every qualifying tensor (one pass: 20 B/param in fp32); the others
         (non-contiguous parameters or momenta, float64, CPU tensors) take the reference path."""
         validate_lion_step(params, grads, momenta)
-        fast = [i for i, (p, g, m) in enumerate(zip(params, grads, momenta))
-                if _cuda_plain((p, m)) and g.is_cuda and g.layout == torch.strided and g.dtype in _DTYPES]
-        if fast:
-            self._ext.cuda_lion_step([params[i] for i in fast], [grads[i].contiguous() for i in fast],
-                                     [momenta[i] for i in fast], float(lr), float(weight_decay), float(beta1),
-                                     float(beta2))
-        if len(fast) < len(params):
-            rest = sorted(set(range(len(params))) - set(fast))
-            ref.lion_step([params[i] for i in rest], [grads[i] for i in rest], [momenta[i] for i in rest], lr,
-                          weight_decay, beta1, beta2)
+        ref.lion_step_split(
+            lambda ps, gs, ms: self._ext.cuda_lion_step(ps, [g.contiguous() for g in gs], ms, float(lr),
+                                                        float(weight_decay), float(beta1), float(beta2)),
+            lambda p, g, m: _cuda_plain((p, m)) and g.is_cuda and g.layout == torch.strided and g.dtype in _DTYPES,
+            params, grads, momenta, lr, weight_decay, beta1, beta2)
 
     def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays):
         """One launch over every partition of every group; no host synchronization."""

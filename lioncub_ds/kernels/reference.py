@@ -383,6 +383,18 @@ def lion_step(params, grads, momenta, lr, weight_decay, beta1, beta2):
         m.copy_(m.float().mul_(beta2).add_(g32.mul(1.0 - beta2)))
 
 
+
+def lion_step_split(fused, qualifies, params, grads, momenta, lr, weight_decay, beta1, beta2):
+    """A native backend's lion_step: ``fused`` over the (θ, g, m) triples ``qualifies`` accepts (one
+    call), :func:`lion_step` over the rest; the same bits either way."""
+    fast = [i for i, t in enumerate(zip(params, grads, momenta)) if qualifies(*t)]
+    if fast:
+        fused([params[i] for i in fast], [grads[i] for i in fast], [momenta[i] for i in fast])
+    if len(fast) < len(params):
+        rest = sorted(set(range(len(params))) - set(fast))
+        lion_step([params[i] for i in rest], [grads[i] for i in rest], [momenta[i] for i in rest], lr,
+                  weight_decay, beta1, beta2)
+
 # ----------------------------------------------------------------------------- ZeRO sign all-gather apply
 class ZeroLayout:
     """Where the partitions of a ZeRO sign all-gather live (:func:`zero_layout` builds it; read-only).
