@@ -163,9 +163,8 @@ def test_scaling_calibration_tiny():
     model, recs = scaling.calibrate(world_sizes=(2,), sizes=(1 << 10, 1 << 20), reps=2, validate_numel=0,
                                     gamma_numel=1 << 12, verbose=False)
     assert recs[0]["bench"] == "scaling_calibration"
-    # The fit's constraints hold whatever the timings were (no timing assertions: a loaded CI machine
-    # can make a 1 KB message take 10x its fitted time).
-    assert model.alpha_s >= 0 and model.beta_s_per_byte >= 0
+    # No timing bands (a loaded CI machine made a 1 KB message take 10x its fitted time): real
+    # collectives take time, so the fit cannot be all zero; the records must be the fit's.
     assert model.alpha_s + model.beta_s_per_byte > 0
     fit = [r for r in recs if r["bench"] == "scaling_fit"]
     assert len(fit) == 2 * 3
