@@ -13,8 +13,10 @@ Writes DIR/<stage>/{full,resume}.rank<r>.json (the example's result files).
 """
 import argparse
 import importlib.util
+import json
 import os
 import sys
+import time
 
 __test__ = False
 
@@ -38,20 +40,37 @@ def main():
     p.add_argument("--stages", default="0,1")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--save", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--overlap", action="store_true", help='adds "overlap": true to the ds_config optimizer params')
+    p.add_argument("--no-resume", action="store_true", help="only the full run")
     args = p.parse_args()
     assert "lioncub_ds" not in sys.modules
     example = load_example()
     from accelerate.state import AcceleratorState
 
+    config = args.config
+    if args.overlap:  # the same template with "overlap": true (what a user adds to their ds_config)
+        with open(args.config) as f:
+            cfg = json.load(f)
+        cfg["optimizer"]["params"]["overlap"] = True
+        os.makedirs(args.out, exist_ok=True)
+        config = os.path.join(args.out, "ds_config_overlap.json")
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(config + ".tmp", "w") as f:
+                json.dump(cfg, f)
+            os.replace(config + ".tmp", config)
+        while not os.path.exists(config):  # rank 0 writes it (no process group exists yet)
+            time.sleep(0.05)
     for stage in [int(s) for s in args.stages.split(",")]:
         out = os.path.join(args.out, f"stage{stage}")
         os.makedirs(out, exist_ok=True)
-        common = ["--deepspeed", args.config, "--zero_stage", str(stage), "--use_cpu", "--output_dir",
+        common = ["--deepspeed", config, "--gradient_accumulation_steps", str(args.grad_accum), "--zero_stage", str(stage), "--use_cpu", "--output_dir",
                   os.path.join(out, "ckpt"), "--max_steps", str(args.steps), "--save_steps", str(args.save),
                   "--per_device_train_batch_size", "8", "--learning_rate", "5e-3", "--adam_beta1", "0.95",
                   "--adam_beta2", "0.98", "--weight_decay", "0.1", "--max_grad_norm", "1.0", "--logging_steps", "1",
                   "--report_to", "none", "--disable_tqdm", "true", "--save_only_model", "false", "--seed", "7"]
-        for name, extra in (("full", []), ("resume", ["--resume_from", str(args.save)])):
+        runs = (("full", []),) if args.no_resume else (("full", []), ("resume", ["--resume_from", str(args.save)]))
+        for name, extra in runs:
             example.main(common + extra + ["--result_json", os.path.join(out, name)])
             AcceleratorState._reset_state(reset_partial_state=True)  # noqa: SLF001 - see the module doc
     return 0

@@ -107,6 +107,28 @@ def test_hf_template_eps_is_accepted_with_one_warning_and_the_path_is_logged_onc
         assert "wrapper=DeepSpeedZeroOptimizer" in ln, ln
 
 
+@needs_hf
+def test_hf_trainer_overlap_with_accumulation_is_bit_identical(tmp_path):
+    """``"overlap": true`` in the HF template at ZeRO 0 with 2 micro-batches per step: the same
+    losses and parameters as without overlap (the votes start in the boundary micro-batch's
+    backward, through HF's set_gradient_accumulation_boundary), on identical replicas."""
+    runs = {}
+    for name, extra in (("off", []), ("on", ["--overlap"])):
+        out = tmp_path / name / "out"
+        out.parent.mkdir()
+        proc, log = launch(out, "--stages", "0", "--steps", "6", "--save", "100", "--grad-accum", "2",
+                           "--no-resume", *extra)
+        assert proc.returncode == 0, log[-8000:]
+        runs[name] = [json.loads((out / "stage0" / f"full.rank{r}.json").read_text()) for r in range(2)], log
+    (off, _), (on, log_on) = runs["off"], runs["on"]
+    assert "overlap=on" in log_on, log_on[-4000:]
+    for a, b in zip(off, on):
+        assert a["global_step"] == b["global_step"] == 6
+        assert a["losses"] == b["losses"]
+        assert a["digest"] == b["digest"]
+    assert on[0]["digest"] == on[1]["digest"]
+
+
 def test_launch_exits_cleanly(hf):
     _, log = hf
     assert "terminate called" not in log and "exits with return code = -6" not in log
