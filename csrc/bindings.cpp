@@ -110,7 +110,7 @@ void check_same_planes(const c10::optional<at::Tensor>& nz, int64_t n, int64_t b
 }
 
 // The tie-index table: int64 [K, 2] (pos, index) rows on the CPU, rows[0].pos == 0
-// (lioncub_ds/codec.py as_segments builds and validates it before any call).
+// (lioncub_ds/kernels/reference.py as_segments builds and validates it before any call).
 std::pair<const int64_t*, int64_t> tie_table(const at::Tensor& t) {
   check_cpu_contig(t, "segments");
   TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.size(1) == 2 && t.size(0) >= 1,
@@ -493,7 +493,7 @@ static Meta build_meta(const std::vector<at::Tensor>& a, const std::vector<at::T
 
 static lc_lion_args lion_args(double beta1, double beta2) { return lc_make_lion_args(beta1, beta2); }
 
-// The tie-index table (int64 [K, 2] on the CPU, validated by codec.as_segments) copied to the
+// The tie-index table (int64 [K, 2] on the CPU, validated by reference.as_segments) copied to the
 // device through pinned memory without a host sync; keep the returned tensor alive until the
 // launch is queued.
 static at::Tensor device_table(const at::Tensor& segments, const at::Device& dev) {
@@ -515,7 +515,7 @@ static lc_apply_args apply_args(double lr, double weight_decay, int64_t step, in
                             table.defined() ? table.size(0) : 0);
 }
 
-// [rows, row_bytes] view of a 1-D or 2-D packed plane (codec.vote_apply accepts 1-D as one row).
+// [rows, row_bytes] view of a 1-D or 2-D packed plane (reference.vote_apply accepts 1-D as one row).
 static std::pair<int, int64_t> plane_shape(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 1 || t.dim() == 2, name, " must be 1-D or 2-D [ranks, bytes], got ", t.dim(), "-D");
   const int64_t rows = t.dim() == 2 ? t.size(0) : 1;

@@ -556,7 +556,7 @@ def check(be, dev):
             raise AssertionError("a count of 4 fit a 2-bit lane")
     nz[:, :] = 0b01010101
     nz[0] = 0  # row 0 never votes: at most 3 voters per element
-    got = be.count_lanes(sign.to(dev), nz.to(dev), 2)  # max count 3 fits 2 bits: no error, as in codec
+    got = be.count_lanes(sign.to(dev), nz.to(dev), 2)  # max count 3 fits 2 bits: no error, as in the reference
     ref = reference.count_lanes(sign, nz, 2)
     assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1])
 """

@@ -5,9 +5,9 @@
 // only integer operations and correctly rounded IEEE operations (+, -, *, / in fp32 or fp64,
 // never contracted into a fused multiply-add: device code uses the __*_rn intrinsics, host code
 // is built with -ffp-contract=off). So every function gives the same bits on every CPU, ISA and
-// GPU, and lioncub_ds/codec.py (the executable contract) computes the same values with torch.
+// GPU, and lioncub_ds/kernels/reference.py (the executable contract) computes the same values with torch.
 //
-//   * enums: dtype, tie rule, vote mode, int8 scale kind (codes shared with lioncub_ds/codec.py);
+//   * enums: dtype, tie rule, vote mode, int8 scale kind (codes shared with lioncub_ds/kernels/reference.py);
 //   * f2u / u2f, bf16 and fp16 <-> fp32 (bf16: round to nearest even, NaN -> 0x7FC0 like torch);
 //   * the tie hash of (step, parameter-local index) and the tie-index table lookup (docs/conventions.md);
 //   * the int8 L1/L0 scale: fixed-order fp64 sum (lane tree), deterministic log / exp.
@@ -31,7 +31,7 @@
 // One ABI for the CPU and the CUDA kernels (C layout; csrc/cuda/lioncub_cuda.h uses the same).
 //
 // The scalars of an apply (vote_apply, lanes_apply, int8_apply), computed on the host by
-// lc_make_apply_args exactly like codec.apply_update does: decay = (float)(1.0 - lr*wd) in
+// lc_make_apply_args exactly like reference.apply_update does: decay = (float)(1.0 - lr*wd) in
 // double, apply_decay = ((1.0 - lr*wd) != 1.0) in double, neg_lr = (float)(-lr).
 typedef struct lc_apply_args {
   float neg_lr;
@@ -42,7 +42,7 @@ typedef struct lc_apply_args {
   int32_t world_size;  // divisor of the average vote (and cnt of lanes_apply without cnt lanes)
   int64_t step;        // tie rules alternate / hash
   // hash tie rule: the tie-index table, tie_nrows rows of int64 (pos, index) sorted by pos,
-  // rows[0].pos == 0 (codec.tie_segments; lcc::tie_index), in the kernels' memory (host for the
+  // rows[0].pos == 0 (reference.tie_segments; lcc::tie_index), in the kernels' memory (host for the
   // CPU, device for CUDA); tie_nrows == 0 (tie_rows NULL): the index is the position
   const int64_t* tie_rows;
   int64_t tie_nrows;
@@ -85,7 +85,7 @@ typedef struct lc_zero_piece {
 
 inline lc_apply_args lc_make_apply_args(double lr, double weight_decay, int64_t step, int32_t tie, int32_t vote,
                                         int32_t world_size, const int64_t* tie_rows, int64_t tie_nrows) {
-  const double decay = 1.0 - lr * weight_decay;  // exactly codec.apply_update
+  const double decay = 1.0 - lr * weight_decay;  // exactly reference.apply_update
   lc_apply_args a;
   a.neg_lr = static_cast<float>(-lr);
   a.decay = static_cast<float>(decay);
@@ -121,7 +121,7 @@ inline lc_lion_step_args lc_make_lion_step_args(double lr, double weight_decay, 
 namespace lcc {
 
 // ----------------------------------------------------------------------------- enums
-// Python declares the same codes once, in lioncub_ds/codec.py (TIE_RULES, VOTE_MODES, SCALE_KINDS:
+// Python declares the same codes once, in lioncub_ds/kernels/reference.py (TIE_RULES, VOTE_MODES, SCALE_KINDS:
 // the code of a name is its position in the tuple).
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 enum TieRule : int32_t { kTieZero = 0, kTieAlternate = 1, kTieHash = 2 };
@@ -244,7 +244,7 @@ LC_HD uint16_t f32_to_f16(float f) {
 
 // ----------------------------------------------------------------------------- tie rule (docs/conventions.md)
 // The hash tie rule keys on (step, i) where i is the element's index INSIDE ITS PARAMETER,
-// never a position in a bucket: codec.tie_hash_sign. uint32 arithmetic mod 2**32; the tied
+// never a position in a bucket: reference.tie_hash_sign. uint32 arithmetic mod 2**32; the tied
 // coordinate takes +1 when bit 0 of the hash is set, -1 otherwise.
 // The hash split for vector loops: tie_hash(step, i) == tie_hash_mix(lo(i) * 0x9E3779B1 +
 // tie_hash_base(step, hi(i))), so a run of indices with one high word is a 32-bit loop.
@@ -264,7 +264,7 @@ LC_HD uint32_t tie_hash(uint64_t step, uint64_t index) {
                       tie_hash_base(step, static_cast<uint32_t>(index >> 32)));
 }
 
-// Tie-index table (codec.tie_segments): `nrows` rows of int64 (pos, index), sorted by pos with
+// Tie-index table (reference.tie_segments): `nrows` rows of int64 (pos, index), sorted by pos with
 // rows[0].pos == 0: position p (relative to element 0 of the planes a kernel reads) has tie
 // index rows[k].index + (p - rows[k].pos) for the last row k with rows[k].pos <= p. nrows == 0
 // means the single row (0, 0). Looked up only where a tie occurs.
@@ -297,7 +297,7 @@ LC_HD int tie_value(int rule, int64_t step, uint64_t index) {
 }
 
 // ----------------------------------------------------------------------------- int8 scales (docs/conventions.md)
-// The L1 / L0 scales sum per tensor in an order this project defines (codec.ordered_sum):
+// The L1 / L0 scales sum per tensor in an order this project defines (reference.ordered_sum):
 // blocks of kSumBlock elements from element 0; in a block, lane l (0..kSumLanes-1) adds the
 // fp64 values of elements l, l + kSumLanes, l + 2*kSumLanes, ... in index order starting
 // from +0.0 (an element that does not contribute adds nothing); the lanes are combined by the
@@ -313,7 +313,7 @@ LC_HD double lane_tree(double* acc) {
 }
 
 // ln2, sqrt(2), 1/ln2 rounded to double; 1/(2k+1) for k = 0..10 and 1/k! for k = 0..14,
-// each the double nearest the exact value (codec._LOG_COEF / _EXP_COEF hold the same).
+// each the double nearest the exact value (reference._LOG_COEF / _EXP_COEF hold the same).
 constexpr double kLn2 = 0x1.62e42fefa39efp-1;
 constexpr double kSqrt2 = 0x1.6a09e667f3bcdp+0;
 constexpr double kInvLn2 = 0x1.71547652b82fep+0;

@@ -1,6 +1,6 @@
 // lioncub_cpu.h -- fused CPU kernels of lioncub_ds (plain C++17, no torch headers).
 //
-// Every kernel reproduces the pure-torch reference (lioncub_ds/codec.py) bit for bit:
+// Every kernel reproduces the pure-torch reference (lioncub_ds/kernels/reference.py) bit for bit:
 //   * bit order LSB first: element i lives in byte i >> 3, bit i & 7; p-bit lanes likewise;
 //   * vote planes: sign bit = (c > 0 and finite), nonzero bit = (c != 0 and finite);
 //   * fp32 arithmetic with one rounding per operation and NO fused multiply-add (build with
@@ -84,7 +84,7 @@ void lanes_apply(const uint8_t* plus, const uint8_t* cnt, int64_t lane_bytes, in
 //     q = clip(round_half_even(fl(fl(c*(s/2))/a)), -s, s) into q_out (total int8, zeroed by the
 //     caller). Non-finite c count and quantize as 0. Returns #non-finite c.
 //     The l1 / l0 scales use the project's own fixed summation order and fp64 arithmetic
-//     (lcc::kSumBlock / lane_tree / log_parts / det_exp; codec.int8_scale): the same bits for
+//     (lcc::kSumBlock / lane_tree / log_parts / det_exp; reference.int8_scale): the same bits for
 //     either ISA path, any thread count, and on the GPU.
 int64_t int8_local_step(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total, double beta1,
                         int32_t kind, int32_t levels, int8_t* q_out, int nthreads);

@@ -1,5 +1,5 @@
 // lioncub_cpu_vote.inl -- kernel body of the vote half: vote counting (bit-sliced counters),
-// decisions (codec.decide, tie rules via the tie-index table), apply; (c) vote_apply,
+// decisions (reference.decide, tie rules via the tie-index table), apply; (c) vote_apply,
 // (d) shard_vote, (e) count_lanes, (f) lanes_apply, (h) int8_apply. Compiled once per ISA.
 
 namespace {
@@ -106,7 +106,7 @@ struct PlaneCounter {
   }
 };
 
-// ------------------------------------------------------------------ decisions (codec.decide)
+// ------------------------------------------------------------------ decisions (reference.decide)
 struct DecideArgs {
   int32_t vote, tie;
   float world_f;    // (float)world_size, the average divisor
@@ -233,7 +233,7 @@ inline uint64_t bs_ge_const(const uint64_t* P, int nb, int64_t k) {
   return gt | eq;
 }
 
-// 64 tie-break bits of codec.tie_hash_sign (1 = +1) for positions e .. e+63 under a tie-index table.
+// 64 tie-break bits of reference.tie_hash_sign (1 = +1) for positions e .. e+63 under a tie-index table.
 inline uint64_t hash_bits64(uint64_t step, const int64_t* rows, int64_t nrows, int64_t e) {
   const uint64_t idx0 = tie_index(rows, nrows, e);
   const uint32_t lo0 = static_cast<uint32_t>(idx0);
@@ -367,7 +367,7 @@ MajorityCounter make_majority(const uint8_t* sign, const uint8_t* nonzero, int64
   return mc;
 }
 
-// ------------------------------------------------------------------ apply (codec.apply_update)
+// ------------------------------------------------------------------ apply (reference.apply_update)
 template <int PT, bool DECAY>
 inline void apply_range_t(void* p, int64_t i0, const float* d, int64_t n, float df, float nl) {
   if constexpr (PT == kF32) {

@@ -1,6 +1,6 @@
 // lioncub_cuda.h -- C API of the fused Lion Cub CUDA kernels (raw pointers + stream).
 //
-// The contract of every launcher is the pure-torch reference lioncub_ds/codec.py
+// The contract of every launcher is the pure-torch reference lioncub_ds/kernels/reference.py
 // (docs/conventions.md, docs/kernels.md): LSB-first bit order, (sign, nonzero) vote planes, plus/cnt counting,
 // diff = 2*plus - cnt, tie rules zero/alternate/hash (hash of the step and the element's
 // index inside its parameter, via a tie-index table), average = (float)diff/(float)N,
@@ -66,7 +66,7 @@ static inline int64_t lc_num_chunks(int64_t numel) { return (numel + LC_CHUNK - 
 // with the CPU kernels, filled by lc_make_apply_args / lc_make_lion_args.
 
 // ----------------------------------------------------------------------------- local step
-// codec.local_step over one bucket of `total` elements (multiple of 8):
+// reference.local_step over one bucket of `total` elements (multiple of 8):
 //   c = fl(fl(b1*m) + fl(omb1*g)) per element; sign bit = c > 0 && finite, nonzero bit =
 //   c != 0 && finite, LSB first, into sign_out / nonzero_out (total/8 bytes each; every
 //   byte is written, padding and gaps between tensors get 0);
@@ -78,13 +78,13 @@ cudaError_t lc_local_step(const lc_tensor_meta* meta, int n_tensors, int64_t tot
                           int update_momentum, uint8_t* sign_out, uint8_t* nonzero_out, int64_t* counts,
                           cudaStream_t stream);
 
-// codec.momentum_update over a list (one launch): meta[i].a = grad, meta[i].b = momentum;
+// reference.momentum_update over a list (one launch): meta[i].a = grad, meta[i].b = momentum;
 // offsets are ignored (any order), chunk_start must be the prefix sum of chunks.
 cudaError_t lc_momentum_update(const lc_tensor_meta* meta, int n_tensors, int64_t n_chunks, lc_lion_args args,
                                cudaStream_t stream);
 
 // ----------------------------------------------------------------------------- votes
-// codec.vote_apply: `rows` packed planes of row_bytes bytes each ([rows, row_bytes],
+// reference.vote_apply: `rows` packed planes of row_bytes bytes each ([rows, row_bytes],
 // row-major), nonzero planes likewise or NULL (every vote counts, cnt = rows). Counts
 // the votes of 32 elements at once with bit-sliced counters on 32-bit words, decides Δ
 // (majority + tie rule, or average = (float)diff / (float)world_size) for all
@@ -94,23 +94,23 @@ cudaError_t lc_vote_apply(const uint8_t* sign, const uint8_t* nonzero, int rows,
                           const lc_tensor_meta* params, int n_tensors, lc_apply_args args, float* delta_out,
                           cudaStream_t stream);
 
-// codec.shard_vote (phase 1 of the two-phase vote, majority): [rows, row_bytes] planes ->
+// reference.shard_vote (phase 1 of the two-phase vote, majority): [rows, row_bytes] planes ->
 // out_sign (Δ > 0) and out_nonzero (Δ != 0), row_bytes bytes each; tie: lc_tie; tie_rows /
 // tie_nrows: the shard's tie-index table on the device (as in lc_apply_args).
 cudaError_t lc_shard_vote(const uint8_t* sign, const uint8_t* nonzero, int rows, int64_t row_bytes,
                           int tie, int64_t step, const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign,
                           uint8_t* out_nonzero, cudaStream_t stream);
 
-// codec.count_lanes: [rows, row_bytes] planes -> plus counts (and cnt counts when nonzero
+// reference.count_lanes: [rows, row_bytes] planes -> plus counts (and cnt counts when nonzero
 // != NULL) in p-bit lanes (p in 1,2,4,8), row_bytes*p bytes each. rows == 1 is the p-bit
 // encoder. A count above 2**p - 1 sets *overflow (device int32, zeroed by the caller;
 // may be NULL) -- only possible when nonzero != NULL and rows > 2**p - 1; the caller
-// must reject nonzero == NULL with rows > 2**p - 1 itself (codec raises). rows <= 255
+// must reject nonzero == NULL with rows > 2**p - 1 itself (the reference raises). rows <= 255
 // (a p <= 8 lane never holds more; more rows -> cudaErrorInvalidValue).
 cudaError_t lc_count_lanes(const uint8_t* sign, const uint8_t* nonzero, int rows, int64_t row_bytes, int p,
                            uint8_t* plus_out, uint8_t* cnt_out, int32_t* overflow, cudaStream_t stream);
 
-// codec.lanes_apply: summed p-bit lanes (numel elements; plus_lanes holds numel*p/8 bytes,
+// reference.lanes_apply: summed p-bit lanes (numel elements; plus_lanes holds numel*p/8 bytes,
 // cnt_lanes likewise or NULL: cnt = args.world_size) -> Δ -> apply; delta_out may be NULL.
 cudaError_t lc_lanes_apply(const uint8_t* plus_lanes, const uint8_t* cnt_lanes, int64_t numel, int p,
                            const lc_tensor_meta* params, int n_tensors, lc_apply_args args, float* delta_out,
@@ -120,8 +120,8 @@ cudaError_t lc_lanes_apply(const uint8_t* plus_lanes, const uint8_t* cnt_lanes, 
 // Bytes of device workspace lc_int8_local_step needs for n_chunks chunks (8-aligned).
 size_t lc_int8_workspace_bytes(int64_t n_chunks);
 
-// codec.int8_local_step: per tensor c (non-finite c counted into *n_bad -- device int64,
-// zeroed by the caller -- and treated as 0), scale a (codec.int8_scale: l1 fp32(S/numel) and
+// reference.int8_local_step: per tensor c (non-finite c counted into *n_bad -- device int64,
+// zeroed by the caller -- and treated as 0), scale a (reference.int8_scale: l1 fp32(S/numel) and
 // l0 fp32(exp(mean log|c|)) with the project's fixed fp64 summation order and its
 // deterministic log/exp (lcc::lane_tree, log_parts, det_exp), bit-identical to the CPU;
 // linf: max|c|) written to scales_out[i] for meta[i] (device fp32, n_tensors), then
@@ -132,7 +132,7 @@ cudaError_t lc_int8_local_step(const lc_tensor_meta* meta, int n_tensors, int64_
                                lc_lion_args args, int kind, int levels, int8_t* q_out, float* scales_out,
                                void* workspace, size_t workspace_bytes, int64_t* n_bad, cudaStream_t stream);
 
-// codec.int8_apply: Δ = sign(qsum) (int8 sum of the codes, numel elements) -> apply.
+// reference.int8_apply: Δ = sign(qsum) (int8 sum of the codes, numel elements) -> apply.
 cudaError_t lc_int8_apply(const int8_t* qsum, int64_t numel, const lc_tensor_meta* params, int n_tensors,
                           lc_apply_args args, float* delta_out, cudaStream_t stream);
 

@@ -4,7 +4,7 @@
 // correctly rounded single fp32 ops (no FMA: __fmul_rn/__fadd_rn/__fdiv_rn on the
 // device), so the same code runs inside the CUDA kernels (lioncub_local.cu,
 // lioncub_vote.cu) and in the serial host emulation (lioncub_cuda_emu.cpp) that the
-// tests check against lioncub_ds/codec.py on a machine without a GPU. The kernels only
+// tests check against lioncub_ds/kernels/reference.py on a machine without a GPU. The kernels only
 // add the grid-stride loops, the warp shuffles and the block reductions around it.
 //
 // Bit order (docs/conventions.md): element i of a packed plane is bit (i & 7) of byte (i >> 3);
@@ -424,7 +424,7 @@ LC_HD float tie_value_at(const lc_apply_args& a, int64_t e) {
   return static_cast<float>(lcc::tie_value(a.tie, a.step, a.tie == LC_TIE_HASH ? tie_index_of(a, e) : 0));
 }
 
-// codec.decide for one element (bucket element index e).
+// reference.decide for one element (bucket element index e).
 LC_HD float decide(int plus, int cnt, const lc_apply_args& a, int64_t e) {
   const int diff = 2 * plus - cnt;
   if (a.vote == LC_VOTE_AVERAGE) return fdiv(static_cast<float>(diff), static_cast<float>(a.world_size));
@@ -654,7 +654,7 @@ LC_HD uint64_t load_lane_unit(const uint8_t* __restrict__ lanes, int64_t u, int 
 }
 
 // Δ of unit u (elements 8u.., n <= 8 of them) from summed p-bit lanes; cnt == NULL:
-// every element has a.world_size voters (codec.lanes_apply).
+// every element has a.world_size voters (reference.lanes_apply).
 LC_HD void lanes_delta8(const uint8_t* __restrict__ plus, const uint8_t* __restrict__ cnt, int64_t u, int n, int p,
                         const lc_apply_args& a, float d[8]) {
   const uint64_t mask = (1ull << p) - 1ull;
@@ -751,7 +751,7 @@ LC_HD Acc int8_thread_partial(const Tensor& T, int64_t c0, int64_t c1, int lane,
   return acc;
 }
 
-// The per-tensor scale from the reduced statistic (codec.int8_scale).
+// The per-tensor scale from the reduced statistic (reference.int8_scale).
 LC_HD float int8_scale_of(Acc tot, int64_t numel, int kind) {
   if (kind == LC_SCALE_L1) return lcc::l1_scale(tot.s, numel);
   if (kind == LC_SCALE_LINF) return static_cast<float>(tot.s);
