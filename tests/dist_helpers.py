@@ -6,6 +6,7 @@ contract=False)`` for one launch.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from lioncub_ds.testing import RankError, free_port, nccl_contract  # noqa: F401 - re-exported
 from lioncub_ds.testing import run_ranks as _run_ranks
@@ -18,3 +19,22 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
     """``lioncub_ds.testing.run_ranks`` with the NCCL contract on unless turned off."""
     return _run_ranks(fn, world_size, *args, timeout=timeout, env=env,
                       contract=CONTRACT_DEFAULT if contract is None else contract, **kw)
+
+
+@contextmanager
+def recording_optimizer_inits():
+    """Yields a list that gets the class name of every torch.optim.Optimizer constructed inside the
+    block: an empty list proves that an error came before any optimizer state existed."""
+    import torch
+    inits = []
+    orig = torch.optim.Optimizer.__init__
+
+    def spy(self, *a, **k):
+        inits.append(type(self).__name__)
+        return orig(self, *a, **k)
+
+    torch.optim.Optimizer.__init__ = spy
+    try:
+        yield inits
+    finally:
+        torch.optim.Optimizer.__init__ = orig

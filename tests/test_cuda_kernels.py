@@ -36,6 +36,7 @@ import torch
 
 from lioncub_ds import kernels
 from lioncub_ds.kernels import reference
+from test_kernels_cpu import TIE_PARAMS, bucket_planes  # the same parameters and bucket planes as the C++ tie tests
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "csrc" / "cuda"
@@ -733,7 +734,6 @@ def test_emulation_threads_do_not_matter():
 
 
 # ----------------------------------------------------------------------------- tie rule: layout independence
-TIE_PARAMS = {"a": 37, "b": 100, "c": 13}
 TIE_LAYOUTS = [[["a", "b", "c"]], [["c"], ["b", "a"]], [["b", "c", "a"]]]
 
 
@@ -755,16 +755,8 @@ def test_tie_outcome_independent_of_layout(backend, n, abstain):
     def run(layout, how):
         params = {name: torch.zeros(numel, device=dev) for name, numel in TIE_PARAMS.items()}
         for names in layout:
-            offs, o = [], 0
-            for name in names:
-                offs.append(o)
-                o += (TIE_PARAMS[name] + 7) // 8 * 8
-            total = reference.padded_numel(o, n)
-            full = torch.zeros(n, total, dtype=torch.int8)
-            for name, off in zip(names, offs):
-                full[:, off:off + TIE_PARAMS[name]] = votes[name]
-            sign = torch.stack([reference.pack_bits(r > 0) for r in full]).to(dev)
-            nz = torch.stack([reference.pack_bits(r != 0) for r in full]).to(dev) if abstain else None
+            offs, total, sign, nz = bucket_planes(names, votes, n)
+            sign, nz = sign.to(dev), nz.to(dev) if abstain else None
             ps = [params[nm] for nm in names]
             if how == "vote_apply":
                 be.vote_apply(sign, nz, ps, offs, 1.0, 0.0, 3, "hash", "majority", n)

@@ -146,26 +146,18 @@ def _expect_refusal(cfg, optimizer=None):
     """deepspeed.initialize must raise before LionCub's constructor runs (ds_config) or before the
     client LionCub is touched; the model's parameters are untouched."""
     import torch
-    inits = []
-    orig = torch.optim.Optimizer.__init__
-
-    def spy(self, *a, **k):
-        inits.append(type(self).__name__)
-        return orig(self, *a, **k)
-
+    from dist_helpers import recording_optimizer_inits
     model = _model(0)
     before = [p.detach().clone() for p in model.parameters()]
     dist_before = optimizer._dist if optimizer is not None else None
-    torch.optim.Optimizer.__init__ = spy
-    try:
-        import deepspeed
-        kw = {"optimizer": optimizer} if optimizer is not None else {}
-        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, **kw)
-        err = (None, None)
-    except Exception as exc:  # noqa: BLE001
-        err = (type(exc).__name__, str(exc))
-    finally:
-        torch.optim.Optimizer.__init__ = orig
+    with recording_optimizer_inits() as inits:
+        try:
+            import deepspeed
+            kw = {"optimizer": optimizer} if optimizer is not None else {}
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, **kw)
+            err = (None, None)
+        except Exception as exc:  # noqa: BLE001
+            err = (type(exc).__name__, str(exc))
     out = {"error_type": err[0], "error": err[1], "optimizer_inits": inits,
            # (DeepSpeed itself casts the module to bf16 before it configures the optimizer)
            "params_untouched": all(torch.equal(a.to(b.dtype), b.detach()) for a, b in zip(before, model.parameters()))}

@@ -341,21 +341,13 @@ def error_table(base, rank):
     with LionCubConfigError before any optimizer exists (torch.optim.Optimizer.__init__ never runs)."""
     import importlib.util
     import deepspeed
-    import torch
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_config_validation.py")
     spec = importlib.util.spec_from_file_location("_lioncub_invalid_table", path)
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
-    inits = []
-    orig = torch.optim.Optimizer.__init__
-
-    def spy(self, *a, **k):
-        inits.append(type(self).__name__)
-        return orig(self, *a, **k)
-
+    from dist_helpers import recording_optimizer_inits
     out = {}
-    torch.optim.Optimizer.__init__ = spy
-    try:
+    with recording_optimizer_inits() as inits:
         for case_id, kwargs, _pattern in table.INVALID:
             params = table._ds_params(kwargs)
             cfg = dict(base, optimizer={"type": "LionCub", "params": {"lr": 3e-3, **params}})
@@ -369,8 +361,6 @@ def error_table(base, rank):
                 err = (type(exc).__name__, str(exc))
             out[case_id] = {"error_type": err[0], "error": err[1], "optimizer_inits": list(inits),
                             "params_untouched": tensor_hash(list(model.parameters())) == before}
-    finally:
-        torch.optim.Optimizer.__init__ = orig
     return out
 
 

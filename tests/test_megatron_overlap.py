@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 import torch
 
-from dist_helpers import run_ranks
+from dist_helpers import recording_optimizer_inits, run_ranks
 from lioncub_ds import LionCubConfigError
 from lioncub_ds.megatron import add_lioncub_args, lioncub_settings, lioncub_settings_from_args
 
@@ -69,16 +69,8 @@ def _refused_before_any_state(rank, world):
     _setup(tp=1)
     _, ddp = _build(1)
     before = [p.detach().clone() for p in ddp.parameters()]
-    inits = []
-    orig = torch.optim.Optimizer.__init__
-
-    def spy(self, *a, **k):
-        inits.append(type(self).__name__)
-        return orig(self, *a, **k)
-
     out = {}
-    torch.optim.Optimizer.__init__ = spy
-    try:
+    with recording_optimizer_inits() as inits:
         try:
             get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"comm": "1bit", "overlap": True})
             out["error"] = None
@@ -89,8 +81,6 @@ def _refused_before_any_state(rank, world):
             out["class_error"] = None
         except LionCubConfigError as exc:
             out["class_error"] = str(exc)
-    finally:
-        torch.optim.Optimizer.__init__ = orig
     out["inits"] = inits
     out["reduction_still_on"] = not dp_grad_reduction_disabled(ddp) and not any(
         "start_grad_sync" in vars(bg) for bg in list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups))
