@@ -132,22 +132,48 @@ lc::ApplyArgs apply_args(double lr, double wd, int64_t step, int64_t tie, int64_
 std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> local_step(const std::vector<at::Tensor>& grads,
                                                                const std::vector<at::Tensor>& momenta,
                                                                const std::vector<int64_t>& offsets, int64_t total,
-                                                               double beta1, double beta2, bool update_momentum) {
+                                                               double beta1, double beta2, bool update_momentum,
+                                                               const c10::optional<std::vector<at::Tensor>>& momenta_out) {
   TORCH_CHECK(total >= 0 && total % 8 == 0, "lioncub cpp kernels: total must be a non-negative multiple of 8, got ",
               total);
   check_pairs(grads, "grads", momenta, "momenta");
   auto g = make_slots(grads, offsets, "grads", true, total);
   auto m = make_slots(momenta, offsets, "momenta", false, total);
+  std::vector<lc::Slot> mo;
+  if (momenta_out.has_value()) {
+    check_pairs(momenta, "momenta", *momenta_out, "momenta_out");
+    mo = make_slots(*momenta_out, offsets, "momenta_out", false, total);
+    for (size_t i = 0; i < mo.size(); ++i)
+      TORCH_CHECK(mo[i].dtype == m[i].dtype, "lioncub cpp kernels: ", arg_name("momenta_out", i),
+                  " must have the dtype of ", arg_name("momenta", i));
+  }
   auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
   at::Tensor sign = at::zeros({total / 8}, opts);
   at::Tensor nz = at::zeros({total / 8}, opts);
   lc::LocalStepCounts r{0, 0};
   {
     pybind11::gil_scoped_release nogil;
-    r = lc::local_step(g.data(), m.data(), static_cast<int64_t>(g.size()), total, beta1, beta2, update_momentum,
-                       sign.data_ptr<uint8_t>(), nz.data_ptr<uint8_t>(), threads());
+    r = lc::local_step(g.data(), m.data(), mo.empty() ? nullptr : mo.data(), static_cast<int64_t>(g.size()), total,
+                       beta1, beta2, update_momentum, sign.data_ptr<uint8_t>(), nz.data_ptr<uint8_t>(), threads());
   }
   return {sign, nz, r.n_nonfinite, r.n_zero};
+}
+
+// The abstention list of a nonzero plane against the bucket's mask (reference.abstain_list).
+at::Tensor abstain_list(const at::Tensor& nonzero, const at::Tensor& mask, int64_t capacity) {
+  check_u8(nonzero, "nonzero");
+  check_u8(mask, "mask");
+  check_cpu_contig(nonzero, "nonzero");
+  check_cpu_contig(mask, "mask");
+  TORCH_CHECK(nonzero.dim() == 1 && mask.dim() == 1 && nonzero.numel() == mask.numel(),
+              "lioncub cpp kernels: nonzero and mask must be 1-D planes of the same size");
+  TORCH_CHECK(capacity >= 0 && capacity <= nonzero.numel() && nonzero.numel() <= INT32_MAX,
+              "lioncub cpp kernels: capacity must be in 0..plane bytes (< 2**31), got ", capacity);
+  at::Tensor out = at::empty({1 + 2 * capacity}, at::TensorOptions().dtype(at::kInt).device(at::kCPU));
+  pybind11::gil_scoped_release nogil;
+  lc::abstain_list(nonzero.data_ptr<uint8_t>(), mask.data_ptr<uint8_t>(), nonzero.numel(), capacity,
+                   out.data_ptr<int32_t>());
+  return out;
 }
 
 void momentum_update_list(const std::vector<at::Tensor>& momenta, const std::vector<at::Tensor>& grads,
@@ -816,7 +842,10 @@ void register_cuda(pybind11::module_& m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lioncub_ds fused kernels (C++ CPU; CUDA when built with LIONCUB_WITH_CUDA)";
-  m.def("local_step", &local_step, "sign/nonzero planes of c (+ optional momentum update)");
+  m.def("local_step", &local_step, "sign/nonzero planes of c (+ optional momentum update, in place or to momenta_out)",
+        py::arg("grads"), py::arg("momenta"), py::arg("offsets"), py::arg("total"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("update_momentum"), py::arg("momenta_out") = py::none());
+  m.def("abstain_list", &abstain_list, "abstention list: count, first K differing byte indices and values");
   m.def("momentum_update_list", &momentum_update_list, "m <- b2*m + (1-b2)*g for every tensor");
   m.def("vote_apply", &vote_apply, "N sign planes -> Δ -> apply");
   m.def("shard_vote", &shard_vote, "two-phase vote, phase 1");

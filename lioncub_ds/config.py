@@ -150,6 +150,7 @@ class LionCubConfig:
     foreach: bool | None = None
     comm_bucket_mb: float = 4.0
     overlap: bool = False
+    momentum_double_buffer: bool = False
 
     def __post_init__(self):
         validate_common(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
@@ -191,8 +192,9 @@ class LionCubConfig:
             raise _err("drift_check_every", self.drift_check_every, "an integer >= 0 (0 = off)")
         if not _is_real(self.comm_bucket_mb) or not self.comm_bucket_mb > 0 or not math.isfinite(self.comm_bucket_mb):
             raise _err("comm_bucket_mb", self.comm_bucket_mb, "a number > 0 (MB of packed votes per communication batch)")
-        if not isinstance(self.overlap, bool):
-            raise _err("overlap", self.overlap, "True or False")
+        for key in ("overlap", "momentum_double_buffer"):
+            if not isinstance(getattr(self, key), bool):
+                raise _err(key, getattr(self, key), "True or False")
         if self.timeout_s is not None and (not _is_real(self.timeout_s) or not 0 < self.timeout_s < math.inf):
             raise _err("timeout_s", self.timeout_s, "None or a number of seconds > 0")
 

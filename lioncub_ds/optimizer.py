@@ -143,14 +143,15 @@ class LionCub(Optimizer):
                  quant="sign", tie_break="hash", momentum_sync=None, process_group=None,
                  momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
                  nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
-                 comm_bucket_mb=4.0, overlap=False, **unknown):
+                 comm_bucket_mb=4.0, overlap=False, momentum_double_buffer=False, **unknown):
         # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
         # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
         settings = dict(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
                         tie_break=tie_break, momentum_sync=momentum_sync, momentum_dtype=momentum_dtype,
                         bucket_size_mb=bucket_size_mb, pbit_bits=pbit_bits, nonfinite=nonfinite,
                         drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
-                        foreach=foreach, comm_bucket_mb=comm_bucket_mb, overlap=overlap, **unknown)
+                        foreach=foreach, comm_bucket_mb=comm_bucket_mb, overlap=overlap,
+                        momentum_double_buffer=momentum_double_buffer, **unknown)
         if network is not None:
             settings["network"] = network
         self.config = LionCubConfig.from_kwargs(**settings)
@@ -179,6 +180,7 @@ class LionCub(Optimizer):
         self.stats = CommStats()
         self._plan_logged = False
         self._skipped_steps = 0
+        self._next_momenta = {}  # momentum_double_buffer: param -> the buffer the next momentum goes to
 
     # ------------------------------------------------------------------ group
     def set_process_group(self, group) -> None:
@@ -360,6 +362,21 @@ class LionCub(Optimizer):
                                                 memory_format=torch.contiguous_format)
             state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")  # a host counter, as in torch.optim
         return state["exp_avg"]
+
+    def _next_momentum(self, p):
+        """momentum_double_buffer: where this step's local pass writes p's next momentum. It
+        becomes the state's ``exp_avg`` when the step commits (the old one is then reused), so a
+        skipped step changes nothing. Not optimizer state: never saved."""
+        buf = self._next_momenta.get(p)
+        m = self._momentum(p)
+        if buf is None or buf.dtype != m.dtype or buf.shape != m.shape or buf.device != m.device:
+            buf = self._next_momenta[p] = torch.empty_like(m, memory_format=torch.contiguous_format)
+        return buf
+
+    def _commit_momentum(self, p, new):
+        state = self.state[p]
+        self._next_momenta[p] = state["exp_avg"]
+        state["exp_avg"] = new
 
     def state_dict(self):
         sd = super().state_dict()

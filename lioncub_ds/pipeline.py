@@ -19,7 +19,6 @@ import torch
 from . import kernels
 from .kernels.reference import int8_levels
 from .comm import VoteJob
-from .comm.abstain import differing, encode_list
 
 log = logging.getLogger("lioncub_ds")
 
@@ -53,11 +52,13 @@ def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[i
 
 class _Local:
     """One bucket's local half of a step (nothing written to optimizer state)."""
-    __slots__ = ("job", "grads", "momenta", "backend", "nonfinite", "flags", "versions")
+    __slots__ = ("job", "grads", "momenta", "backend", "nonfinite", "flags", "versions", "next_momenta")
 
-    def __init__(self, job, grads, momenta, backend, nonfinite, flags, versions):
+    def __init__(self, job, grads, momenta, backend, nonfinite, flags, versions, next_momenta=None):
         self.job, self.grads, self.momenta, self.backend = job, grads, momenta, backend
         self.nonfinite, self.flags, self.versions = nonfinite, flags, versions
+        # momentum_double_buffer: the momenta already advanced by the local pass (else None)
+        self.next_momenta = next_momenta
 
 
 class VotePipeline:
@@ -110,33 +111,36 @@ class VotePipeline:
                 job.codes = torch.zeros(b.numel, dtype=torch.int8, device=dev)
             else:
                 self._payload(job, b, torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev),
-                              torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev))
+                              torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev), be)
             zero = torch.zeros((), dtype=torch.int64, device=dev)
             self.local[i] = _Local(job, grads, momenta, be, zero, torch.zeros(2, dtype=torch.int32, device=dev), [])
             return
         grads = opt._grads(b)
         momenta = [opt._momentum(p) for p in b.params]
         # counts stay on the device (device_counts): finish() folds them into the step's one flag read
+        nxt = None
         if b.algorithm.encoding == "int8":
             job.codes, nonfinite = be.int8_local_step(grads, momenta, b.offsets, b.numel, b1, cfg.quant,
                                                       int8_levels(opt.world_size), device_counts=True)
             flags = torch.zeros(2, dtype=torch.int32, device=dev)
         else:
-            sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, False,
-                                                   device_counts=True)
-            flags = self._payload(job, b, sign, nz)
+            # momentum_double_buffer: the next momenta are written in this same pass over g and m
+            # (into spare buffers: a skipped step must leave m unchanged), saving a second pass later
+            nxt = [opt._next_momentum(p) for p in b.params] if cfg.momentum_double_buffer else None
+            sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, nxt is not None,
+                                                   device_counts=True, momenta_out=nxt)
+            flags = self._payload(job, b, sign, nz, be)
         versions = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
-        self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions)
+        self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt)
 
     @staticmethod
-    def _payload(job, b, sign, nz):
+    def _payload(job, b, sign, nz, be):
         """Fill the job's abstention payload; return its flag entries [overflow, abstains] (device)."""
         job.sign, job.nonzero, job.mask, job.mode, job.capacity = sign, nz, b.mask, b.mode, b.capacity
-        count = differing(nz, b.mask)
-        if b.mode == "plane":
-            job.payload = nz
-        else:
-            job.payload = encode_list(nz, b.mask, b.capacity).view(torch.uint8)
+        # the plane mode sends the plane and needs only the count (a list of capacity 0)
+        words = be.abstain_list(nz, b.mask, b.capacity if b.mode == "list" else 0)
+        job.payload = nz if b.mode == "plane" else words.view(torch.uint8)
+        count = words[0]
         return torch.stack([(count > b.capacity).to(torch.int32), (count > 0).to(torch.int32)])
 
     # ------------------------------------------------------------------ launch
@@ -238,11 +242,21 @@ class VotePipeline:
                     job.planes = job.payloads_from(recv)
                 # Many abstentions travel as the plane next step; few as a list (agreed: same on every rank).
                 b.mode = "plane" if overflow > 0 else "list"
+        counted = []
         for k, batch in enumerate(opt._batches):
             jobs = [self.local[i].job for i in batch]
-            opt._buckets[batch[0]].algorithm.complete(self.launched[k], jobs, coll, self.local[batch[0]].backend)
+            counted.append(opt._buckets[batch[0]].algorithm.count(self.launched[k], jobs, coll,
+                                                                   self.local[batch[0]].backend))
+        # The momenta do not depend on the vote: they advance while any phase 2 is in flight.
         for i, loc in enumerate(self.local):
             b = opt._buckets[i]
-            loc.backend.momentum_update_list(loc.momenta, loc.grads, opt.param_groups[b.group_index]["betas"][1])
+            if loc.next_momenta is not None:
+                for p, m in zip(b.params, loc.next_momenta):
+                    opt._commit_momentum(p, m)
+            else:
+                loc.backend.momentum_update_list(loc.momenta, loc.grads, opt.param_groups[b.group_index]["betas"][1])
             opt.stats.add_baseline(b.real_numel, opt.world_size)
+        for k, batch in enumerate(opt._batches):
+            jobs = [self.local[i].job for i in batch]
+            opt._buckets[batch[0]].algorithm.complete(counted[k], jobs, coll, self.local[batch[0]].backend)
         self.reset()

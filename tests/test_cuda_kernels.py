@@ -380,6 +380,33 @@ def test_local_step(backend, gdt, mdt, update):
         same(a, b, f"momentum {k}")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_GPU)
+@pytest.mark.parametrize("gdt,mdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                     (torch.float16, torch.float32)])
+def test_local_step_momenta_out(monkeypatch, gdt, mdt):
+    """momentum_double_buffer on CUDA: the in-place call's votes and new momenta, written to
+    momenta_out, the momenta untouched."""
+    monkeypatch.setenv("LIONCUB_KERNELS", "cuda")
+    be = kernels.backend_for("cuda")
+    g = gen(5)
+    sizes = [1, 7, 9, 4097, BIG]
+    grads = rand_tensors(sizes, gdt, g)
+    plant_nonfinite(grads)
+    moms = rand_tensors(sizes, mdt, g, scale=0.1)
+    offsets, total = layout(sizes, 4)
+    ref_m = [m.clone() for m in moms]
+    ref = REF.local_step(grads, ref_m, offsets, total, 0.9, 0.99, update_momentum=True)
+    dev_m = to(moms, "cuda")
+    outs = [torch.full_like(m, 3.0) for m in dev_m]
+    got = be.local_step(to(grads, "cuda"), dev_m, offsets, total, 0.9, 0.99, True, momenta_out=outs)
+    same(got[0], ref[0], "sign plane")
+    same(got[1], ref[1], "nonzero plane")
+    assert (got[2], got[3]) == (ref[2], ref[3])
+    for k in range(len(sizes)):
+        same(outs[k], ref_m[k], f"momenta_out {k}")
+        same(dev_m[k], moms[k], f"momentum {k} (unchanged)")
+
+
 def test_local_step_empty_bucket_and_gaps(backend):
     be, dev, big = backend
     g = gen(2)
@@ -399,7 +426,7 @@ def test_local_step_never_synchronizes_with_device_counts(monkeypatch):
     """The optimizer's local half of a step on CUDA (local_step / int8_local_step with
     device_counts=True, then the abstention payload) issues no host synchronization:
     torch's sync debug mode turns any into an error. The counts still equal the reference's."""
-    from lioncub_ds.comm.abstain import differing, encode_list, list_capacity, real_mask
+    from lioncub_ds.comm.abstain import list_capacity, real_mask
 
     monkeypatch.setenv("LIONCUB_KERNELS", "cuda")
     be = kernels.backend_for("cuda")
@@ -419,8 +446,7 @@ def test_local_step_never_synchronizes_with_device_counts(monkeypatch):
     torch.cuda.set_sync_debug_mode("error")
     try:
         sign, nz, n_bad, n_zero = be.local_step(d_grads, d_moms, offsets, total, 0.9, 0.99, device_counts=True)
-        count = differing(nz, mask)
-        payload = encode_list(nz, mask, cap)
+        payload = be.abstain_list(nz, mask, cap)
         q, q_bad = be.int8_local_step(d_grads, d_moms, offsets, total, 0.9, "l1", 3, device_counts=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -429,7 +455,8 @@ def test_local_step_never_synchronizes_with_device_counts(monkeypatch):
     same(nz, ref[1], "nonzero plane")
     assert (int(n_bad), int(n_zero)) == (ref[2], ref[3])
     assert int(q_bad) == REF.int8_local_step(grads, moms, offsets, total, 0.9, "l1", 3)[1]
-    assert int(count) >= 0 and payload.is_cuda and q.is_cuda
+    same(payload, REF.abstain_list(ref[1], mask.cpu(), cap), "abstention list")
+    assert payload.is_cuda and q.is_cuda
 
 
 @pytest.mark.parametrize("gdt,mdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

@@ -146,8 +146,8 @@ def clone_all(ts):
 # ----------------------------------------------------------------------------- interface
 def test_backend_interface_matches_torch_backend(be):
     ref = kernels.TorchBackend
-    for name in ("local_step", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes", "lanes_apply",
-                 "int8_local_step", "int8_apply", "lion_step", "zero_sign_apply"):
+    for name in ("local_step", "abstain_list", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes",
+                 "lanes_apply", "int8_local_step", "int8_apply", "lion_step", "zero_sign_apply"):
         want = list(inspect.signature(getattr(ref, name)).parameters.values())
         got = list(inspect.signature(getattr(be, name)).parameters.values())
         assert [(p.name, p.default) for p in got[:len(want)]] == [(p.name, p.default) for p in want], name
@@ -158,8 +158,8 @@ def test_backend_interface_matches_torch_backend(be):
 
     for backend in (be, kernels.TorchBackend(), CudaBackend(None)):
         assert isinstance(backend, kernels.Backend), backend
-    for name in ("vote_apply", "shard_vote", "lanes_apply", "int8_local_step", "lion_step",
-                 "zero_sign_apply"):  # the Protocol is the reference's
+    for name in ("local_step", "abstain_list", "vote_apply", "shard_vote", "lanes_apply", "int8_local_step",
+                 "lion_step", "zero_sign_apply"):  # the Protocol is the reference's
         want = [p.name for p in inspect.signature(getattr(reference, name)).parameters.values()]
         got = [p.name for p in inspect.signature(getattr(kernels.Backend, name)).parameters.values()][1:]
         assert got == want, name
@@ -221,6 +221,46 @@ def test_local_step_odd_betas_and_empty(be):
     got = be.local_step([], [], [], 64, 0.9, 0.99, False)
     for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), ref, got):
         assert_same(a, b, what)
+
+
+@pytest.mark.parametrize("mdt", STATE_DTYPES)
+@pytest.mark.parametrize("gdt", GRAD_DTYPES)
+def test_local_step_writes_next_momenta_to_momenta_out(isa_be, gdt, mdt):
+    """momenta_out: the votes of the in-place call, the in-place call's new momenta written to
+    the out buffers, and the momenta themselves untouched (a skipped step must not change them)."""
+    grads, moms, offs, total = make_bucket(SMALL + [BIG], gdt, mdt, 41)
+    m_inplace, m_kept = clone_all(moms), clone_all(moms)
+    outs = [torch.full_like(m, 7.0) for m in moms]
+    outs_ref = [torch.full_like(m, 7.0) for m in moms]
+    want = reference.local_step(grads, m_inplace, offs, total, 0.9, 0.99, True)
+    ref = reference.local_step(grads, clone_all(moms), offs, total, 0.9, 0.99, True, momenta_out=outs_ref)
+    got = isa_be.local_step(grads, m_kept, offs, total, 0.9, 0.99, True, momenta_out=outs)
+    for what, a, b, c in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), want, ref, got):
+        assert_same(a, b, what)
+        assert_same(a, c, what)
+    for i in range(len(moms)):
+        assert_same_float(m_inplace[i], outs_ref[i], f"reference momenta_out[{i}]")
+        assert_same_float(m_inplace[i], outs[i], f"momenta_out[{i}]")
+        assert_same_float(moms[i], m_kept[i], f"momenta[{i}] (must be unchanged)")
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 3, 40])
+@pytest.mark.parametrize("nbytes", [1, 7, 8, 9, 63, 1031])
+def test_abstain_list(be, nbytes, capacity):
+    """The count, the first K differing bytes in order and their values: exactly the reference's,
+    with no difference, a few, and more than the capacity (overflow), at odd plane sizes."""
+    gen = _gen(nbytes * 7 + capacity)
+    mask = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+    mask[-1] = 0x1F  # a last partial byte, as a bucket's mask has
+    capacity = min(capacity, nbytes)
+    for n_diff in (0, 1, 2, 5, nbytes):
+        nz = mask.clone()
+        pos = torch.randperm(nbytes, generator=gen)[:n_diff]
+        nz[pos] ^= torch.randint(1, 256, (len(pos),), dtype=torch.uint8, generator=gen)
+        want = reference.abstain_list(nz, mask, capacity)
+        got = be.abstain_list(nz, mask, capacity)
+        assert_same(want, got, f"list ({n_diff} differing bytes)")
+        assert int(got[0]) == int((nz != mask).sum())
 
 
 # ----------------------------------------------------------------------------- (b) momentum
@@ -756,6 +796,16 @@ def _bad_calls(backend):
         ("does not fit", lambda: backend.local_step([torch.zeros(16)], [torch.zeros(16)], [8], 16, 0.9, 0.99)),
         ("momenta\\[0\\] has", lambda: backend.local_step([torch.zeros(8)], [torch.zeros(9)], [0], 16, 0.9, 0.99)),
         ("total", lambda: backend.local_step([torch.zeros(8)], [torch.zeros(8)], [0], 12, 0.9, 0.99)),
+        ("momenta_out must be a list of 1", lambda: backend.local_step([torch.zeros(8)], [torch.zeros(8)], [0], 16,
+                                                                         0.9, 0.99, True, momenta_out=[])),
+        ("momenta_out\\[0\\] .* must match", lambda: backend.local_step([torch.zeros(8)], [torch.zeros(8)], [0], 16,
+                                                                         0.9, 0.99, True,
+                                                                         momenta_out=[torch.zeros(8).bfloat16()])),
+        ("momenta_out\\[0\\] shares memory", lambda: (lambda m: backend.local_step(
+            [torch.zeros(8)], [m], [0], 16, 0.9, 0.99, True, momenta_out=[m.view(-1)]))(torch.zeros(8))),
+        ("capacity must be", lambda: backend.abstain_list(u8[0], u8[1], 9)),
+        ("nonzero must be a 1-D uint8", lambda: backend.abstain_list(u8, u8, 0)),
+        ("mask has", lambda: backend.abstain_list(u8[0], u8[0, :4], 0)),
         ("overlap", lambda: backend.vote_apply(u8, None, [torch.zeros(16), torch.zeros(8)], [0, 8], 1e-3, 0.0, 1,
                                                "hash", "majority", 2)),
         ("tie_break", lambda: backend.vote_apply(u8, None, p, [0], 1e-3, 0.0, 1, "coin", "majority", 2)),
@@ -812,6 +862,23 @@ def test_public_entries_validate_before_the_extension(kind):
     for want, call in _bad_calls(backend):
         with pytest.raises((ValueError, TypeError), match=want):
             call()
+
+
+def test_cuda_backend_momenta_out_composite_on_reference_tensors():
+    """The CUDA backend's momenta_out path (votes, then the momenta copied and advanced) gives the
+    reference's results; CPU tensors take the reference inside it, never the extension."""
+    from lioncub_ds.kernels.cuda import CudaBackend
+
+    grads, moms, offs, total = make_bucket(SMALL, F32, BF16, 17)
+    outs, want_m = [torch.zeros_like(m) for m in moms], clone_all(moms)
+    want = reference.local_step(grads, want_m, offs, total, 0.9, 0.99, True)
+    kept = clone_all(moms)
+    got = CudaBackend(_Boom()).local_step(grads, kept, offs, total, 0.9, 0.99, True, momenta_out=outs)
+    for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), want, got):
+        assert_same(a, b, what)
+    for i in range(len(moms)):
+        assert_same_float(want_m[i], outs[i], f"momenta_out[{i}]")
+        assert_same_float(moms[i], kept[i], f"momenta[{i}]")
 
 
 @pytest.mark.parametrize("kind", ["cpp", "cuda"])

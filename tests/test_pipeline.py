@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 import lioncub_ds
 from lioncub_ds.comm import make_algorithm
-from lioncub_ds.comm.abstain import decode_lists, encode_list, list_capacity, real_mask
+from lioncub_ds.comm.abstain import decode_lists, list_capacity, real_mask
+from lioncub_ds.kernels.reference import abstain_list
 from dist_helpers import run_ranks
 from test_distributed import _brute_force
 
@@ -32,7 +33,7 @@ def test_list_codec_round_trip_exact():
         real = want.nonzero().reshape(-1)[pos]
         for e in real.tolist():
             nz[e // 8] &= ~(1 << (e % 8)) & 0xFF
-        lst = encode_list(nz, mask, cap)
+        lst = abstain_list(nz, mask, cap)
         count = int(lst[0])
         assert count == int((nz != mask).sum())
         planes = decode_lists(torch.stack([lst, lst]), mask, cap)
@@ -154,7 +155,8 @@ def _train(model, opt, gen, rank, overlap):
             opt.zero_grad()
             model(torch.randint(0, 30, (5, 3), generator=gen), False).backward()
         opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), opt.comm_stats()["skipped_steps"]
+    momenta = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in model.parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), opt.comm_stats()["skipped_steps"], momenta
 
 
 class _null:
@@ -170,30 +172,37 @@ def _overlap_vs_plain(rank, n):
     for comm, vote in (("allgather", "majority"), ("1bit", "majority"), ("1bit", "average"), ("pbit", "majority"),
                        ("int8", "majority")):
         res = {}
-        for overlap in (False, True):
+        for overlap, double in ((False, False), (True, False), (False, True), (True, True)):
             torch.manual_seed(0)
             model = Net()
             opt = lioncub_ds.LionCub(model.parameters(), lr=1e-2, comm=comm, vote=vote,
                                      quant="l1" if comm == "int8" else "sign", bucket_size_mb=0.004,
-                                     comm_bucket_mb=0.0002, overlap=overlap)
+                                     comm_bucket_mb=0.0002, overlap=overlap, momentum_double_buffer=double)
             gen = torch.Generator().manual_seed(50 + rank)
-            res[overlap] = _train(model, opt, gen, rank, overlap)
+            res[overlap, double] = _train(model, opt, gen, rank, overlap)
             res[f"batches_{overlap}"] = len(opt._batches)
             res[f"buckets_{overlap}"] = len(opt._buckets)
         out[(comm, vote)] = res
     return out
 
 
-def test_overlap_is_bit_identical_to_the_plain_step():
+def test_overlap_and_double_buffer_are_bit_identical_to_the_plain_step():
+    """overlap=True and momentum_double_buffer=True (each, and both) give the plain step's
+    parameters and momenta bit for bit, through accumulation, a NaN skip, clipping and a discarded
+    backward."""
     n = 2
     res = run_ranks(_overlap_vs_plain, n, timeout=600)
     for key, r0 in res[0].items():
         assert r0["buckets_True"] > 2 and r0["batches_True"] > 1, key  # several buckets and batches
         for r in range(n):
-            plain, overlapped = res[r][key][False], res[r][key][True]
-            assert torch.equal(plain[0], overlapped[0]), (key, r)
-            assert torch.equal(plain[0], r0[False][0]), (key, r)  # replicas identical
-            assert plain[1] == overlapped[1] == 1, (key, r)  # the NaN step skipped on every rank
+            plain = res[r][key][False, False]
+            for variant in ((True, False), (False, True), (True, True)):
+                other = res[r][key][variant]
+                assert torch.equal(plain[0], other[0]), (key, variant, r)
+                assert torch.equal(plain[2], other[2]), (key, variant, r)  # momenta too
+                assert other[1] == 1, (key, variant, r)  # the NaN step skipped on every rank
+            assert torch.equal(plain[0], r0[False, False][0]), (key, r)  # replicas identical
+            assert plain[1] == 1, (key, r)
 
 
 def _launch_condition_run(rank, n):

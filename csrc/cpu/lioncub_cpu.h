@@ -48,10 +48,11 @@ using ApplyArgs = ::lc_apply_args;
 
 // (a) c = fl(fl(b1*m) + fl((1-b1)*g)) per tensor -> sign / nonzero planes (total/8 bytes each,
 //     zero-initialised by the caller). grads[i].offset is ignored; momenta[i].offset is the
-//     tensor's offset in the bucket. With update_momentum, m <- fl(fl(b2*m) + fl((1-b2)*g))
-//     in the same pass (c uses the old m).
-LocalStepCounts local_step(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total,
-                           double beta1, double beta2, bool update_momentum, uint8_t* sign_out,
+//     tensor's offset in the bucket. With update_momentum, fl(fl(b2*m) + fl((1-b2)*g)) is
+//     written in the same pass (c uses the old m): into momenta_out[i] (same dtype and numel as
+//     momenta[i]; m is then only read) or, when momenta_out is nullptr, into m itself.
+LocalStepCounts local_step(const Slot* grads, const Slot* momenta, const Slot* momenta_out, int64_t ntensors,
+                           int64_t total, double beta1, double beta2, bool update_momentum, uint8_t* sign_out,
                            uint8_t* nonzero_out, int nthreads);
 
 // (b) m <- fl(fl(b2*m) + fl((1-b2)*g)) for every tensor.
@@ -107,6 +108,12 @@ void lion_step(const Slot* params, const Slot* grads, const Slot* momenta, int64
 //     [N, nz_stride] or nullptr (every bit votes).
 void zero_sign_apply(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero, int64_t nz_stride,
                      const ::lc_zero_piece* pieces, int64_t npieces, int nthreads);
+
+// (k) abstention list (reference.abstain_list): the bytes where nonzero differs from mask
+//     (nbytes each). out[0] = their count; out[1..capacity] = the first `capacity` byte indices
+//     in order (-1 when fewer); out[1+capacity..2*capacity] = nonzero's byte there (0 when
+//     unused). Returns the count. One thread: the planes are 1/32 of the gradient.
+int64_t abstain_list(const uint8_t* nonzero, const uint8_t* mask, int64_t nbytes, int64_t capacity, int32_t* out);
 
 // Instruction-set path: 0 = auto (AVX2 when the CPU has it), 1 = portable baseline, 2 = AVX2.
 // Both paths give identical results; the switch exists for tests and benchmarks.

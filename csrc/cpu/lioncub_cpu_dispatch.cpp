@@ -4,9 +4,9 @@
 
 // The per-ISA kernels, defined in lioncub_cpu_local.inl / lioncub_cpu_vote.inl.
 #define LC_IMPL_DECLS                                                                                          \
-  LocalStepCounts local_step_impl(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total,         \
-                                  double beta1, double beta2, bool update_momentum, uint8_t* sign_out,              \
-                                  uint8_t* nonzero_out, int nthreads);                                              \
+  LocalStepCounts local_step_impl(const Slot* grads, const Slot* momenta, const Slot* momenta_out,                 \
+                                  int64_t ntensors, int64_t total, double beta1, double beta2, bool update_momentum,\
+                                  uint8_t* sign_out, uint8_t* nonzero_out, int nthreads);                           \
   void momentum_update_impl(const Slot* momenta, const Slot* grads, int64_t ntensors, double beta2, int nthreads);  \
   void vote_apply_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t plane_bytes,           \
                        const Slot* params, int64_t nparams, const ApplyArgs& args, float* delta_out, int nthreads); \
@@ -24,7 +24,9 @@
   void lion_step_impl(const Slot* params, const Slot* grads, const Slot* momenta, int64_t ntensors,                 \
                       const LionStepArgs& args, int nthreads);                                                      \
   void zero_sign_apply_impl(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero, int64_t nz_stride,    \
-                            const ::lc_zero_piece* pieces, int64_t npieces, int nthreads);
+                            const ::lc_zero_piece* pieces, int64_t npieces, int nthreads);                  \
+  int64_t abstain_list_impl(const uint8_t* nonzero, const uint8_t* mask, int64_t nbytes, int64_t capacity,          \
+                            int32_t* out);
 
 namespace lioncub {
 namespace cpu {
@@ -80,11 +82,11 @@ bool use_avx2() {
 void set_isa(int isa) { g_isa.store(isa, std::memory_order_relaxed); }
 const char* isa_name() { return use_avx2() ? "avx2" : "baseline"; }
 
-LocalStepCounts local_step(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total, double beta1,
-                           double beta2, bool update_momentum, uint8_t* sign_out, uint8_t* nonzero_out,
-                           int nthreads) {
-  return LC_CALL(local_step_impl, grads, momenta, ntensors, total, beta1, beta2, update_momentum, sign_out,
-                 nonzero_out, nthreads);
+LocalStepCounts local_step(const Slot* grads, const Slot* momenta, const Slot* momenta_out, int64_t ntensors,
+                           int64_t total, double beta1, double beta2, bool update_momentum, uint8_t* sign_out,
+                           uint8_t* nonzero_out, int nthreads) {
+  return LC_CALL(local_step_impl, grads, momenta, momenta_out, ntensors, total, beta1, beta2, update_momentum,
+                 sign_out, nonzero_out, nthreads);
 }
 
 void momentum_update(const Slot* momenta, const Slot* grads, int64_t ntensors, double beta2, int nthreads) {
@@ -131,6 +133,10 @@ void lion_step(const Slot* params, const Slot* grads, const Slot* momenta, int64
 void zero_sign_apply(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero, int64_t nz_stride,
                      const ::lc_zero_piece* pieces, int64_t npieces, int nthreads) {
   LC_CALL(zero_sign_apply_impl, sign, sign_stride, nonzero, nz_stride, pieces, npieces, nthreads);
+}
+
+int64_t abstain_list(const uint8_t* nonzero, const uint8_t* mask, int64_t nbytes, int64_t capacity, int32_t* out) {
+  return LC_CALL(abstain_list_impl, nonzero, mask, nbytes, capacity, out);
 }
 
 #undef LC_CALL

@@ -4,9 +4,10 @@
 namespace {
 
 // ------------------------------------------------------------------ (a) local step
+// UPD: the new momentum goes to `mo` (m itself, or a second buffer: m is then only read).
 template <int GT, int MT, bool UPD>
-void ls_range(const void* g, void* m, int64_t e0, int64_t e1, const Coef& k, uint8_t* sbytes, uint8_t* zbytes,
-              int64_t& n_nonfinite, int64_t& n_zero) {
+void ls_range(const void* g, const void* m, void* mo, int64_t e0, int64_t e1, const Coef& k, uint8_t* sbytes,
+              uint8_t* zbytes, int64_t& n_nonfinite, int64_t& n_zero) {
   alignas(64) float gf[64], mf[64], c[64], mn[64];
   int64_t nf = 0, nzc = 0;
   for (int64_t i0 = e0; i0 < e1; i0 += 64) {
@@ -26,13 +27,13 @@ void ls_range(const void* g, void* m, int64_t e0, int64_t e1, const Coef& k, uin
       for (int j = 0; j < 64; ++j) mn[j] = mf[j] * k.b2 + gf[j] * k.ob2;
       if (n == 64) {
         if constexpr (MT == kF32) {
-          std::memcpy(static_cast<float*>(m) + i0, mn, sizeof(mn));
+          std::memcpy(static_cast<float*>(mo) + i0, mn, sizeof(mn));
         } else {
-          uint16_t* mp = static_cast<uint16_t*>(m) + i0;
+          uint16_t* mp = static_cast<uint16_t*>(mo) + i0;
           for (int j = 0; j < 64; ++j) mp[j] = f32_to_bf16(mn[j]);
         }
       } else {
-        for (int j = 0; j < n; ++j) st<MT>(m, i0 + j, mn[j]);
+        for (int j = 0; j < n; ++j) st<MT>(mo, i0 + j, mn[j]);
       }
     }
     uint64_t s, z, f, e;
@@ -103,8 +104,8 @@ std::vector<Item> chunk_items(const Slot* slots, int64_t ntensors, int64_t chunk
 }  // namespace
 
 
-LocalStepCounts local_step_impl(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total,
-                                double beta1, double beta2, bool update_momentum, uint8_t* sign_out,
+LocalStepCounts local_step_impl(const Slot* grads, const Slot* momenta, const Slot* momenta_out, int64_t ntensors,
+                                int64_t total, double beta1, double beta2, bool update_momentum, uint8_t* sign_out,
                                 uint8_t* nonzero_out, int nthreads) {
   (void)total;
   const Coef k{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
@@ -116,13 +117,15 @@ LocalStepCounts local_step_impl(const Slot* grads, const Slot* momenta, int64_t 
     const Item& I = items[it];
     const Slot& g = grads[I.t];
     const Slot& m = momenta[I.t];
+    void* mo = momenta_out ? momenta_out[I.t].data : m.data;
     const int64_t byte0 = (m.offset + I.e0) >> 3;
-#define LC_LS(G, M)                                                                                      \
-  if (update_momentum)                                                                                   \
-    ls_range<G, M, true>(g.data, m.data, I.e0, I.e1, k, sign_out + byte0, nonzero_out + byte0, nf[it], \
-                         nz[it]);                                                                        \
-  else                                                                                                   \
-    ls_range<G, M, false>(g.data, m.data, I.e0, I.e1, k, sign_out + byte0, nonzero_out + byte0, nf[it], nz[it]);
+#define LC_LS(G, M)                                                                                          \
+  if (update_momentum)                                                                                       \
+    ls_range<G, M, true>(g.data, m.data, mo, I.e0, I.e1, k, sign_out + byte0, nonzero_out + byte0, nf[it],  \
+                         nz[it]);                                                                            \
+  else                                                                                                       \
+    ls_range<G, M, false>(g.data, m.data, mo, I.e0, I.e1, k, sign_out + byte0, nonzero_out + byte0, nf[it], \
+                          nz[it]);
     LC_GM_SWITCH(g.dtype, m.dtype, LC_LS);
 #undef LC_LS
   });

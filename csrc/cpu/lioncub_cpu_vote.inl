@@ -645,3 +645,40 @@ void zero_sign_apply_impl(const uint8_t* sign, int64_t sign_stride, const uint8_
     else zero_piece_range<false>(P, srow, zrow, W.e0, W.e1);
   });
 }
+
+// ------------------------------------------------------------------ (k) abstain_list
+int64_t abstain_list_impl(const uint8_t* nonzero, const uint8_t* mask, int64_t nbytes, int64_t capacity,
+                          int32_t* out) {
+  int32_t* idx = out + 1;
+  int32_t* val = out + 1 + capacity;
+  for (int64_t k = 0; k < capacity; ++k) {
+    idx[k] = -1;
+    val[k] = 0;
+  }
+  int64_t count = 0, i = 0;
+  // Abstentions are rare: compare 8 bytes at a time and look inside a word only where it differs.
+  for (; i + 8 <= nbytes; i += 8) {
+    uint64_t a, b;
+    std::memcpy(&a, nonzero + i, 8);
+    std::memcpy(&b, mask + i, 8);
+    if (a == b) continue;
+    for (int64_t j = i; j < i + 8; ++j) {
+      if (nonzero[j] == mask[j]) continue;
+      if (count < capacity) {
+        idx[count] = static_cast<int32_t>(j);
+        val[count] = nonzero[j];
+      }
+      ++count;
+    }
+  }
+  for (; i < nbytes; ++i) {
+    if (nonzero[i] == mask[i]) continue;
+    if (count < capacity) {
+      idx[count] = static_cast<int32_t>(i);
+      val[count] = nonzero[i];
+    }
+    ++count;
+  }
+  out[0] = static_cast<int32_t>(count);
+  return count;
+}

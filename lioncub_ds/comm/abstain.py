@@ -14,8 +14,9 @@ from the mask, byte by byte. Per bucket and step, every rank uses the same mode:
   abstentions tend to persist, e.g. embedding rows nobody has used yet).
 
 The capacity K is fixed per bucket (from its size and N), so every message has the same size on
-every rank: no size exchange, no host synchronisation. Pure torch: the same code on every
-device (``torch.nonzero_static`` has a fixed output size).
+every rank: no size exchange, no host synchronisation. A rank's list is built by its kernel
+backend's ``abstain_list`` (the reference, :func:`lioncub_ds.kernels.reference.abstain_list`,
+is pure torch with fixed-size outputs: ``torch.nonzero_static``); decoding below is pure torch.
 """
 from __future__ import annotations
 
@@ -57,22 +58,6 @@ def real_mask(offsets, numels, total: int, device) -> torch.Tensor:
         if n % 8:
             mask[start + full] = (1 << (n % 8)) - 1
     return mask
-
-
-def differing(nonzero: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """int32 scalar tensor: how many bytes of ``nonzero`` differ from ``mask`` (stays on the device)."""
-    return (nonzero != mask).sum(dtype=torch.int32)
-
-
-def encode_list(nonzero: torch.Tensor, mask: torch.Tensor, capacity: int) -> torch.Tensor:
-    """This rank's list (int32 [1 + 2K]); see the module doc."""
-    diff = nonzero != mask
-    count = diff.sum(dtype=torch.int32).reshape(1)
-    if capacity == 0:
-        return count
-    idx = torch.nonzero_static(diff, size=capacity, fill_value=-1).reshape(-1)
-    vals = torch.where(idx >= 0, nonzero[idx.clamp(min=0)].to(torch.int32), torch.zeros_like(idx, dtype=torch.int32))
-    return torch.cat([count, idx.to(torch.int32), vals])
 
 
 def decode_lists(lists: torch.Tensor, mask: torch.Tensor, capacity: int) -> torch.Tensor:

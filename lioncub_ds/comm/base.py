@@ -194,8 +194,11 @@ class VoteAlgorithm:
     * ``received(state, jobs, coll)``: wait for phase 1; returns per job what arrived of every
       rank's abstention payload (``[N, bytes]``), or None per job where nothing abstention-related
       travels (int8);
-    * ``complete(state, jobs, coll, backend)``: (after the step's flags set ``job.planes``)
-      count the votes, run phase 2 if any, apply Δ to the parameters.
+    * ``count(state, jobs, coll, backend)``: (after the step's flags set ``job.planes``) count
+      what must be counted before a phase 2 and launch that phase asynchronously, if the
+      algorithm has one; returns the state ``complete`` takes (default: ``state`` itself). The
+      pipeline runs the momentum update while a phase 2 is in flight;
+    * ``complete(state, jobs, coll, backend)``: wait for phase 2 if any, apply Δ to the parameters.
 
     ``wire_bytes(...)`` and ``messages(...)`` state the cost (telemetry tests, α-β model)."""
 
@@ -208,6 +211,9 @@ class VoteAlgorithm:
 
     def received(self, state, jobs: list[VoteJob], coll: Collectives) -> list:
         raise NotImplementedError
+
+    def count(self, state, jobs: list[VoteJob], coll: Collectives, backend):
+        return state
 
     def complete(self, state, jobs: list[VoteJob], coll: Collectives, backend) -> None:
         raise NotImplementedError
@@ -224,7 +230,7 @@ class VoteAlgorithm:
         received = self.received(state, [job], coll)[0]
         if self.encoding == "bits":
             job.planes = job.payloads_from(received)
-        self.complete(state, [job], coll, backend)
+        self.complete(self.count(state, [job], coll, backend), [job], coll, backend)
 
     def wire_bytes(self, numel: int, world_size: int, *, mode: str = "list", vote: str = "majority",
                    tie_break: str = "hash", abstain: bool = False) -> int:

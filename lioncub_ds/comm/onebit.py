@@ -43,7 +43,8 @@ class OneBitVote(VoteAlgorithm):
     def received(self, pending, jobs, coll):
         return split_columns(pending.wait(), self._phase1_widths(jobs, coll.world_size))[1::2]
 
-    def complete(self, pending, jobs, coll, backend):
+    def count(self, pending, jobs, coll, backend):
+        """Shard votes, then phase 2 launched (its all-gather in flight when this returns)."""
         n, rank = coll.world_size, coll.rank
         signs = split_columns(pending.wait(), self._phase1_widths(jobs, n))[0::2]
         average = jobs[0].vote == "average"
@@ -63,8 +64,14 @@ class OneBitVote(VoteAlgorithm):
                 res_sign, res_nz = backend.shard_vote(sign.contiguous(), nz, j.step, j.tie_break, seg)
                 parts += [res_sign, res_nz] if snz else [res_sign]
                 widths += [shard, shard] if snz else [shard]
-        gathered = coll.all_gather(torch.cat(parts), self.name)  # [N, Σ widths]
-        cols = iter(split_columns(gathered, widths))
+        return coll.all_gather(torch.cat(parts), self.name, async_op=True), widths, send_nz  # [N, Σ widths]
+
+    def complete(self, state, jobs, coll, backend):
+        pending, widths, send_nz = state
+        n = coll.world_size
+        average = jobs[0].vote == "average"
+        p = lane_bits_for(n)
+        cols = iter(split_columns(pending.wait(), widths))
         for j, snz in zip(jobs, send_nz):
             mine = [next(cols)] + ([next(cols)] if snz else [])
             if average:

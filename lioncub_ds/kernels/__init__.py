@@ -12,7 +12,7 @@ cannot be built), ``torch`` (pure-torch reference, never builds), ``cpp`` or ``c
 (must load, or raise).
 
 Every backend exposes the same functions as :mod:`.reference` (which *is* the torch
-backend): local_step, momentum_update_list, vote_apply, shard_vote, count_lanes,
+backend): local_step, abstain_list, momentum_update_list, vote_apply, shard_vote, count_lanes,
 lanes_apply, int8_local_step, int8_apply, lion_step (the single-process step) and
 zero_sign_apply (the ZeRO sign all-gather apply) (:class:`Backend`). The native backends validate
 their arguments in Python before any extension call (docs/kernels.md).
@@ -41,7 +41,9 @@ class Backend(Protocol):
     name: str
 
     def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False,
-                   device_counts=False): ...
+                   device_counts=False, momenta_out=None): ...
+
+    def abstain_list(self, nonzero, mask, capacity): ...
 
     def momentum_update_list(self, momenta, grads, beta2): ...
 
@@ -68,6 +70,7 @@ class TorchBackend:
     """The pure-torch reference (slow, always available)."""
     name = "torch"
     local_step = staticmethod(reference.local_step)
+    abstain_list = staticmethod(reference.abstain_list)
     vote_apply = staticmethod(reference.vote_apply)
     shard_vote = staticmethod(reference.shard_vote)
     count_lanes = staticmethod(reference.count_lanes)

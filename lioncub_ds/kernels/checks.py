@@ -127,11 +127,58 @@ def _grads_momenta(grads, momenta):
                   + [(f"momenta[{i}]", m) for i, m in enumerate(momenta)])
 
 
-def validate_local(grads, momenta, offsets, total):
-    """local_step / int8_local_step: returns (total, int offsets)."""
+def validate_local(grads, momenta, offsets, total, momenta_out=None):
+    """local_step / int8_local_step: returns (total, int offsets). ``momenta_out`` (local_step):
+    one tensor per momentum, same dtype, size and device, sharing no memory with the inputs."""
     total = check_total(total)
     _grads_momenta(grads, momenta)
-    return total, check_bucket(grads, offsets, total, "grads", momenta, "momenta")
+    offs = check_bucket(grads, offsets, total, "grads", momenta, "momenta")
+    if momenta_out is not None:
+        if not isinstance(momenta_out, (list, tuple)) or len(momenta_out) != len(momenta):
+            raise ValueError(f"lioncub kernels: momenta_out must be a list of {len(momenta)} tensors (one per "
+                             f"momentum), got {type(momenta_out).__name__}"
+                             f"{f' of {len(momenta_out)}' if isinstance(momenta_out, (list, tuple)) else ''}")
+        check_tensors([(f"momenta_out[{i}]", t) for i, t in enumerate(momenta_out)]
+                      + [(f"momenta[{i}]", t) for i, t in enumerate(momenta)])
+        for i, (o, m) in enumerate(zip(momenta_out, momenta)):
+            if o.dtype != m.dtype or o.numel() != m.numel():
+                raise ValueError(f"lioncub kernels: momenta_out[{i}] ({o.dtype}, {o.numel()} elements) must match "
+                                 f"momenta[{i}] ({m.dtype}, {m.numel()} elements)")
+        _no_shared_memory(momenta_out, "momenta_out", list(momenta) + list(grads), "the momenta or gradients")
+    return total, offs
+
+
+def _span(t):
+    start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    return start, start + t.numel() * t.element_size()
+
+
+def _no_shared_memory(outs, name, inputs, inputs_name) -> None:
+    """No output tensor's memory overlaps another output's or an input's (same-device spans)."""
+    spans = sorted((*_span(t), i, True) for i, t in enumerate(outs) if t.numel())
+    spans += [(*_span(t), -1, False) for t in inputs if t.numel()]
+    spans.sort()
+    for (a0, a1, i, a_out), (b0, _, j, b_out) in zip(spans, spans[1:]):
+        if b0 < a1 and (a_out or b_out):
+            k = i if a_out else j
+            raise ValueError(f"lioncub kernels: {name}[{k}] shares memory with "
+                             f"{'another output' if a_out and b_out else inputs_name}; allowed: separate buffers")
+
+
+def validate_abstain_list(nonzero, mask, capacity) -> int:
+    """abstain_list: two 1-D uint8 planes of one size on one device; 0 <= capacity <= plane bytes."""
+    check_tensors([("nonzero", nonzero), ("mask", mask)])
+    for name, t in (("nonzero", nonzero), ("mask", mask)):
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            raise ValueError(f"lioncub kernels: {name} must be a 1-D uint8 plane, got {t.dtype} with {t.dim()} dims")
+    if nonzero.numel() != mask.numel():
+        raise ValueError(f"lioncub kernels: nonzero has {nonzero.numel()} bytes but mask has {mask.numel()}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 <= capacity <= nonzero.numel():
+        raise ValueError(f"lioncub kernels: capacity must be an int in 0..{nonzero.numel()} (the plane's bytes), "
+                         f"got {capacity!r}")
+    if nonzero.numel() >= 2**31:
+        raise ValueError(f"lioncub kernels: an abstention list indexes planes of < 2**31 bytes, got {nonzero.numel()}")
+    return capacity
 
 
 def validate_momentum(momenta, grads) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
-from .checks import (all_plain, is_plain, planes_ok, validate_count_lanes, validate_int8_apply, validate_lanes_apply,
+from .checks import (all_plain, is_plain, planes_ok, validate_abstain_list, validate_count_lanes, validate_int8_apply, validate_lanes_apply,
                      validate_lion_step, validate_local, validate_momentum, validate_shard_vote, validate_vote_apply,
                      validate_zero_apply)
 
@@ -53,15 +53,25 @@ class CppBackend:
         return all_plain(grads, _GRAD_DTYPES) and all_plain(momenta, _STATE_DTYPES)
 
     # -- (a) local step
-    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False):
-        total, offs = validate_local(grads, momenta, offsets, total)
-        if not self._state_ok(grads, momenta):
-            return ref.local_step(grads, momenta, offs, total, beta1, beta2, update_momentum, device_counts)
+    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False,
+                   momenta_out=None):
+        total, offs = validate_local(grads, momenta, offsets, total, momenta_out)
+        if not self._state_ok(grads, momenta) or (momenta_out is not None
+                                                  and not all_plain(momenta_out, _STATE_DTYPES)):
+            return ref.local_step(grads, momenta, offs, total, beta1, beta2, update_momentum, device_counts,
+                                  momenta_out)
         sign, nz, n_bad, n_zero = self._ext.local_step(list(grads), list(momenta), offs, total, float(beta1),
-                                                      float(beta2), bool(update_momentum))
+                                                      float(beta2), bool(update_momentum),
+                                                      None if momenta_out is None else list(momenta_out))
         if device_counts:
             return sign, nz, *ref.as_device_counts(sign.device, n_bad, n_zero)
         return sign, nz, int(n_bad), int(n_zero)
+
+    def abstain_list(self, nonzero, mask, capacity):
+        capacity = validate_abstain_list(nonzero, mask, capacity)
+        if not (is_plain(nonzero, (torch.uint8,)) and is_plain(mask, (torch.uint8,))):
+            return ref.abstain_list(nonzero, mask, capacity)
+        return self._ext.abstain_list(nonzero, mask, capacity)
 
     # -- (b) momentum
     def momentum_update_list(self, momenta, grads, beta2):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
-from .checks import (validate_count_lanes, validate_int8_apply, validate_lanes_apply, validate_lion_step,
+from .checks import (validate_abstain_list, validate_count_lanes, validate_int8_apply, validate_lanes_apply, validate_lion_step,
                      validate_local, validate_momentum, validate_shard_vote, validate_vote_apply, validate_zero_apply)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,8 +56,18 @@ class CudaBackend:
         return _cuda_plain(momenta) and all(g.is_cuda and g.dtype in _DTYPES for g in grads)
 
     # ------------------------------------------------------------------ local step
-    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False):
-        total, offs = validate_local(grads, momenta, offsets, total)
+    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False,
+                   momenta_out=None):
+        total, offs = validate_local(grads, momenta, offsets, total, momenta_out)
+        if update_momentum and momenta_out is not None:
+            # No fused CUDA variant yet: the votes, then the momenta copied and advanced there
+            # (the same per-element arithmetic as the in-place update).
+            out = self.local_step(grads, momenta, offs, total, beta1, beta2, False, device_counts)
+            for o, m in zip(momenta_out, momenta):
+                o.copy_(m)
+            if grads:
+                self.momentum_update_list(list(momenta_out), grads, beta2)
+            return out
         if not grads:
             dev = "cuda" if torch.cuda.is_available() else "cpu"
             z = torch.zeros(total // 8, dtype=torch.uint8, device=dev)
@@ -71,6 +81,11 @@ class CudaBackend:
             return sign, nonzero, counts[0].to(torch.int64), counts[1].to(torch.int64)
         n_nonfinite, n_zero = counts.tolist()
         return sign, nonzero, n_nonfinite, n_zero
+
+    @staticmethod
+    def abstain_list(nonzero, mask, capacity):
+        # torch ops with fixed-size outputs: asynchronous on the device, no kernel of our own needed
+        return ref.abstain_list(nonzero, mask, validate_abstain_list(nonzero, mask, capacity))
 
     def momentum_update_list(self, momenta, grads, beta2):
         validate_momentum(momenta, grads)

@@ -141,14 +141,17 @@ def encode_votes(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]
     return pack_bits(sign), pack_bits(nonzero), n_nonfinite, n_zero
 
 
-def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False):
+def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False,
+               momenta_out=None):
     """The local half of a Distributed Lion step over one bucket.
 
     ``grads``/``momenta``: lists of tensors; ``offsets``: element offset of each tensor in
     the bucket (multiples of 8); ``total``: padded bucket size (multiple of 8). Returns
     (sign bits, nonzero bits, #non-finite c, #zero c) over the real elements only
     (padding abstains and is not counted). With ``update_momentum`` the momenta are
-    advanced in the same pass (otherwise call :func:`momentum_update` after the vote).
+    advanced in the same pass (otherwise call :func:`momentum_update` after the vote): in
+    place, or, given ``momenta_out`` (one tensor per momentum, same dtype and size, sharing no
+    memory with the inputs), written there with the momenta left unchanged.
     ``device_counts``: the two counts are 0-dim int64 tensors on the bucket's device instead
     of Python ints, so a caller can fold them into other device flags without a host read
     (the CUDA backend then never synchronizes).
@@ -156,7 +159,11 @@ def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=Fal
     c = torch.zeros(total, dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for g, m, off in zip(grads, momenta, offsets):
         c[off:off + g.numel()] = lion_direction(m.reshape(-1), g.reshape(-1), beta1)
-        if update_momentum:
+    if update_momentum:
+        for k, (g, m) in enumerate(zip(grads, momenta)):
+            if momenta_out is not None:
+                momenta_out[k].copy_(m)
+                m = momenta_out[k]
             momentum_update(m, g, beta2)
     sign, nonzero, n_nonfinite, _ = encode_votes(c)
     n_real = sum(g.numel() for g in grads)
@@ -164,6 +171,21 @@ def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=Fal
     if device_counts:
         return sign, nonzero, *as_device_counts(c.device, n_nonfinite, n_zero)
     return sign, nonzero, n_nonfinite, n_zero
+
+
+def abstain_list(nonzero: torch.Tensor, mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A rank's abstention list (comm/abstain.py): int32 [1 + 2K], K = ``capacity``.
+
+    Word 0 counts the bytes where the nonzero plane differs from the bucket's mask; then the
+    first K such byte indices in order (-1 when fewer), then the plane's byte at each (0 when
+    unused). Fixed size, no host read."""
+    diff = nonzero != mask
+    count = diff.sum(dtype=torch.int32).reshape(1)
+    if capacity == 0:
+        return count
+    idx = torch.nonzero_static(diff, size=capacity, fill_value=-1).reshape(-1)
+    vals = torch.where(idx >= 0, nonzero[idx.clamp(min=0)].to(torch.int32), torch.zeros_like(idx, dtype=torch.int32))
+    return torch.cat([count, idx.to(torch.int32), vals])
 
 
 def as_device_counts(device, *counts):
