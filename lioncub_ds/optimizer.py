@@ -308,6 +308,11 @@ class LionCub(Optimizer):
                 b.mode = "list"  # a count alone (capacity 0) when the bucket is small
         self._buckets = buckets
         self._batches = comm_batches(buckets, cfg.comm_bucket_mb, n)
+        # The step's flags ride in the last batch's phase 1 when its algorithm delivers every
+        # rank's message to every rank, and when nothing can be launched before step() knows every
+        # input problem (overlap launches during backward: a separate flag all-reduce then).
+        self._carry_flags = (not cfg.overlap and bool(buckets)
+                             and buckets[self._batches[-1][0]].algorithm.carries_flags)
         self._pipe = VotePipeline(self)
         if cfg.overlap:
             self._install_hooks()

@@ -7,8 +7,12 @@ Batches launch in one fixed order on every rank (last parameters first: backward
 their gradients first), so every rank issues the same collectives in the same order, whenever
 each becomes ready. With ``overlap=True`` the local steps run from gradient-ready hooks during
 backward; otherwise at the start of ``step()``. ``finish`` then reads the step's one flag
-tensor (non-finite values, unusable inputs, abstention overflow), and completes every batch.
-Nothing here changes optimizer state before the flags are agreed: a skipped step is free.
+tensor (non-finite values, unusable inputs, abstention overflow): every rank's flags ride in
+the last batch's first-phase message when that algorithm sends every rank's message to every
+rank (1bit, allgather) and the launch happens in ``step()``; otherwise one small all-reduce
+agrees on them. ``complete`` counts the votes, runs the momentum update while any second phase
+is in flight, and applies. Nothing here changes optimizer state before the flags are agreed: a
+skipped step is free.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 from . import kernels
 from .kernels.reference import int8_levels
 from .comm import VoteJob
+from .telemetry import ring_bytes
 
 log = logging.getLogger("lioncub_ds")
 
@@ -26,6 +31,13 @@ log = logging.getLogger("lioncub_ds")
 # input, non-finite values in all (each rank's count capped at 2**20)], then per bucket
 # [ranks whose abstention list overflowed, ranks with an abstention].
 FLAG_HEAD = 3
+
+
+def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
+    """Bytes one rank sends per step for the flags: carried in a gather-like first phase (to every
+    other rank), or in their own all-reduce (ring)."""
+    words = 4 * (FLAG_HEAD + 2 * n_buckets)
+    return (world_size - 1) * words if carried else ring_bytes("all_reduce", words, world_size)
 
 
 def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[int]]:
@@ -76,6 +88,10 @@ class VotePipeline:
         self.next_batch = 0
         self.stale = False
         self.error: str | None = None
+        # set when the last batch's phase 1 carried the step's flags, with this rank's reason for
+        # its "unusable input" flag (uniform over ranks: only finish() asks for a carry)
+        self.flags_carried = False
+        self.carried_error: str | None = None
 
     @property
     def busy(self) -> bool:
@@ -156,8 +172,10 @@ class VotePipeline:
             self.launch_ready()
             self.opt._backward_launches += self.next_batch - before
 
-    def launch_ready(self) -> None:
-        """Launch, in the fixed order, every batch whose buckets all have their local step."""
+    def launch_ready(self, carry_error=False) -> None:
+        """Launch, in the fixed order, every batch whose buckets all have their local step.
+        ``carry_error`` (from finish(): this rank's frozen-parameter error or None, every local
+        step done): the last batch carries the step's flags, if its algorithm can."""
         opt = self.opt
         while self.next_batch < len(opt._batches):
             batch = opt._batches[self.next_batch]
@@ -165,16 +183,24 @@ class VotePipeline:
                 return
             jobs = [self.local[i].job for i in batch]
             first = self.local[batch[0]]
-            self.launched[self.next_batch] = opt._buckets[batch[0]].algorithm.launch(jobs, opt._coll, first.backend)
+            flags = None
+            if carry_error is not False and opt._carry_flags and self.next_batch == len(opt._batches) - 1:
+                # Launched from step() after every local step: the last batch's phase 1 carries
+                # the step's flags (no flag all-reduce of its own).
+                self.flags_carried, self.carried_error = True, carry_error or self.error
+                flags = self._own_flags(self.carried_error)
+            self.launched[self.next_batch] = opt._buckets[batch[0]].algorithm.launch(jobs, opt._coll, first.backend,
+                                                                                     flags)
             self.next_batch += 1
 
-    def launch_all(self) -> None:
-        """Local steps of the buckets that have none yet (in launch order), launching as they complete."""
+    def launch_all(self, carry_error=False) -> None:
+        """Local steps of the buckets that have none yet (in launch order), launching as they
+        complete (``carry_error``: see launch_ready)."""
         for batch in self.opt._batches:
             for i in batch:
                 if self.local[i] is None:
                     self.prepare(i)
-            self.launch_ready()
+            self.launch_ready(carry_error)
 
     def changed_since_vote(self) -> bool:
         """A gradient replaced or modified in place (e.g. clipped) after its bucket voted."""
@@ -205,18 +231,28 @@ class VotePipeline:
 
         Returns (flags list, locals per bucket); raises nothing itself: the caller decides."""
         opt = self.opt
-        self.launch_all()
+        self.launch_all(carry_error=frozen_error)
+        if self.flags_carried:  # they came with the last batch's phase 1
+            last = len(opt._batches) - 1
+            algorithm = opt._buckets[opt._batches[last][0]].algorithm
+            width = FLAG_HEAD + 2 * len(self.local)
+            rows = algorithm.flag_rows(self.launched[last], width)
+            return rows.sum(0, dtype=torch.int64).tolist(), self.carried_error  # the one host read of the step
         error = frozen_error or self.error
-        dev = opt._device
+        flags = self._own_flags(error)
+        opt._coll.all_reduce_(flags, "control")
+        flags = flags.tolist()  # the one host read of the step
+        return flags, error
+
+    def _own_flags(self, error) -> torch.Tensor:
+        """This rank's flag vector (int32, on the device; summed over ranks it is the step's flags)."""
+        dev = self.opt._device
         # this rank's non-finite count, summed on the device; clamped so that the sum over ranks
         # cannot overflow int32 (the message says "at least")
         nonfinite = torch.stack([loc.nonfinite.to(dev) for loc in self.local]).sum().clamp_(max=2**20)
         head = torch.stack([(nonfinite > 0).to(torch.int32), torch.full((), int(bool(error)), dtype=torch.int32,
                                                                         device=dev), nonfinite.to(torch.int32)])
-        flags = torch.cat([head] + [loc.flags for loc in self.local])
-        opt._coll.all_reduce_(flags, "control")
-        flags = flags.tolist()  # the one host read of the step
-        return flags, error
+        return torch.cat([head] + [loc.flags.to(dev) for loc in self.local])
 
     def complete(self, flags) -> None:
         opt = self.opt

@@ -49,14 +49,23 @@ class CommStats:
         self._current = _zero()
         self.steps = 0
 
-    def record(self, kind: str, purpose: str, nbytes: int, world_size: int, seconds: float) -> int:
+    def record(self, kind: str, purpose: str, nbytes: int, world_size: int, seconds: float,
+               riders: dict | None = None) -> int:
+        """One collective over ``nbytes``. ``riders``: {purpose: nbytes} of it that served another
+        purpose (the step's flags riding in a vote message): counted under that purpose."""
         sent = ring_bytes(kind, nbytes, world_size)
+        parts = {purpose: sent}
+        for other, part in (riders or {}).items():
+            moved = ring_bytes(kind, part, world_size)
+            parts[purpose] -= moved
+            parts[other] = parts.get(other, 0) + moved
         for acc in (self._current, self.cumulative):
             acc["bytes_sent"] += sent
             acc["comm_time_s"] += seconds
             acc["collectives"] += 1
             acc["by_collective"][kind] += sent
-            acc["by_algorithm"][purpose] += sent
+            for name, part in parts.items():
+                acc["by_algorithm"][name] += part
         return sent
 
     def record_wait(self, seconds: float) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import lioncub_ds
 from lioncub_ds import checkpoint
 from lioncub_ds.kernels import reference
-from lioncub_ds.pipeline import FLAG_HEAD
+from lioncub_ds.pipeline import FLAG_HEAD, flag_bytes
 from lioncub_ds.momentum_sync import geometric_steps
 from dist_helpers import run_ranks
 
@@ -247,8 +247,12 @@ def test_momentum_sync_and_telemetry(n):
     assert not res["layers"]["fc1.weight"]
     P = 1000
     padded = (P + 8 * n - 1) // (8 * n) * (8 * n)
-    # flag all-reduce, int32: the head (pipeline.FLAG_HEAD entries) and per bucket [overflow, abstains]
-    control = 2 * (n - 1) * 4 * (FLAG_HEAD + 2) // n
+    # the step's flags, int32: the head (pipeline.FLAG_HEAD entries) and per bucket [overflow, abstains];
+    # allgather and 1bit carry them in their first phase (to every rank), the others all-reduce them
+    words = 4 * (FLAG_HEAD + 2)
+    control = {comm: (n - 1) * words if comm in ("allgather", "1bit") else 2 * (n - 1) * words // n
+               for comm in ("allgather", "1bit", "pbit", "int8")}
+    assert all(control[c] == flag_bytes(1, n, c in ("allgather", "1bit")) for c in control)
     p_lane = reference.lane_bits_for(n)
     lst = 4  # a small bucket's abstention list: the count alone (no rank abstains here)
     formulas = {"allgather": (n - 1) * (padded // 8 + lst),
@@ -257,7 +261,8 @@ def test_momentum_sync_and_telemetry(n):
                 "int8": 2 * (n - 1) * padded // n}
     for comm, st in res["telemetry"].items():
         assert st["by_algorithm"][comm] == formulas[comm], comm
-        assert st["bytes_sent"] == formulas[comm] + control
+        assert st["by_algorithm"]["control"] == control[comm], comm
+        assert st["bytes_sent"] == formulas[comm] + control[comm]
         assert st["fp32_allreduce_bytes"] == 2 * (n - 1) * 4 * P // n
         assert st["bf16_allreduce_bytes"] == 2 * (n - 1) * 2 * P // n
     onebit = res["telemetry"]["1bit"]["by_algorithm"]["1bit"]

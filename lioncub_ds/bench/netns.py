@@ -58,9 +58,13 @@ from .common import GracefulExit, add_output_args, finish, median, print_table, 
 
 NAME = "netns"
 VARIANTS = ("no_comm", "ddp_lion_bf16", "lion_fp32_allreduce", "lion_bf16_allreduce", "dlion_allgather",
-            "lioncub_1bit", "lioncub_pbit", "lioncub_int8", "lioncub_1bit_overlap")
+            "lioncub_1bit", "lioncub_pbit", "lioncub_int8", "lioncub_1bit_overlap", "lioncub_1bit_db",
+            "lioncub_1bit_overlap_db")
 LIONCUB_KW = {"dlion_allgather": dict(comm="allgather"), "lioncub_1bit": dict(comm="1bit"),
               "lioncub_1bit_overlap": dict(comm="1bit", overlap=True),
+              # momentum_double_buffer: +4 B/param, one pass over g and m per step instead of two
+              "lioncub_1bit_db": dict(comm="1bit", momentum_double_buffer=True),
+              "lioncub_1bit_overlap_db": dict(comm="1bit", overlap=True, momentum_double_buffer=True),
               "lioncub_pbit": dict(comm="pbit"), "lioncub_int8": dict(comm="int8", quant="l1")}
 _CB = re.compile(r"^(?P<base>.+)_cb(?P<mb>[0-9]+(?:\.[0-9]+)?)$")
 

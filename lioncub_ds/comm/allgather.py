@@ -12,10 +12,15 @@ from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, split_column
 
 class AllGatherVote(VoteAlgorithm):
     name = "allgather"
+    carries_flags = True
 
-    def launch(self, jobs: list[VoteJob], coll: Collectives, backend):
+    def launch(self, jobs: list[VoteJob], coll: Collectives, backend, flags=None):
         parts = [t for j in jobs for t in (j.sign, j.payload)]
-        return coll.all_gather(torch.cat(parts), self.name, async_op=True)
+        riders = None
+        if flags is not None:  # last: the widths below never reach it
+            parts.append(flags.view(torch.uint8))
+            riders = {"control": 4 * flags.numel()}
+        return coll.all_gather(torch.cat(parts), self.name, async_op=True, riders=riders)
 
     def received(self, pending, jobs, coll):
         cols = split_columns(pending.wait(), [w for j in jobs for w in (j.plane_bytes, j.payload.numel())])

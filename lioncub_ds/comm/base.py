@@ -71,30 +71,34 @@ class Collectives:
             f"{type(exc).__name__}: {first}. A rank that crashed, was killed or stalled past the timeout "
             "causes this: check the other ranks' logs.")
 
-    def _launch(self, kind, purpose, tensor, launch, out, sent_nbytes) -> "Pending":
+    def _launch(self, kind, purpose, tensor, launch, out, sent_nbytes, riders=None) -> "Pending":
         t = time.perf_counter()
         try:
             work = launch()
         except RuntimeError as exc:
             raise self._failed(kind, purpose, t, tensor.numel() * tensor.element_size(), tensor.device, exc) from exc
-        return Pending(self, kind, purpose, work, out, tensor, sent_nbytes, t)
+        return Pending(self, kind, purpose, work, out, tensor, sent_nbytes, t, riders)
 
-    def all_gather(self, inp: torch.Tensor, purpose: str, async_op: bool = False):
-        """[k] -> [N, k] (row i = rank i's input); with ``async_op`` a :class:`Pending`."""
+    def all_gather(self, inp: torch.Tensor, purpose: str, async_op: bool = False, riders: dict | None = None):
+        """[k] -> [N, k] (row i = rank i's input); with ``async_op`` a :class:`Pending`. ``riders``:
+        {purpose: bytes of each rank's input} that serve another purpose (counted under it)."""
         out = torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
         src = inp.reshape(-1).contiguous()
         pending = self._launch("all_gather", purpose, inp,
                                lambda: _all_gather_single(out, src, group=self.group, async_op=True),
-                               out.view(self.world_size, -1), out.numel() * out.element_size())
+                               out.view(self.world_size, -1), out.numel() * out.element_size(),
+                               {k: self.world_size * v for k, v in (riders or {}).items()})
         return pending if async_op else pending.wait()
 
-    def all_to_all(self, inp: torch.Tensor, purpose: str, async_op: bool = False):
-        """[N, k] (row j goes to rank j) -> [N, k] (row i came from rank i)."""
+    def all_to_all(self, inp: torch.Tensor, purpose: str, async_op: bool = False, riders: dict | None = None):
+        """[N, k] (row j goes to rank j) -> [N, k] (row i came from rank i). ``riders``: {purpose:
+        bytes of each row} that serve another purpose (counted under it)."""
         out = torch.empty_like(inp)
         src = inp.contiguous()
         pending = self._launch("all_to_all", purpose, inp,
                                lambda: dist.all_to_all_single(out, src, group=self.group, async_op=True),
-                               out, inp.numel() * inp.element_size())
+                               out, inp.numel() * inp.element_size(),
+                               {k: self.world_size * v for k, v in (riders or {}).items()})
         return pending if async_op else pending.wait()
 
     def all_reduce_(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -113,11 +117,11 @@ class Pending:
     """An issued collective. :meth:`wait` waits for it (with the deadline of ``timeout_s``),
     counts it in the stats and returns its output; later calls return the output again."""
 
-    def __init__(self, coll: Collectives, kind, purpose, work, out, inp, sent_nbytes, t):
+    def __init__(self, coll: Collectives, kind, purpose, work, out, inp, sent_nbytes, t, riders=None):
         self.coll, self.kind, self.purpose, self.work, self.out = coll, kind, purpose, work, out
         self._in_bytes = inp.numel() * inp.element_size()
         self._device = inp.device
-        self._sent, self._t, self._done = sent_nbytes, t, False
+        self._sent, self._t, self._done, self._riders = sent_nbytes, t, False, riders
 
     def wait(self) -> torch.Tensor:
         if not self._done:
@@ -133,7 +137,7 @@ class Pending:
             self._done = True
             now = time.perf_counter()
             coll.stats.record_wait(now - t_wait)
-            coll.stats.record(self.kind, self.purpose, self._sent, coll.world_size, now - self._t)
+            coll.stats.record(self.kind, self.purpose, self._sent, coll.world_size, now - self._t, self._riders)
         return self.out
 
 
@@ -189,8 +193,11 @@ class VoteAlgorithm:
     """Interface of a vote algorithm over a *batch* of jobs (parameter buckets whose messages
     travel together, one collective per phase):
 
-    * ``launch(jobs, coll, backend)``: issue phase 1 asynchronously (it may start during backward);
-      returns a state object;
+    * ``launch(jobs, coll, backend, flags=None)``: issue phase 1 asynchronously (it may start during
+      backward); returns a state object. An algorithm with ``carries_flags`` accepts the step's
+      flag vector (int32, this rank's) and sends it to every rank in the same message: the step
+      then needs no flag all-reduce of its own; ``flag_rows(state, width)`` gives every rank's
+      vector [N, width] once phase 1 has arrived;
     * ``received(state, jobs, coll)``: wait for phase 1; returns per job what arrived of every
       rank's abstention payload (``[N, bytes]``), or None per job where nothing abstention-related
       travels (int8);
@@ -205,9 +212,17 @@ class VoteAlgorithm:
     name = "?"
     encoding = "bits"
     supports_average = True
+    carries_flags = False  # phase 1 delivers every rank's message to every rank (gather-like)
 
-    def launch(self, jobs: list[VoteJob], coll: Collectives, backend):
+    def launch(self, jobs: list[VoteJob], coll: Collectives, backend, flags=None):
         raise NotImplementedError
+
+    def flag_rows(self, state, width: int) -> torch.Tensor:
+        """Every rank's flag vector (int32 [N, width]) from phase 1's output, whose rows end with
+        it (the carriers put it last)."""
+        if not self.carries_flags:
+            raise NotImplementedError(f"comm {self.name!r} does not carry the step's flags")
+        return state.wait()[:, -4 * width:].contiguous().view(torch.int32)
 
     def received(self, state, jobs: list[VoteJob], coll: Collectives) -> list:
         raise NotImplementedError

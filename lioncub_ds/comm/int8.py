@@ -17,7 +17,7 @@ class Int8Vote(VoteAlgorithm):
     encoding = "int8"
     supports_average = False
 
-    def launch(self, jobs: list[VoteJob], coll: Collectives, backend):
+    def launch(self, jobs: list[VoteJob], coll: Collectives, backend, flags=None):
         buf = jobs[0].codes if len(jobs) == 1 else torch.cat([j.codes for j in jobs])
         return coll.all_reduce_(buf, self.name, async_op=True)
 

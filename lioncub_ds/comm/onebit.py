@@ -27,18 +27,23 @@ def phase2_needs_nonzero(world_size: int, tie_break: str, abstain: bool = False)
 
 class OneBitVote(VoteAlgorithm):
     name = "1bit"
+    carries_flags = True  # like the payloads, the flags go to every rank
 
     @staticmethod
     def _phase1_widths(jobs, n):
         return [w for j in jobs for w in (j.plane_bytes // n, j.payload.numel())]
 
-    def launch(self, jobs: list[VoteJob], coll: Collectives, backend):
+    def launch(self, jobs: list[VoteJob], coll: Collectives, backend, flags=None):
         n = coll.world_size
         rows = []
         for j in jobs:
             shard = j.plane_bytes // n
             rows += [j.sign.view(n, shard), j.payload.view(1, -1).expand(n, -1)]
-        return coll.all_to_all(torch.cat(rows, dim=1), self.name, async_op=True)
+        riders = None
+        if flags is not None:  # last: the widths above never reach it
+            rows.append(flags.view(torch.uint8).view(1, -1).expand(n, -1))
+            riders = {"control": 4 * flags.numel()}
+        return coll.all_to_all(torch.cat(rows, dim=1), self.name, async_op=True, riders=riders)
 
     def received(self, pending, jobs, coll):
         return split_columns(pending.wait(), self._phase1_widths(jobs, coll.world_size))[1::2]

@@ -40,7 +40,7 @@ class PBitVote(VoteAlgorithm):
     def _widths(self, jobs, n, p):
         return [w for j in jobs for w in (j.plane_bytes * p, n * j.payload.numel())]
 
-    def launch(self, jobs: list[VoteJob], coll: Collectives, backend):
+    def launch(self, jobs: list[VoteJob], coll: Collectives, backend, flags=None):
         n, rank = coll.world_size, coll.rank
         p = self.lane_bits(n)
         parts = []
