@@ -136,6 +136,8 @@ INVALID = [
     ("timeout-nan", {"timeout_s": NAN}, _q("invalid timeout_s=nan; allowed: None or a number of seconds > 0")),
     ("timeout-inf", {"timeout_s": INF}, _q("invalid timeout_s=inf; allowed: None or a number of seconds > 0")),
     ("foreach-str", {"foreach": "yes"}, _q("invalid foreach='yes'; allowed: None, True, False")),
+    ("overlap-str", {"overlap": "yes"}, _q("invalid overlap='yes'; allowed: True or False")),
+    ("double-buffer-int", {"momentum_double_buffer": 1}, _q("invalid momentum_double_buffer=1; allowed: True or False")),
     # -- unknown keyword arguments
     ("kwarg-typo-lr", {"lrr": 1e-3}, _q("unknown LionCub argument key 'lrr' (did you mean 'lr'?); allowed keys: lr, betas")),
     ("kwarg-typo-tie", {"tie_breaker": "hash"}, _q("unknown LionCub argument key 'tie_breaker' (did you mean 'tie_break'?)")),

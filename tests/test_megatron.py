@@ -73,10 +73,12 @@ def test_lioncub_args_to_settings():
                          "--lioncub-beta2", "0.98", "--lioncub-momentum-dtype", "bf16", "--lioncub-pbit-bits", "4",
                          "--lioncub-bandwidth-gbit", "25", "--lioncub-momentum-sync-group", "node",
                          "--lioncub-momentum-sync-every", "10", "--lioncub-momentum-sync-inter-every", "100",
-                         "--lioncub-momentum-sync-layers", "*attn*", "*mlp*", "--lioncub-foreach", "false"])
+                         "--lioncub-momentum-sync-layers", "*attn*", "*mlp*", "--lioncub-foreach", "false",
+                         "--lioncub-momentum-double-buffer"])
     got = lioncub_settings_from_args(args)
     assert got == {"comm": "1bit", "tie_break": "alternate", "betas": (0.95, 0.98), "momentum_dtype": "bf16",
                    "pbit_bits": 4, "network": {"bandwidth_gbit": 25.0}, "foreach": False,
+                   "momentum_double_buffer": True,
                    "momentum_sync": {"group": "node", "every": 10, "inter_every": 100, "layers": ["*attn*", "*mlp*"]}}
     assert args.lioncub_checkpoint_mode == "per_rank" and not args.lioncub_keep_grad_allreduce
     json_args = p.parse_args(["--lioncub-momentum-sync", '{"every": 5, "until": 100}'])

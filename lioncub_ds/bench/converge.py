@@ -15,7 +15,7 @@ for CPython's standard library) by **N simulated data-parallel workers in one pr
   checks that the simulation gives bit-identical parameters and the same bytes as the real
   multi-rank :class:`~lioncub_ds.LionCub` on gloo ranks;
 * bytes are what one rank sends over the run, mirroring LionCub's telemetry (votes, the
-  control-flag all-reduce, momentum syncs), and 2·(N−1)/N·4·P per step for the
+  step flags (carried or all-reduced), momentum syncs), and 2·(N−1)/N·4·P per step for the
   all-reduced baselines.
 
 Protocol: the same seed, init, data order, lr schedule and steps for every variant (paired);
@@ -193,12 +193,18 @@ class SimLionCub:
 
         from lioncub_ds.comm import make_algorithm
         from lioncub_ds.comm.abstain import list_capacity, real_mask
-        from lioncub_ds.pipeline import FLAG_HEAD
+        from lioncub_ds.pipeline import flag_bytes
 
         cfg, n = self.cfg, self.n
         step = self.step_count + 1
-        # the control flags (int32): the head (pipeline.FLAG_HEAD) + [overflow, abstains] per bucket
-        sent = self._collective_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(self.buckets)))
+        # the control flags (int32, pipeline.flag_bytes): carried in the first phase of 1bit /
+        # allgather (LionCub without overlap), else their own all-reduce
+        control = {name: flag_bytes(len(self.buckets), n, not cfg.overlap and make_algorithm(name).carries_flags)
+                   for name in ("allgather", "pbit", "1bit", "int8")}
+        sent = control[self.comm]
+        for k, v in control.items():
+            if k != "int8" and self.comm != "int8":
+                self.alt_bytes[k] = self.alt_bytes.get(k, 0) + v - control[self.comm]
         for bi, (gi, params, offsets, total, base) in enumerate(self.buckets):
             g = self.groups[gi]
             b1, b2 = g["betas"]

@@ -53,6 +53,9 @@ def add_lioncub_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     a("--lioncub-overlap", action="store_true", default=None,
       help="NOT SUPPORTED under Megatron (refused with the reason): votes cannot start during backward, because "
            "Megatron hands the optimizer its gradients (main_grad) only inside step(); votes start in step()")
+    a("--lioncub-momentum-double-buffer", action="store_true", default=None,
+      help="+4 bytes/parameter: the local pass writes the next momentum into a second buffer, saving the "
+           "separate momentum pass over g and m after the vote (bit-identical)")
     # selective momentum synchronization
     a("--lioncub-momentum-sync-every", type=int, default=None,
       help="average momenta over the data-parallel group every K steps (enables momentum sync)")
@@ -87,7 +90,7 @@ _SIMPLE = {"vote": "lioncub_vote", "comm": "lioncub_comm", "quant": "lioncub_qua
            "bucket_size_mb": "lioncub_bucket_size_mb", "pbit_bits": "lioncub_pbit_bits",
            "nonfinite": "lioncub_nonfinite", "drift_check_every": "lioncub_drift_check_every",
            "drift_action": "lioncub_drift_action", "timeout_s": "lioncub_timeout_s", "foreach": "lioncub_foreach",
-           "overlap": "lioncub_overlap"}
+           "overlap": "lioncub_overlap", "momentum_double_buffer": "lioncub_momentum_double_buffer"}
 _SYNC = {"every": "lioncub_momentum_sync_every", "schedule": "lioncub_momentum_sync_schedule",
          "k": "lioncub_momentum_sync_k", "until": "lioncub_momentum_sync_until",
          "layers": "lioncub_momentum_sync_layers", "group": "lioncub_momentum_sync_group",
