@@ -172,10 +172,10 @@ class VotePipeline:
             self.launch_ready()
             self.opt._backward_launches += self.next_batch - before
 
-    def launch_ready(self, carry_error=False) -> None:
+    def launch_ready(self, carry_flags: bool = False, frozen_error: str | None = None) -> None:
         """Launch, in the fixed order, every batch whose buckets all have their local step.
-        ``carry_error`` (from finish(): this rank's frozen-parameter error or None, every local
-        step done): the last batch carries the step's flags, if its algorithm can."""
+        ``carry_flags`` (only from finish(), on every rank): the last batch carries the step's
+        flags, with ``frozen_error`` (this rank's), if its algorithm can."""
         opt = self.opt
         while self.next_batch < len(opt._batches):
             batch = opt._batches[self.next_batch]
@@ -184,23 +184,23 @@ class VotePipeline:
             jobs = [self.local[i].job for i in batch]
             first = self.local[batch[0]]
             flags = None
-            if carry_error is not False and opt._carry_flags and self.next_batch == len(opt._batches) - 1:
+            if carry_flags and opt._carry_flags and self.next_batch == len(opt._batches) - 1:
                 # Launched from step() after every local step: the last batch's phase 1 carries
                 # the step's flags (no flag all-reduce of its own).
-                self.flags_carried, self.carried_error = True, carry_error or self.error
+                self.flags_carried, self.carried_error = True, frozen_error or self.error
                 flags = self._own_flags(self.carried_error)
             self.launched[self.next_batch] = opt._buckets[batch[0]].algorithm.launch(jobs, opt._coll, first.backend,
                                                                                      flags)
             self.next_batch += 1
 
-    def launch_all(self, carry_error=False) -> None:
+    def launch_all(self, carry_flags: bool = False, frozen_error: str | None = None) -> None:
         """Local steps of the buckets that have none yet (in launch order), launching as they
-        complete (``carry_error``: see launch_ready)."""
+        complete (``carry_flags``, ``frozen_error``: see launch_ready)."""
         for batch in self.opt._batches:
             for i in batch:
                 if self.local[i] is None:
                     self.prepare(i)
-            self.launch_ready(carry_error)
+            self.launch_ready(carry_flags, frozen_error)
 
     def changed_since_vote(self) -> bool:
         """A gradient replaced or modified in place (e.g. clipped) after its bucket voted."""
@@ -229,9 +229,10 @@ class VotePipeline:
     def finish(self, frozen_error: str | None):
         """Agree on the flags (the step's one host read) and complete every batch.
 
-        Returns (flags list, locals per bucket); raises nothing itself: the caller decides."""
+        Returns (flags list, this rank's input error or None); raises nothing itself: the caller
+        decides."""
         opt = self.opt
-        self.launch_all(carry_error=frozen_error)
+        self.launch_all(carry_flags=True, frozen_error=frozen_error)
         if self.flags_carried:  # they came with the last batch's phase 1
             last = len(opt._batches) - 1
             algorithm = opt._buckets[opt._batches[last][0]].algorithm

@@ -242,3 +242,50 @@ def test_launch_condition_must_be_callable():
     with pytest.raises(TypeError, match="callable"):
         opt.set_launch_condition(True)
     opt.set_launch_condition(None)
+
+
+# ----------------------------------------------------------------------------- carried flags
+def _flag_collectives(rank, n):
+    from lioncub_ds.pipeline import flag_bytes
+
+    out = {}
+    for comm in ("1bit", "allgather", "pbit", "int8"):
+        for mode in ("step", "overlap", "prepare_step"):
+            torch.manual_seed(0)
+            model = Net()
+            opt = lioncub_ds.LionCub(model.parameters(), lr=1e-2, comm=comm, quant="l1" if comm == "int8" else "sign",
+                                     bucket_size_mb=0.004, comm_bucket_mb=0.0002, overlap=mode == "overlap")
+            gen = torch.Generator().manual_seed(7 + rank)
+            for step in range(3):
+                opt.zero_grad()
+                loss = model(torch.randint(0, 30, (5, 3), generator=gen), True)
+                if step == 1 and rank == 0:
+                    loss = loss * float("nan")  # skipped on every rank, agreed through the (carried) flags
+                loss.backward()
+                if mode == "prepare_step":
+                    opt.prepare_step()  # launched before step(): the flags need their own all-reduce
+                opt.step()
+            last = opt.comm_stats()["last_step"]
+            out[comm, mode] = {"by_collective": dict(last["by_collective"]), "control": last["by_algorithm"]["control"],
+                               "want_carried": flag_bytes(len(opt._buckets), n, True),
+                               "want_reduced": flag_bytes(len(opt._buckets), n, False),
+                               "skipped": opt.comm_stats()["skipped_steps"],
+                               "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    return out
+
+
+def test_flags_ride_in_the_last_batch_of_gather_like_algorithms():
+    """1bit and allgather launched from step(): no flag all-reduce (the flags ride in the last
+    batch's first phase, counted as control bytes); pbit, int8, overlap=True and prepare_step()
+    keep the all-reduce. Either way a NaN on one rank skips the step everywhere, and the
+    parameters do not depend on how the flags travelled."""
+    n = 2
+    res = run_ranks(_flag_collectives, n, timeout=600)
+    for (comm, mode), r in res[0].items():
+        carried = comm in ("1bit", "allgather") and mode == "step"
+        assert ("all_reduce" in r["by_collective"]) == (not carried or comm in ("pbit", "int8")), (comm, mode, r)
+        assert r["control"] == (r["want_carried"] if carried else r["want_reduced"]), (comm, mode, r)
+        assert r["skipped"] == 1, (comm, mode)
+        for rank in range(n):
+            assert torch.equal(res[rank][comm, mode]["params"], r["params"]), (comm, mode, rank)
+        assert torch.equal(res[0][comm, "step"]["params"], r["params"]), (comm, mode)
