@@ -187,7 +187,7 @@ def test_stage0_fp32_local_momentum_no_gradient_allreduce(runs):
         # Not even a 1-element float all-reduce: gradient_clipping uses the LOCAL norm (DeepSpeed's fp32
         # clip would average the norm across ranks).
         assert not [k for k in c["by_name"] if k.startswith("all_reduce:torch.float")], c["by_name"]
-        assert c["int_calls"] >= 2 * r["lioncub_step_count"]  # one control flag + one vote per step
+        assert c["int_calls"] >= r["lioncub_step_count"]  # a vote per step (the flags ride in it or follow it)
         assert r["comm_stats"]["cumulative"]["ratio_vs_fp32"] > 20
 
 

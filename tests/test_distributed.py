@@ -373,7 +373,8 @@ def stray_run():
 
 def test_step_creates_no_collective_tensor_off_the_parameters_device(stray_run):
     for kw, msg, err, calls in stray_run[0]["step"]:
-        assert calls >= 2, f"{kw}: the step under the stray device issued only {calls} collectives"  # flags + vote
+        # a vote (allgather / 1bit carry the flags in it; the others add a flag all-reduce)
+        assert calls >= 1, f"{kw}: the step under the stray device issued no collective"
         assert msg is None and err is None, f"{kw}: {err or ''}\n{msg}"
 
 

@@ -1092,11 +1092,11 @@ class _ThreadColl:
     def __init__(self, hub, rank):
         self.hub, self.rank, self.world_size = hub, rank, hub.n
 
-    def all_gather(self, inp, purpose, async_op=False):
+    def all_gather(self, inp, purpose, async_op=False, riders=None):
         out = torch.stack([t.reshape(-1) for t in self.hub.exchange(self.rank, inp.reshape(-1).clone())])
         return _Done(out) if async_op else out
 
-    def all_to_all(self, inp, purpose, async_op=False):
+    def all_to_all(self, inp, purpose, async_op=False, riders=None):
         rows = self.hub.exchange(self.rank, inp.clone())
         out = torch.stack([r[self.rank] for r in rows])
         return _Done(out) if async_op else out
