@@ -54,21 +54,22 @@ inline void masks64(const float* c, uint64_t& gt, uint64_t& nz, uint64_t& fin, u
   const __m256 zero = _mm256_setzero_ps();
   const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  uint64_t a = 0, b = 0, f = 0, e = 0;
+  // v > 0 is false for NaN; |v| > 0 is false for NaN and +-0; |v| < inf is false for NaN and +-inf.
+  // Then c == 0 exactly where c is finite and |c| > 0 is not: eq = fin & ~nz.
+  uint64_t a = 0, b = 0, f = 0;
   for (int q = 0; q < 8; ++q) {
     const __m256 v = _mm256_loadu_ps(c + 8 * q);
-    const __m256 fi = _mm256_cmp_ps(_mm256_and_ps(v, absm), inf, _CMP_LT_OQ);
-    const __m256 pz = _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
-    const __m256 ez = _mm256_cmp_ps(v, zero, _CMP_EQ_OQ);
-    a |= static_cast<uint64_t>(_mm256_movemask_ps(_mm256_and_ps(pz, fi))) << (8 * q);
-    b |= static_cast<uint64_t>(_mm256_movemask_ps(_mm256_andnot_ps(ez, fi))) << (8 * q);
+    const __m256 av = _mm256_and_ps(v, absm);
+    const __m256 fi = _mm256_cmp_ps(av, inf, _CMP_LT_OQ);
+    a |= static_cast<uint64_t>(_mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_GT_OQ), fi))) << (8 * q);
+    b |= static_cast<uint64_t>(_mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(av, zero, _CMP_GT_OQ), fi)))
+         << (8 * q);
     f |= static_cast<uint64_t>(_mm256_movemask_ps(fi)) << (8 * q);
-    e |= static_cast<uint64_t>(_mm256_movemask_ps(ez)) << (8 * q);
   }
   gt = a;
   nz = b;
   fin = f;
-  eq = e;
+  eq = f & ~b;
 #elif LIONCUB_X86 && defined(__SSE2__)
   const __m128 zero = _mm_setzero_ps();
   const __m128 absm = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));

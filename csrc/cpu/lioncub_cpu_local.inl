@@ -12,9 +12,14 @@ void ls_range(const void* g, const void* m, void* mo, int64_t e0, int64_t e1, co
   int64_t nf = 0, nzc = 0;
   for (int64_t i0 = e0; i0 < e1; i0 += 64) {
     const int n = static_cast<int>(std::min<int64_t>(64, e1 - i0));
+    const float* gs = gf;
+    const float* ms = mf;
     if (n == 64) {
-      load64<GT>(g, i0, gf);
-      load64<MT>(m, i0, mf);
+      // fp32 is read in place; other dtypes are widened into the staging arrays first
+      if constexpr (GT == kF32) gs = static_cast<const float*>(g) + i0;
+      else load64<GT>(g, i0, gf);
+      if constexpr (MT == kF32) ms = static_cast<const float*>(m) + i0;
+      else load64<MT>(m, i0, mf);
     } else {
       for (int j = 0; j < n; ++j) {
         gf[j] = ld<GT>(g, i0 + j);
@@ -22,9 +27,9 @@ void ls_range(const void* g, const void* m, void* mo, int64_t e0, int64_t e1, co
       }
       for (int j = n; j < 64; ++j) gf[j] = mf[j] = 0.0f;
     }
-    for (int j = 0; j < 64; ++j) c[j] = mf[j] * k.b1 + gf[j] * k.ob1;
+    for (int j = 0; j < 64; ++j) c[j] = ms[j] * k.b1 + gs[j] * k.ob1;
     if constexpr (UPD) {
-      for (int j = 0; j < 64; ++j) mn[j] = mf[j] * k.b2 + gf[j] * k.ob2;
+      for (int j = 0; j < 64; ++j) mn[j] = ms[j] * k.b2 + gs[j] * k.ob2;
       if (n == 64) {
         if constexpr (MT == kF32) {
           std::memcpy(static_cast<float*>(mo) + i0, mn, sizeof(mn));
