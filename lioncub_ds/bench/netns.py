@@ -575,8 +575,11 @@ def check_goal(records) -> list[str]:
                        f"+ fused Lion{goal}")
         if FLOOR_VARIANT in rs:
             q = best["step_vs_no_comm"]
-            out.append(f"{pre} best Lion Cub step = {q:.2f}x no_comm's (the compute floor)"
+            out.append(f"{pre} best Lion Cub ({best['variant']}) step = {q:.2f}x no_comm's (the compute floor)"
                        + (f" (goal <= 1.2x: {'OK' if q <= 1.2 else 'MISSED'})" if bw == 10 else ""))
+            if best["variant"] != "lioncub_1bit" and "lioncub_1bit" in rs:  # the defaults, for reference
+                out.append(f"{pre} lioncub_1bit (default settings) step = {rs['lioncub_1bit']['step_vs_no_comm']:.2f}x "
+                           "no_comm's")
         for r in cubs:
             if r["variant"].startswith("lioncub_1bit") and r["params"]:
                 n = r["world_size"]
