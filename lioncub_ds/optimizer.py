@@ -4,8 +4,9 @@ One process (torch.distributed not initialized, or a group of one rank): exactly
 :class:`lioncub_ds.Lion`. N > 1 ranks: each rank keeps its own momentum, never
 all-reduces gradients, and every rank applies the same vote Δ:
 
-    local step (kernels) → flag all-reduce (non-finite, abstentions) → vote (comm)
-    → apply Δ (kernels) → momentum update → optional momentum sync / drift check
+    local step (kernels) → vote phase 1 (comm) → the step's flags (non-finite, abstentions;
+    carried by phase 1 or their own all-reduce) → rest of the vote → apply Δ (kernels) and
+    momentum update → optional momentum sync / drift check
 
 The optimizer knows nothing of DeepSpeed or Megatron; they set ``process_group``.
 """
@@ -46,7 +47,7 @@ class ReplicaDriftError(RuntimeError):
 
 class StepInputError(RuntimeError):
     """A step's input is unusable on some rank (e.g. a gradient on a parameter frozen at the
-    first step). Agreed through the step's flag all-reduce, so every rank raises it together
+    first step). Agreed through the step's flags (summed over ranks), so every rank raises it together
     and no rank is left waiting in a collective; no state was changed."""
 
 

@@ -102,7 +102,7 @@ def test_comm_records_and_1bit_ratio(tmp_path):
         assert COMM_FIELDS <= set(r), COMM_FIELDS - set(r)
         assert r["bench"] == "comm" and r["world_size"] == 2 and r["same_on_all_ranks"]
         assert r["fp32_allreduce_bytes"] == 2 * r["bf16_allreduce_bytes"] == 4 * 65536
-        # counted bytes = the algorithm's own formula + the one small control all-reduce
+        # counted bytes = the algorithm's own formula + the step's flags (carried or all-reduced)
         assert r["bytes_per_rank"] == r["algorithm_wire_bytes"] + r["control_bytes"]
     one = next(r for r in recs if r["label"] == "1bit/majority")
     assert one["ratio_vs_fp32"] >= 30

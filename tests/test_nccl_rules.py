@@ -90,7 +90,7 @@ def _scenarios(rank, n, directory):
         dist.new_group = real_new_group
 
     # (5) a gradient on a parameter that was frozen at the first step, on rank 1 only: every rank
-    # raises StepInputError after the flag all-reduce, nobody hangs, nothing changes.
+    # raises StepInputError once the flags are agreed, nobody hangs, nothing changes.
     model = Net()
     model.extra.requires_grad_(False)
     opt = LionCub(model.parameters(), lr=1e-2, comm="1bit")

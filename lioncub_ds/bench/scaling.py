@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from ..comm import make_algorithm
 from ..comm.cost import CostModel
 from .common import add_output_args, finish, line_plot, median, print_table, pyplot, run_ranks
 
@@ -205,9 +206,10 @@ def calibrate(world_sizes=(2, 4), sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 <
     recs[0].update(fit_residual_min=ratios[0], fit_residual_max=ratios[-1], fit_residual_median=median(ratios))
     wire = CostModel(model.alpha_s, model.beta_s_per_byte, 0.0, 0.0)  # comm_stats times the collectives only
     for v in validate:
-        # + the optimizer's one tiny control all-reduce (flags) per step
-        pred = wire.predict(v["algorithm"], v["numel"], v["world_size"]) + wire.collective_time(
-            *CostModel.collective_terms("all_reduce", 8, v["world_size"]))
+        # + the step's flags: their own tiny all-reduce, unless they ride in the vote (1bit, allgather)
+        pred = wire.predict(v["algorithm"], v["numel"], v["world_size"])
+        if not make_algorithm(v["algorithm"]).carries_flags:
+            pred += wire.collective_time(*CostModel.collective_terms("all_reduce", 8, v["world_size"]))
         recs.append({"bench": "scaling_validate", **v, "predicted_s": pred, "ratio": v["measured_s"] / pred})
     for nb, t in gsamples:
         recs.append({"bench": "scaling_gamma", "bytes_processed": nb, "measured_s": t})
