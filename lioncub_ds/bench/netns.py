@@ -23,7 +23,10 @@ slowest rank's step (forward + backward + communication + update):
   launches from gradient-ready hooks during backward, like DDP. Its hooks sit on a second copy
   of the model (same seed), so they never fire in the other variants' backward. Its exposed
   communication is the wait after backward for the votes still in flight (the barrier that
-  ends backward; it also absorbs the ranks' skew) plus the waits inside ``step()``.
+  ends backward; it also absorbs the ranks' skew) plus the waits inside ``step()``;
+* ``lioncub_1bit_db`` / ``lioncub_1bit_overlap_db``: the same with ``momentum_double_buffer=True``
+  (the local pass also writes the next momentum: one pass over g and m per step, +4 B/param).
+* A ``_cb<MB>`` suffix on any LionCub variant sets ``comm_bucket_mb``.
 
 The link: ONE token bucket on the namespace's loopback carries every rank's traffic, so
 ``--bandwidths 1`` means 1 Gbit/s in total, 1/N Gbit/s per rank when all ranks send at once
