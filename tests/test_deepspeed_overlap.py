@@ -121,6 +121,7 @@ def _state(engine):
     return {"params": torch.cat([p.detach().reshape(-1).clone() for p in engine.module.parameters()]),
             "momenta": torch.cat([opt.state[p]["exp_avg"].reshape(-1).clone() for p in engine.module.parameters()]),
             "step_count": opt.step_count, "overlap": dict(opt.comm_stats()["overlap"]),
+            "spare_momenta": len(opt._next_momenta),
             "summary": engine.lioncub.summary()}
 
 
@@ -196,6 +197,11 @@ def _overlap_rank(rank, world_size, tmp):
     for overlap in (False, True):
         out[("nan", overlap)] = _run(_cfg(comm="1bit", overlap=overlap, **small), rank, None, nan_at=(2, 1))
     out["revote_warnings_nan"] = [m for m in caught.messages if "voting again" in m]
+    # "momentum_double_buffer": true in the ds_config: a checkpoint/resume run and a NaN-skip run
+    out[("1bit", "double")] = _run(_cfg(comm="1bit", momentum_double_buffer=True, **small), rank,
+                                   os.path.join(tmp, "1bit-double"))
+    out[("nan", "double")] = _run(_cfg(comm="1bit", momentum_double_buffer=True, **small), rank, None,
+                                  nan_at=(2, 1))
     # unmanaged accumulation: the caller's step() is the boundary, so the votes start there
     for overlap in (False, True):
         out[("unmanaged", overlap)] = _run(dict(_cfg(comm="pbit", overlap=overlap),
@@ -347,3 +353,21 @@ def test_unsupported_overlap_is_refused_before_any_state(results, name, needles)
         assert e["optimizer_inits"] == [] and e["params_untouched"], e
         if name == "zero1_client":
             assert e["client_untouched"], e
+
+
+@needs_deepspeed
+def test_double_buffer_in_ds_config_is_bit_identical_resumes_and_skips(results):
+    """``"momentum_double_buffer": true`` under DeepSpeed stage 0: the same parameters and momenta
+    as without it, a resume from its checkpoint equal to the uninterrupted run, and a NaN on one
+    rank skipped on every rank with the momenta untouched."""
+    import torch
+    for r, res in enumerate(results):
+        plain, double = res[("1bit", False)], res[("1bit", "double")]
+        assert double["spare_momenta"] > 0 and plain["spare_momenta"] == 0, r  # the setting reached LionCub
+        assert torch.equal(plain["params"], double["params"]) and torch.equal(plain["momenta"], double["momenta"]), r
+        assert torch.equal(double["resumed"]["params"], double["params"]), r
+        assert torch.equal(double["resumed"]["momenta"], double["momenta"]), r
+        nan_plain, nan_double = res[("nan", False)], res[("nan", "double")]
+        assert torch.equal(nan_plain["params"], nan_double["params"]), r
+        assert torch.equal(nan_plain["momenta"], nan_double["momenta"]), r
+        assert nan_double["step_count"] == nan_plain["step_count"] == STEPS - 1, r
