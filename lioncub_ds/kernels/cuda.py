@@ -60,14 +60,12 @@ class CudaBackend:
                    momenta_out=None):
         total, offs = validate_local(grads, momenta, offsets, total, momenta_out)
         if update_momentum and momenta_out is not None:
-            # No fused CUDA variant yet: the votes, then the momenta copied and advanced there
-            # (the same per-element arithmetic as the in-place update).
-            out = self.local_step(grads, momenta, offs, total, beta1, beta2, False, device_counts)
+            # No CUDA kernel with an output pointer yet: copy m, then the fused in-place step on the
+            # copy (c from the copy's exact bits). 20 B/param like the in-place path; a fused
+            # variant would move 12 (docs/kernels.md, GPU checklist).
             for o, m in zip(momenta_out, momenta):
                 o.copy_(m)
-            if grads:
-                self.momentum_update_list(list(momenta_out), grads, beta2)
-            return out
+            return self.local_step(grads, list(momenta_out), offs, total, beta1, beta2, True, device_counts)
         if not grads:
             dev = "cuda" if torch.cuda.is_available() else "cpu"
             z = torch.zeros(total // 8, dtype=torch.uint8, device=dev)
