@@ -655,14 +655,9 @@ int64_t abstain_list_impl(const uint8_t* nonzero, const uint8_t* mask, int64_t n
     idx[k] = -1;
     val[k] = 0;
   }
-  int64_t count = 0, i = 0;
-  // Abstentions are rare: compare 8 bytes at a time and look inside a word only where it differs.
-  for (; i + 8 <= nbytes; i += 8) {
-    uint64_t a, b;
-    std::memcpy(&a, nonzero + i, 8);
-    std::memcpy(&b, mask + i, 8);
-    if (a == b) continue;
-    for (int64_t j = i; j < i + 8; ++j) {
+  int64_t count = 0;
+  auto scan = [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
       if (nonzero[j] == mask[j]) continue;
       if (count < capacity) {
         idx[count] = static_cast<int32_t>(j);
@@ -670,15 +665,16 @@ int64_t abstain_list_impl(const uint8_t* nonzero, const uint8_t* mask, int64_t n
       }
       ++count;
     }
+  };
+  // Abstentions are rare: compare 8 bytes at a time and look inside a word only where it differs.
+  int64_t i = 0;
+  for (; i + 8 <= nbytes; i += 8) {
+    uint64_t a, b;
+    std::memcpy(&a, nonzero + i, 8);
+    std::memcpy(&b, mask + i, 8);
+    if (a != b) scan(i, i + 8);
   }
-  for (; i < nbytes; ++i) {
-    if (nonzero[i] == mask[i]) continue;
-    if (count < capacity) {
-      idx[count] = static_cast<int32_t>(i);
-      val[count] = nonzero[i];
-    }
-    ++count;
-  }
+  scan(i, nbytes);
   out[0] = static_cast<int32_t>(count);
   return count;
 }

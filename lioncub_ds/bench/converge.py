@@ -202,9 +202,9 @@ class SimLionCub:
         control = {name: flag_bytes(len(self.buckets), n, not cfg.overlap and make_algorithm(name).carries_flags)
                    for name in ("allgather", "pbit", "1bit", "int8")}
         sent = control[self.comm]
-        for k, v in control.items():
-            if k != "int8" and self.comm != "int8":
-                self.alt_bytes[k] = self.alt_bytes.get(k, 0) + v - control[self.comm]
+        if self.comm != "int8":  # bytes_if: the sign comms, each with its own way of sending the flags
+            for k in ("allgather", "pbit", "1bit"):
+                self.alt_bytes[k] = self.alt_bytes.get(k, 0) + control[k] - control[self.comm]
         for bi, (gi, params, offsets, total, base) in enumerate(self.buckets):
             g = self.groups[gi]
             b1, b2 = g["betas"]

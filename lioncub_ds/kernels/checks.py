@@ -155,9 +155,8 @@ def _span(t):
 
 def _no_shared_memory(outs, name, inputs, inputs_name) -> None:
     """No output tensor's memory overlaps another output's or an input's (same-device spans)."""
-    spans = sorted((*_span(t), i, True) for i, t in enumerate(outs) if t.numel())
-    spans += [(*_span(t), -1, False) for t in inputs if t.numel()]
-    spans.sort()
+    spans = sorted([(*_span(t), i, True) for i, t in enumerate(outs) if t.numel()]
+                   + [(*_span(t), -1, False) for t in inputs if t.numel()])
     for (a0, a1, i, a_out), (b0, _, j, b_out) in zip(spans, spans[1:]):
         if b0 < a1 and (a_out or b_out):
             k = i if a_out else j

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
-from .checks import (validate_abstain_list, validate_count_lanes, validate_int8_apply, validate_lanes_apply, validate_lion_step,
-                     validate_local, validate_momentum, validate_shard_vote, validate_vote_apply, validate_zero_apply)
+from .checks import (validate_abstain_list, validate_count_lanes, validate_int8_apply, validate_lanes_apply,
+                     validate_lion_step, validate_local, validate_momentum, validate_shard_vote, validate_vote_apply,
+                     validate_zero_apply)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_ROWS = 65535  # LC_MAX_ROWS
