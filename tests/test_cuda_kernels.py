@@ -335,6 +335,18 @@ def plant_nonfinite(grads):
             t[n - 1] = float("-inf")
 
 
+def local_inputs(sizes, gdt, mdt, g):
+    """CPU grads with planted NaN/+-Inf and momenta (scale 0.1), both 0 at each tensor's last
+    element: an exact zero of c there."""
+    grads = rand_tensors(sizes, gdt, g)
+    plant_nonfinite(grads)
+    moms = rand_tensors(sizes, mdt, g, scale=0.1)
+    for gr, m in zip(grads, moms):
+        gr[-1:] = 0.0
+        m[-1:] = 0.0
+    return grads, moms
+
+
 def to(ts, device):
     return [t.to(device) for t in ts]
 
@@ -362,12 +374,7 @@ def test_local_step(backend, gdt, mdt, update):
     be, dev, big = backend
     g = gen(1)
     sizes = [1, 7, 9, 4097, big] if update else [9, 1, 4097, 7]
-    grads = rand_tensors(sizes, gdt, g)
-    plant_nonfinite(grads)
-    moms = rand_tensors(sizes, mdt, g, scale=0.1)
-    for gr, m in zip(grads, moms):  # exact zeros of c: g == 0 and m == 0 together
-        gr[-1:] = 0.0
-        m[-1:] = 0.0
+    grads, moms = local_inputs(sizes, gdt, mdt, g)
     offsets, total = layout(sizes, 4)
     ref_m = [m.clone() for m in moms]
     dev_m = to(moms, dev)
@@ -390,9 +397,7 @@ def test_local_step_momenta_out(monkeypatch, gdt, mdt):
     be = kernels.backend_for("cuda")
     g = gen(5)
     sizes = [1, 7, 9, 4097, BIG]
-    grads = rand_tensors(sizes, gdt, g)
-    plant_nonfinite(grads)
-    moms = rand_tensors(sizes, mdt, g, scale=0.1)
+    grads, moms = local_inputs(sizes, gdt, mdt, g)
     offsets, total = layout(sizes, 4)
     ref_m = [m.clone() for m in moms]
     ref = REF.local_step(grads, ref_m, offsets, total, 0.9, 0.99, update_momentum=True)
@@ -432,12 +437,7 @@ def test_local_step_never_synchronizes_with_device_counts(monkeypatch):
     be = kernels.backend_for("cuda")
     g = gen(11)
     sizes = [7, 4097, 9, 1]
-    grads = rand_tensors(sizes, torch.bfloat16, g)
-    plant_nonfinite(grads)
-    moms = rand_tensors(sizes, torch.float32, g, scale=0.1)
-    for gr, m in zip(grads, moms):
-        gr[-1:] = 0.0
-        m[-1:] = 0.0
+    grads, moms = local_inputs(sizes, torch.bfloat16, torch.float32, g)
     offsets, total = layout(sizes, 4)
     d_grads, d_moms = to(grads, "cuda"), to(moms, "cuda")
     mask = real_mask(offsets, sizes, total, "cuda")
@@ -643,12 +643,7 @@ def test_int8_local_step(backend, kind, n, gdt, mdt):
     be, dev, big = backend
     g = gen(400 + n)
     sizes = [1, 7, 9, 4097] + ([big] if n in (3, 8) else [])
-    grads = rand_tensors(sizes, gdt, g)
-    plant_nonfinite(grads)
-    moms = rand_tensors(sizes, mdt, g, scale=0.1)
-    for gr, m in zip(grads, moms):
-        gr[-1:] = 0.0
-        m[-1:] = 0.0
+    grads, moms = local_inputs(sizes, gdt, mdt, g)
     zero_t = [torch.zeros(5, dtype=gdt)]  # a tensor whose c is all 0: scale 0 -> codes 0
     grads, moms = grads + zero_t, moms + [torch.zeros(5, dtype=mdt)]
     sizes = sizes + [5]
@@ -825,12 +820,8 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 def lion_inputs(sizes, pdt, gdt, mdt, g, dev):
     """Params (one a storage-offset view), grads and momenta on `dev` + CPU reference copies. Planted:
     NaN/+-Inf grads, exact zeros of c (g = m = 0, and g = -0.0), subnormal-sized momenta."""
-    grads = rand_tensors(sizes, gdt, g)
-    plant_nonfinite(grads)
-    moms = rand_tensors(sizes, mdt, g, scale=0.1)
+    grads, moms = local_inputs(sizes, gdt, mdt, g)
     for gr, m in zip(grads, moms):
-        gr[-1:] = 0.0
-        m[-1:] = 0.0
         if gr.numel() >= 12:
             gr[10], m[10] = -0.0, 0.0
             m[11] = 1e-40 if mdt == F32 else 0.0

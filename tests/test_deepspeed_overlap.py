@@ -77,20 +77,7 @@ def _train(engine, rank, steps, start=0, no_sync_first=False, nan_at=None):
     then ``step()`` once (the caller owns the boundary)."""
     from lioncub_ds.testing import nccl_contract
     gas = engine.gradient_accumulation_steps()
-    if not engine.managed_gradient_accumulation():
-        trace = []
-        for s in range(start, start + steps):
-            rec = {"backward": [], "step": []}
-            for micro in range(gas):
-                x, y = _batch(rank, s, micro)
-                mark = len(nccl_contract.log())
-                engine.backward(((engine(x) - y) ** 2).mean())
-                rec["backward"].append(_calls(mark))
-            mark = len(nccl_contract.log())
-            engine.step()
-            rec["step"].append(_calls(mark))
-            trace.append(rec)
-        return trace
+    managed = engine.managed_gradient_accumulation()
     trace = []
     for s in range(start, start + steps):
         rec = {"backward": [], "step": []}
@@ -108,6 +95,11 @@ def _train(engine, rank, steps, start=0, no_sync_first=False, nan_at=None):
                 loss = loss * float("nan")  # this rank's boundary gradients are NaN when its votes start
             engine.backward(loss)
             rec["backward"].append(_calls(mark))
+            if managed:
+                mark = len(nccl_contract.log())
+                engine.step()
+                rec["step"].append(_calls(mark))
+        if not managed:
             mark = len(nccl_contract.log())
             engine.step()
             rec["step"].append(_calls(mark))
