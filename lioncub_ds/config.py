@@ -13,12 +13,15 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from .kernels.reference import SCALE_KINDS, TIE_RULES, VOTE_MODES
+from .kernels.reference import ROUNDINGS, SCALE_KINDS, TIE_RULES, VOTE_BITS, VOTE_MODES
 
-COMM_ALGORITHMS = ("auto", "allgather", "1bit", "pbit", "int8")
+COMM_ALGORITHMS = ("auto", "allgather", "1bit", "pbit", "int8", "bbit")
+SCALED_ALGORITHMS = ("int8", "bbit")  # need quant = l1 | l0 | linf
 SIGN_ALGORITHMS = ("allgather", "1bit", "pbit")
 VOTES = VOTE_MODES
-QUANTS = ("sign",) + SCALE_KINDS  # "sign": 1-bit votes; the others: int8 codes with that scale
+QUANTS = ("sign",) + SCALE_KINDS  # "sign": 1-bit votes; the others: int8 / b-bit codes with that scale
+# comm="bbit" defaults: 2-bit codes (21x fewer bytes than an fp32 all-reduce), dithered rounding
+BBIT_DEFAULTS = {"vote_bits": 2, "rounding": "dither"}
 NONFINITE_POLICIES = ("skip", "raise")
 DRIFT_ACTIONS = ("raise", "resync")
 MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
@@ -142,6 +145,8 @@ class LionCubConfig:
     momentum_dtype: torch.dtype = torch.float32
     bucket_size_mb: float = 25.0
     pbit_bits: int | None = None
+    vote_bits: int | None = None   # comm="bbit": bits per vote code (default 2)
+    rounding: str | None = None    # comm="bbit": "nearest" | "dither" (default)
     network: dict = field(default_factory=lambda: dict(DEFAULT_NETWORK))
     nonfinite: str = "skip"
     drift_check_every: int = 0
@@ -161,13 +166,23 @@ class LionCubConfig:
             value = getattr(self, key)
             if not isinstance(value, str) or value not in allowed:
                 raise _err(key, value, " | ".join(repr(a) for a in allowed))
-        if self.comm == "int8" and self.quant == "sign":
-            raise LionCubConfigError("LionCub: comm='int8' needs a scaled quantizer: quant='l1' | 'l0' | 'linf' (got quant='sign')")
+        if self.comm in SCALED_ALGORITHMS and self.quant == "sign":
+            raise LionCubConfigError(f"LionCub: comm={self.comm!r} needs a scaled quantizer: quant='l1' | 'l0' | 'linf' "
+                                     "(got quant='sign')")
+        for key, allowed in (("vote_bits", VOTE_BITS), ("rounding", ROUNDINGS)):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if value not in allowed or isinstance(value, bool):
+                raise _err(key, value, "None (comm='bbit' default: " + repr(BBIT_DEFAULTS[key]) + ") or one of "
+                           + ", ".join(repr(a) for a in allowed))
+            if self.comm != "bbit":
+                raise LionCubConfigError(f"LionCub: {key}={value!r} is only used with comm='bbit' (got comm={self.comm!r})")
         if self.comm in SIGN_ALGORITHMS and self.quant != "sign":
             raise LionCubConfigError(f"LionCub: comm={self.comm!r} sends 1-bit signs and needs quant='sign' "
                                      f"(got quant={self.quant!r}); use comm='int8' or 'auto' for scaled quantizers")
         if self.vote == "average" and self.quant != "sign":
-            raise LionCubConfigError(f"LionCub: vote='average' is not meaningful with the int8 quantizer (quant={self.quant!r}); "
+            raise LionCubConfigError(f"LionCub: vote='average' is not meaningful with a scaled quantizer (quant={self.quant!r}); "
                                      "allowed: vote='majority' with int8, or quant='sign' for averaging")
         if not _is_real(self.bucket_size_mb) or not self.bucket_size_mb > 0 or not math.isfinite(self.bucket_size_mb):
             raise _err("bucket_size_mb", self.bucket_size_mb, "a number > 0 (MB of fp32 parameters per bucket)")
@@ -197,6 +212,11 @@ class LionCubConfig:
                 raise _err(key, getattr(self, key), "True or False")
         if self.timeout_s is not None and (not _is_real(self.timeout_s) or not 0 < self.timeout_s < math.inf):
             raise _err("timeout_s", self.timeout_s, "None or a number of seconds > 0")
+
+    @property
+    def bbit(self) -> tuple[int, str]:
+        """(vote_bits, rounding) of comm='bbit', defaults filled in."""
+        return (self.vote_bits or BBIT_DEFAULTS["vote_bits"], self.rounding or BBIT_DEFAULTS["rounding"])
 
     @property
     def bucket_numel(self) -> int:

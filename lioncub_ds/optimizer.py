@@ -74,7 +74,7 @@ def check_world_size(cfg: LionCubConfig, n: int) -> None:
     """Settings whose validity depends on the number of voting ranks N."""
     if cfg.pbit_bits is not None and cfg.comm in ("pbit", "auto"):
         check_lane_bits(cfg.pbit_bits, n)
-    if cfg.quant != "sign" and n > 127:
+    if cfg.quant != "sign" and cfg.comm != "bbit" and n > 127:
         raise LionCubConfigError(f"LionCub: comm={cfg.comm!r} with quant={cfg.quant!r} (int8 votes) supports at most "
                                  f"127 ranks (s = floor(127/N) levels); this group has {n}; allowed: quant='sign'")
     if cfg.quant == "sign" and n > 255 and (cfg.comm == "pbit" or (cfg.comm == "1bit" and cfg.vote == "average")):
@@ -115,8 +115,10 @@ class LionCub(Optimizer):
         params: tensors, ``named_parameters()`` or param groups (with optional 'param_names').
         lr, betas, weight_decay: as :class:`lioncub_ds.Lion`.
         vote: "majority" (Δ = sign of the vote sum) or "average" (Δ = mean of votes).
-        comm: "auto" | "allgather" | "1bit" | "pbit" | "int8".
-        quant: "sign" (1-bit votes) or "l1" | "l0" | "linf" (int8 scaled votes).
+        comm: "auto" | "allgather" | "1bit" | "pbit" | "int8" | "bbit".
+        quant: "sign" (1-bit votes) or "l1" | "l0" | "linf" (int8 or b-bit scaled votes).
+        vote_bits, rounding: comm="bbit" only: bits per vote code (1-4, default 2) and "dither"
+            (default: unbiased, a reproducible per-rank stream) or "nearest".
         tie_break: "hash" (default) | "alternate" | "zero": what an even-N tie does.
         momentum_sync: None or a dict (every, until, schedule, k, layers, group, group_size, inter_every).
         process_group: the data-parallel group that votes (default: the world).
@@ -144,7 +146,8 @@ class LionCub(Optimizer):
                  quant="sign", tie_break="hash", momentum_sync=None, process_group=None,
                  momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
                  nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
-                 comm_bucket_mb=4.0, overlap=False, momentum_double_buffer=False, **unknown):
+                 comm_bucket_mb=4.0, overlap=False, momentum_double_buffer=False, vote_bits=None, rounding=None,
+                 **unknown):
         # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
         # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
         settings = dict(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
@@ -152,7 +155,8 @@ class LionCub(Optimizer):
                         bucket_size_mb=bucket_size_mb, pbit_bits=pbit_bits, nonfinite=nonfinite,
                         drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
                         foreach=foreach, comm_bucket_mb=comm_bucket_mb, overlap=overlap,
-                        momentum_double_buffer=momentum_double_buffer, **unknown)
+                        momentum_double_buffer=momentum_double_buffer, vote_bits=vote_bits, rounding=rounding,
+                        **unknown)
         if network is not None:
             settings["network"] = network
         self.config = LionCubConfig.from_kwargs(**settings)
@@ -302,7 +306,8 @@ class LionCub(Optimizer):
                     name = cost.choose(b.numel, n, vote=cfg.vote, tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)
             else:
                 name = cfg.comm
-            b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits)
+            b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1],
+                                         quant=cfg.quant)
             if b.algorithm.encoding == "bits":
                 b.mask = real_mask(b.offsets, [p.numel() for p in b.params], b.numel, b.params[0].device)
                 b.capacity = list_capacity(b.numel // 8, n)

@@ -21,7 +21,7 @@ import logging
 import torch
 
 from . import kernels
-from .kernels.reference import int8_levels
+from .kernels.reference import dither_seed, int8_levels
 from .comm import VoteJob
 from .telemetry import ring_bytes
 
@@ -126,7 +126,7 @@ class VotePipeline:
             if b.algorithm.encoding == "int8":
                 job.codes = torch.zeros(b.numel, dtype=torch.int8, device=dev)
             else:
-                self._payload(job, b, torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev),
+                self._payload(job, b, torch.zeros(b.algorithm.planes, b.numel // 8, dtype=torch.uint8, device=dev),
                               torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev), be)
             zero = torch.zeros((), dtype=torch.int64, device=dev)
             self.local[i] = _Local(job, grads, momenta, be, zero, torch.zeros(2, dtype=torch.int32, device=dev), [])
@@ -143,8 +143,15 @@ class VotePipeline:
             # momentum_double_buffer: the next momenta are written in this same pass over g and m
             # (into spare buffers: a skipped step must leave m unchanged), saving a second pass later
             nxt = [opt._next_momentum(p) for p in b.params] if cfg.momentum_double_buffer else None
-            sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, nxt is not None,
-                                                   device_counts=True, momenta_out=nxt)
+            al = b.algorithm
+            if al.name == "bbit":  # b-bit codes as bit planes (job.sign), dithered per rank and step
+                sign, nz, nonfinite, _ = be.bbit_local_step(grads, momenta, b.offsets, b.numel, b1, b2, al.quant,
+                                                            al.bits, al.rounding, dither_seed(job.step, opt.rank),
+                                                            job.segments(), nxt is not None, device_counts=True,
+                                                            momenta_out=nxt)
+            else:
+                sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, nxt is not None,
+                                                       device_counts=True, momenta_out=nxt)
             flags = self._payload(job, b, sign, nz, be)
         versions = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
         self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt)

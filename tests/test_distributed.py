@@ -20,9 +20,14 @@ STEPS = 200
 COMBOS = ([(c, v, t, "sign") for c in ("allgather", "1bit", "pbit") for v in ("majority", "average")
            for t in ("hash", "alternate", "zero")]
           + [("int8", "majority", "hash", q) for q in ("l1", "l0", "linf")]
-          + [("auto", "majority", "hash", "sign")])
+          + [("auto", "majority", "hash", "sign")]
+          + [("bbit", "majority", t, q) for t, q in (("hash", "l1"), ("zero", "linf"), ("alternate", "l0"))])
+# comm="bbit": the code width and rounding of each combination above
+BBIT = {("hash", "l1"): dict(vote_bits=2, rounding="dither"), ("zero", "linf"): dict(vote_bits=3, rounding="nearest"),
+        ("alternate", "l0"): dict(vote_bits=1, rounding="dither")}
 # Several small buckets (one of them holds only abstaining rows some steps): a few combinations suffice.
-MULTI_BUCKET = {("1bit", "majority", "zero", "sign"), ("pbit", "average", "hash", "sign"), ("allgather", "majority", "alternate", "sign")}
+MULTI_BUCKET = {("1bit", "majority", "zero", "sign"), ("pbit", "average", "hash", "sign"), ("allgather", "majority", "alternate", "sign"),
+                ("bbit", "majority", "hash", "l1")}
 
 
 class Net(torch.nn.Module):
@@ -80,6 +85,8 @@ def _brute_force(opt, before, grads, momenta, n):
                                                                 p.numel(), "cpu").float() \
                         if cfg.tie_break != "hash" else reference.tie_hash_sign(opt.step_count + 1, idx).float()
                 delta = torch.where(ties, tie, delta)
+        elif cfg.comm == "bbit":
+            delta = _bbit_oracle(opt, b, c_all, n)
         else:
             q = torch.zeros(b.numel, dtype=torch.int32)
             levels = 127 // n
@@ -98,6 +105,34 @@ def _brute_force(opt, before, grads, momenta, n):
     return expected
 
 
+def _bbit_oracle(opt, b, c_all, n):
+    """comm="bbit" from every rank's fp32 c: each rank's codes (its own per-parameter scale and its own
+    dither stream at the parameter-local index), Σ (2k − M) over the ranks whose c != 0, then sign;
+    Σ = 0 with a voter: the tie rule; no voter: 0."""
+    cfg, step = opt.config, opt.step_count + 1
+    bits, rounding = cfg.bbit
+    m = 2 ** bits - 1
+    total = torch.zeros(b.numel, dtype=torch.int64)
+    voters = torch.zeros(b.numel, dtype=torch.int64)
+    tie = torch.zeros(b.numel)
+    for p, off in zip(b.params, b.offsets):
+        idx = torch.arange(p.numel(), dtype=torch.int64)
+        tie[off:off + p.numel()] = (reference.tie_hash_sign(step, idx).float() if cfg.tie_break == "hash" else
+                                    reference.tie_values(cfg.tie_break, step, [(0, 0)], p.numel(), "cpu").float())
+        for r in range(n):
+            cp = c_all[r, off:off + p.numel()]
+            ratio = reference.bbit_ratio(reference.int8_scale(cp, cfg.quant), cfg.quant, bits)
+            u = reference.dither_uniform(reference.dither_seed(step, r), idx) if rounding == "dither" else None
+            k = reference.bbit_codes(cp, ratio, bits, rounding, u).to(torch.int64)
+            assert k.numel() == 0 or int(k.max()) <= m
+            votes = cp != 0
+            total[off:off + p.numel()] += torch.where(votes, 2 * k - m, 0)
+            voters[off:off + p.numel()] += votes.to(torch.int64)
+    delta = torch.sign(total).float()
+    ties = (total == 0) & (voters > 0)
+    return torch.where(ties, tie, delta)
+
+
 def _votes_match_brute_force(rank, n):
     """Every combination: Δ equals the brute force at every step; replicas bit-identical."""
     report = {}
@@ -106,7 +141,7 @@ def _votes_match_brute_force(rank, n):
         torch.manual_seed(0)
         model = Net()
         opt = lioncub_ds.LionCub(model.named_parameters(), lr=3e-3, weight_decay=0.1, comm=comm, vote=vote,
-                                 tie_break=tie, quant=quant,
+                                 tie_break=tie, quant=quant, **BBIT.get((tie, quant), {}) if comm == "bbit" else {},
                                  bucket_size_mb=0.0004 if multi else 25.0)
         gen = torch.Generator().manual_seed(1000 + rank)
         mismatched = 0
@@ -146,12 +181,14 @@ def test_votes_equal_brute_force_and_replicas_identical(n):
 
 def _same_data_as_lion(rank, n):
     out = []
-    for comm in ("allgather", "1bit", "pbit"):
+    # bbit with nearest rounding: every rank sends the same codes, whose sum has the sign of c
+    for comm, extra in (("allgather", {}), ("1bit", {}), ("pbit", {}),
+                        ("bbit", dict(quant="l1", vote_bits=2, rounding="nearest"))):
         torch.manual_seed(0)
         model = Net()
         ref = Net()
         ref.load_state_dict(model.state_dict())
-        opt = lioncub_ds.LionCub(model.parameters(), lr=3e-3, weight_decay=0.1, comm=comm)
+        opt = lioncub_ds.LionCub(model.parameters(), lr=3e-3, weight_decay=0.1, comm=comm, **extra)
         lion = lioncub_ds.Lion(ref.parameters(), lr=3e-3, weight_decay=0.1)
         gen = torch.Generator().manual_seed(7)  # the same data on every rank
         for _ in range(60):

@@ -63,6 +63,19 @@ VARIANTS = {
     "cub_int8": dict(family="cub", comm="int8", quant="l1", label="int8 L1"),
     "cub_int8_sync20": dict(family="cub", comm="int8", quant="l1", sync={"every": 20}, label="int8 L1 + sync/20"),
     "cub_avg": dict(family="avg", comm="1bit", vote="average", label="1bit averaging vote"),
+    # two-phase b-bit scaled votes (comm="bbit"): b-bit L1/L0/Linf codes summed at the shard owner
+    "cub_b1_dither": dict(family="cub", comm="bbit", quant="l1", bits=1, rounding="dither",
+                          label="bbit b=1 L1 dithered (stochastic sign)"),
+    "cub_b2": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="dither", label="bbit b=2 L1 dithered"),
+    "cub_b2_nearest": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="nearest",
+                           label="bbit b=2 L1 nearest"),
+    "cub_b2_l0": dict(family="cub", comm="bbit", quant="l0", bits=2, rounding="dither", label="bbit b=2 L0 dithered"),
+    "cub_b2_linf": dict(family="cub", comm="bbit", quant="linf", bits=2, rounding="dither",
+                        label="bbit b=2 Linf dithered"),
+    "cub_b3": dict(family="cub", comm="bbit", quant="l1", bits=3, rounding="dither", label="bbit b=3 L1 dithered"),
+    "cub_b3_nearest": dict(family="cub", comm="bbit", quant="l1", bits=3, rounding="nearest",
+                           label="bbit b=3 L1 nearest"),
+    "cub_b4": dict(family="cub", comm="bbit", quant="l1", bits=4, rounding="dither", label="bbit b=4 L1 dithered"),
 }
 def spec_of(name):
     """The spec of variant ``name``; ``NAME:FAMILY`` is NAME run with FAMILY's lr (e.g.
@@ -134,18 +147,22 @@ class SimLionCub:
     """
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
-                 momentum_sync=None, sync_dtype="fp32", bucket_size_mb=25.0):
+                 momentum_sync=None, sync_dtype="fp32", bucket_size_mb=25.0, vote_bits=None, rounding=None):
         from lioncub_ds.kernels.reference import padded_numel
         from lioncub_ds.config import LionCubConfig
         from lioncub_ds.momentum_sync import select_params
 
         cfg = LionCubConfig.from_kwargs(lr=lr, betas=betas, vote=vote, comm=comm, quant=quant, tie_break=tie_break,
-                                        momentum_sync=momentum_sync, bucket_size_mb=bucket_size_mb)
-        if comm not in ("1bit", "allgather", "pbit", "int8"):
-            raise ValueError(f"SimLionCub: comm={comm!r} (allowed: 1bit, allgather, pbit, int8)")
+                                        momentum_sync=momentum_sync, bucket_size_mb=bucket_size_mb,
+                                        vote_bits=vote_bits, rounding=rounding)
+        if comm not in ("1bit", "allgather", "pbit", "int8", "bbit"):
+            raise ValueError(f"SimLionCub: comm={comm!r} (allowed: 1bit, allgather, pbit, int8, bbit)")
         if sync_dtype not in ("fp32", "bf16"):
             raise ValueError(f"SimLionCub: sync_dtype={sync_dtype!r} (allowed: fp32, bf16)")
         self.cfg, self.n, self.comm, self.sync_dtype = cfg, n, comm, sync_dtype
+        from lioncub_ds.comm import make_algorithm
+
+        self.algorithm = make_algorithm(comm, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1], quant=cfg.quant)
         self.groups = [dict(g, lr=lr, betas=tuple(betas)) for g in groups]
         self.momenta = {}
         self.step_count = 0
@@ -200,9 +217,9 @@ class SimLionCub:
         # the control flags (int32, pipeline.flag_bytes): carried in the first phase of 1bit /
         # allgather (LionCub without overlap), else their own all-reduce
         control = {name: flag_bytes(len(self.buckets), n, not cfg.overlap and make_algorithm(name).carries_flags)
-                   for name in ("allgather", "pbit", "1bit", "int8")}
+                   for name in ("allgather", "pbit", "1bit", "int8", "bbit")}
         sent = control[self.comm]
-        if self.comm != "int8":  # bytes_if: the sign comms, each with its own way of sending the flags
+        if self.comm not in ("int8", "bbit"):  # bytes_if: the sign comms, each with its own way of sending the flags
             for k in ("allgather", "pbit", "1bit"):
                 self.alt_bytes[k] = self.alt_bytes.get(k, 0) + control[k] - control[self.comm]
         for bi, (gi, params, offsets, total, base) in enumerate(self.buckets):
@@ -238,12 +255,18 @@ class SimLionCub:
                 abstain = max(counts) > 0
                 mode = self.modes.get(bi, "list")
                 overflow = max(counts) > list_capacity(total // 8, n)
-                plus = (c > 0).sum(0, dtype=torch.int32)
-                cnt = (c != 0).sum(0, dtype=torch.int32) if abstain else torch.full_like(plus, n)
-                delta = reference.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, reference.tie_segments(offsets))
-                by = {name: make_algorithm(name).wire_bytes(total, n, mode=mode, vote=cfg.vote,
-                                                            tie_break=cfg.tie_break, abstain=abstain)
-                      for name in ("allgather", "pbit", "1bit")}
+                segs = reference.tie_segments(offsets)
+                if self.comm == "bbit":
+                    delta = self._bbit_delta(c, params, offsets, step, abstain, segs)
+                    by = {"bbit": self.algorithm.wire_bytes(total, n, mode=mode, tie_break=cfg.tie_break,
+                                                            abstain=abstain)}
+                else:
+                    plus = (c > 0).sum(0, dtype=torch.int32)
+                    cnt = (c != 0).sum(0, dtype=torch.int32) if abstain else torch.full_like(plus, n)
+                    delta = reference.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, segs)
+                    by = {name: make_algorithm(name).wire_bytes(total, n, mode=mode, vote=cfg.vote,
+                                                                tie_break=cfg.tie_break, abstain=abstain)
+                          for name in ("allgather", "pbit", "1bit")}
                 if mode == "list" and overflow:
                     sent += self._collective_bytes("all_gather", n * total // 8)
                 self.modes[bi] = "plane" if overflow else "list"
@@ -261,6 +284,25 @@ class SimLionCub:
             self.sync_bytes += sync
         self.bytes_sent += sent
         return sent
+
+    def _bbit_delta(self, c, params, offsets, step, abstain, segs):
+        """Δ of comm="bbit" over a bucket's c [N, total]: each worker's b-bit codes (its own
+        per-tensor scale and dither stream), summed over the voters, sign and tie rule."""
+        from lioncub_ds.kernels import reference
+
+        n, cfg = self.n, self.cfg
+        bits, rounding = cfg.bbit
+        codes = torch.zeros(c.shape, dtype=torch.uint8, device=c.device)
+        seeds = torch.tensor([[reference.dither_seed(step, i)] for i in range(n)], dtype=torch.int64, device=c.device)
+        for p, off in zip(params, offsets):  # every worker at once: its own scale (a row) and stream
+            cp = c[:, off:off + p.numel()]
+            ratio = reference.bbit_ratio_rows(cp, cfg.quant, bits)
+            idx = torch.arange(p.numel(), dtype=torch.int64, device=c.device).view(1, -1)
+            u = reference.dither_uniform(seeds, idx) if rounding == "dither" else None
+            codes[:, off:off + p.numel()] = reference.bbit_codes(cp, ratio, bits, rounding, u)
+        nz = (c != 0) if abstain else None
+        qsum = reference.bbit_sum(codes, nz, bits)
+        return reference.decide_sum(qsum, None if nz is None else nz.any(0), cfg.tie_break, step, segs)
 
     def bytes_if(self, comm):
         """Bytes sent so far had every vote used ``comm`` (same Δ: 1bit / allgather / pbit, majority)."""
@@ -309,7 +351,8 @@ def build_variant(name, model, n, cfg, lrs):
         return Lion(groups, lr=lr, betas=tuple(cfg["betas"])), fam, True
     opt = SimLionCub(groups, n, lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
                      comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=cfg["tie_break"],
-                     momentum_sync=spec.get("sync"), sync_dtype=spec.get("sync_dtype", "fp32"))
+                     momentum_sync=spec.get("sync"), sync_dtype=spec.get("sync_dtype", "fp32"),
+                     vote_bits=spec.get("bits"), rounding=spec.get("rounding"))
     return opt, fam, False
 
 
@@ -397,7 +440,7 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
         wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
         opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
                       comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=cfg["tie_break"],
-                      momentum_sync=spec.get("sync"))
+                      momentum_sync=spec.get("sync"), vote_bits=spec.get("bits"), rounding=spec.get("rounding"))
         for step in range(cfg["steps"]):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])

@@ -29,16 +29,27 @@ class OneBitVote(VoteAlgorithm):
     name = "1bit"
     carries_flags = True  # like the payloads, the flags go to every rank
 
-    @staticmethod
-    def _phase1_widths(jobs, n):
-        return [w for j in jobs for w in (j.plane_bytes // n, j.payload.numel())]
+    planes = 1  # packed vote planes per element (bbit: its b code planes)
+
+    def _phase1_widths(self, jobs, n):
+        return [w for j in jobs for w in (self.planes * j.plane_bytes // n, j.payload.numel())]
+
+    def _vote_rows(self, j: VoteJob, n: int) -> torch.Tensor:
+        """[N, width]: row r = what rank r receives of this rank's votes (shard r of each plane)."""
+        shard = j.plane_bytes // n
+        return j.sign.view(self.planes, n, shard).transpose(0, 1).reshape(n, self.planes * shard)
+
+    def _shard_vote(self, backend, votes, nz, j: VoteJob, rank: int, n: int):
+        """The shard owner's (sign, nonzero) result planes from every rank's votes [N, width]."""
+        shard = j.plane_bytes // n
+        return backend.shard_vote(votes.contiguous(), nz, j.step, j.tie_break,
+                                  j.segments(rank * shard * 8, (rank + 1) * shard * 8))
 
     def launch(self, jobs: list[VoteJob], coll: Collectives, backend, flags=None):
         n = coll.world_size
         rows = []
         for j in jobs:
-            shard = j.plane_bytes // n
-            rows += [j.sign.view(n, shard), j.payload.view(1, -1).expand(n, -1)]
+            rows += [self._vote_rows(j, n), j.payload.view(1, -1).expand(n, -1)]
         riders = None
         if flags is not None:  # last: the widths above never reach it
             rows.append(flags.view(torch.uint8).view(1, -1).expand(n, -1))
@@ -65,8 +76,7 @@ class OneBitVote(VoteAlgorithm):
                 parts.append(plus)
                 widths.append(plus.numel())
             else:
-                seg = j.segments(rank * shard * 8, (rank + 1) * shard * 8)
-                res_sign, res_nz = backend.shard_vote(sign.contiguous(), nz, j.step, j.tie_break, seg)
+                res_sign, res_nz = self._shard_vote(backend, sign, nz, j, rank, n)
                 parts += [res_sign, res_nz] if snz else [res_sign]
                 widths += [shard, shard] if snz else [shard]
         return coll.all_gather(torch.cat(parts), self.name, async_op=True), widths, send_nz  # [N, Σ widths]

@@ -13,8 +13,9 @@ cannot be built), ``torch`` (pure-torch reference, never builds), ``cpp`` or ``c
 
 Every backend exposes the same functions as :mod:`.reference` (which *is* the torch
 backend): local_step, abstain_list, momentum_update_list, vote_apply, shard_vote, count_lanes,
-lanes_apply, int8_local_step, int8_apply, lion_step (the single-process step) and
-zero_sign_apply (the ZeRO sign all-gather apply) (:class:`Backend`). The native backends validate
+lanes_apply, int8_local_step, int8_apply, lion_step (the single-process step),
+zero_sign_apply (the ZeRO sign all-gather apply) and bbit_local_step / bbit_shard_vote (comm="bbit";
+every backend runs the reference's torch ops for these two, on the tensors' device) (:class:`Backend`). The native backends validate
 their arguments in Python before any extension call (docs/kernels.md).
 """
 from __future__ import annotations
@@ -63,6 +64,11 @@ class Backend(Protocol):
 
     def lion_step(self, params, grads, momenta, lr, weight_decay, beta1, beta2): ...
 
+    def bbit_local_step(self, grads, momenta, offsets, total, beta1, beta2, kind, bits, rounding, seed, segments,
+                        update_momentum=False, device_counts=False, momenta_out=None): ...
+
+    def bbit_shard_vote(self, planes, nonzero, bits, step, tie_break, segments): ...
+
     def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays): ...
 
 
@@ -79,6 +85,8 @@ class TorchBackend:
     int8_apply = staticmethod(reference.int8_apply)
     lion_step = staticmethod(reference.lion_step)
     zero_sign_apply = staticmethod(reference.zero_sign_apply)
+    bbit_local_step = staticmethod(reference.bbit_local_step)
+    bbit_shard_vote = staticmethod(reference.bbit_shard_vote)
 
     @staticmethod
     def momentum_update_list(momenta, grads, beta2):

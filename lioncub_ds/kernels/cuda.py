@@ -48,6 +48,9 @@ class CudaBackend:
     """
 
     name = "cuda"
+    # comm="bbit": the reference's torch ops on this device (no fused kernel yet: it reads two counts on the host)
+    bbit_local_step = staticmethod(ref.bbit_local_step)
+    bbit_shard_vote = staticmethod(ref.bbit_shard_vote)
 
     def __init__(self, ext):
         self._ext = ext

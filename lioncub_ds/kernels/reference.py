@@ -156,21 +156,32 @@ def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=Fal
     of Python ints, so a caller can fold them into other device flags without a host read
     (the CUDA backend then never synchronizes).
     """
-    c = torch.zeros(total, dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for g, m, off in zip(grads, momenta, offsets):
-        c[off:off + g.numel()] = lion_direction(m.reshape(-1), g.reshape(-1), beta1)
+    c = bucket_direction(grads, momenta, offsets, total, beta1)
     if update_momentum:
-        for k, (g, m) in enumerate(zip(grads, momenta)):
-            if momenta_out is not None:
-                momenta_out[k].copy_(m)
-                m = momenta_out[k]
-            momentum_update(m, g, beta2)
+        advance_momenta(grads, momenta, beta2, momenta_out)
     sign, nonzero, n_nonfinite, _ = encode_votes(c)
     n_real = sum(g.numel() for g in grads)
     n_zero = int((c == 0).sum()) - (total - n_real)
     if device_counts:
         return sign, nonzero, *as_device_counts(c.device, n_nonfinite, n_zero)
     return sign, nonzero, n_nonfinite, n_zero
+
+
+def bucket_direction(grads, momenta, offsets, total, beta1) -> torch.Tensor:
+    """The bucket's flat fp32 c (padding and gaps 0)."""
+    c = torch.zeros(total, dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for g, m, off in zip(grads, momenta, offsets):
+        c[off:off + g.numel()] = lion_direction(m.reshape(-1), g.reshape(-1), beta1)
+    return c
+
+
+def advance_momenta(grads, momenta, beta2, momenta_out=None) -> None:
+    """:func:`momentum_update` of each momentum: in place, or into ``momenta_out`` (m unchanged)."""
+    for k, (g, m) in enumerate(zip(grads, momenta)):
+        if momenta_out is not None:
+            momenta_out[k].copy_(m)
+            m = momenta_out[k]
+        momentum_update(m, g, beta2)
 
 
 def abstain_list(nonzero: torch.Tensor, mask: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -544,24 +555,29 @@ def ordered_sum(values: torch.Tensor) -> float:
     the block's sum is lane[0]. The result adds the block sums in block order, from +0.0.
     Every add is one IEEE fp64 addition; nothing depends on the ISA, threads or GPU model.
     """
-    n = values.numel()
+    return float(ordered_sum_rows(values.reshape(1, -1))[0])
+
+
+def ordered_sum_rows(values: torch.Tensor) -> torch.Tensor:
+    """:func:`ordered_sum` of each row of a [R, n] tensor at once (fp64 [R], the same bits)."""
+    rows, n = values.shape
+    out = torch.zeros(rows, dtype=torch.float64, device=values.device)
     if n == 0:
-        return 0.0
+        return out
     nb = -(-n // SUM_BLOCK)
-    x = torch.zeros(nb * SUM_BLOCK, dtype=torch.float64, device=values.device)
-    x[:n] = values.reshape(-1).to(torch.float64)
-    x = x.view(nb, SUM_BLOCK // SUM_LANES, SUM_LANES)
-    acc = torch.zeros(nb, SUM_LANES, dtype=torch.float64, device=values.device)
+    x = torch.zeros(rows, nb * SUM_BLOCK, dtype=torch.float64, device=values.device)
+    x[:, :n] = values.to(torch.float64)
+    x = x.view(rows, nb, SUM_BLOCK // SUM_LANES, SUM_LANES)
+    acc = torch.zeros(rows, nb, SUM_LANES, dtype=torch.float64, device=values.device)
     for k in range(SUM_BLOCK // SUM_LANES):  # adding a padding +0.0 leaves a lane unchanged
-        acc = acc + x[:, k, :]
+        acc = acc + x[:, :, k, :]
     s = SUM_LANES // 2
     while s > 0:
-        acc[:, :s] = acc[:, :s] + acc[:, s:2 * s]
+        acc[:, :, :s] = acc[:, :, :s] + acc[:, :, s:2 * s]
         s //= 2
-    total = 0.0
-    for b in acc[:, 0].tolist():  # not sum(): Python's sum() of floats is compensated
-        total += b
-    return total
+    for b in range(nb):  # one fp64 add per block, in block order (not a compensated sum)
+        out = out + acc[:, b, 0]
+    return out
 
 
 def log_parts(a: torch.Tensor):
@@ -607,20 +623,32 @@ def int8_scale(c: torch.Tensor, kind: str) -> float:
       fp32(det_exp((E*ln2 + M) / nnz)), each operation one fp64 rounding; 0 if nnz == 0;
     * linf: max |c| (order-free).
     """
-    a = c.reshape(-1).float().abs()
+    return scale_rows(c.reshape(1, -1), kind)[0]
+
+
+def scale_rows(c: torch.Tensor, kind: str) -> list[float]:
+    """:func:`int8_scale` of each row of a [R, n] tensor (the same values; l1 / linf batched)."""
+    a = c.float().abs()
+    rows, n = a.shape
+    if n == 0:
+        return [0.0] * rows
     if kind == "l1":
-        return _f32(ordered_sum(a) / a.numel()) if a.numel() else 0.0
+        return [_f32(s / n) for s in ordered_sum_rows(a).tolist()]
     if kind == "linf":
-        return float(a.max()) if a.numel() else 0.0
+        return [float(v) for v in a.max(dim=1).values.tolist()]
     if kind == "l0":
-        nz = a > 0
-        nnz = int(nz.sum())
-        if nnz == 0:
-            return 0.0
-        e, logm = log_parts(torch.where(nz, a, torch.ones_like(a)))
-        esum = int(torch.where(nz, e, torch.zeros_like(e)).sum())
-        msum = ordered_sum(torch.where(nz, logm, torch.zeros_like(logm)))
-        return _f32(det_exp((float(esum) * _LN2 + msum) / nnz))
+        out = []
+        for r in a:
+            nz = r > 0
+            nnz = int(nz.sum())
+            if nnz == 0:
+                out.append(0.0)
+                continue
+            e, logm = log_parts(torch.where(nz, r, torch.ones_like(r)))
+            esum = int(torch.where(nz, e, torch.zeros_like(e)).sum())
+            msum = ordered_sum(torch.where(nz, logm, torch.zeros_like(logm)))
+            out.append(_f32(det_exp((float(esum) * _LN2 + msum) / nnz)))
+        return out
     raise ValueError(f"quant scale must be one of {SCALE_KINDS}, got {kind!r}")
 
 
@@ -653,3 +681,144 @@ def int8_apply(qsum, params, offsets, lr, weight_decay, return_delta=True):
     delta = torch.sign(qsum.to(torch.int32)).float()
     apply_update(params, offsets, delta, lr, weight_decay)
     return delta if return_delta else None
+
+
+# ----------------------------------------------------------------------------- b-bit scaled votes (comm="bbit")
+# Each rank sends b-bit codes k in 0..M (M = 2**b - 1) standing for the odd levels q = 2k - M
+# in [-M, M] (a midrise quantizer: every code is a level, none is wasted on 0; an exact c == 0
+# abstains through the abstention payload, as with 1-bit signs). b = 1 with rounding="nearest"
+# is the plain sign vote. The shard owner sums q over the voting ranks in int32 and takes the
+# sign (docs/conventions.md).
+ROUNDINGS = ("nearest", "dither")
+# x = c * M / (CLIP_MULTIPLE * a) is clipped to [-M, M]: the levels span +-2a for the mean-like
+# scales (L1, L0), +-a for the max (Linf, where nothing clips).
+CLIP_MULTIPLE = {"l1": 2.0, "l0": 2.0, "linf": 1.0}
+VOTE_BITS = (1, 2, 3, 4)
+
+
+def bbit_ratio(scale: float, kind: str, bits: int) -> float:
+    """fp32(M / (CLIP_MULTIPLE[kind] * a)) (one fp64 division, rounded once); 0.0 if a is not > 0."""
+    if not scale > 0 or not math.isfinite(scale):
+        return 0.0
+    return _f32(float((1 << bits) - 1) / (CLIP_MULTIPLE[kind] * scale))
+
+
+def bbit_ratio_rows(c: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
+    """:func:`bbit_ratio` of each row's scale of a [R, n] c, as fp32 [R, 1] on c's device (the same
+    bits). L1 and Linf are computed on the device (no host read: the CUDA step does not sync);
+    L0 goes through :func:`scale_rows` on the host."""
+    a = c.float().abs()
+    if kind == "l0" or a.shape[1] == 0:
+        return torch.tensor([[bbit_ratio(x, kind, bits)] for x in scale_rows(a, kind)], dtype=torch.float32,
+                            device=c.device)
+    if kind == "l1":
+        scale = (ordered_sum_rows(a) / a.shape[1]).to(torch.float32)  # fp32(S / n), as int8_scale
+    elif kind == "linf":
+        scale = a.max(dim=1).values
+    else:
+        raise ValueError(f"quant scale must be one of {SCALE_KINDS}, got {kind!r}")
+    m = float((1 << bits) - 1)
+    good = (scale > 0) & torch.isfinite(scale)
+    safe = torch.where(good, scale, torch.ones_like(scale)).to(torch.float64)
+    ratio = (m / (CLIP_MULTIPLE[kind] * safe)).to(torch.float32)
+    return torch.where(good, ratio, torch.zeros_like(ratio)).view(-1, 1)
+
+
+def dither_seed(step: int, rank: int) -> int:
+    """The 32-bit dither seed of (step, rank): :func:`tie_hash` of index ``rank`` at ``step``.
+    Each rank rounds with its own stream; every stream is reproducible."""
+    return int(tie_hash(step, torch.tensor([rank], dtype=torch.int64))[0])
+
+
+def dither_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """u in [0, 1) (fp32, exact): (tie_hash(seed, index) >> 8) * 2**-24, ``index`` the element's
+    index inside its parameter (the layout never changes a rank's rounding)."""
+    return (tie_hash(seed, index) >> 8).to(torch.float32) * (2.0 ** -24)
+
+
+def bbit_codes(c: torch.Tensor, ratio, bits: int, rounding: str, u: torch.Tensor | None = None):
+    """fp32 c -> uint8 codes k in 0..M, standing for q = 2k - M (fp32 math, each op rounded once):
+
+    x = clamp(fl(c * ratio), -M, M);
+    "nearest": k = floor(fl(x * 0.5)) + (M + 1) / 2, capped at M: the odd level closest to x,
+    halfway points (even x) go up, and q has the sign of any nonzero x (b = 1: the sign vote);
+    "dither": y = fl(fl(x + M) * 0.5), k = floor(fl(y + u)), capped at M: unbiased, E[q] = x.
+    ``u``: :func:`dither_uniform` of the elements (dither only). ``ratio``: a float, or fp32 [R, 1]
+    for the rows of a [R, n] c. A zero ratio (c all zero) gives codes for x = 0: such
+    coordinates abstain anyway."""
+    m = float((1 << bits) - 1)
+    x = (c.float() * ratio).clamp_(-m, m)
+    if rounding == "nearest":
+        k = torch.floor(x * 0.5) + (m + 1.0) * 0.5
+    elif rounding == "dither":
+        k = torch.floor((x + m) * 0.5 + u)
+    else:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    return k.clamp_(0.0, m).to(torch.uint8)
+
+
+def bbit_sum(codes: torch.Tensor, nonzero: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """codes uint8 [N, numel] (k per rank), nonzero 0/1 [N, numel] or None (everybody votes)
+    -> int32 Σ over voting ranks of (2k - M)."""
+    q = codes.to(torch.int32) * 2 - ((1 << bits) - 1)
+    if nonzero is not None:
+        q = q * nonzero.to(torch.int32)
+    return q.sum(0, dtype=torch.int32)
+
+
+def decide_sum(qsum, voted, tie_break, step, segments=None):
+    """int32 Σq -> fp32 Δ = sign(Σq); Σq == 0 where some rank voted -> the tie rule; where nobody
+    voted (``voted`` false; None: everybody voted) -> 0. With M = 1 this is the majority rule."""
+    cnt = torch.ones_like(qsum) if voted is None else voted.to(torch.int32)
+    return decide(qsum + cnt, 2 * cnt, 2, "majority", tie_break, step, segments)  # diff = qsum
+
+
+def pack_bitplanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [numel] (numel % 8 == 0) -> [bits, numel/8] packed planes, plane j = bit j."""
+    return torch.stack([pack_bits((codes >> j) & 1) for j in range(bits)])
+
+
+def unpack_bitplanes(planes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bitplanes` over the last dim: [..., bits, bytes] -> uint8 codes [..., 8*bytes]."""
+    out = None
+    for j in range(bits):
+        plane = planes.select(-2, j)
+        v = unpack_bits(plane.reshape(-1)).reshape(*plane.shape[:-1], -1) << j
+        out = v if out is None else out | v
+    return out
+
+
+def bbit_local_step(grads, momenta, offsets, total, beta1, beta2, kind, bits, rounding, seed, segments,
+                    update_momentum=False, device_counts=False, momenta_out=None):
+    """The local half of a comm="bbit" step over one bucket: as :func:`local_step`, but the votes
+    are b-bit codes of c, per tensor scaled by its own ``kind`` scale (a non-finite c counts and
+    is scaled as 0) and rounded with the dither stream ``seed`` (:func:`dither_seed` of the step
+    and this rank) at each element's parameter-local index (``segments``: the bucket's tie-index
+    table). Returns (codes as bit planes uint8 [bits, total/8], nonzero plane, #non-finite, #zero)."""
+    c = bucket_direction(grads, momenta, offsets, total, beta1)
+    if update_momentum:
+        advance_momenta(grads, momenta, beta2, momenta_out)
+    _, nonzero, n_nonfinite, _ = encode_votes(c)
+    n_zero = int((c == 0).sum()) - (total - sum(g.numel() for g in grads))
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    index = tie_index(segments, total, c.device) if rounding == "dither" else None
+    codes = torch.zeros(total, dtype=torch.uint8, device=c.device)
+    for g, off in zip(grads, offsets):
+        piece = c[off:off + g.numel()].view(1, -1)
+        u = dither_uniform(seed, index[off:off + g.numel()]) if index is not None else None
+        codes[off:off + g.numel()] = bbit_codes(piece, bbit_ratio_rows(piece, kind, bits), bits, rounding, u).view(-1)
+    planes = pack_bitplanes(codes, bits)
+    if device_counts:
+        return planes, nonzero, *as_device_counts(c.device, n_nonfinite, n_zero)
+    return planes, nonzero, n_nonfinite, n_zero
+
+
+def bbit_shard_vote(planes, nonzero, bits, step, tie_break, segments):
+    """Two-phase b-bit vote at the shard owner: every rank's code planes of this shard
+    [N, bits, S] and nonzero planes [N, S] (None: everybody votes) -> packed result planes
+    (sign bits, nonzero bits), as :func:`shard_vote`."""
+    codes = unpack_bitplanes(planes, bits)  # [N, 8S]
+    nz = None if nonzero is None else unpack_bits(nonzero.reshape(-1)).reshape(nonzero.shape[0], -1)
+    qsum = bbit_sum(codes, nz, bits)
+    delta = decide_sum(qsum, None if nz is None else nz.any(0), tie_break, step, segments)
+    return pack_bits(delta > 0), pack_bits(delta != 0)
