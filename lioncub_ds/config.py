@@ -182,8 +182,10 @@ class LionCubConfig:
             raise LionCubConfigError(f"LionCub: comm={self.comm!r} sends 1-bit signs and needs quant='sign' "
                                      f"(got quant={self.quant!r}); use comm='int8' or 'auto' for scaled quantizers")
         if self.vote == "average" and self.quant != "sign":
-            raise LionCubConfigError(f"LionCub: vote='average' is not meaningful with a scaled quantizer (quant={self.quant!r}); "
-                                     "allowed: vote='majority' with int8, or quant='sign' for averaging")
+            kind = "b-bit" if self.comm == "bbit" else "int8"
+            raise LionCubConfigError(f"LionCub: vote='average' is not meaningful with the {kind} quantizer "
+                                     f"(quant={self.quant!r}); allowed: vote='majority' with {kind}, or quant='sign' "
+                                     "for averaging")
         if not _is_real(self.bucket_size_mb) or not self.bucket_size_mb > 0 or not math.isfinite(self.bucket_size_mb):
             raise _err("bucket_size_mb", self.bucket_size_mb, "a number > 0 (MB of fp32 parameters per bucket)")
         if self.pbit_bits is not None:

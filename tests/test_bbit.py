@@ -43,14 +43,14 @@ def test_row_sums_and_scales_equal_the_one_tensor_versions(numel):
 
 def test_ratio_is_max_level_over_clip_point():
     c = torch.tensor([1.0, -3.0, 0.0, 2.0])  # L1 = 1.5, Linf = 3
-    assert R.bbit_ratio(R.int8_scale(c, "l1"), "l1", 2) == pytest.approx(3 / (2 * 1.5))
-    assert R.bbit_ratio(R.int8_scale(c, "linf"), "linf", 3) == pytest.approx(7 / 3)
+    assert R.bbit_ratio(R.int8_scale(c, "l1"), "l1", 2) == pytest.approx(2 / (2 * 1.5))
+    assert R.bbit_ratio(R.int8_scale(c, "linf"), "linf", 3) == pytest.approx(6 / 3)
     assert R.bbit_ratio(0.0, "l1", 2) == 0.0 and R.bbit_ratio(float("nan"), "l1", 2) == 0.0
 
 
 # ----------------------------------------------------------------------------- codes
 def _levels(bits):
-    m = 2 ** bits - 1
+    m = R.bbit_qmax(bits)
     return torch.arange(-m, m + 1, 2, dtype=torch.float32)
 
 
@@ -60,8 +60,8 @@ def test_nearest_codes_are_the_closest_level_halves_up(bits, numel):
     c = _c(numel, bits * 100 + numel)
     ratio = R.bbit_ratio(R.int8_scale(c, "l1"), "l1", bits)
     k = R.bbit_codes(c, ratio, bits, "nearest")
-    assert k.dtype == torch.uint8 and int(k.max()) <= 2 ** bits - 1
-    m = 2 ** bits - 1
+    m = R.bbit_qmax(bits)
+    assert k.dtype == torch.uint8 and int(k.max()) <= m
     x = (c * ratio).clamp(-m, m)
     levels = _levels(bits)
     dist = (x.view(-1, 1) - levels.view(1, -1)).abs()
@@ -70,8 +70,19 @@ def test_nearest_codes_are_the_closest_level_halves_up(bits, numel):
     # a closest level (fp32 arithmetic: an ulp's doubt only right at a halfway point) ...
     err = (x - q).abs()
     assert bool((err <= best + 1e-6).all()) and bool(((err == best) | ((err - 1).abs() < 1e-6)).all())
-    halfway = x.remainder(2) == 0  # an even x lies halfway between two odd levels
+    halfway = x.remainder(2) == (0 if bits == 1 else 1)  # halfway between two levels (2 apart)
     assert torch.equal(q[halfway], (x[halfway] + 1).clamp(max=m))  # ... and exact halfway cases go up
+
+
+def test_midtread_levels_send_zero_for_small_c():
+    """b >= 2: |x| < 1 (c below half a level) rounds to the zero level; b = 1 has no zero level."""
+    c = torch.tensor([1e-30, -1e-30, 0.3, -0.49, 0.51, -0.51])
+    for bits in (2, 3, 4):
+        q = 2 * R.bbit_codes(c, 2.0, bits, "nearest").to(torch.int64) - R.bbit_qmax(bits)
+        assert q.tolist() == [0, 0, 0, 0, 2, -2]
+    q1 = 2 * R.bbit_codes(c, 2.0, 1, "nearest").to(torch.int64) - 1
+    assert q1.tolist() == [1, -1, 1, -1, 1, -1]
+    assert [R.bbit_qmax(b) for b in R.VOTE_BITS] == [1, 2, 6, 14]
 
 
 def test_one_bit_nearest_is_the_sign():
@@ -83,7 +94,7 @@ def test_one_bit_nearest_is_the_sign():
 
 @pytest.mark.parametrize("bits", (1, 2, 3))
 def test_dither_is_unbiased_and_only_touches_the_two_neighbouring_levels(bits):
-    m = 2 ** bits - 1
+    m = R.bbit_qmax(bits)
     x = torch.linspace(-m, m, 41)  # inside the range, ratio 1: x is the target level
     idx = torch.arange(41, dtype=torch.int64)
     total = torch.zeros(41, dtype=torch.float64)
@@ -128,14 +139,14 @@ def test_bitplanes_round_trip(bits):
 def test_shard_vote_equals_brute_force(bits, n, tie_break):
     numel, step = 8 * 13, 5
     g = torch.Generator().manual_seed(bits * 10 + n)
-    codes = torch.randint(0, 2 ** bits, (n, numel), generator=g, dtype=torch.int64).to(torch.uint8)
+    codes = torch.randint(0, R.bbit_qmax(bits) + 1, (n, numel), generator=g, dtype=torch.int64).to(torch.uint8)
     nz = torch.rand(n, numel, generator=g) > 0.3
     nz[:, :8] = False  # nobody votes
     planes = torch.stack([R.pack_bitplanes(codes[r], bits) for r in range(n)])
     nz_planes = torch.stack([R.pack_bits(nz[r]) for r in range(n)])
     segs = R.tie_segments([0], [40])  # a shard that starts at index 40 of its parameter
     sign, nonzero = R.bbit_shard_vote(planes, nz_planes, bits, step, tie_break, segs)
-    m = 2 ** bits - 1
+    m = R.bbit_qmax(bits)
     total = ((2 * codes.to(torch.int64) - m) * nz).sum(0)
     voters = nz.sum(0)
     tie = R.tie_values(tie_break, step, segs, numel, "cpu")

@@ -107,11 +107,11 @@ def _brute_force(opt, before, grads, momenta, n):
 
 def _bbit_oracle(opt, b, c_all, n):
     """comm="bbit" from every rank's fp32 c: each rank's codes (its own per-parameter scale and its own
-    dither stream at the parameter-local index), Σ (2k − M) over the ranks whose c != 0, then sign;
+    dither stream at the parameter-local index), Σ (2k − Q) over the ranks whose c != 0, then sign;
     Σ = 0 with a voter: the tie rule; no voter: 0."""
     cfg, step = opt.config, opt.step_count + 1
     bits, rounding = cfg.bbit
-    m = 2 ** bits - 1
+    m = reference.bbit_qmax(bits)
     total = torch.zeros(b.numel, dtype=torch.int64)
     voters = torch.zeros(b.numel, dtype=torch.int64)
     tie = torch.zeros(b.numel)

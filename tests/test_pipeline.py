@@ -170,13 +170,13 @@ class _null:
 def _overlap_vs_plain(rank, n):
     out = {}
     for comm, vote in (("allgather", "majority"), ("1bit", "majority"), ("1bit", "average"), ("pbit", "majority"),
-                       ("int8", "majority")):
+                       ("int8", "majority"), ("bbit", "majority")):
         res = {}
         for overlap, double in ((False, False), (True, False), (False, True), (True, True)):
             torch.manual_seed(0)
             model = Net()
             opt = lioncub_ds.LionCub(model.parameters(), lr=1e-2, comm=comm, vote=vote,
-                                     quant="l1" if comm == "int8" else "sign", bucket_size_mb=0.004,
+                                     quant="l1" if comm in ("int8", "bbit") else "sign", bucket_size_mb=0.004,
                                      comm_bucket_mb=0.0002, overlap=overlap, momentum_double_buffer=double)
             gen = torch.Generator().manual_seed(50 + rank)
             res[overlap, double] = _train(model, opt, gen, rank, overlap)
@@ -249,11 +249,12 @@ def _flag_collectives(rank, n):
     from lioncub_ds.pipeline import flag_bytes
 
     out = {}
-    for comm in ("1bit", "allgather", "pbit", "int8"):
+    for comm in ("1bit", "allgather", "pbit", "int8", "bbit"):
         for mode in ("step", "overlap", "prepare_step"):
             torch.manual_seed(0)
             model = Net()
-            opt = lioncub_ds.LionCub(model.parameters(), lr=1e-2, comm=comm, quant="l1" if comm == "int8" else "sign",
+            opt = lioncub_ds.LionCub(model.parameters(), lr=1e-2, comm=comm,
+                                     quant="l1" if comm in ("int8", "bbit") else "sign",
                                      bucket_size_mb=0.004, comm_bucket_mb=0.0002, overlap=mode == "overlap")
             gen = torch.Generator().manual_seed(7 + rank)
             for step in range(3):
@@ -275,14 +276,14 @@ def _flag_collectives(rank, n):
 
 
 def test_flags_ride_in_the_last_batch_of_gather_like_algorithms():
-    """1bit and allgather launched from step(): no flag all-reduce (the flags ride in the last
+    """1bit, bbit and allgather launched from step(): no flag all-reduce (the flags ride in the last
     batch's first phase, counted as control bytes); pbit, int8, overlap=True and prepare_step()
     keep the all-reduce. Either way a NaN on one rank skips the step everywhere, and the
     parameters do not depend on how the flags travelled."""
     n = 2
     res = run_ranks(_flag_collectives, n, timeout=600)
     for (comm, mode), r in res[0].items():
-        carried = comm in ("1bit", "allgather") and mode == "step"
+        carried = comm in ("1bit", "allgather", "bbit") and mode == "step"
         assert ("all_reduce" in r["by_collective"]) == (not carried or comm in ("pbit", "int8")), (comm, mode, r)
         assert r["control"] == (r["want_carried"] if carried else r["want_reduced"]), (comm, mode, r)
         assert r["skipped"] == 1, (comm, mode)

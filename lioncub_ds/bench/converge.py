@@ -67,6 +67,8 @@ VARIANTS = {
     "cub_b1_dither": dict(family="cub", comm="bbit", quant="l1", bits=1, rounding="dither",
                           label="bbit b=1 L1 dithered (stochastic sign)"),
     "cub_b2": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="dither", label="bbit b=2 L1 dithered"),
+    "cub_b2_tz": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="dither", tie_break="zero",
+                      label="bbit b=2 L1 dithered, ties -> no move"),
     "cub_b2_nearest": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="nearest",
                            label="bbit b=2 L1 nearest"),
     "cub_b2_l0": dict(family="cub", comm="bbit", quant="l0", bits=2, rounding="dither", label="bbit b=2 L0 dithered"),
@@ -350,7 +352,7 @@ def build_variant(name, model, n, cfg, lrs):
         groups = [{k: v for k, v in g.items() if k != "names"} for g in groups]
         return Lion(groups, lr=lr, betas=tuple(cfg["betas"])), fam, True
     opt = SimLionCub(groups, n, lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
-                     comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=cfg["tie_break"],
+                     comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=spec.get("tie_break", cfg["tie_break"]),
                      momentum_sync=spec.get("sync"), sync_dtype=spec.get("sync_dtype", "fp32"),
                      vote_bits=spec.get("bits"), rounding=spec.get("rounding"))
     return opt, fam, False
@@ -439,8 +441,8 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
         lr = lrs[spec["family"]]
         wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
         opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
-                      comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=cfg["tie_break"],
-                      momentum_sync=spec.get("sync"), vote_bits=spec.get("bits"), rounding=spec.get("rounding"))
+                      comm=spec["comm"], quant=spec.get("quant", "sign"),
+                      tie_break=spec.get("tie_break", cfg["tie_break"]), momentum_sync=spec.get("sync"), vote_bits=spec.get("bits"), rounding=spec.get("rounding"))
         for step in range(cfg["steps"]):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])

@@ -1,14 +1,17 @@
 """``bbit``: two-phase b-bit scaled votes (the sign of a sum of magnitudes, a 1-bit result).
 
-Each rank quantizes its c to b-bit codes k, standing for the odd levels q = 2k − M
-(M = 2**b − 1), scaled per tensor by its own L1 / L0 / Linf scale and rounded to the nearest
-level or dithered (unbiased, from a reproducible per-rank hash stream): the kernels'
-``bbit_local_step``. Phase 1: all-to-all of the codes as b bit planes, so rank r holds shard r
-of every rank's codes, with every rank's abstention payload (exactly as ``1bit``). The shard
-owner sums q over the voting ranks in int32 and takes the sign (Σq = 0: the tie rule; nobody
-voted: 0). Phase 2: all-gather of the 1-bit results, applied as ``1bit`` applies its own.
-Wire bytes per rank: (N−1)/N·P·(b+1)/8 + (N−1)·payload, 64/(b+1)x fewer than an fp32 ring
-all-reduce (b = 2: 21x). b = 1 with rounding="nearest" is ``1bit`` majority, bit for bit.
+Each rank quantizes its c to b-bit codes k, standing for the levels q = 2k − Q (b ≥ 2: the
+2**b − 1 levels −Q..Q with zero among them, Q = 2**b − 2, so b = 2 is a ternary vote; b = 1: ±1),
+scaled per tensor by its own L1 / L0 / Linf scale and rounded to the nearest level or dithered
+(unbiased, from a reproducible per-rank hash stream): the kernels' ``bbit_local_step``. A rank
+whose c is small next to its tensor's scale mostly sends 0, so sparse signals (rare tokens'
+embedding rows, seen by a few ranks) are not drowned by every other rank's stale sign. Phase 1:
+all-to-all of the codes as b bit planes, so rank r holds shard r of every rank's codes, with
+every rank's abstention payload (exactly as ``1bit``). The shard owner sums q over the voting
+ranks in int32 and takes the sign (Σq = 0: the tie rule; nobody voted: 0). Phase 2: all-gather
+of the 1-bit results, applied as ``1bit`` applies its own. Wire bytes per rank:
+(N−1)/N·P·(b+1)/8 + (N−1)·payload, 64/(b+1)x fewer than an fp32 ring all-reduce (b = 2: 21x).
+b = 1 with rounding="nearest" is ``1bit`` majority, bit for bit.
 """
 from __future__ import annotations
 

@@ -684,23 +684,29 @@ def int8_apply(qsum, params, offsets, lr, weight_decay, return_delta=True):
 
 
 # ----------------------------------------------------------------------------- b-bit scaled votes (comm="bbit")
-# Each rank sends b-bit codes k in 0..M (M = 2**b - 1) standing for the odd levels q = 2k - M
-# in [-M, M] (a midrise quantizer: every code is a level, none is wasted on 0; an exact c == 0
-# abstains through the abstention payload, as with 1-bit signs). b = 1 with rounding="nearest"
-# is the plain sign vote. The shard owner sums q over the voting ranks in int32 and takes the
-# sign (docs/conventions.md).
+# Each rank sends b-bit codes k in 0..Q standing for the levels q = 2k - Q. b >= 2: Q = 2**b - 2, the
+# 2**b - 1 even levels -Q..Q, zero among them (a midtread quantizer: a rank whose c is small next to
+# its tensor's scale mostly sends 0 and adds no noise to the sum; with b = 2 the votes are ternary).
+# b = 1: Q = 1, the levels -1 and +1 (the sign vote). An exact c == 0 abstains through the
+# abstention payload, as with 1-bit signs. The shard owner sums q over the voting ranks in int32 and
+# takes the sign (docs/conventions.md).
 ROUNDINGS = ("nearest", "dither")
-# x = c * M / (CLIP_MULTIPLE * a) is clipped to [-M, M]: the levels span +-2a for the mean-like
+# x = c * Q / (CLIP_MULTIPLE * a) is clipped to [-Q, Q]: the levels span +-2a for the mean-like
 # scales (L1, L0), +-a for the max (Linf, where nothing clips).
 CLIP_MULTIPLE = {"l1": 2.0, "l0": 2.0, "linf": 1.0}
 VOTE_BITS = (1, 2, 3, 4)
 
 
+def bbit_qmax(bits: int) -> int:
+    """Q, the largest level: 1 for b = 1 (levels +-1), 2**b - 2 for b >= 2 (levels -Q..Q in steps of 2)."""
+    return 1 if bits == 1 else (1 << bits) - 2
+
+
 def bbit_ratio(scale: float, kind: str, bits: int) -> float:
-    """fp32(M / (CLIP_MULTIPLE[kind] * a)) (one fp64 division, rounded once); 0.0 if a is not > 0."""
+    """fp32(Q / (CLIP_MULTIPLE[kind] * a)) (one fp64 division, rounded once); 0.0 if a is not > 0."""
     if not scale > 0 or not math.isfinite(scale):
         return 0.0
-    return _f32(float((1 << bits) - 1) / (CLIP_MULTIPLE[kind] * scale))
+    return _f32(float(bbit_qmax(bits)) / (CLIP_MULTIPLE[kind] * scale))
 
 
 def bbit_ratio_rows(c: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
@@ -717,7 +723,7 @@ def bbit_ratio_rows(c: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
         scale = a.max(dim=1).values
     else:
         raise ValueError(f"quant scale must be one of {SCALE_KINDS}, got {kind!r}")
-    m = float((1 << bits) - 1)
+    m = float(bbit_qmax(bits))
     good = (scale > 0) & torch.isfinite(scale)
     safe = torch.where(good, scale, torch.ones_like(scale)).to(torch.float64)
     ratio = (m / (CLIP_MULTIPLE[kind] * safe)).to(torch.float32)
@@ -737,30 +743,32 @@ def dither_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
 
 
 def bbit_codes(c: torch.Tensor, ratio, bits: int, rounding: str, u: torch.Tensor | None = None):
-    """fp32 c -> uint8 codes k in 0..M, standing for q = 2k - M (fp32 math, each op rounded once):
+    """fp32 c -> uint8 codes k in 0..Q (:func:`bbit_qmax`), standing for q = 2k - Q (fp32 math, each
+    op rounded once; h = 0.5 and o = Q/2 for b >= 2, h = 0 and o = 1 for b = 1):
 
-    x = clamp(fl(c * ratio), -M, M);
-    "nearest": k = floor(fl(x * 0.5)) + (M + 1) / 2, capped at M: the odd level closest to x,
-    halfway points (even x) go up, and q has the sign of any nonzero x (b = 1: the sign vote);
-    "dither": y = fl(fl(x + M) * 0.5), k = floor(fl(y + u)), capped at M: unbiased, E[q] = x.
+    x = clamp(fl(c * ratio), -Q, Q);
+    "nearest": k = floor(fl(fl(x * 0.5) + h)) + o, capped at Q: the level closest to x, halfway
+    points go up, and no rounding of a small x can flip its sign (b = 1: the sign vote);
+    "dither": k = floor(fl(fl(fl(x + Q) * 0.5) + u)), capped at Q: unbiased, E[q] = x.
     ``u``: :func:`dither_uniform` of the elements (dither only). ``ratio``: a float, or fp32 [R, 1]
-    for the rows of a [R, n] c. A zero ratio (c all zero) gives codes for x = 0: such
+    for the rows of a [R, n] c. A zero ratio (c all zero) gives the codes of x = 0: such
     coordinates abstain anyway."""
-    m = float((1 << bits) - 1)
-    x = (c.float() * ratio).clamp_(-m, m)
+    qmax = float(bbit_qmax(bits))
+    x = (c.float() * ratio).clamp_(-qmax, qmax)
     if rounding == "nearest":
-        k = torch.floor(x * 0.5) + (m + 1.0) * 0.5
+        h, o = (0.0, 1.0) if bits == 1 else (0.5, qmax * 0.5)
+        k = torch.floor(x * 0.5 + h) + o
     elif rounding == "dither":
-        k = torch.floor((x + m) * 0.5 + u)
+        k = torch.floor((x + qmax) * 0.5 + u)
     else:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    return k.clamp_(0.0, m).to(torch.uint8)
+    return k.clamp_(0.0, qmax).to(torch.uint8)
 
 
 def bbit_sum(codes: torch.Tensor, nonzero: torch.Tensor | None, bits: int) -> torch.Tensor:
     """codes uint8 [N, numel] (k per rank), nonzero 0/1 [N, numel] or None (everybody votes)
-    -> int32 Σ over voting ranks of (2k - M)."""
-    q = codes.to(torch.int32) * 2 - ((1 << bits) - 1)
+    -> int32 Σ over voting ranks of (2k - Q)."""
+    q = codes.to(torch.int32) * 2 - bbit_qmax(bits)
     if nonzero is not None:
         q = q * nonzero.to(torch.int32)
     return q.sum(0, dtype=torch.int32)
@@ -768,7 +776,7 @@ def bbit_sum(codes: torch.Tensor, nonzero: torch.Tensor | None, bits: int) -> to
 
 def decide_sum(qsum, voted, tie_break, step, segments=None):
     """int32 Σq -> fp32 Δ = sign(Σq); Σq == 0 where some rank voted -> the tie rule; where nobody
-    voted (``voted`` false; None: everybody voted) -> 0. With M = 1 this is the majority rule."""
+    voted (``voted`` false; None: everybody voted) -> 0. With Q = 1 this is the majority rule."""
     cnt = torch.ones_like(qsum) if voted is None else voted.to(torch.int32)
     return decide(qsum + cnt, 2 * cnt, 2, "majority", tie_break, step, segments)  # diff = qsum
 
