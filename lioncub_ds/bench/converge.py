@@ -101,6 +101,24 @@ DEFAULT_LR_GRID = {"adamw": (2e-3, 4e-3, 8e-3), "lion": (2.5e-4, 5e-4, 1e-3), "c
                    "avg": (1e-3, 2e-3, 4e-3)}
 DEFAULT_LR = {"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3}
 
+# Named protocols (docs/convergence.md): one command reproduces each study; flags given explicitly
+# override a protocol's values. "lr" is the per-family lr the study used (tuned on seed 1000 at that
+# horizon, --tune); "tune_with" the variant each family's sweep trains.
+PROTOCOLS = {
+    "short": dict(steps=300, betas=[0.8, 0.9], world_sizes=[8], seeds=[0, 1, 2, 3, 4],
+                  lr={"adamw": 8e-3, "lion": 5e-4, "cub": 1e-3, "avg": 1e-3},
+                  variants=["adamw", "lion", "cub_1bit", "cub_int8", "cub_b2"]),
+    "long": dict(steps=1200, betas=[0.95, 0.98], world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
+                 lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3},
+                 variants=["adamw", "lion", "cub_1bit", "cub_int8", "cub_b2"]),
+    "long99": dict(steps=1200, betas=[0.9, 0.99], world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
+                   lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3},
+                   variants=["adamw", "lion", "cub_1bit", "cub_b2"]),
+}
+# Used when neither a flag nor --protocol sets them.
+BASE_SETTINGS = dict(steps=300, betas=[0.9, 0.99], world_sizes=[8], seeds=[0, 1, 2, 3, 4], lr={},
+                     variants=list(DEFAULT_VARIANTS))
+
 # two-sided 95% Student t quantiles t_{0.975, df}
 _T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 7: 2.3646, 8: 2.3060, 9: 2.2622,
          10: 2.2281, 11: 2.2010, 12: 2.1788, 13: 2.1604, 14: 2.1448, 15: 2.1314, 16: 2.1199, 17: 2.1098,
@@ -236,8 +254,9 @@ class SimLionCub:
                     c = reference.lion_direction(self.momenta[p].reshape(n, -1), grads[p].reshape(n, -1), b1)
                     if not bool(torch.isfinite(c).all()):
                         raise FloatingPointError("SimLionCub: non-finite c (the real LionCub would skip the step)")
-                    for i in range(n):  # per worker: the per-tensor scale is a reduction over that worker's c
-                        q = reference.int8_quantize(c[i], reference.int8_scale(c[i], cfg.quant), levels)
+                    # per worker: the per-tensor scale is a reduction over that worker's c (one batched call)
+                    for i, a in enumerate(reference.scale_rows(c, cfg.quant)):
+                        q = reference.int8_quantize(c[i], a, levels)
                         qsum[off:off + p.numel()] += q.to(torch.int32)
                 delta = torch.sign(qsum).float()
                 sent += self._collective_bytes("all_reduce", total)
@@ -473,7 +492,7 @@ def _load(cfg):
     return load_dataset(cfg["data"])
 
 
-def tune(world_sizes, cfg, grid, tune_seed, device="cpu", verbose=True, ds=None, base=None):
+def tune(world_sizes, cfg, grid, tune_seed, device="cpu", verbose=True, ds=None, base=None, tune_with=None):
     """lr sweep per family and N on ``tune_seed`` -> ({N: {family: best lr}}, records).
 
     ``base``: the lrs of the families not swept (the Lion-family wd follows lr_adamw)."""
@@ -486,10 +505,11 @@ def tune(world_sizes, cfg, grid, tune_seed, device="cpu", verbose=True, ds=None,
             for lr in lrs:
                 trial = dict(DEFAULT_LR, **(base or {}), **best[n])
                 trial[fam] = lr
-                r = train_one(FAMILIES[fam], tune_seed, n, cfg, trial, ds, device)
+                variant = (tune_with or {}).get(fam, FAMILIES[fam])
+                r = train_one(variant, tune_seed, n, cfg, trial, ds, device)
                 loss = r["curve"][-1][1]
                 results.append((loss if math.isfinite(loss) else float("inf"), lr))
-                recs.append({"bench": "converge_tune", "world_size": n, "family": fam, "variant": FAMILIES[fam],
+                recs.append({"bench": "converge_tune", "world_size": n, "family": fam, "variant": variant,
                              "lr": lr, "seed": tune_seed, "val_loss": loss, "steps": cfg["steps"],
                              "betas": list(cfg["betas"]) if fam != "adamw" else list(cfg["adamw_betas"])})
                 if verbose:
@@ -694,12 +714,19 @@ def _parse_lr(items):
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench converge", description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+    p.add_argument("--protocol", choices=sorted(PROTOCOLS), default=None,
+                   help="a named study (steps, betas, N, seeds, lrs, variants; docs/convergence.md): short = 300 "
+                        "steps, beta (0.8, 0.9); long = 1,200 steps, beta (0.95, 0.98), N = 8 and 16; long99 = "
+                        "1,200 steps, beta (0.9, 0.99). Explicit flags override its values")
+    p.add_argument("--tune-with", nargs="*", default=[], metavar="FAMILY=VARIANT",
+                   help="with --tune: the variant whose run tunes FAMILY's lr (default: "
+                        + ", ".join(f"{f}={v}" for f, v in FAMILIES.items()) + ")")
+    p.add_argument("--variants", nargs="+", default=None,
                    help=f"any of {', '.join(VARIANTS)}; NAME:FAMILY runs a Lion Cub variant with FAMILY's lr "
                         "(e.g. cub_1bit:lion)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[8], help="simulated workers N (e.g. 4 8 16)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="paired seeds (default 0 1 2 3 4)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None, help="simulated workers N (default 8)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300)")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=2)
@@ -708,7 +735,7 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=4, help="sequences per worker per step")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of the peak lr")
-    p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.99], help="Lion-family (beta1, beta2)")
+    p.add_argument("--betas", type=float, nargs=2, default=None, help="Lion-family (beta1, beta2) (default 0.9 0.99)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=8, help="fixed val batches per evaluation")
     p.add_argument("--eval-batch", type=int, default=32)
@@ -771,8 +798,19 @@ def merge(paths):
     return meta, records, tune_recs, uniq
 
 
+def apply_protocol(args):
+    """Fill the settings no flag gave from ``--protocol`` (or the base defaults); --lr values
+    override the protocol's per family."""
+    proto = PROTOCOLS[args.protocol] if args.protocol else BASE_SETTINGS
+    for key in ("steps", "betas", "world_sizes", "seeds", "variants"):
+        if getattr(args, key) is None:
+            setattr(args, key, list(proto[key]) if isinstance(proto[key], list) else proto[key])
+    args.base_lr = dict(proto["lr"])  # below --lr (which also stops --tune from sweeping that family)
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = apply_protocol(build_parser().parse_args(argv))
     t0 = time.perf_counter()
     if args.merge:
         meta, records, tune_recs, curves = merge(args.merge)
@@ -794,14 +832,21 @@ def main(argv=None) -> int:
     ds = _load(cfg)
     fixed = _parse_lr(args.lr)
     tune_recs = []
-    lrs = {n: dict(DEFAULT_LR, **fixed) for n in args.world_sizes}
+    lrs = {n: {**DEFAULT_LR, **args.base_lr, **fixed} for n in args.world_sizes}
     if args.tune:
         grid = {f: v for f, v in json.loads(args.lr_grid).items() if f not in fixed}
         for v in args.variants:
             spec_of(v)  # fail early on a bad name
         fams_needed = {spec_of(v)["family"] for v in args.variants} | {"adamw"}
         grid = {f: v for f, v in grid.items() if f in fams_needed}
-        best, tune_recs = tune(args.world_sizes, cfg, grid, args.tune_seed, args.device, ds=ds, base=fixed)
+        with_ = {}
+        for it in args.tune_with:
+            fam, _, var = it.partition("=")
+            if fam not in FAMILIES or spec_of(var)["family"] != fam:
+                raise SystemExit(f"--tune-with {it!r}: expected FAMILY=VARIANT with a variant of that family")
+            with_[fam] = var
+        best, tune_recs = tune(args.world_sizes, cfg, grid, args.tune_seed, args.device, ds=ds,
+                               base={**args.base_lr, **fixed}, tune_with=with_)
         for n in args.world_sizes:
             lrs[n].update(best[n])
         for n in args.world_sizes:
