@@ -69,6 +69,12 @@ VARIANTS = {
     "cub_b2": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="dither", label="bbit b=2 L1 dithered"),
     "cub_b2_tz": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="dither", tie_break="zero",
                       label="bbit b=2 L1 dithered, ties -> no move"),
+    "cub_b2_ef": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="nearest", ef=True,
+                      label="bbit b=2 L1 nearest + error feedback"),
+    "cub_b2_ef_tz": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="nearest", ef=True, tie_break="zero",
+                         label="bbit b=2 L1 nearest + error feedback, ties -> no move"),
+    "cub_b1_ef": dict(family="cub", comm="bbit", quant="l1", bits=1, rounding="nearest", ef=True,
+                      label="bbit b=1 (sign) + error feedback"),
     "cub_b2_nearest": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="nearest",
                            label="bbit b=2 L1 nearest"),
     "cub_b2_l0": dict(family="cub", comm="bbit", quant="l0", bits=2, rounding="dither", label="bbit b=2 L0 dithered"),
@@ -167,7 +173,8 @@ class SimLionCub:
     """
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
-                 momentum_sync=None, sync_dtype="fp32", bucket_size_mb=25.0, vote_bits=None, rounding=None):
+                 momentum_sync=None, sync_dtype="fp32", bucket_size_mb=25.0, vote_bits=None, rounding=None,
+                 error_feedback=False):
         from lioncub_ds.kernels.reference import padded_numel
         from lioncub_ds.config import LionCubConfig
         from lioncub_ds.momentum_sync import select_params
@@ -180,6 +187,7 @@ class SimLionCub:
         if sync_dtype not in ("fp32", "bf16"):
             raise ValueError(f"SimLionCub: sync_dtype={sync_dtype!r} (allowed: fp32, bf16)")
         self.cfg, self.n, self.comm, self.sync_dtype = cfg, n, comm, sync_dtype
+        self.error_feedback, self.residual = error_feedback, {}
         from lioncub_ds.comm import make_algorithm
 
         self.algorithm = make_algorithm(comm, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1], quant=cfg.quant)
@@ -317,10 +325,20 @@ class SimLionCub:
         seeds = torch.tensor([[reference.dither_seed(step, i)] for i in range(n)], dtype=torch.int64, device=c.device)
         for p, off in zip(params, offsets):  # every worker at once: its own scale (a row) and stream
             cp = c[:, off:off + p.numel()]
+            if self.error_feedback:  # quantize c + the residual of earlier steps; keep what was not sent
+                res = self.residual.setdefault(p, torch.zeros_like(cp))
+                voting = cp != 0
+                cp = torch.where(voting, cp + res, cp)
             ratio = reference.bbit_ratio_rows(cp, cfg.quant, bits)
             idx = torch.arange(p.numel(), dtype=torch.int64, device=c.device).view(1, -1)
             u = reference.dither_uniform(seeds, idx) if rounding == "dither" else None
-            codes[:, off:off + p.numel()] = reference.bbit_codes(cp, ratio, bits, rounding, u)
+            k = reference.bbit_codes(cp, ratio, bits, rounding, u)
+            codes[:, off:off + p.numel()] = k
+            if self.error_feedback:
+                q = k.float() * 2 - reference.bbit_qmax(bits)
+                sent = torch.where(ratio > 0, q / torch.where(ratio > 0, ratio, torch.ones_like(ratio)),
+                                   torch.zeros_like(q))
+                res.copy_(torch.where(voting, cp - sent, res))
         nz = (c != 0) if abstain else None
         qsum = reference.bbit_sum(codes, nz, bits)
         return reference.decide_sum(qsum, None if nz is None else nz.any(0), cfg.tie_break, step, segs)
@@ -373,7 +391,8 @@ def build_variant(name, model, n, cfg, lrs):
     opt = SimLionCub(groups, n, lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
                      comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=spec.get("tie_break", cfg["tie_break"]),
                      momentum_sync=spec.get("sync"), sync_dtype=spec.get("sync_dtype", "fp32"),
-                     vote_bits=spec.get("bits"), rounding=spec.get("rounding"))
+                     vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
+                     error_feedback=spec.get("ef", False))
     return opt, fam, False
 
 
