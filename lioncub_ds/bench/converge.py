@@ -327,18 +327,14 @@ class SimLionCub:
             cp = c[:, off:off + p.numel()]
             if self.error_feedback:  # quantize c + the residual of earlier steps; keep what was not sent
                 res = self.residual.setdefault(p, torch.zeros_like(cp))
-                voting = cp != 0
-                cp = torch.where(voting, cp + res, cp)
+                cp, voting = reference.bbit_feedback(cp, res)
             ratio = reference.bbit_ratio_rows(cp, cfg.quant, bits)
             idx = torch.arange(p.numel(), dtype=torch.int64, device=c.device).view(1, -1)
             u = reference.dither_uniform(seeds, idx) if rounding == "dither" else None
             k = reference.bbit_codes(cp, ratio, bits, rounding, u)
             codes[:, off:off + p.numel()] = k
             if self.error_feedback:
-                q = k.float() * 2 - reference.bbit_qmax(bits)
-                sent = torch.where(ratio > 0, q / torch.where(ratio > 0, ratio, torch.ones_like(ratio)),
-                                   torch.zeros_like(q))
-                res.copy_(torch.where(voting, cp - sent, res))
+                res.copy_(reference.bbit_residual(cp, voting, k, ratio, bits, res))
         nz = (c != 0) if abstain else None
         qsum = reference.bbit_sum(codes, nz, bits)
         return reference.decide_sum(qsum, None if nz is None else nz.any(0), cfg.tie_break, step, segs)
