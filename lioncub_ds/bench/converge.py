@@ -476,7 +476,8 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
         wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
         opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
                       comm=spec["comm"], quant=spec.get("quant", "sign"),
-                      tie_break=spec.get("tie_break", cfg["tie_break"]), momentum_sync=spec.get("sync"), vote_bits=spec.get("bits"), rounding=spec.get("rounding"))
+                      tie_break=spec.get("tie_break", cfg["tie_break"]), momentum_sync=spec.get("sync"), vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
+                      error_feedback=spec.get("ef", False))
         for step in range(cfg["steps"]):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])

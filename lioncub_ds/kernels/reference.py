@@ -807,6 +807,7 @@ def bbit_residual(v, voting, codes, ratio, bits, residual):
     """Error feedback, after quantizing: the new residual fl(v - fl(q / ratio)) (q = 2k - Q; what
     this rank's codes did not carry) where it voted, the old residual elsewhere; a zero ratio sends 0."""
     q = codes.float() * 2 - bbit_qmax(bits)
+    ratio = torch.as_tensor(ratio, dtype=torch.float32, device=q.device)
     good = ratio > 0
     sent = torch.where(good, q / torch.where(good, ratio, torch.ones_like(ratio)), torch.zeros_like(q))
     return torch.where(voting, v - sent, residual.float())
