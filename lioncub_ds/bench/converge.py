@@ -39,7 +39,7 @@ from .common import add_output_args, finish, print_table
 NAME = "converge"
 
 # family -> which variant the lr sweep runs
-FAMILIES = {"adamw": "adamw", "lion": "lion", "cub": "cub_1bit", "avg": "cub_avg"}
+FAMILIES = {"adamw": "adamw", "lion": "lion", "cub": "cub_1bit", "avg": "cub_avg", "bbit": "cub_b3"}
 # Names of the "small" parameters (embeddings, norms, biases): 14% of the tiny GPT.
 SMALL_LAYERS = ["tok_emb.*", "pos_emb.*", "*ln*", "*.bias"]
 VARIANTS = {
@@ -64,32 +64,32 @@ VARIANTS = {
     "cub_int8_sync20": dict(family="cub", comm="int8", quant="l1", sync={"every": 20}, label="int8 L1 + sync/20"),
     "cub_avg": dict(family="avg", comm="1bit", vote="average", label="1bit averaging vote"),
     # two-phase b-bit scaled votes (comm="bbit"): b-bit L1/L0/Linf codes summed at the shard owner
-    "cub_b1_dither": dict(family="cub", comm="bbit", quant="l1", bits=1, rounding="dither",
+    "cub_b1_dither": dict(family="bbit", comm="bbit", quant="l1", bits=1, rounding="dither",
                           label="bbit b=1 L1 dithered (stochastic sign)"),
-    "cub_b2": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="dither", label="bbit b=2 L1 dithered"),
-    "cub_b2_tz": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="dither", tie_break="zero",
+    "cub_b2": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither", label="bbit b=2 L1 dithered"),
+    "cub_b2_tz": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither", tie_break="zero",
                       label="bbit b=2 L1 dithered, ties -> no move"),
-    "cub_b2_ef": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="nearest", ef=True,
+    "cub_b2_ef": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest", ef=True,
                       label="bbit b=2 L1 nearest + error feedback"),
-    "cub_b2_ef_tz": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="nearest", ef=True, tie_break="zero",
+    "cub_b2_ef_tz": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest", ef=True, tie_break="zero",
                          label="bbit b=2 L1 nearest + error feedback, ties -> no move"),
-    "cub_b1_ef": dict(family="cub", comm="bbit", quant="l1", bits=1, rounding="nearest", ef=True,
+    "cub_b1_ef": dict(family="bbit", comm="bbit", quant="l1", bits=1, rounding="nearest", ef=True,
                       label="bbit b=1 (sign) + error feedback"),
-    "cub_b2_nearest": dict(family="cub", comm="bbit", quant="l1", bits=2, rounding="nearest",
+    "cub_b2_nearest": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest",
                            label="bbit b=2 L1 nearest"),
-    "cub_b2_l0": dict(family="cub", comm="bbit", quant="l0", bits=2, rounding="dither", label="bbit b=2 L0 dithered"),
-    "cub_b2_linf": dict(family="cub", comm="bbit", quant="linf", bits=2, rounding="dither",
+    "cub_b2_l0": dict(family="bbit", comm="bbit", quant="l0", bits=2, rounding="dither", label="bbit b=2 L0 dithered"),
+    "cub_b2_linf": dict(family="bbit", comm="bbit", quant="linf", bits=2, rounding="dither",
                         label="bbit b=2 Linf dithered"),
-    "cub_b3": dict(family="cub", comm="bbit", quant="l1", bits=3, rounding="dither", label="bbit b=3 L1 dithered"),
-    "cub_b3_nearest": dict(family="cub", comm="bbit", quant="l1", bits=3, rounding="nearest",
+    "cub_b3": dict(family="bbit", comm="bbit", quant="l1", bits=3, rounding="dither", label="bbit b=3 L1 dithered"),
+    "cub_b3_nearest": dict(family="bbit", comm="bbit", quant="l1", bits=3, rounding="nearest",
                            label="bbit b=3 L1 nearest"),
-    "cub_b4": dict(family="cub", comm="bbit", quant="l1", bits=4, rounding="dither", label="bbit b=4 L1 dithered"),
+    "cub_b4": dict(family="bbit", comm="bbit", quant="l1", bits=4, rounding="dither", label="bbit b=4 L1 dithered"),
 }
 def spec_of(name):
     """The spec of variant ``name``; ``NAME:FAMILY`` is NAME run with FAMILY's lr (e.g.
     ``cub_1bit:lion``: Lion Cub with global Lion's tuned lr, a drop-in replacement)."""
     base, _, fam = name.partition(":")
-    if base not in VARIANTS or (fam and fam not in ("lion", "cub", "avg")):
+    if base not in VARIANTS or (fam and fam not in ("lion", "cub", "avg", "bbit")):
         raise ValueError(f"unknown converge variant {name!r}")
     spec = dict(VARIANTS[base])
     spec["kind"] = spec["family"]  # which optimizer; "family" = whose tuned lr it uses
@@ -104,21 +104,21 @@ def spec_of(name):
 DEFAULT_VARIANTS = ("adamw", "lion", "dlion", "cub_1bit", "cub_1bit_sync5", "cub_1bit_sync20", "cub_1bit_geo",
                     "cub_1bit_sync5_small", "cub_1bit_sync20_bf16", "cub_int8", "cub_int8_sync20", "cub_avg")
 DEFAULT_LR_GRID = {"adamw": (2e-3, 4e-3, 8e-3), "lion": (2.5e-4, 5e-4, 1e-3), "cub": (2.5e-4, 5e-4, 1e-3),
-                   "avg": (1e-3, 2e-3, 4e-3)}
-DEFAULT_LR = {"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3}
+                   "avg": (1e-3, 2e-3, 4e-3), "bbit": (2.5e-4, 5e-4, 1e-3)}
+DEFAULT_LR = {"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3, "bbit": 5e-4}
 
 # Named protocols (docs/convergence.md): one command reproduces each study; flags given explicitly
 # override a protocol's values. "lr" is the per-family lr the study used (tuned on seed 1000 at that
 # horizon, --tune); "tune_with" the variant each family's sweep trains.
 PROTOCOLS = {
     "short": dict(steps=300, betas=[0.8, 0.9], world_sizes=[8], seeds=[0, 1, 2, 3, 4],
-                  lr={"adamw": 8e-3, "lion": 5e-4, "cub": 1e-3, "avg": 1e-3},
+                  lr={"adamw": 8e-3, "lion": 5e-4, "cub": 1e-3, "avg": 1e-3, "bbit": 1e-3},
                   variants=["adamw", "lion", "cub_1bit", "cub_int8", "cub_b2"]),
     "long": dict(steps=1200, betas=[0.95, 0.98], world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
-                 lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3},
+                 lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3, "bbit": 5e-4},
                  variants=["adamw", "lion", "cub_1bit", "cub_int8", "cub_b2"]),
     "long99": dict(steps=1200, betas=[0.9, 0.99], world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
-                   lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3},
+                   lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3, "bbit": 5e-4},
                    variants=["adamw", "lion", "cub_1bit", "cub_b2"]),
 }
 # Used when neither a flag nor --protocol sets them.
