@@ -75,6 +75,14 @@ VARIANTS = {
                          label="bbit b=2 L1 nearest + error feedback, ties -> no move"),
     "cub_b1_ef": dict(family="bbit", comm="bbit", quant="l1", bits=1, rounding="nearest", ef=True,
                       label="bbit b=1 (sign) + error feedback"),
+    "cub_b2_ema5": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither", ema=0.5,
+                        label="bbit b=2 L1 dithered, owner EMA 0.5"),
+    "cub_b2_ema8": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither", ema=0.8,
+                        label="bbit b=2 L1 dithered, owner EMA 0.8"),
+    "cub_b1_ema8": dict(family="bbit", comm="bbit", quant="l1", bits=1, rounding="dither", ema=0.8,
+                        label="bbit b=1 L1 dithered (stochastic sign), owner EMA 0.8"),
+    "cub_b2n_ema8": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest", ema=0.8,
+                         label="bbit b=2 L1 nearest, owner EMA 0.8"),
     "cub_b2_nearest": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest",
                            label="bbit b=2 L1 nearest"),
     "cub_b2_l0": dict(family="bbit", comm="bbit", quant="l0", bits=2, rounding="dither", label="bbit b=2 L0 dithered"),
@@ -174,7 +182,7 @@ class SimLionCub:
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
                  momentum_sync=None, sync_dtype="fp32", bucket_size_mb=25.0, vote_bits=None, rounding=None,
-                 error_feedback=False):
+                 error_feedback=False, owner_ema=0.0):
         from lioncub_ds.kernels.reference import padded_numel
         from lioncub_ds.config import LionCubConfig
         from lioncub_ds.momentum_sync import select_params
@@ -188,6 +196,7 @@ class SimLionCub:
             raise ValueError(f"SimLionCub: sync_dtype={sync_dtype!r} (allowed: fp32, bf16)")
         self.cfg, self.n, self.comm, self.sync_dtype = cfg, n, comm, sync_dtype
         self.error_feedback, self.residual = error_feedback, {}
+        self.owner_ema, self.owner_sums = owner_ema, {}
         from lioncub_ds.comm import make_algorithm
 
         self.algorithm = make_algorithm(comm, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1], quant=cfg.quant)
@@ -337,6 +346,11 @@ class SimLionCub:
                 res.copy_(reference.bbit_residual(cp, voting, k, ratio, bits, res))
         nz = (c != 0) if abstain else None
         qsum = reference.bbit_sum(codes, nz, bits)
+        if self.owner_ema:  # the shard owner's running sum: s <- γ·s + Σq, Δ = sign(s)
+            key = (offsets[0], c.shape[1], id(params[0]))
+            acc = self.owner_sums.setdefault(key, torch.zeros(c.shape[1], dtype=torch.float32, device=c.device))
+            acc.mul_(self.owner_ema).add_(qsum.float())
+            qsum = torch.sign(acc).to(torch.int32)
         return reference.decide_sum(qsum, None if nz is None else nz.any(0), cfg.tie_break, step, segs)
 
     def bytes_if(self, comm):
@@ -388,7 +402,7 @@ def build_variant(name, model, n, cfg, lrs):
                      comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=spec.get("tie_break", cfg["tie_break"]),
                      momentum_sync=spec.get("sync"), sync_dtype=spec.get("sync_dtype", "fp32"),
                      vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
-                     error_feedback=spec.get("ef", False))
+                     error_feedback=spec.get("ef", False), owner_ema=spec.get("ema", 0.0))
     return opt, fam, False
 
 
@@ -519,7 +533,7 @@ def tune(world_sizes, cfg, grid, tune_seed, device="cpu", verbose=True, ds=None,
         for fam, lrs in grid.items():
             results = []
             for lr in lrs:
-                trial = dict(DEFAULT_LR, **(base or {}), **best[n])
+                trial = {**DEFAULT_LR, **(base or {}), **best[n]}
                 trial[fam] = lr
                 variant = (tune_with or {}).get(fam, FAMILIES[fam])
                 r = train_one(variant, tune_seed, n, cfg, trial, ds, device)
