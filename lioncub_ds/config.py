@@ -147,7 +147,6 @@ class LionCubConfig:
     pbit_bits: int | None = None
     vote_bits: int | None = None   # comm="bbit": bits per vote code (default 2)
     rounding: str | None = None    # comm="bbit": "nearest" | "dither" (default)
-    error_feedback: bool = False   # comm="bbit": quantize c + what earlier codes did not carry (+4 B/param)
     network: dict = field(default_factory=lambda: dict(DEFAULT_NETWORK))
     nonfinite: str = "skip"
     drift_check_every: int = 0
@@ -210,9 +209,7 @@ class LionCubConfig:
             raise _err("drift_check_every", self.drift_check_every, "an integer >= 0 (0 = off)")
         if not _is_real(self.comm_bucket_mb) or not self.comm_bucket_mb > 0 or not math.isfinite(self.comm_bucket_mb):
             raise _err("comm_bucket_mb", self.comm_bucket_mb, "a number > 0 (MB of packed votes per communication batch)")
-        if self.error_feedback is True and self.comm != "bbit":
-            raise LionCubConfigError(f"LionCub: error_feedback=True is only used with comm='bbit' (got comm={self.comm!r})")
-        for key in ("overlap", "momentum_double_buffer", "error_feedback"):
+        for key in ("overlap", "momentum_double_buffer"):
             if not isinstance(getattr(self, key), bool):
                 raise _err(key, getattr(self, key), "True or False")
         if self.timeout_s is not None and (not _is_real(self.timeout_s) or not 0 < self.timeout_s < math.inf):

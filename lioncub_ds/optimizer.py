@@ -119,8 +119,6 @@ class LionCub(Optimizer):
         quant: "sign" (1-bit votes) or "l1" | "l0" | "linf" (int8 or b-bit scaled votes).
         vote_bits, rounding: comm="bbit" only: bits per vote code (1-4, default 2) and "dither"
             (default: unbiased, a reproducible per-rank stream) or "nearest".
-        error_feedback: comm="bbit" only: each rank quantizes c plus the residual its earlier codes
-            did not carry (fp32 state, +4 bytes per parameter, saved in checkpoints).
         tie_break: "hash" (default) | "alternate" | "zero": what an even-N tie does.
         momentum_sync: None or a dict (every, until, schedule, k, layers, group, group_size, inter_every).
         process_group: the data-parallel group that votes (default: the world).
@@ -149,7 +147,7 @@ class LionCub(Optimizer):
                  momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
                  nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
                  comm_bucket_mb=4.0, overlap=False, momentum_double_buffer=False, vote_bits=None, rounding=None,
-                 error_feedback=False, **unknown):
+                 **unknown):
         # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
         # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
         settings = dict(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
@@ -158,7 +156,7 @@ class LionCub(Optimizer):
                         drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
                         foreach=foreach, comm_bucket_mb=comm_bucket_mb, overlap=overlap,
                         momentum_double_buffer=momentum_double_buffer, vote_bits=vote_bits, rounding=rounding,
-                        error_feedback=error_feedback, **unknown)
+                        **unknown)
         if network is not None:
             settings["network"] = network
         self.config = LionCubConfig.from_kwargs(**settings)
@@ -187,7 +185,7 @@ class LionCub(Optimizer):
         self.stats = CommStats()
         self._plan_logged = False
         self._skipped_steps = 0
-        self._next_buffers = {}  # (param, state key) -> the spare buffer the step writes the next state to
+        self._next_momenta = {}  # momentum_double_buffer: param -> the buffer the next momentum goes to
 
     # ------------------------------------------------------------------ group
     def set_process_group(self, group) -> None:
@@ -376,28 +374,20 @@ class LionCub(Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")  # a host counter, as in torch.optim
         return state["exp_avg"]
 
-    def _vote_residual(self, p):
-        """error_feedback: p's fp32 residual (what earlier codes did not carry); optimizer state, saved."""
-        state = self.state[p]
-        if "vote_residual" not in state:
-            state["vote_residual"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        return state["vote_residual"]
-
-    def _next_state(self, p, key):
-        """Where this step's local pass writes p's next ``key`` state ("exp_avg" with
-        momentum_double_buffer, "vote_residual" with error_feedback). It becomes the state when the
-        step commits (:meth:`_commit_state`; the old tensor is then reused), so a skipped step
-        changes nothing. The spare buffer is not optimizer state: never saved."""
-        cur = self._momentum(p) if key == "exp_avg" else self._vote_residual(p)
-        buf = self._next_buffers.get((p, key))
-        if buf is None or buf.dtype != cur.dtype or buf.shape != cur.shape or buf.device != cur.device:
-            buf = self._next_buffers[(p, key)] = torch.empty_like(cur, memory_format=torch.contiguous_format)
+    def _next_momentum(self, p):
+        """momentum_double_buffer: where this step's local pass writes p's next momentum. It
+        becomes the state's ``exp_avg`` when the step commits (the old one is then reused), so a
+        skipped step changes nothing. Not optimizer state: never saved."""
+        buf = self._next_momenta.get(p)
+        m = self._momentum(p)
+        if buf is None or buf.dtype != m.dtype or buf.shape != m.shape or buf.device != m.device:
+            buf = self._next_momenta[p] = torch.empty_like(m, memory_format=torch.contiguous_format)
         return buf
 
-    def _commit_state(self, p, key, new):
+    def _commit_momentum(self, p, new):
         state = self.state[p]
-        self._next_buffers[(p, key)] = state[key]
-        state[key] = new
+        self._next_momenta[p] = state["exp_avg"]
+        state["exp_avg"] = new
 
     def state_dict(self):
         sd = super().state_dict()
@@ -410,13 +400,12 @@ class LionCub(Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("lioncub", None)
         # torch casts floating state to the parameter's dtype; keep the momenta exact instead.
-        dtypes = {"exp_avg": self.config.momentum_dtype, "vote_residual": torch.float32}
-        saved = {(idx, key): st[key] for idx, st in state_dict.get("state", {}).items() for key in dtypes if key in st}
+        saved = {idx: st["exp_avg"] for idx, st in state_dict.get("state", {}).items() if "exp_avg" in st}
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
-        for (idx, key), t in saved.items():
+        for idx, m in saved.items():
             p = params[int(idx)]
-            self.state[p][key] = t.to(device=p.device, dtype=dtypes[key]).clone()
+            self.state[p]["exp_avg"] = m.to(device=p.device, dtype=self.config.momentum_dtype).clone()
         if extra is not None:
             self._step_count = int(extra.get("step", 0))
             self._skipped_steps = int(extra.get("skipped_steps", 0))

@@ -64,17 +64,13 @@ def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[i
 
 class _Local:
     """One bucket's local half of a step (nothing written to optimizer state)."""
-    __slots__ = ("job", "grads", "momenta", "backend", "nonfinite", "flags", "versions", "next_momenta",
-                 "next_residuals")
+    __slots__ = ("job", "grads", "momenta", "backend", "nonfinite", "flags", "versions", "next_momenta")
 
-    def __init__(self, job, grads, momenta, backend, nonfinite, flags, versions, next_momenta=None,
-                 next_residuals=None):
+    def __init__(self, job, grads, momenta, backend, nonfinite, flags, versions, next_momenta=None):
         self.job, self.grads, self.momenta, self.backend = job, grads, momenta, backend
         self.nonfinite, self.flags, self.versions = nonfinite, flags, versions
         # momentum_double_buffer: the momenta already advanced by the local pass (else None)
         self.next_momenta = next_momenta
-        # error_feedback: the vote residuals written by the local pass, committed with the step (else None)
-        self.next_residuals = next_residuals
 
 
 class VotePipeline:
@@ -146,22 +142,19 @@ class VotePipeline:
         else:
             # momentum_double_buffer: the next momenta are written in this same pass over g and m
             # (into spare buffers: a skipped step must leave m unchanged), saving a second pass later
-            nxt = [opt._next_state(p, "exp_avg") for p in b.params] if cfg.momentum_double_buffer else None
+            nxt = [opt._next_momentum(p) for p in b.params] if cfg.momentum_double_buffer else None
             al = b.algorithm
             if al.name == "bbit":  # b-bit codes as bit planes (job.sign), dithered per rank and step
-                res = [opt._vote_residual(p) for p in b.params] if cfg.error_feedback else None
-                res_out = [opt._next_state(p, "vote_residual") for p in b.params] if res is not None else None
                 sign, nz, nonfinite, _ = be.bbit_local_step(grads, momenta, b.offsets, b.numel, b1, b2, al.quant,
                                                             al.bits, al.rounding, dither_seed(job.step, opt.rank),
                                                             job.segments(), nxt is not None, device_counts=True,
-                                                            momenta_out=nxt, residuals=res, residuals_out=res_out)
+                                                            momenta_out=nxt)
             else:
                 sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, nxt is not None,
                                                        device_counts=True, momenta_out=nxt)
             flags = self._payload(job, b, sign, nz, be)
         versions = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
-        self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt,
-                               res_out if b.algorithm.name == "bbit" else None)
+        self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt)
 
     @staticmethod
     def _payload(job, b, sign, nz, be):
@@ -301,12 +294,9 @@ class VotePipeline:
         # The momenta do not depend on the vote: they advance while any phase 2 is in flight.
         for i, loc in enumerate(self.local):
             b = opt._buckets[i]
-            if loc.next_residuals is not None:
-                for p, r in zip(b.params, loc.next_residuals):
-                    opt._commit_state(p, "vote_residual", r)
             if loc.next_momenta is not None:
                 for p, m in zip(b.params, loc.next_momenta):
-                    opt._commit_state(p, "exp_avg", m)
+                    opt._commit_momentum(p, m)
             else:
                 loc.backend.momentum_update_list(loc.momenta, loc.grads, opt.param_groups[b.group_index]["betas"][1])
             opt.stats.add_baseline(b.real_numel, opt.world_size)

@@ -99,8 +99,8 @@ def test_same_command_same_numbers(ds):
 
 # ----------------------------------------------------------------------------- simulation == real LionCub
 @pytest.mark.parametrize("n,variants", [(2, ("cub_1bit", "dlion", "cub_int8", "cub_avg", "cub_1bit_sync5_small",
-                                             "cub_1bit_geo", "cub_b2", "cub_b3_nearest", "cub_b2_ef")),
-                                        (4, ("cub_1bit", "cub_int8", "cub_b2", "cub_b2_l0", "cub_b2_ef_tz"))])
+                                             "cub_1bit_geo", "cub_b2", "cub_b3_nearest")),
+                                        (4, ("cub_1bit", "cub_int8", "cub_b2", "cub_b2_l0"))])
 def test_simulation_equals_real_lioncub(ds, n, variants):
     """N simulated workers give bit-identical parameters (SHA-1) and the same bytes as N real
     gloo ranks running LionCub. Momentum sync sums fp32 across ranks, which is exact only

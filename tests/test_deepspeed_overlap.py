@@ -113,7 +113,7 @@ def _state(engine):
     return {"params": torch.cat([p.detach().reshape(-1).clone() for p in engine.module.parameters()]),
             "momenta": torch.cat([opt.state[p]["exp_avg"].reshape(-1).clone() for p in engine.module.parameters()]),
             "step_count": opt.step_count, "overlap": dict(opt.comm_stats()["overlap"]),
-            "spare_momenta": sum(key == "exp_avg" for _, key in opt._next_buffers),
+            "spare_momenta": len(opt._next_momenta),
             "summary": engine.lioncub.summary()}
 
 

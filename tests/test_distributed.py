@@ -21,12 +21,10 @@ COMBOS = ([(c, v, t, "sign") for c in ("allgather", "1bit", "pbit") for v in ("m
            for t in ("hash", "alternate", "zero")]
           + [("int8", "majority", "hash", q) for q in ("l1", "l0", "linf")]
           + [("auto", "majority", "hash", "sign")]
-          + [("bbit", "majority", t, q) for t, q in (("hash", "l1"), ("zero", "linf"), ("alternate", "l0"),
-                                                      ("hash", "linf"))])
-# comm="bbit": the code width, rounding and error feedback of each combination above
+          + [("bbit", "majority", t, q) for t, q in (("hash", "l1"), ("zero", "linf"), ("alternate", "l0"))])
+# comm="bbit": the code width and rounding of each combination above
 BBIT = {("hash", "l1"): dict(vote_bits=2, rounding="dither"), ("zero", "linf"): dict(vote_bits=3, rounding="nearest"),
-        ("alternate", "l0"): dict(vote_bits=1, rounding="dither"),
-        ("hash", "linf"): dict(vote_bits=2, rounding="nearest", error_feedback=True)}
+        ("alternate", "l0"): dict(vote_bits=1, rounding="dither")}
 # Several small buckets (one of them holds only abstaining rows some steps): a few combinations suffice.
 MULTI_BUCKET = {("1bit", "majority", "zero", "sign"), ("pbit", "average", "hash", "sign"), ("allgather", "majority", "alternate", "sign"),
                 ("bbit", "majority", "hash", "l1")}
@@ -113,26 +111,17 @@ def _bbit_oracle(opt, b, c_all, n):
     Σ = 0 with a voter: the tie rule; no voter: 0."""
     cfg, step = opt.config, opt.step_count + 1
     bits, rounding = cfg.bbit
-    if cfg.error_feedback:  # every rank's residual, to quantize c + r where c != 0
-        mine = torch.cat([opt.state[p]["vote_residual"].reshape(-1) if "vote_residual" in opt.state[p]
-                          else torch.zeros(p.numel()) for p in b.params])
-        res = [torch.zeros_like(mine) for _ in range(n)]
-        dist.all_gather(res, mine)
-        starts = [sum(q.numel() for q in b.params[:i]) for i in range(len(b.params))]
     m = reference.bbit_qmax(bits)
     total = torch.zeros(b.numel, dtype=torch.int64)
     voters = torch.zeros(b.numel, dtype=torch.int64)
     tie = torch.zeros(b.numel)
-    for j, (p, off) in enumerate(zip(b.params, b.offsets)):
+    for p, off in zip(b.params, b.offsets):
         idx = torch.arange(p.numel(), dtype=torch.int64)
         tie[off:off + p.numel()] = (reference.tie_hash_sign(step, idx).float() if cfg.tie_break == "hash" else
                                     reference.tie_values(cfg.tie_break, step, [(0, 0)], p.numel(), "cpu").float())
         for r in range(n):
             cp = c_all[r, off:off + p.numel()]
             votes = cp != 0
-            if cfg.error_feedback:
-                st = starts[j]
-                cp = torch.where(votes, cp + res[r][st:st + p.numel()], cp)
             ratio = reference.bbit_ratio(reference.int8_scale(cp, cfg.quant), cfg.quant, bits)
             u = reference.dither_uniform(reference.dither_seed(step, r), idx) if rounding == "dither" else None
             k = reference.bbit_codes(cp, ratio, bits, rounding, u).to(torch.int64)

@@ -83,6 +83,12 @@ VARIANTS = {
                         label="bbit b=1 L1 dithered (stochastic sign), owner EMA 0.8"),
     "cub_b2n_ema8": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest", ema=0.8,
                          label="bbit b=2 L1 nearest, owner EMA 0.8"),
+    "cub_b3_every2": dict(family="bbit", comm="bbit", quant="l1", bits=3, rounding="dither", vote_every=2,
+                          label="bbit b=3 L1 dithered, a vote every 2nd step (Δ reused)"),
+    "cub_b4_every2": dict(family="bbit", comm="bbit", quant="l1", bits=4, rounding="dither", vote_every=2,
+                          label="bbit b=4 L1 dithered, a vote every 2nd step (Δ reused)"),
+    "cub_int8_every4": dict(family="cub", comm="int8", quant="l1", vote_every=4,
+                            label="int8 L1, a vote every 4th step (Δ reused)"),
     "cub_b2_nearest": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest",
                            label="bbit b=2 L1 nearest"),
     "cub_b2_l0": dict(family="bbit", comm="bbit", quant="l0", bits=2, rounding="dither", label="bbit b=2 L0 dithered"),
@@ -170,6 +176,26 @@ def lr_at(step, steps, peak, warmup, min_ratio=0.1):
     return lo + 0.5 * (peak - lo) * (1.0 + math.cos(math.pi * frac))
 
 
+def bbit_feedback(c: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error feedback (a screening variant of the simulation; LionCub has no such setting: the
+    long-horizon study found it harmful, docs/convergence.md), before quantizing: (v, voting) with v = fl(c + r) where c != 0 (a voting
+    coordinate) and c elsewhere (an abstaining coordinate keeps its residual for later)."""
+    voting = c != 0
+    return torch.where(voting, c + residual.float(), c), voting
+
+
+def bbit_residual(v, voting, codes, ratio, bits, residual):
+    """Error feedback, after quantizing: the new residual fl(v - fl(q / ratio)) (q = 2k - Q; what
+    this rank's codes did not carry) where it voted, the old residual elsewhere; a zero ratio sends 0."""
+    from lioncub_ds.kernels import reference
+
+    q = codes.float() * 2 - reference.bbit_qmax(bits)
+    ratio = torch.as_tensor(ratio, dtype=torch.float32, device=q.device)
+    good = ratio > 0
+    sent = torch.where(good, q / torch.where(good, ratio, torch.ones_like(ratio)), torch.zeros_like(q))
+    return torch.where(voting, v - sent, residual.float())
+
+
 # ----------------------------------------------------------------------------- the simulated LionCub
 class SimLionCub:
     """N workers' Lion Cub step in one process, with LionCub's exact math and byte accounting.
@@ -182,7 +208,7 @@ class SimLionCub:
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
                  momentum_sync=None, sync_dtype="fp32", bucket_size_mb=25.0, vote_bits=None, rounding=None,
-                 error_feedback=False, owner_ema=0.0):
+                 error_feedback=False, owner_ema=0.0, vote_every=1):
         from lioncub_ds.kernels.reference import padded_numel
         from lioncub_ds.config import LionCubConfig
         from lioncub_ds.momentum_sync import select_params
@@ -197,6 +223,7 @@ class SimLionCub:
         self.cfg, self.n, self.comm, self.sync_dtype = cfg, n, comm, sync_dtype
         self.error_feedback, self.residual = error_feedback, {}
         self.owner_ema, self.owner_sums = owner_ema, {}
+        self.vote_every, self.last_delta = vote_every, {}
         from lioncub_ds.comm import make_algorithm
 
         self.algorithm = make_algorithm(comm, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1], quant=cfg.quant)
@@ -255,6 +282,9 @@ class SimLionCub:
         # allgather (LionCub without overlap), else their own all-reduce
         control = {name: flag_bytes(len(self.buckets), n, not cfg.overlap and make_algorithm(name).carries_flags)
                    for name in ("allgather", "pbit", "1bit", "int8", "bbit")}
+        voting = self.vote_every <= 1 or (step - 1) % self.vote_every == 0 or not self.last_delta
+        if not voting:
+            control = {k: flag_bytes(len(self.buckets), n, False) for k in control}
         sent = control[self.comm]
         if self.comm not in ("int8", "bbit"):  # bytes_if: the sign comms, each with its own way of sending the flags
             for k in ("allgather", "pbit", "1bit"):
@@ -264,7 +294,9 @@ class SimLionCub:
             b1, b2 = g["betas"]
             lr, wd = g["lr"], g["weight_decay"]
             dev = params[0].device
-            if self.comm == "int8":
+            if self.vote_every > 1 and (step - 1) % self.vote_every != 0 and bi in self.last_delta:
+                delta = self.last_delta[bi]  # no vote this step: the last agreed Δ again
+            elif self.comm == "int8":
                 levels = reference.int8_levels(n)
                 qsum = torch.zeros(total, dtype=torch.int32, device=dev)
                 for p, off in zip(params, offsets):
@@ -311,6 +343,7 @@ class SimLionCub:
                 sent += by[self.comm]
                 for k, v in by.items():
                     self.alt_bytes[k] = self.alt_bytes.get(k, 0) + v - by[self.comm]
+            self.last_delta[bi] = delta
             reference.apply_update(params, offsets, delta, lr, wd)
             for p in params:
                 reference.momentum_update(self.momenta[p], grads[p], b2)
@@ -336,14 +369,14 @@ class SimLionCub:
             cp = c[:, off:off + p.numel()]
             if self.error_feedback:  # quantize c + the residual of earlier steps; keep what was not sent
                 res = self.residual.setdefault(p, torch.zeros_like(cp))
-                cp, voting = reference.bbit_feedback(cp, res)
+                cp, voting = bbit_feedback(cp, res)
             ratio = reference.bbit_ratio_rows(cp, cfg.quant, bits)
             idx = torch.arange(p.numel(), dtype=torch.int64, device=c.device).view(1, -1)
             u = reference.dither_uniform(seeds, idx) if rounding == "dither" else None
             k = reference.bbit_codes(cp, ratio, bits, rounding, u)
             codes[:, off:off + p.numel()] = k
             if self.error_feedback:
-                res.copy_(reference.bbit_residual(cp, voting, k, ratio, bits, res))
+                res.copy_(bbit_residual(cp, voting, k, ratio, bits, res))
         nz = (c != 0) if abstain else None
         qsum = reference.bbit_sum(codes, nz, bits)
         if self.owner_ema:  # the shard owner's running sum: s <- γ·s + Σq, Δ = sign(s)
@@ -402,7 +435,8 @@ def build_variant(name, model, n, cfg, lrs):
                      comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=spec.get("tie_break", cfg["tie_break"]),
                      momentum_sync=spec.get("sync"), sync_dtype=spec.get("sync_dtype", "fp32"),
                      vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
-                     error_feedback=spec.get("ef", False), owner_ema=spec.get("ema", 0.0))
+                     error_feedback=spec.get("ef", False), owner_ema=spec.get("ema", 0.0),
+                     vote_every=spec.get("vote_every", 1))
     return opt, fam, False
 
 
@@ -490,8 +524,7 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
         wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
         opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
                       comm=spec["comm"], quant=spec.get("quant", "sign"),
-                      tie_break=spec.get("tie_break", cfg["tie_break"]), momentum_sync=spec.get("sync"), vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
-                      error_feedback=spec.get("ef", False))
+                      tie_break=spec.get("tie_break", cfg["tie_break"]), momentum_sync=spec.get("sync"), vote_bits=spec.get("bits"), rounding=spec.get("rounding"))
         for step in range(cfg["steps"]):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])

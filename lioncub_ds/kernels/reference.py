@@ -796,34 +796,13 @@ def unpack_bitplanes(planes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def bbit_feedback(c: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Error feedback, before quantizing: (v, voting) with v = fl(c + r) where c != 0 (a voting
-    coordinate) and c elsewhere (an abstaining coordinate keeps its residual for later)."""
-    voting = c != 0
-    return torch.where(voting, c + residual.float(), c), voting
-
-
-def bbit_residual(v, voting, codes, ratio, bits, residual):
-    """Error feedback, after quantizing: the new residual fl(v - fl(q / ratio)) (q = 2k - Q; what
-    this rank's codes did not carry) where it voted, the old residual elsewhere; a zero ratio sends 0."""
-    q = codes.float() * 2 - bbit_qmax(bits)
-    ratio = torch.as_tensor(ratio, dtype=torch.float32, device=q.device)
-    good = ratio > 0
-    sent = torch.where(good, q / torch.where(good, ratio, torch.ones_like(ratio)), torch.zeros_like(q))
-    return torch.where(voting, v - sent, residual.float())
-
-
 def bbit_local_step(grads, momenta, offsets, total, beta1, beta2, kind, bits, rounding, seed, segments,
-                    update_momentum=False, device_counts=False, momenta_out=None, residuals=None,
-                    residuals_out=None):
+                    update_momentum=False, device_counts=False, momenta_out=None):
     """The local half of a comm="bbit" step over one bucket: as :func:`local_step`, but the votes
     are b-bit codes of c, per tensor scaled by its own ``kind`` scale (a non-finite c counts and
     is scaled as 0) and rounded with the dither stream ``seed`` (:func:`dither_seed` of the step
     and this rank) at each element's parameter-local index (``segments``: the bucket's tie-index
-    table). ``residuals`` (error feedback, one fp32 tensor per parameter): the codes quantize
-    c + residual (:func:`bbit_feedback`) and the new residuals (:func:`bbit_residual`) are written
-    to ``residuals_out`` (the inputs unchanged: a skipped step must not move them).
-    Returns (codes as bit planes uint8 [bits, total/8], nonzero plane, #non-finite, #zero)."""
+    table). Returns (codes as bit planes uint8 [bits, total/8], nonzero plane, #non-finite, #zero)."""
     c = bucket_direction(grads, momenta, offsets, total, beta1)
     if update_momentum:
         advance_momenta(grads, momenta, beta2, momenta_out)
@@ -832,17 +811,10 @@ def bbit_local_step(grads, momenta, offsets, total, beta1, beta2, kind, bits, ro
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     index = tie_index(segments, total, c.device) if rounding == "dither" else None
     codes = torch.zeros(total, dtype=torch.uint8, device=c.device)
-    for i, (g, off) in enumerate(zip(grads, offsets)):
+    for g, off in zip(grads, offsets):
         piece = c[off:off + g.numel()].view(1, -1)
-        if residuals is not None:
-            piece, voting = bbit_feedback(piece, residuals[i].reshape(1, -1))
         u = dither_uniform(seed, index[off:off + g.numel()]) if index is not None else None
-        ratio = bbit_ratio_rows(piece, kind, bits)
-        k = bbit_codes(piece, ratio, bits, rounding, u)
-        codes[off:off + g.numel()] = k.view(-1)
-        if residuals is not None:
-            new = bbit_residual(piece, voting, k, ratio, bits, residuals[i].reshape(1, -1))
-            residuals_out[i].copy_(new.view_as(residuals_out[i]))
+        codes[off:off + g.numel()] = bbit_codes(piece, bbit_ratio_rows(piece, kind, bits), bits, rounding, u).view(-1)
     planes = pack_bitplanes(codes, bits)
     if device_counts:
         return planes, nonzero, *as_device_counts(c.device, n_nonfinite, n_zero)
