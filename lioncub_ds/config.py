@@ -25,7 +25,8 @@ BBIT_DEFAULTS = {"vote_bits": 2, "rounding": "dither"}
 NONFINITE_POLICIES = ("skip", "raise")
 DRIFT_ACTIONS = ("raise", "resync")
 MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
-SYNC_KEYS = ("every", "until", "schedule", "k", "layers", "group", "group_size", "inter_every")
+SYNC_KEYS = ("every", "until", "schedule", "k", "layers", "group", "group_size", "inter_every", "dtype")
+SYNC_DTYPES = ("fp32", "bf16", "int8")
 SYNC_SCHEDULES = ("every", "geometric")
 SYNC_GROUPS = ("world", "node")
 NETWORK_KEYS = ("bandwidth_gbit", "latency_us")
@@ -90,6 +91,7 @@ class MomentumSyncConfig:
     group: str = "world"           # "world", or "node": subgroups of consecutive ranks
     group_size: int | None = None  # node size; default LOCAL_WORLD_SIZE
     inter_every: int | None = None  # with group="node": also sync across nodes every K' steps
+    dtype: str = "fp32"            # what travels: fp32 (all-reduce), bf16 or int8 (two-phase, momentum_sync.py)
 
     @classmethod
     def from_value(cls, value):
@@ -129,7 +131,10 @@ class MomentumSyncConfig:
             raise _err("momentum_sync.inter_every", inter_every, "None or an integer >= 1")
         if group == "world" and (group_size is not None or inter_every is not None):
             raise LionCubConfigError("LionCub: momentum_sync.group_size / inter_every need momentum_sync.group='node'")
-        return cls(schedule, int(every), float(k), until, tuple(layers), group, group_size, inter_every)
+        dtype = v.get("dtype", "fp32")
+        if dtype not in SYNC_DTYPES:
+            raise _err("momentum_sync.dtype", dtype, " | ".join(repr(d) for d in SYNC_DTYPES))
+        return cls(schedule, int(every), float(k), until, tuple(layers), group, group_size, inter_every, dtype)
 
 
 @dataclass(frozen=True)

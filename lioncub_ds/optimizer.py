@@ -513,7 +513,8 @@ class LionCub(Optimizer):
         if self._msync is not None:
             where = self._msync.scope(step - 1)
             if where is not None:
-                MomentumSync.average_over(where, [self._momentum(p) for p in self._sync_params], cfg.bucket_numel)
+                MomentumSync.average_over(where, [self._momentum(p) for p in self._sync_params], cfg.bucket_numel,
+                                          cfg.momentum_sync.dtype)
         self.stats.end_step()
         if cfg.drift_check_every and step % cfg.drift_check_every == 0:
             self.check_replicas()  # its bytes count towards the next step
@@ -572,7 +573,7 @@ class LionCub(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def sync_momenta(self, scope: str = "world") -> None:
-        """Average the momenta now (fp32 all-reduce then divide), over the vote group
+        """Average the momenta now (in momentum_sync.dtype, default fp32), over the vote group
         (``scope="world"``) or this rank's node subgroup (``scope="node"``, needs
         momentum_sync.group='node'). Collective: every rank of the group must call it.
         Which momenta: those momentum_sync.layers selects (all when it is not set)."""
@@ -588,7 +589,8 @@ class LionCub(Optimizer):
             coll, params = (self._msync.world if scope == "world" else self._msync.node), self._sync_params
         else:
             coll, params = self._coll, [p for b in self._buckets for p in b.params]
-        MomentumSync.average_over(coll, [self._momentum(p) for p in params], self.config.bucket_numel)
+        dtype = self.config.momentum_sync.dtype if self.config.momentum_sync is not None else "fp32"
+        MomentumSync.average_over(coll, [self._momentum(p) for p in params], self.config.bucket_numel, dtype)
 
     # ------------------------------------------------------------------ drift guard
     def _fingerprints(self, params):

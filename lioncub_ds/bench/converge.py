@@ -56,10 +56,16 @@ VARIANTS = {
                                  label="1bit + sync/5 of emb/norm/bias only"),
     "cub_1bit_sync5_mlp": dict(family="cub", comm="1bit", sync={"every": 5, "layers": ["*.mlp.*"]},
                                label="1bit + sync/5 of MLP only"),
-    "cub_1bit_sync20_bf16": dict(family="cub", comm="1bit", sync={"every": 20}, sync_dtype="bf16",
+    "cub_1bit_sync20_bf16": dict(family="cub", comm="1bit", sync={"every": 20, "dtype": "bf16"},
                                  label="1bit + bf16 sync/20 (simulated)"),
-    "cub_1bit_sync10_bf16": dict(family="cub", comm="1bit", sync={"every": 10}, sync_dtype="bf16",
+    "cub_1bit_sync10_bf16": dict(family="cub", comm="1bit", sync={"every": 10, "dtype": "bf16"},
                                  label="1bit + bf16 sync/10 (simulated)"),
+    "cub_1bit_sync10_int8": dict(family="cub", comm="1bit", sync={"every": 10, "dtype": "int8"},
+                                 label="1bit + int8 sync/10"),
+    "cub_1bit_sync20_int8": dict(family="cub", comm="1bit", sync={"every": 20, "dtype": "int8"},
+                                 label="1bit + int8 sync/20"),
+    "cub_b2_sync20_int8": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither",
+                               sync={"every": 20, "dtype": "int8"}, label="bbit b=2 + int8 sync/20"),
     "cub_int8": dict(family="cub", comm="int8", quant="l1", label="int8 L1"),
     "cub_int8_sync20": dict(family="cub", comm="int8", quant="l1", sync={"every": 20}, label="int8 L1 + sync/20"),
     "cub_avg": dict(family="avg", comm="1bit", vote="average", label="1bit averaging vote"),
@@ -207,7 +213,7 @@ class SimLionCub:
     """
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
-                 momentum_sync=None, sync_dtype="fp32", bucket_size_mb=25.0, vote_bits=None, rounding=None,
+                 momentum_sync=None, bucket_size_mb=25.0, vote_bits=None, rounding=None,
                  error_feedback=False, owner_ema=0.0, vote_every=1):
         from lioncub_ds.kernels.reference import padded_numel
         from lioncub_ds.config import LionCubConfig
@@ -218,9 +224,7 @@ class SimLionCub:
                                         vote_bits=vote_bits, rounding=rounding)
         if comm not in ("1bit", "allgather", "pbit", "int8", "bbit"):
             raise ValueError(f"SimLionCub: comm={comm!r} (allowed: 1bit, allgather, pbit, int8, bbit)")
-        if sync_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"SimLionCub: sync_dtype={sync_dtype!r} (allowed: fp32, bf16)")
-        self.cfg, self.n, self.comm, self.sync_dtype = cfg, n, comm, sync_dtype
+        self.cfg, self.n, self.comm = cfg, n, comm
         self.error_feedback, self.residual = error_feedback, {}
         self.owner_ema, self.owner_sums = owner_ema, {}
         self.vote_every, self.last_delta = vote_every, {}
@@ -391,23 +395,34 @@ class SimLionCub:
         return self.bytes_sent + self.alt_bytes.get(comm, 0)
 
     def _sync_momenta(self):
-        """Average the selected momenta over the workers (LionCub: chunked fp32 all-reduce, then divide)."""
+        """Average the selected momenta over the workers as LionCub does (MomentumSync.average_over):
+        the same chunks; fp32: sum then divide; bf16 / int8: the two-phase average, bit for bit."""
+        from lioncub_ds.momentum_sync import quantized_average, sync_encode
+
         if not self.sync_params or self.n <= 1:
             return 0
-        elt = 4 if self.sync_dtype == "fp32" else 2
+        n, dtype = self.n, self.cfg.momentum_sync.dtype
         chunk_numel = self.cfg.bucket_numel
-        sent, size = 0, 0
-        for p in self.sync_params + [None]:  # the same chunking as MomentumSync.average
-            if p is not None and (size + p.numel() <= chunk_numel or size == 0):
+        sent, chunk, size = 0, [], 0
+        for p in self.sync_params + [None]:  # the same chunking as MomentumSync.average_over
+            if p is not None and (size + p.numel() <= chunk_numel or not chunk):
+                chunk.append(p)
                 size += p.numel()
                 continue
-            sent += self._collective_bytes("all_reduce", elt * size)
-            size = p.numel() if p is not None else 0
-        for p in self.sync_params:
-            m = self.momenta[p]
-            if self.sync_dtype == "bf16":  # simulated: each worker sends bf16, the sum is fp32
-                m.copy_(m.to(torch.bfloat16).float())
-            m.copy_((m.sum(0) / self.n).expand_as(m))
+            rows = torch.cat([self.momenta[q].reshape(n, -1) for q in chunk], dim=1)
+            if dtype == "fp32":
+                sent += self._collective_bytes("all_reduce", 4 * size)
+                mean = rows.sum(0) / n
+            else:
+                width = sync_encode(torch.zeros(1, -(-size // n)), dtype).shape[1]
+                sent += self._collective_bytes("all_to_all", n * width) + self._collective_bytes("all_gather",
+                                                                                                 n * width)
+                mean = quantized_average(rows, dtype)
+            off = 0
+            for q in chunk:
+                self.momenta[q].copy_(mean[off:off + q.numel()].view(q.shape).expand_as(self.momenta[q]))
+                off += q.numel()
+            chunk, size = ([p], p.numel()) if p is not None else ([], 0)
         return sent
 
 
@@ -433,7 +448,7 @@ def build_variant(name, model, n, cfg, lrs):
         return Lion(groups, lr=lr, betas=tuple(cfg["betas"])), fam, True
     opt = SimLionCub(groups, n, lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
                      comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=spec.get("tie_break", cfg["tie_break"]),
-                     momentum_sync=spec.get("sync"), sync_dtype=spec.get("sync_dtype", "fp32"),
+                     momentum_sync=spec.get("sync"),
                      vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
                      error_feedback=spec.get("ef", False), owner_ema=spec.get("ema", 0.0),
                      vote_every=spec.get("vote_every", 1))
@@ -517,7 +532,7 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
     out = []
     for variant in variants:
         spec = spec_of(variant)
-        if spec.get("sync_dtype", "fp32") != "fp32" or variant in ("adamw", "lion"):
+        if variant in ("adamw", "lion"):
             raise ValueError(f"{variant}: not a LionCub configuration")
         model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg))
         lr = lrs[spec["family"]]
@@ -619,7 +634,7 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
                        "fp32_allreduce_bytes": int(r["fp32_allreduce_bytes_per_step"] * cfg["steps"]),
                        "params": r["params"], "digest": r["digest"], "wall_s": round(r["wall_s"], 1),
                        "sync": json.dumps(spec.get("sync")) if spec.get("sync") else "",
-                       "sync_dtype": spec.get("sync_dtype", "fp32") if spec.get("sync") else ""}
+                       "sync_dtype": spec["sync"].get("dtype", "fp32") if spec.get("sync") else ""}
                 rec["bytes_ratio_vs_fp32"] = rec["fp32_allreduce_bytes"] / rec["bytes_per_rank"]
                 records.append(rec)
                 mine = [{"bench": "converge_curve", "variant": v, "world_size": n, "seed": seed, "step": step,
