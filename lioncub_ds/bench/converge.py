@@ -42,6 +42,12 @@ NAME = "converge"
 FAMILIES = {"adamw": "adamw", "lion": "lion", "cub": "cub_1bit", "avg": "cub_avg", "bbit": "cub_b3"}
 # Names of the "small" parameters (embeddings, norms, biases): 14% of the tiny GPT.
 SMALL_LAYERS = ["tok_emb.*", "pos_emb.*", "*ln*", "*.bias"]
+def _bbit(**spec):
+    """A comm="bbit" variant (tuned as the "bbit" lr family); sim-only screening keys: ef (error
+    feedback), ema (the shard owner's running sum), vote_every (Δ reused between votes)."""
+    return dict(family="bbit", comm="bbit", **spec)
+
+
 VARIANTS = {
     "adamw": dict(family="adamw", label="AdamW (all-reduced fp32 grads)"),
     "lion": dict(family="lion", label="global Lion (all-reduced fp32 grads)"),
@@ -64,46 +70,46 @@ VARIANTS = {
                                  label="1bit + int8 sync/10"),
     "cub_1bit_sync20_int8": dict(family="cub", comm="1bit", sync={"every": 20, "dtype": "int8"},
                                  label="1bit + int8 sync/20"),
-    "cub_b2_sync20_int8": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither",
+    "cub_b2_sync20_int8": _bbit(quant="l1", bits=2, rounding="dither",
                                sync={"every": 20, "dtype": "int8"}, label="bbit b=2 + int8 sync/20"),
     "cub_int8": dict(family="cub", comm="int8", quant="l1", label="int8 L1"),
     "cub_int8_sync20": dict(family="cub", comm="int8", quant="l1", sync={"every": 20}, label="int8 L1 + sync/20"),
     "cub_avg": dict(family="avg", comm="1bit", vote="average", label="1bit averaging vote"),
     # two-phase b-bit scaled votes (comm="bbit"): b-bit L1/L0/Linf codes summed at the shard owner
-    "cub_b1_dither": dict(family="bbit", comm="bbit", quant="l1", bits=1, rounding="dither",
+    "cub_b1_dither": _bbit(quant="l1", bits=1, rounding="dither",
                           label="bbit b=1 L1 dithered (stochastic sign)"),
-    "cub_b2": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither", label="bbit b=2 L1 dithered"),
-    "cub_b2_tz": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither", tie_break="zero",
+    "cub_b2": _bbit(quant="l1", bits=2, rounding="dither", label="bbit b=2 L1 dithered"),
+    "cub_b2_tz": _bbit(quant="l1", bits=2, rounding="dither", tie_break="zero",
                       label="bbit b=2 L1 dithered, ties -> no move"),
-    "cub_b2_ef": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest", ef=True,
+    "cub_b2_ef": _bbit(quant="l1", bits=2, rounding="nearest", ef=True,
                       label="bbit b=2 L1 nearest + error feedback"),
-    "cub_b2_ef_tz": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest", ef=True, tie_break="zero",
+    "cub_b2_ef_tz": _bbit(quant="l1", bits=2, rounding="nearest", ef=True, tie_break="zero",
                          label="bbit b=2 L1 nearest + error feedback, ties -> no move"),
-    "cub_b1_ef": dict(family="bbit", comm="bbit", quant="l1", bits=1, rounding="nearest", ef=True,
+    "cub_b1_ef": _bbit(quant="l1", bits=1, rounding="nearest", ef=True,
                       label="bbit b=1 (sign) + error feedback"),
-    "cub_b2_ema5": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither", ema=0.5,
+    "cub_b2_ema5": _bbit(quant="l1", bits=2, rounding="dither", ema=0.5,
                         label="bbit b=2 L1 dithered, owner EMA 0.5"),
-    "cub_b2_ema8": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="dither", ema=0.8,
+    "cub_b2_ema8": _bbit(quant="l1", bits=2, rounding="dither", ema=0.8,
                         label="bbit b=2 L1 dithered, owner EMA 0.8"),
-    "cub_b1_ema8": dict(family="bbit", comm="bbit", quant="l1", bits=1, rounding="dither", ema=0.8,
+    "cub_b1_ema8": _bbit(quant="l1", bits=1, rounding="dither", ema=0.8,
                         label="bbit b=1 L1 dithered (stochastic sign), owner EMA 0.8"),
-    "cub_b2n_ema8": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest", ema=0.8,
+    "cub_b2n_ema8": _bbit(quant="l1", bits=2, rounding="nearest", ema=0.8,
                          label="bbit b=2 L1 nearest, owner EMA 0.8"),
-    "cub_b3_every2": dict(family="bbit", comm="bbit", quant="l1", bits=3, rounding="dither", vote_every=2,
+    "cub_b3_every2": _bbit(quant="l1", bits=3, rounding="dither", vote_every=2,
                           label="bbit b=3 L1 dithered, a vote every 2nd step (Δ reused)"),
-    "cub_b4_every2": dict(family="bbit", comm="bbit", quant="l1", bits=4, rounding="dither", vote_every=2,
+    "cub_b4_every2": _bbit(quant="l1", bits=4, rounding="dither", vote_every=2,
                           label="bbit b=4 L1 dithered, a vote every 2nd step (Δ reused)"),
     "cub_int8_every4": dict(family="cub", comm="int8", quant="l1", vote_every=4,
                             label="int8 L1, a vote every 4th step (Δ reused)"),
-    "cub_b2_nearest": dict(family="bbit", comm="bbit", quant="l1", bits=2, rounding="nearest",
+    "cub_b2_nearest": _bbit(quant="l1", bits=2, rounding="nearest",
                            label="bbit b=2 L1 nearest"),
-    "cub_b2_l0": dict(family="bbit", comm="bbit", quant="l0", bits=2, rounding="dither", label="bbit b=2 L0 dithered"),
-    "cub_b2_linf": dict(family="bbit", comm="bbit", quant="linf", bits=2, rounding="dither",
+    "cub_b2_l0": _bbit(quant="l0", bits=2, rounding="dither", label="bbit b=2 L0 dithered"),
+    "cub_b2_linf": _bbit(quant="linf", bits=2, rounding="dither",
                         label="bbit b=2 Linf dithered"),
-    "cub_b3": dict(family="bbit", comm="bbit", quant="l1", bits=3, rounding="dither", label="bbit b=3 L1 dithered"),
-    "cub_b3_nearest": dict(family="bbit", comm="bbit", quant="l1", bits=3, rounding="nearest",
+    "cub_b3": _bbit(quant="l1", bits=3, rounding="dither", label="bbit b=3 L1 dithered"),
+    "cub_b3_nearest": _bbit(quant="l1", bits=3, rounding="nearest",
                            label="bbit b=3 L1 nearest"),
-    "cub_b4": dict(family="bbit", comm="bbit", quant="l1", bits=4, rounding="dither", label="bbit b=4 L1 dithered"),
+    "cub_b4": _bbit(quant="l1", bits=4, rounding="dither", label="bbit b=4 L1 dithered"),
 }
 def spec_of(name):
     """The spec of variant ``name``; ``NAME:FAMILY`` is NAME run with FAMILY's lr (e.g.
