@@ -153,17 +153,22 @@ def test_variant_with_another_familys_lr():
 
 
 def test_recommended_config_is_valid_and_is_the_studied_one():
-    """configs/ds_lioncub_recommended.json: a valid LionCub config, and the variant docs/convergence.md
-    recommends (1-bit majority vote, hash ties, no momentum sync, Lion's lr, the study's betas)."""
+    """configs/ds_lioncub_recommended.json: a valid LionCub config, and the variant the long-horizon
+    study recommends (docs/convergence.md): 1-bit majority votes with hash ties and an int8 momentum
+    sync every 20 steps, at the long protocol's betas, lr and lr*wd (= AdamW's)."""
     import json
     import pathlib
 
-    from lioncub_ds.config import LionCubConfig
+    from lioncub_ds.config import LionCubConfig, MomentumSyncConfig
 
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "ds_lioncub_recommended.json"
     ds_cfg = json.loads(path.read_text())
     assert ds_cfg["optimizer"]["type"] == "LionCub"
     cfg = LionCubConfig.from_kwargs(**ds_cfg["optimizer"]["params"])
-    spec = C.spec_of("cub_1bit:lion")
-    assert (cfg.comm, cfg.vote, cfg.tie_break, cfg.momentum_sync) == (spec["comm"], "majority", "hash", None)
-    assert cfg.betas == (0.8, 0.9) and cfg.lr == 5e-4 and cfg.weight_decay == pytest.approx(0.1 * 8e-3 / 5e-4)
+    spec = C.spec_of("cub_1bit_sync20_int8")
+    proto = C.PROTOCOLS["long"]
+    assert (cfg.comm, cfg.vote, cfg.tie_break) == (spec["comm"], "majority", "hash")
+    assert cfg.momentum_sync == MomentumSyncConfig.from_value(spec["sync"])
+    assert list(cfg.betas) == proto["betas"] and cfg.lr == proto["lr"]["cub"]
+    assert cfg.weight_decay == pytest.approx(0.1 * proto["lr"]["adamw"] / proto["lr"]["cub"])
+    assert ds_cfg["scheduler"]["params"]["total_num_steps"] == proto["steps"]

@@ -142,10 +142,10 @@ PROTOCOLS = {
                   variants=["adamw", "lion", "cub_1bit", "cub_int8", "cub_b2"]),
     "long": dict(steps=1200, betas=[0.95, 0.98], world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
                  lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3, "bbit": 5e-4},
-                 variants=["adamw", "lion", "cub_1bit", "cub_int8", "cub_b2"]),
+                 variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_b2", "cub_b3", "cub_int8"]),
     "long99": dict(steps=1200, betas=[0.9, 0.99], world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
                    lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3, "bbit": 5e-4},
-                   variants=["adamw", "lion", "cub_1bit", "cub_b2"]),
+                   variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_b3"]),
 }
 # Used when neither a flag nor --protocol sets them.
 BASE_SETTINGS = dict(steps=300, betas=[0.9, 0.99], world_sizes=[8], seeds=[0, 1, 2, 3, 4], lr={},
