@@ -1,4 +1,5 @@
 # User-facing targets: setup, demo, test (see README). bench runs every benchmark.
+# check-cuda-build builds and imports the CUDA extension against a CUDA torch, no GPU needed (docs/kernels.md).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ export OMP_NUM_THREADS ?= 1
 # Keep DeepSpeed's JIT-built ops in one cache for the whole run.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean check-cuda-build
 
 setup: $(STAMP)
 
@@ -29,6 +30,10 @@ test: setup
 
 bench: setup
 	$(VPY) -m lioncub_ds.bench all --out results
+
+# Not part of `make test` (a 2.7 GB venv outside the repository, ~2-5 min build); .ci/run runs it after the tests.
+check-cuda-build:
+	PY=$(PY) bash .ci/check_cuda_build.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info
