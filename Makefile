@@ -1,15 +1,18 @@
 # User-facing targets: setup, demo, test (see README). bench runs every benchmark.
+# check-cuda-build builds and imports the CUDA extension against a CUDA torch, no GPU needed (docs/kernels.md).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+KSTAMP  := $(VENV)/.kernels
+KSRC    := $(shell find csrc -type f) lioncub_ds/kernels/build.py
 export OMP_NUM_THREADS ?= 1
 # Keep DeepSpeed's JIT-built ops in one cache for the whole run.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean check-cuda-build
 
-setup: $(STAMP)
+setup: $(STAMP) $(KSTAMP)
 
 $(STAMP): requirements.txt setup.py
 	$(PY) -m venv $(VENV)
@@ -18,6 +21,24 @@ $(STAMP): requirements.txt setup.py
 	$(VPY) -m pip install -q --no-build-isolation -r requirements.txt
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
+
+# The C++ kernels, built ahead of time into lioncub_ds/_lioncub_cpu*.so (git-ignored), where the loader looks
+# first; rebuilt when csrc/ changes. If this build fails, setup still succeeds: the loader JIT-builds the
+# kernels on first use instead (and falls back to the pure-torch kernels if that fails too).
+$(KSTAMP): $(STAMP) $(KSRC)
+	@echo "make setup: building the C++ kernels ahead of time (about 1-3 min on 2 cores)"
+	@t0=$$(date +%s); \
+	if LIONCUB_BUILD_EXT=1 MAX_JOBS=2 $(VPY) -m pip install -q --no-build-isolation --no-deps -e . ; then \
+	  echo "make setup: C++ kernels built in $$(( $$(date +%s) - t0 )) s"; \
+	else \
+	  echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"; \
+	  echo "make setup: WARNING: the ahead-of-time build of the C++ kernels FAILED (output above)."; \
+	  echo "  Setup goes on: lioncub_ds will JIT-build them on first use (1-3 min, cached), and use the"; \
+	  echo "  pure-torch kernels if that fails too. To retry: rm $(KSTAMP) && make setup"; \
+	  echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"; \
+	  rm -f lioncub_ds/_lioncub_cpu*.so; \
+	fi
+	touch $(KSTAMP)
 
 # The main job: GPT pretraining under the deepspeed launcher on 2 CPU ranks with LionCub,
 # side by side with Lion + DeepSpeed's gradient all-reduce (loss and bytes sent).
@@ -30,5 +51,9 @@ test: setup
 bench: setup
 	$(VPY) -m lioncub_ds.bench all --out results
 
+# Not part of `make test` (a 2.7 GB venv outside the repository, ~2-5 min build); .ci/run runs it after the tests.
+check-cuda-build:
+	PY=$(PY) bash .ci/check_cuda_build.sh
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info lioncub_ds/_lioncub_*.so

@@ -123,6 +123,20 @@ def test_demo_ships_what_it_needs_inside_the_package():
     assert json.loads((ROOT / "configs" / "ds_cpu_demo.json").read_text()) == demo.DEMO_CONFIG
 
 
+def test_demo_reports_builds_apart_from_the_wall_times():
+    """A first run's kernel build is reported on its own, never read as LionCub being slow (issue 23)."""
+    from lioncub_ds.deepspeed import demo
+    run = {"launch_s": 20.0, "first_val_loss": 5.0, "last_val_loss": 3.0, "bytes_sent_per_step": 10,
+           "tokens_per_s": 1000.0, "params_in_sync": True, "preset": "tiny", "params": 100, "world_size": 2,
+           "steps": 5, "tokens_per_step": 64}
+    table = demo.format_comparison(dict(run, kernel_load_s=0.01, kernel_origin="prebuilt"),
+                                   dict(run, kernel_load_s=1.5, kernel_origin="jit"))
+    assert "of which kernel load   | 0.0 s (prebuilt)" in table and "1.5 s (JIT)" in table
+    assert "tokens / s" in table and "Speed is tokens/s" in table
+    line = demo.format_prebuild({"kernels": "jit", "kernels_s": 95.0, "deepspeed_op_s": 40.0})
+    assert "not in their wall times" in line and "C++ kernels 95.0 s (JIT build" in line
+
+
 # ----------------------------------------------------------------------------- stage-0 wrapper guard (real engines)
 def _model():
     import torch

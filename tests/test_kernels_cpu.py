@@ -8,6 +8,7 @@ test error, never a skip.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import os
@@ -176,6 +177,39 @@ def test_cuda_kind_is_clear_error():
         pytest.skip("a CUDA device is present; the CUDA loader is tested elsewhere")
     with pytest.raises(RuntimeError, match="no CUDA device is available"):
         loader.load("cuda")
+
+
+class _Prebuilt:
+    def __init__(self, src_hash):
+        self._h = src_hash
+
+    def src_hash(self):
+        return self._h
+
+
+def test_loader_prefers_a_matching_prebuilt_module(monkeypatch):
+    """The module `make setup` builds (LIONCUB_BUILD_EXT=1) is used when its src_hash matches the
+    sources; a stale one (sources changed since) or none at all falls back to the JIT build."""
+    jit = object()
+    monkeypatch.setattr(loader, "_jit_build", lambda: jit)
+    current = _Prebuilt("h" + loader.source_hash())
+    stale = _Prebuilt("h" + "0" * 40)
+    for module, want, how in ((current, current, "prebuilt"), (stale, jit, "jit"), (None, jit, "jit")):
+        monkeypatch.setitem(sys.modules, loader.PREBUILT_MODULE, module)  # None: the import raises ImportError
+        monkeypatch.setattr(loader, "_loaded", {})
+        assert loader.build_cpp_extension() is want
+        assert loader.origin("cpp") == how
+
+
+def test_real_prebuilt_module_is_chosen_only_when_current():
+    """With a real prebuilt module present (after `make setup`): chosen exactly when its hash matches."""
+    try:
+        mod = importlib.import_module(loader.PREBUILT_MODULE)
+    except ImportError:
+        pytest.skip("no prebuilt lioncub_ds._lioncub_cpu here (make setup builds it; the JIT build is used)")
+    assert mod.has_cuda is False
+    current = mod.src_hash() == "h" + loader.source_hash()
+    assert (loader._prebuilt() is mod) == current
 
 
 # ----------------------------------------------------------------------------- (a) local step

@@ -12,7 +12,10 @@ gloo) on the bundled real text with the same seed, data order and steps:
 2. ``--baseline``: plain Lion (``lioncub_ds.Lion``) with DeepSpeed's normal gradient
    all-reduce (bytes counted by the ring formula 2(N-1)/N x gradient bytes),
 
-then prints validation loss, throughput and bytes sent per step for both.
+then prints validation loss, throughput and bytes sent per step for both. Before either run, :func:`prebuild`
+loads what the first launch would otherwise build inside its wall time: LionCub's C++ kernels (prebuilt by
+``make setup``; JIT-built here if not) and DeepSpeed's CPU shared-memory comm op (JIT-built by DeepSpeed, cached).
+Their times are printed on their own line, so the two wall times compare the runs, not a one-time build.
 :func:`run_comparison` is the function ``python -m lioncub_ds.demo`` can call.
 Exit status: 0 when both runs lowered the validation loss and kept the replicas identical.
 """
@@ -71,6 +74,58 @@ def _launcher() -> list[str]:
 
 
 
+# One JIT cache for this process and the ranks (torch's own default differs: it adds a py311_cpu folder).
+_EXT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+
+
+def _run_env() -> dict:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    root = _package_parent()  # the lioncub_ds the demo itself runs (a checkout or site-packages)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TORCH_EXTENSIONS_DIR", _EXT_DIR)
+    return env
+
+
+# DeepSpeed's own JIT build of its CPU comm op (what deepspeed.init_distributed does on a CPU accelerator).
+_DS_SHM_OP = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+
+
+def prebuild(verbose: bool = True, timeout: float = 1200.0) -> dict:
+    """Build or load, before the timed runs, what the first launch would otherwise build in its wall time.
+
+    Returns ``{"kernels": how, "kernels_s": s, "deepspeed_op_s": s}``; ``how`` is ``"prebuilt"`` (the module
+    ``make setup`` built), ``"jit"`` (JIT-built now or taken from the JIT cache) or the backend used instead."""
+    from .. import kernels
+    from ..kernels import loader
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", _EXT_DIR)  # a JIT build here must land where the ranks look
+    t0 = time.perf_counter()
+    be = kernels.backend_for("cpu")  # falls back to the reference, with a warning, if it cannot be built
+    out = {"kernels": (loader.origin("cpp") if be.name == "cpp" else None) or be.name,
+           "kernels_s": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _DS_SHM_OP], env=_run_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        if proc.returncode != 0:  # the runs will build it (or fail) themselves; say so, do not stop here
+            out["deepspeed_op_error"] = proc.stdout.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+    except subprocess.TimeoutExpired:
+        out["deepspeed_op_error"] = [f"timed out after {timeout:.0f} s"]
+    out["deepspeed_op_s"] = time.perf_counter() - t0
+    if verbose:
+        print(f"[lioncub_ds.deepspeed.demo] {format_prebuild(out)}", flush=True)
+    return out
+
+
+def format_prebuild(pre: dict) -> str:
+    how = {"prebuilt": "prebuilt by make setup", "jit": "JIT build, or its cache"}.get(
+        pre["kernels"], f"not built: the {pre['kernels']} backend")
+    ds = (f"{pre['deepspeed_op_s']:.0f} s (JIT build, or its cache)" if "deepspeed_op_error" not in pre else
+          f"FAILED ({pre['deepspeed_op_error'][0][:120]}); the runs build it themselves")
+    return (f"one-time builds, before both runs and not in their wall times: LionCub's C++ kernels "
+            f"{pre['kernels_s']:.1f} s ({how}); DeepSpeed's CPU comm op {ds}")
+
+
 def _run_one(mode: str, cfg_path: Path, out_json: Path, *, steps: int, preset: str, world_size: int,
              extra: list[str], timeout: float, verbose: bool) -> dict:
     cmd = _launcher() + ["--num_accelerators", str(world_size), "--master_port", str(free_port()),
@@ -78,10 +133,7 @@ def _run_one(mode: str, cfg_path: Path, out_json: Path, *, steps: int, preset: s
                          "--preset", preset, "--json-out", str(out_json), "--no-progress"] + extra
     if mode == "baseline":
         cmd.append("--baseline")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    root = _package_parent()  # the lioncub_ds the demo itself runs (a checkout or site-packages)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
+    env = _run_env()
     t0 = time.perf_counter()
     tail: list[str] = []
     with removing_new_shm_workspaces():  # DeepSpeed's CPU shm buffers outlive the ranks
@@ -105,6 +157,13 @@ def _run_one(mode: str, cfg_path: Path, out_json: Path, *, steps: int, preset: s
     return summary
 
 
+def _kernel_load(summary: dict) -> str:
+    if "kernel_load_s" not in summary:
+        return "?"
+    how = {"prebuilt": "prebuilt", "jit": "JIT"}.get(summary["kernel_origin"], summary["kernel_origin"])
+    return f"{summary['kernel_load_s']:.1f} s ({how})"
+
+
 def format_comparison(lc: dict, base: dict) -> str:
     rows = [
         ("optimizer", "LionCub (ZeRO-0, local momentum)", "Lion + gradient all-reduce"),
@@ -114,6 +173,7 @@ def format_comparison(lc: dict, base: dict) -> str:
         ("tokens / s", f"{lc['tokens_per_s']:,.0f}", f"{base['tokens_per_s']:,.0f}"),
         ("replicas identical", "yes" if lc["params_in_sync"] else "NO", "yes" if base["params_in_sync"] else "NO"),
         ("wall time (launch)", f"{lc['launch_s']:.0f} s", f"{base['launch_s']:.0f} s"),
+        ("  of which kernel load", _kernel_load(lc), _kernel_load(base)),
     ]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
@@ -122,7 +182,8 @@ def format_comparison(lc: dict, base: dict) -> str:
     ratio = base["bytes_sent_per_step"] / lc["bytes_sent_per_step"] if lc["bytes_sent_per_step"] else float("inf")
     head = (f"DeepSpeed demo: GPT '{lc['preset']}' ({lc['params'] / 1e6:.2f}M params), {lc['world_size']} CPU ranks, "
             f"{lc['steps']} steps, {lc['tokens_per_step']:,} tokens/step")
-    foot = (f"Lion Cub sent {ratio:.0f}x fewer bytes per step than the fp32 gradient all-reduce "
+    foot = (f"Speed is tokens/s over the timed training steps; the wall time adds process start-up, DeepSpeed "
+            f"set-up and evaluation.\nLion Cub sent {ratio:.0f}x fewer bytes per step than the fp32 gradient all-reduce "
             f"(ring: 2(N-1)/N x {lc['params']:,} x 4 B); val loss {lc['last_val_loss']:.3f} vs "
             f"{base['last_val_loss']:.3f}.")
     return "\n".join([sep, head, sep] + lines + [sep, foot])
@@ -141,6 +202,7 @@ def run_comparison(steps: int = 150, preset: str = "tiny", world_size: int = 2, 
     extra += list(extra_args or [])
     results = {}
     t0 = time.perf_counter()
+    results["prebuild"] = prebuild(verbose=verbose, timeout=timeout)
     for mode in ("lioncub", "baseline"):
         if verbose:
             print(f"[lioncub_ds.deepspeed.demo] {mode}: deepspeed --num_accelerators {world_size} "
@@ -149,7 +211,8 @@ def run_comparison(steps: int = 150, preset: str = "tiny", world_size: int = 2, 
         results[mode] = _run_one(mode, cfg_path, tmp / f"{mode}.json", steps=steps, preset=preset,
                                  world_size=world_size, extra=extra, timeout=timeout, verbose=verbose)
     results["total_s"] = time.perf_counter() - t0
-    results["table"] = format_comparison(results["lioncub"], results["baseline"])
+    results["table"] = format_comparison(results["lioncub"], results["baseline"]) + "\n" + \
+        format_prebuild(results["prebuild"])
     if verbose:
         print(results["table"], flush=True)
         print(f"[lioncub_ds.deepspeed.demo] total {results['total_s']:.0f} s; summaries in {tmp}", flush=True)

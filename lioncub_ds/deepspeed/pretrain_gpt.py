@@ -112,15 +112,23 @@ def grad_bytes_per_element(engine) -> int:
     return 4
 
 
-def prepare_kernels(device_type: str, rank: int) -> None:
-    """Load LionCub's fused kernels (JIT-built once, then cached) before the timed loop; local rank 0 first."""
+def prepare_kernels(device_type: str, rank: int) -> tuple[float, str]:
+    """Load the fused kernels (LionCub's and lioncub_ds.Lion's) before the timed loop; local rank 0 first.
+
+    Returns this rank's seconds and what it loaded: ``"prebuilt"`` (the module ``make setup`` built),
+    ``"jit"`` (JIT-built now, or taken from the JIT cache) or the backend's name when not native."""
     from lioncub_ds import kernels
+    from lioncub_ds.kernels import loader
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    t0 = time.perf_counter()
     if local_rank == 0:
-        kernels.backend_for(device_type)
+        be = kernels.backend_for(device_type)
+        took = time.perf_counter() - t0
     dist.barrier()
     if local_rank != 0:
-        kernels.backend_for(device_type)
+        be = kernels.backend_for(device_type)
+        took = time.perf_counter() - t0
+    return took, (loader.origin(be.name) if be.name in ("cpp", "cuda") else None) or be.name
 
 
 
@@ -177,8 +185,8 @@ def main(argv=None) -> int:
     if not args.baseline and wiring is None:
         raise SystemExit(f"{args.deepspeed_config}: the optimizer is not LionCub (use --baseline for plain Lion)")
     mode = "baseline: Lion + gradient all-reduce" if args.baseline else f"LionCub ({wiring.mode})"
-    if not args.baseline:
-        prepare_kernels(engine.device.type, rank)
+    # Both runs: LionCub's step and lioncub_ds.Lion's fused step use the same kernels.
+    kernel_s, kernel_origin = prepare_kernels(engine.device.type, rank)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = micro * gas * seq_len * world_size
     ring = 2 * (world_size - 1) * nparams * grad_bytes_per_element(engine) // world_size if world_size > 1 else 0
@@ -256,6 +264,7 @@ def main(argv=None) -> int:
         "tokens_per_s": tokens_per_step * steps_run / max(train_time, 1e-9), "train_s": train_time,
         "wall_s": time.perf_counter() - t_wall, "skipped_steps": int(engine.skipped_steps),
         "params_in_sync": in_sync, "param_digest": digests[0],
+        "kernel_load_s": kernel_s, "kernel_origin": kernel_origin,
         "comm_stats": json.loads(json.dumps(stats, default=str)) if stats else None,
     }
     log(f"done | val loss {summary['first_val_loss']:.4f} -> {summary['last_val_loss']:.4f} | "

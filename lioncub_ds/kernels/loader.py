@@ -105,11 +105,19 @@ def build_cpp_extension():
     """The compiled C++ module (prebuilt, else JIT). Raises if it cannot be built."""
     with _lock:
         if "cpp_ext" not in _loaded:
-            mod = _prebuilt()
+            mod, how = _prebuilt(), "prebuilt"
             if mod is None:
-                mod = _retry(_jit_build)
-            _loaded["cpp_ext"] = mod
+                mod, how = _retry(_jit_build), "jit"
+            _loaded["cpp_ext"], _loaded["cpp_origin"] = mod, how
         return _loaded["cpp_ext"]
+
+
+def origin(kind: str = "cpp") -> str | None:
+    """How this process got the ``kind`` ('cpp' or 'cuda') extension: ``"prebuilt"`` (the module
+    installed with ``LIONCUB_BUILD_EXT=1``), ``"jit"`` (built or taken from the JIT cache), or None
+    when it has not been loaded."""
+    with _lock:
+        return _loaded.get("cpp_origin" if kind == "cpp" else "cuda_origin")
 
 
 CUDA_SOURCES = _build.CUDA_SOURCES
@@ -132,8 +140,9 @@ def _load_cuda():
         if "cuda" not in _loaded:
             from .cuda import CudaBackend
 
-            ext = _prebuilt(_build.CUDA_MODULE, cuda=True)  # LIONCUB_BUILD_CUDA=1 pip install .
+            ext, how = _prebuilt(_build.CUDA_MODULE, cuda=True), "prebuilt"  # LIONCUB_BUILD_CUDA=1 pip install .
             if ext is None:
+                how = "jit"
                 ext = _retry(lambda: cpp_load(
                     name=f"{_build.CUDA_EXT_NAME}_{source_hash(root, cuda=True)[:12]}", sources=[str(root / s) for s in CUDA_SOURCES],
                     extra_include_paths=[str(root)], extra_cflags=CFLAGS + list(_build.CUDA_DEFINES),
@@ -141,7 +150,7 @@ def _load_cuda():
                     verbose=os.environ.get("LIONCUB_BUILD_VERBOSE", "0") == "1"))
             if not getattr(ext, "has_cuda", False):
                 raise RuntimeError("the lioncub_cuda extension was built without CUDA")
-            _loaded["cuda"] = CudaBackend(ext)
+            _loaded["cuda"], _loaded["cuda_origin"] = CudaBackend(ext), how
         return _loaded["cuda"]
 
 
