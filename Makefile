@@ -48,6 +48,11 @@ demo: setup
 test: setup
 	$(VPY) -m pytest -q tests
 
+# The unit tier only (one process, about 2 minutes; tiers in pytest.ini).
+.PHONY: test-fast
+test-fast: setup
+	$(VPY) -m pytest -q -m unit tests
+
 bench: setup
 	$(VPY) -m lioncub_ds.bench all --out results
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
@@ -32,6 +32,11 @@ SYNC_GROUPS = ("world", "node")
 NETWORK_KEYS = ("bandwidth_gbit", "latency_us")
 # The network comm="auto" plans for when none is given: 10 Gbit/s Ethernet, 50 µs per message.
 DEFAULT_NETWORK = {"bandwidth_gbit": 10.0, "latency_us": 50.0}
+NETWORK_HELP = {"bandwidth_gbit": "network bandwidth in Gbit/s for comm=auto's cost model (> 0; default 10)",
+                "latency_us": "per-message latency in µs for comm=auto's cost model (>= 0; default 50)"}
+# Constructor arguments that are not settings: (default, allowed, meaning), for the README table.
+CONSTRUCTOR_ONLY = {"process_group": ("world", "a ProcessGroup",
+                                      "the data-parallel group that votes (DeepSpeed and Megatron set it)")}
 
 
 class LionCubConfigError(ValueError):
@@ -80,18 +85,41 @@ def validate_common(*, lr, betas, weight_decay, momentum_dtype=torch.float32, fo
         raise LionCubConfigError(f"{owner}: invalid foreach={foreach!r}; allowed: None, True, False")
 
 
+def setting(default=MISSING, *, type, help, choices=None, allowed=None, default_doc=None, default_factory=MISSING):
+    """A settings field carrying what the ``--lioncub-*`` flags and the README table are made of.
+
+    type: the type of one value (float, int, str, bool; list: one or more strings); choices: the
+    values allowed besides a None default (also the command line's choices); allowed: the README's
+    "allowed" text when it is not just the choices; help: one line, Markdown (the README's
+    "meaning"; the command-line help is the same text without the Markdown); default_doc: the
+    README's "default" cell when the default's repr is not what a user writes.
+    """
+    meta = {"type": type, "help": help, "choices": None if choices is None else tuple(choices),
+            "allowed": allowed, "default_doc": default_doc}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class MomentumSyncConfig:
     """When to average momenta across ranks (docs/conventions.md, lever 3)."""
-    schedule: str = "every"        # "every": every K steps; "geometric": T(j+1) = T(j) + floor(2**(j/k))
-    every: int = 1                 # K (schedule="every")
-    k: float = 1.0                 # geometric growth: the gap doubles every k syncs
-    until: int | None = None       # sync only on steps < until (0-based step index)
-    layers: tuple = ()             # fnmatch patterns on parameter names; () = all parameters
-    group: str = "world"           # "world", or "node": subgroups of consecutive ranks
-    group_size: int | None = None  # node size; default LOCAL_WORLD_SIZE
-    inter_every: int | None = None  # with group="node": also sync across nodes every K' steps
-    dtype: str = "fp32"            # what travels: fp32 (all-reduce), bf16 or int8 (two-phase, momentum_sync.py)
+    schedule: str = setting("every", type=str, choices=SYNC_SCHEDULES,
+                            help="`every`: every K steps; `geometric`: T0 = 0, T(j+1) = T(j) + ⌊2^(j/k)⌋")
+    every: int = setting(1, type=int, allowed="int ≥ 1", help="K: average momenta every K steps (schedule `every`)")
+    k: float = setting(1.0, type=float, allowed="> 0", help="geometric schedule: the gap doubles every k syncs")
+    until: int | None = setting(None, type=int, allowed="int ≥ 0",
+                                help="sync only on 0-based steps < until")
+    layers: tuple = setting((), type=list, allowed="fnmatch patterns",
+                            help="only parameters whose names match these patterns, e.g. `*.attn.*` (default: all)")
+    group: str = setting("world", type=str, choices=SYNC_GROUPS,
+                         help="`world`: the whole vote group; `node`: subgroups of `group_size` consecutive ranks")
+    group_size: int | None = setting(None, type=int, allowed="int ≥ 1",
+                                     help="ranks per node for group `node` (default: LOCAL_WORLD_SIZE)")
+    inter_every: int | None = setting(None, type=int, allowed="int ≥ 1",
+                                      help="with group `node`: every K'-th step average across the whole group instead")
+    dtype: str = setting("fp32", type=str, choices=SYNC_DTYPES,
+                         help="what travels: `fp32` (all-reduce), or `bf16` / `int8` (a two-phase average, 2x / 4x fewer bytes)")
 
     @classmethod
     def from_value(cls, value):
@@ -139,28 +167,66 @@ class MomentumSyncConfig:
 
 @dataclass(frozen=True)
 class LionCubConfig:
-    lr: float = 1e-4
-    betas: tuple = (0.9, 0.99)
-    weight_decay: float = 0.0
-    vote: str = "majority"
-    comm: str = "auto"
-    quant: str = "sign"
-    tie_break: str = "hash"
-    momentum_sync: MomentumSyncConfig | None = None
-    momentum_dtype: torch.dtype = torch.float32
-    bucket_size_mb: float = 25.0
-    pbit_bits: int | None = None
-    vote_bits: int | None = None   # comm="bbit": bits per vote code (default 2)
-    rounding: str | None = None    # comm="bbit": "nearest" | "dither" (default)
-    network: dict = field(default_factory=lambda: dict(DEFAULT_NETWORK))
-    nonfinite: str = "skip"
-    drift_check_every: int = 0
-    drift_action: str = "raise"
-    timeout_s: float | None = None
-    foreach: bool | None = None
-    comm_bucket_mb: float = 4.0
-    overlap: bool = False
-    momentum_double_buffer: bool = False
+    lr: float = setting(1e-4, type=float, allowed="> 0", default_doc="`1e-4`",
+                        help="η. Typical LLM: 3–10x smaller than AdamW")
+    betas: tuple = setting((0.9, 0.99), type=float, allowed="each in [0, 1)",
+                           help="(β1, β2). Typical LLM: (0.95, 0.98)")
+    weight_decay: float = setting(0.0, type=float, allowed="≥ 0",
+                                  help="decoupled λ: θ·(1 − η·λ). Typical: 3–10x AdamW's")
+    vote: str = setting("majority", type=str, choices=VOTES,
+                        help="Δ = sign(Σδ_i) or (1/N)·Σδ_i. `average` only with `quant=\"sign\"`")
+    comm: str = setting("auto", type=str, choices=COMM_ALGORITHMS,
+                        help="vote collective ([below](#communication-algorithms-and-wire-bytes)); `auto`: per bucket the "
+                             "cheapest exact sign algorithm by the α-β model (`int8` with a scaled `quant`)")
+    quant: str = setting("sign", type=str, choices=QUANTS,
+                         help="1-bit signs, or scaled votes with that per-tensor scale (`int8` and `bbit` only)")
+    tie_break: str = setting("hash", type=str, choices=TIE_RULES,
+                             help="even-N ties: no move; +1 odd / −1 even steps; ±1 from a hash of (step, the "
+                                  "element's index inside its parameter)")
+    momentum_sync: MomentumSyncConfig | None = setting(None, type=dict, allowed="dict, see below",
+                                                       help="selective momentum averaging")
+    momentum_dtype: torch.dtype = setting(torch.float32, type=str, choices=("fp32", "bf16"),
+                                          allowed="`torch.float32`, `torch.bfloat16` (or `\"fp32\"`, `\"bf16\"`)",
+                                          help="momentum storage; math is fp32")
+    bucket_size_mb: float = setting(25.0, type=float, allowed="> 0", help="MB of fp32 parameters per flat bucket")
+    pbit_bits: int | None = setting(None, type=int, choices=(1, 2, 4, 8),
+                                    allowed="`None`, `1`, `2`, `4`, `8` with 2^p − 1 ≥ N",
+                                    help="force the pbit lane width (`pbit`/`auto`)")
+    vote_bits: int | None = setting(None, type=int, choices=VOTE_BITS,
+                                    help="`bbit` only: bits per vote code (`None`: 2; 2 bits send 21x fewer bytes "
+                                         "than an fp32 all-reduce)")
+    rounding: str | None = setting(None, type=str, choices=ROUNDINGS,
+                                   help="`bbit` only: `dither` (`None`'s choice: unbiased, a reproducible per-rank "
+                                        "stream) or `nearest`")
+    error_feedback: bool = setting(False, type=bool, choices=(True, False),
+                                   help="`bbit` only: each rank quantizes c plus what its earlier codes did not carry "
+                                        "(fp32 state: +4 bytes per parameter, saved in checkpoints)")
+    network: dict = setting(type=dict, default_factory=lambda: dict(DEFAULT_NETWORK), allowed="> 0, ≥ 0",
+                            default_doc='`{"bandwidth_gbit": 10, "latency_us": 50}`',
+                            help="the α-β model behind `comm=\"auto\"`")
+    nonfinite: str = setting("skip", type=str, choices=NONFINITE_POLICIES,
+                             help="NaN/Inf on any rank: every rank skips the step, or raises `NonFiniteError`")
+    drift_check_every: int = setting(0, type=int, allowed="int ≥ 0",
+                                     help="every K steps compare parameter checksums across ranks (0 = off)")
+    drift_action: str = setting("raise", type=str, choices=DRIFT_ACTIONS,
+                                help="`ReplicaDriftError` naming the parameters, or broadcast from rank 0")
+    timeout_s: float | None = setting(None, type=float, allowed="> 0",
+                                      help="collective timeout: a dead rank makes the others raise instead of hanging")
+    foreach: bool | None = setting(None, type=bool, choices=(True, False),
+                                   help="single-process path: `None` = the fused kernel of the device's backend "
+                                        "(C++ / CUDA, one pass), `True` / `False` = torch foreach / single tensor "
+                                        "(same bits)")
+    comm_bucket_mb: float = setting(4.0, type=float, allowed="> 0",
+                                    help="MB of packed votes per communication batch (one collective per phase per "
+                                         "batch); 1 is faster at 1 Gbit/s, slower at 10 ([measured](docs/results.md))")
+    overlap: bool = setting(False, type=bool, choices=(True, False),
+                            help="start votes from gradient-ready hooks during backward; bit-identical to `False`. "
+                                 "DeepSpeed: ZeRO 0 with fp32 only; Megatron: refused ([why](docs/megatron.md))")
+    momentum_double_buffer: bool = setting(False, type=bool, choices=(True, False),
+                                           help="+4 bytes per parameter (one more momentum-sized buffer, not saved in "
+                                                "checkpoints): the local pass writes the next momentum there, so a "
+                                                "step reads g and m once instead of twice; bit-identical to `False`. "
+                                                "Sign votes only (`int8` keeps its momentum pass)")
 
     def __post_init__(self):
         validate_common(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,

@@ -136,6 +136,8 @@ class LionCub(Optimizer):
             whole batch of parameter buckets (default 4).
         overlap: start each bucket's vote from gradient-ready hooks during backward (like DDP);
             ``no_sync()`` for gradient accumulation. Bit-identical to overlap=False.
+        momentum_double_buffer: +4 bytes per parameter: the local pass writes the next momentum into a
+            second buffer, saving the momentum pass after the vote (sign votes; bit-identical).
 
     Process groups (the timeout group, node subgroups) are created here, on every rank of the
     world in the same order, when torch.distributed is initialized (else at the first step),

@@ -12,6 +12,8 @@ from lioncub_ds.comm import make_algorithm
 from lioncub_ds.config import LionCubConfig
 from lioncub_ds.kernels import reference as R
 
+pytestmark = pytest.mark.unit
+
 ODD_SIZES = (1, 7, 13, 61, 1003, 16384 + 37)
 
 

@@ -11,6 +11,8 @@ import pytest
 from lioncub_ds.bench import BENCHMARKS, comm, converge, netns, scaling
 from lioncub_ds.comm.cost import CostModel
 
+pytestmark = pytest.mark.unit  # tests that spawn ranks or a child process: dist
+
 COMM_FIELDS = {"bench", "algorithm", "vote", "world_size", "numel", "bytes_per_rank", "fp32_allreduce_bytes",
                "bf16_allreduce_bytes", "ratio_vs_fp32", "ratio_vs_bf16"}
 
@@ -67,6 +69,7 @@ def test_netns_count_zeros_tiny():
         assert s["c_zeros_min"] <= s["c_zeros_median"] <= s["c_zeros_max"] <= s["numel"]
 
 
+@pytest.mark.dist
 def test_startup_skip_arm_really_skips_the_hook():
     import subprocess
     import sys
@@ -93,6 +96,7 @@ def test_zero_configs_are_stage1_with_the_sign_allgather():
         assert cfg["optimizer"]["params"].get("zero_fp32_replica", False) == label.startswith("bf16")
 
 
+@pytest.mark.dist
 def test_comm_records_and_1bit_ratio(tmp_path):
     configs = [c for c in comm.CONFIGS if c[0] in ("1bit/majority", "1bit/majority/tie=zero", "allgather/majority",
                                                    "int8/majority (l1)")]
@@ -159,6 +163,7 @@ def test_cost_model_fit_recovers_alpha_beta_from_noisy_samples():
     assert lat.beta_s_per_byte == 0 and lat.alpha_s == pytest.approx(1e-4, rel=0.3)
 
 
+@pytest.mark.dist
 def test_scaling_calibration_tiny():
     model, recs = scaling.calibrate(world_sizes=(2,), sizes=(1 << 10, 1 << 20), reps=2, validate_numel=0,
                                     gamma_numel=1 << 12, verbose=False)
@@ -194,6 +199,7 @@ def test_netns_refuses_clearly_when_it_cannot_run(monkeypatch, capsys):
     assert "root" in capsys.readouterr().err
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")),
                     reason="bench netns needs root and iproute2 (ip, tc)")
 def test_netns_tiny_run():

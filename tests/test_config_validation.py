@@ -21,6 +21,8 @@ import lioncub_ds
 from lioncub_ds import LionCub, LionCubConfig, LionCubConfigError
 from lioncub_ds.comm.pbit import check_lane_bits
 
+pytestmark = pytest.mark.unit
+
 NAN = float("nan")
 INF = float("inf")
 DS_WHERE = "ds_config optimizer.params"

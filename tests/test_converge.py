@@ -13,6 +13,8 @@ from lioncub_ds.bench.common import run_ranks
 from lioncub_ds.data import (PINNED_BYTES, PINNED_CORPUS, PINNED_SHA256, CorpusMismatchError, pinned_dataset,
                              pinned_files)
 
+pytestmark = pytest.mark.unit
+
 # A run small enough for a unit test: 1 layer, d=32, 8 steps of 2x16 tokens per worker.
 TINY = dict(steps=8, n_layer=1, n_head=2, d_model=32, seq_len=16, batch_size=2, warmup=2, eval_every=4, eval_iters=2,
             eval_batch=4)
@@ -98,6 +100,7 @@ def test_same_command_same_numbers(ds):
 
 
 # ----------------------------------------------------------------------------- simulation == real LionCub
+@pytest.mark.dist
 @pytest.mark.parametrize("n,variants", [(2, ("cub_1bit", "dlion", "cub_int8", "cub_avg", "cub_1bit_sync5_small",
                                              "cub_1bit_geo", "cub_b2", "cub_b3_nearest", "cub_1bit_sync20_bf16")),
                                         (4, ("cub_1bit", "cub_int8", "cub_b2", "cub_b2_l0", "cub_1bit_sync10_int8",

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit  # nvcc itself: dist
+
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 SOURCES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
@@ -75,6 +77,7 @@ def test_sources_include_no_torch(src):
     assert not bad, f"{src} includes {bad}: csrc/cuda may include only CUDA runtime and standard headers"
 
 
+@pytest.mark.dist
 @needs_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("src", SOURCES)

@@ -38,6 +38,8 @@ from lioncub_ds import kernels
 from lioncub_ds.kernels import reference
 from test_kernels_cpu import TIE_PARAMS, bucket_planes  # the same parameters and bucket planes as the C++ tie tests
 
+pytestmark = pytest.mark.dist  # builds the host emulation with nvcc
+
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 EMU_SRC = ROOT / "tests" / "cuda_emu" / "lioncub_cuda_emu.cpp"

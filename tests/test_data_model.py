@@ -13,6 +13,8 @@ import torch
 from lioncub_ds.data import files_dataset, load_dataset, stdlib_dataset, stdlib_files, token_file_dataset
 from lioncub_ds.models import GPT, PRESETS, build_model, get_config
 
+pytestmark = pytest.mark.unit
+
 CAP = 256 * 1024  # small corpus: fast to build, still hundreds of windows per shard
 
 
@@ -200,6 +202,7 @@ def test_presets_valid():
 
 
 # ----------------------------------------------------------------------------- env report
+@pytest.mark.dist
 def test_env_report_json():
     env = dict(os.environ, LIONCUB_KERNELS="torch")  # no kernel build inside a unit test
     out = subprocess.run([sys.executable, "-m", "lioncub_ds.env", "--json"], capture_output=True, text=True,
@@ -233,6 +236,7 @@ def test_train_one_process(optim, monkeypatch, tmp_path):
     assert check_summary(summary, 0.5) == 0 and summary["params_in_sync"]
 
 
+@pytest.mark.dist
 def test_demo_two_ranks(monkeypatch, tmp_path):
     """The demo's own launcher: 2 gloo ranks, LionCub when it exists (no gradient all-reduce)."""
     import lioncub_ds

@@ -1,6 +1,6 @@
 """DeepSpeed integration: real DeepSpeed on CPU (DS_ACCELERATOR=cpu, gloo), 2 ranks.
 
-One launch of ``tests/test_deepspeed_script.py`` under the ``deepspeed`` launcher plays
+One launch of ``tests/deepspeed_script.py`` under the ``deepspeed`` launcher plays
 every scenario (each launch costs 30-90 s here, most of it imports); the tests below
 check its per-rank JSON. The script never imports lioncub_ds: ``"type": "LionCub"``
 resolves through the lazy hook (``lioncub_ds_autohook.pth``). When the package is not
@@ -25,8 +25,10 @@ import torch
 
 from lioncub_ds.testing import free_port
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "test_deepspeed_script.py"
+SCRIPT = ROOT / "tests" / "deepspeed_script.py"
 HOOK_DIR = ROOT / "lioncub_ds" / "deepspeed"
 
 deepspeed_missing = pytest.mark.skipif(
@@ -98,6 +100,7 @@ def test_unmodified_script_gets_lioncub_from_the_lazy_hook(runs):
         assert r["hook_registered"] is True
 
 
+@pytest.mark.unit
 def test_ds_config_params_are_validated_with_suggestions():
     from lioncub_ds import LionCubConfigError
     from lioncub_ds.deepspeed.engine import split_params
@@ -156,6 +159,7 @@ def test_autohook_is_cheap_and_fires_only_on_deepspeed(tmp_path):
     assert self_us < 50_000, f"hook import took {self_us} us"
 
 
+@pytest.mark.unit
 def test_local_clipping_rule():
     """gradient_clipping at stage 0 scales each rank's LOCAL gradient to the clip norm (no communication)."""
     from lioncub_ds.deepspeed.engine import clip_local_gradients

@@ -16,6 +16,8 @@ import pytest
 
 from lioncub_ds import LionCubConfigError
 
+pytestmark = pytest.mark.integration  # engines on ranks and launches; the in-process checks are unit
+
 ROOT = Path(__file__).resolve().parents[1]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -31,18 +33,21 @@ def engine_mod():
 
 
 # ----------------------------------------------------------------------------- HF template keys
+@pytest.mark.unit
 def test_eps_is_accepted_and_dropped(engine_mod):
     params, options = engine_mod.split_params({"lr": 1e-4, "betas": [0.95, 0.98], "eps": 1e-8, "weight_decay": 0.1})
     assert "eps" not in params and params["betas"] == [0.95, 0.98] and options["zero_allgather"] == "auto"
     assert engine_mod.split_params({"eps": None})[0] == {}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", ["auto", -1.0, float("nan"), True, [1e-8]])
 def test_eps_with_a_bad_value_names_key_value_and_allowed(engine_mod, bad):
     with pytest.raises(LionCubConfigError, match=r"eps=.*allowed: a number >= 0 or null .*Lion has no epsilon"):
         engine_mod.split_params({"eps": bad})
 
 
+@pytest.mark.unit
 def test_eps_and_adam_betas_warnings(engine_mod):
     w = engine_mod.config_warnings({"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8})
     assert len(w) == 2
@@ -53,12 +58,14 @@ def test_eps_and_adam_betas_warnings(engine_mod):
     assert engine_mod.config_warnings({}) == []
 
 
+@pytest.mark.unit
 def test_misspelled_eps_still_gets_a_suggestion(engine_mod):
     with pytest.raises(LionCubConfigError, match=r"unknown ds_config optimizer.params key 'epsilon'"):
         engine_mod.split_params({"epsilon": 1e-8})
 
 
 # ----------------------------------------------------------------------------- _compat
+@pytest.mark.unit
 @needs_deepspeed
 def test_every_patched_or_read_name_exists_in_the_installed_deepspeed():
     from lioncub_ds.deepspeed import _compat
@@ -67,6 +74,7 @@ def test_every_patched_or_read_name_exists_in_the_installed_deepspeed():
     assert ver is not None and len(ver) == 3
 
 
+@pytest.mark.unit
 @needs_deepspeed
 def test_registration_patches_what_compat_lists():
     import deepspeed.runtime.engine as ds_engine
@@ -76,6 +84,7 @@ def test_registration_patches_what_compat_lists():
         assert getattr(getattr(ds_engine.DeepSpeedEngine, name), "_lioncub_ds_patch", False), name
 
 
+@pytest.mark.unit
 @needs_deepspeed
 def test_unknown_version_warns_once_and_names_the_range(monkeypatch):
     import deepspeed
@@ -90,6 +99,7 @@ def test_unknown_version_warns_once_and_names_the_range(monkeypatch):
     assert len(msgs) == 1 and "9.1.0" in msgs[0] and ">= 0.19.0, < 0.20.0" in msgs[0], msgs
 
 
+@pytest.mark.unit
 @needs_deepspeed
 def test_a_missing_name_is_an_error_that_names_it(monkeypatch):
     from deepspeed.runtime.zero import stage_1_and_2
@@ -102,6 +112,7 @@ def test_a_missing_name_is_an_error_that_names_it(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- no torch API names / versions
+@pytest.mark.unit
 def test_integration_sources_assert_no_torch_api_names_or_versions():
     """Feature detection only: the integration never compares torch versions or names a torch collective."""
     for path in (ROOT / "lioncub_ds" / "deepspeed").glob("*.py"):
@@ -111,6 +122,7 @@ def test_integration_sources_assert_no_torch_api_names_or_versions():
 
 
 # ----------------------------------------------------------------------------- demo is self-contained
+@pytest.mark.unit
 def test_demo_ships_what_it_needs_inside_the_package():
     from lioncub_ds.deepspeed import demo
     script = demo.train_script()

@@ -18,6 +18,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 STEPS, SAVE_AT = 4, 2

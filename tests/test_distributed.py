@@ -16,6 +16,8 @@ from lioncub_ds.pipeline import FLAG_HEAD, flag_bytes
 from lioncub_ds.momentum_sync import geometric_steps
 from dist_helpers import run_ranks
 
+pytestmark = pytest.mark.dist
+
 STEPS = 200
 COMBOS = ([(c, v, t, "sign") for c in ("allgather", "1bit", "pbit") for v in ("majority", "average")
            for t in ("hash", "alternate", "zero")]
@@ -308,6 +310,7 @@ def test_momentum_sync_and_telemetry(n):
     assert res["telemetry"]["1bit"]["fp32_allreduce_bytes"] / onebit >= 29
 
 
+@pytest.mark.unit
 def test_geometric_schedule_matches_formula():
     import math
     for k in (1, 2, 3.5):

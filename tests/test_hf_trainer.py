@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "hf_trainer_driver.py"
 CONFIG = ROOT / "configs" / "ds_hf_lioncub.json"

@@ -24,6 +24,8 @@ import torch
 from lioncub_ds import kernels
 from lioncub_ds.kernels import cpp, loader, reference
 
+pytestmark = pytest.mark.unit
+
 SMALL = [1, 7, 8, 9, 1000, 4097]   # several tensors per bucket, odd sizes
 BIG = 1048579
 NS = (1, 2, 3, 4, 7, 8)
@@ -773,6 +775,7 @@ def run_isolated(code: str) -> str:
     return res.stdout
 
 
+@pytest.mark.dist
 def test_binding_checks_name_the_argument(be):
     """The raw bindings' own checks (a second line of defence behind the Python validation) name
     the argument. Run in a subprocess: they throw C++ exceptions."""

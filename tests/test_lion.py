@@ -4,6 +4,8 @@ import torch
 
 from lioncub_ds import Lion, LionCubConfigError
 
+pytestmark = pytest.mark.unit
+
 lion_pytorch = pytest.importorskip("lion_pytorch")
 
 

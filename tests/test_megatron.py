@@ -40,6 +40,8 @@ from lioncub_ds.megatron import (LocalMomentumConfigError, MegatronNotAvailableE
                                  check_local_momentum_ddp, lioncub_settings, lioncub_settings_from_args,
                                  ranks_per_node, require_megatron)
 
+pytestmark = pytest.mark.integration
+
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
 needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed")
@@ -49,6 +51,7 @@ TRAIN_STEPS = 10
 
 
 # ----------------------------------------------------------------------------- no-spawn checks
+@pytest.mark.dist
 def test_import_does_not_need_megatron(monkeypatch):
     code = ("import sys; import lioncub_ds.megatron; "
             "print(sorted(k for k in sys.modules if k == 'megatron' or k.startswith('megatron.')))")
@@ -67,6 +70,7 @@ def test_import_does_not_need_megatron(monkeypatch):
         disable_dp_grad_reduction([])
 
 
+@pytest.mark.unit
 def test_lioncub_args_to_settings():
     p = add_lioncub_args(argparse.ArgumentParser())
     args = p.parse_args(["--lioncub-comm", "1bit", "--lioncub-tie-break", "alternate", "--lioncub-beta1", "0.95",
@@ -89,6 +93,7 @@ def test_lioncub_args_to_settings():
         lioncub_settings_from_args(p.parse_args(["--lioncub-momentum-sync", "{every: 5"]))
 
 
+@pytest.mark.unit
 def test_lioncub_settings_validation():
     assert lioncub_settings({"comm": "pbit"}, vote="average") == {"comm": "pbit", "vote": "average"}
     with pytest.raises(LionCubConfigError, match="--lr"):
@@ -103,6 +108,7 @@ def test_lioncub_settings_validation():
         lioncub_settings({"comm": "1bit"}, comm="pbit")
 
 
+@pytest.mark.unit
 def test_ranks_per_node():
     assert ranks_per_node([0, 1, 2, 3], 2) == 2
     assert ranks_per_node([0, 2, 4, 6, 8, 10, 12, 14], 8) == 4    # TP=2, 8 GPUs per node
@@ -114,6 +120,7 @@ def test_ranks_per_node():
         ranks_per_node([0, 2, 1, 3], 2)
 
 
+@pytest.mark.unit
 def test_local_momentum_ddp_checks():
     def chunk(**cfg):
         base = dict(use_distributed_optimizer=False, overlap_grad_reduce=False, use_megatron_fsdp=False,

@@ -21,12 +21,15 @@ from dist_helpers import recording_optimizer_inits, run_ranks
 from lioncub_ds import LionCubConfigError
 from lioncub_ds.megatron import add_lioncub_args, lioncub_settings, lioncub_settings_from_args
 
+pytestmark = pytest.mark.integration
+
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
 needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core not installed")
 NEEDLES = ("overlap=True", "--lioncub-overlap", "main_grad", "inside optimizer.step()", "Use overlap=False")
 
 
+@pytest.mark.unit
 def test_overlap_setting_is_refused_with_the_reason():
     p = add_lioncub_args(argparse.ArgumentParser())
     assert lioncub_settings_from_args(p.parse_args([])) == {}  # unset: not in the settings at all
@@ -42,6 +45,7 @@ def test_overlap_setting_is_refused_with_the_reason():
     assert lioncub_settings({"overlap": False}) == {"overlap": False}
 
 
+@pytest.mark.unit
 def test_megatron_lm_flag_is_in_the_one_early_error():
     from test_megatron_training import GOOD, make_standins
     from lioncub_ds.megatron import training as lt

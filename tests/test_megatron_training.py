@@ -44,6 +44,8 @@ import torch
 
 from dist_helpers import run_ranks
 
+pytestmark = pytest.mark.integration  # the stand-in checks are unit
+
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
 needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core not installed")
@@ -138,6 +140,7 @@ GOOD = ["--lr", "1e-3", "--lioncub-beta1", "0.95", "--lioncub-beta2", "0.98"]
 
 
 # ----------------------------------------------------------------------------- argument plumbing
+@pytest.mark.unit
 def test_flags_reach_megatron_parser_and_get_args(standins):
     args = standins.arguments.parse_args(argv=GOOD + ["--lioncub-comm", "1bit", "--lioncub-momentum-sync-every", "10",
                                                       "--lioncub-checkpoint-mode", "sync"])
@@ -147,6 +150,7 @@ def test_flags_reach_megatron_parser_and_get_args(standins):
     assert s["comm"] == "1bit" and s["betas"] == (0.95, 0.98) and s["momentum_sync"] == {"every": 10}
 
 
+@pytest.mark.unit
 def test_flags_added_once_even_with_extra_args_provider(standins):
     """A script that also passes extra_args_provider=add_lioncub_args (0.16/0.17 pretrain) must not clash."""
     from lioncub_ds.megatron import add_lioncub_args
@@ -155,6 +159,7 @@ def test_flags_added_once_even_with_extra_args_provider(standins):
     assert args.lioncub_checkpoint_mode == "per_rank"
 
 
+@pytest.mark.unit
 def test_uninstall_restores_every_name():
     from lioncub_ds.megatron import training as lt
     lt.uninstall()
@@ -169,6 +174,7 @@ def test_uninstall_restores_every_name():
     assert all(getattr(getattr(s, m), n) is f for (m, n), f in before.items())
 
 
+@pytest.mark.unit
 def test_compat_table_names_every_patched_symbol():
     from lioncub_ds.megatron import _compat
     names = {(m, n) for m, n, _, _ in _compat.MEGATRON_LM_PATCHES}
@@ -180,6 +186,7 @@ def test_compat_table_names_every_patched_symbol():
                      ("megatron.training.training", "load_checkpoint")}
 
 
+@pytest.mark.unit
 def test_install_without_megatron_lm_says_what_to_do(monkeypatch):
     from lioncub_ds.megatron import training as lt
     lt.uninstall()
@@ -202,6 +209,7 @@ def test_install_without_megatron_lm_says_what_to_do(monkeypatch):
 RECIPE = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--fp8-param-gather"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("where", ["arguments", "initialize"])  # 0.18+ / 0.16-0.17 call sites
 def test_one_early_error_lists_every_incompatible_flag(standins, where):
     from lioncub_ds.megatron.training import LionCubMegatronArgsError
@@ -217,12 +225,14 @@ def test_one_early_error_lists_every_incompatible_flag(standins, where):
     assert standins.validate_calls == []  # raised before Megatron's own validation (before any model)
 
 
+@pytest.mark.unit
 def test_early_check_passes_good_args_and_runs_megatron_validation(standins):
     args = standins.arguments.parse_args(argv=GOOD)
     standins.arguments.validate_args(args, {})
     assert standins.validate_calls == ["megatron"]
 
 
+@pytest.mark.unit
 def test_optimizer_choice_and_beta_rules(standins, monkeypatch):
     from lioncub_ds.megatron import _compat
     from lioncub_ds.megatron.training import LionCubMegatronArgsError, megatron_args_problems
@@ -244,6 +254,7 @@ def test_optimizer_choice_and_beta_rules(standins, monkeypatch):
     assert any("--non-persistent-ckpt-type local" in x for x in megatron_args_problems(local))
 
 
+@pytest.mark.unit
 def test_optimizer_swap_reads_get_args(standins, monkeypatch):
     from lioncub_ds.megatron import optimizer as mopt
     seen = {}
@@ -626,6 +637,7 @@ def test_real_megatron_lm_pretrain_gpt_on_cpu(tmp_path):
     assert "building GPT model" not in out
 
 
+@pytest.mark.unit
 def test_run_finds_the_script(tmp_path, monkeypatch):
     """``python -m lioncub_ds.megatron.run [SCRIPT] ARGS``: cwd, then $MEGATRON_LM_DIR, then sys.path."""
     from lioncub_ds.megatron import run
@@ -648,6 +660,7 @@ def test_run_finds_the_script(tmp_path, monkeypatch):
                     "argv": [str(mlm / "pretrain_gpt.py"), "--lr", "1e-3", "--lioncub-comm", "1bit"]}
 
 
+@pytest.mark.unit
 def test_install_is_all_or_nothing():
     """A Megatron-LM without one of the names (an unsupported version) leaves nothing half-patched."""
     from lioncub_ds.megatron import training as lt

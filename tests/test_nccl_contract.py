@@ -13,8 +13,11 @@ import torch.distributed as dist
 from lioncub_ds.testing import nccl_contract as nc
 from dist_helpers import run_ranks
 
+pytestmark = pytest.mark.dist
+
 
 # ----------------------------------------------------------------------------- tables (no ranks)
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype,op,ok", [
     (torch.float32, "SUM", True), (torch.bfloat16, "SUM", True), (torch.float16, "MAX", True),
     (torch.uint8, "SUM", True), (torch.int8, "SUM", True), (torch.int32, "MAX", True), (torch.int64, "MIN", True),
@@ -29,6 +32,7 @@ def test_dtype_op_table(dtype, op, ok):
     assert (nc.check_dtype_op(dtype, op) is None) == ok, nc.check_dtype_op(dtype, op)
 
 
+@pytest.mark.unit
 def test_compare_logs_reports_the_first_difference():
     w = (0, 1, 2)
     a = {"log": [("new_group", (0, 1), "world"), ("all_reduce", w, "torch.int32", (3,), "SUM"),

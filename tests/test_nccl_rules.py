@@ -29,6 +29,8 @@ from lioncub_ds.optimizer import StepInputError
 from lioncub_ds.telemetry import CommStats
 from dist_helpers import run_ranks
 
+pytestmark = pytest.mark.dist
+
 
 class Net(torch.nn.Module):
     def __init__(self):

@@ -15,8 +15,11 @@ from lioncub_ds.kernels.reference import abstain_list
 from dist_helpers import run_ranks
 from test_distributed import _brute_force
 
+pytestmark = pytest.mark.dist
+
 
 # ----------------------------------------------------------------------------- the list codec
+@pytest.mark.unit
 def test_list_codec_round_trip_exact():
     gen = torch.Generator().manual_seed(3)
     offsets, numels, total = [0, 72, 200], [69, 121, 37], 240
@@ -43,6 +46,7 @@ def test_list_codec_round_trip_exact():
             assert not torch.equal(planes[0], nz)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("algo", ["allgather", "1bit", "pbit"])
 def test_list_mode_bytes_near_the_vote_floor(algo):
     """Issue 12's target: abstentions cost bytes only where they occur. For a 25 MB bucket at
@@ -237,6 +241,7 @@ def test_launch_condition_lets_only_the_boundary_backward_launch():
         assert r[False][1] == {"batches_launched_in_backward": 0, "revotes": 0}
 
 
+@pytest.mark.unit
 def test_launch_condition_must_be_callable():
     opt = lioncub_ds.LionCub([torch.nn.Parameter(torch.zeros(3))], overlap=True)
     with pytest.raises(TypeError, match="callable"):

@@ -17,6 +17,8 @@ from lioncub_ds.kernels import reference
 from lioncub_ds.comm.abstain import any_voter
 from lioncub_ds.comm.onebit import phase2_needs_nonzero
 
+pytestmark = pytest.mark.unit
+
 FAST = settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 M32 = 0xFFFFFFFF
 

@@ -4,6 +4,8 @@ import torch
 
 from lioncub_ds.kernels import reference
 
+pytestmark = pytest.mark.unit
+
 
 def test_bit_order_is_lsb_first():
     bits = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1], dtype=torch.uint8)

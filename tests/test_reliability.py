@@ -25,6 +25,8 @@ from lioncub_ds import LionCub, NonFiniteError, ReplicaDriftError, checkpoint
 from lioncub_ds.checkpoint import CheckpointError
 from dist_helpers import free_port, run_ranks
 
+pytestmark = pytest.mark.dist  # the single-process checkpoint checks are unit
+
 N = 3
 KERNELS = ("torch", "cpp")
 
@@ -416,6 +418,7 @@ def saved(tmp_path):
     return str(tmp_path), path, opt, other
 
 
+@pytest.mark.unit
 def test_checkpoint_roundtrip(saved):
     directory, path, opt, other = saved
     checkpoint.load(other, directory)
@@ -430,6 +433,7 @@ def _momentum_offset(data: bytes, opt) -> int:
     return pos
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("damage", ["flip-tensor-byte", "flip-pickle-byte", "truncate-half", "truncate-tail",
                                     "empty", "garbage", "zeroed-middle"])
 def test_corrupted_or_truncated_file_raises_and_leaves_state(saved, damage):
@@ -465,6 +469,7 @@ class _Payload:
         return (print, ("this must never run",))
 
 
+@pytest.mark.unit
 def test_foreign_and_unsafe_files_are_refused(saved, capsys):
     directory, path, opt, other = saved
     snap = _state_snapshot(other)
@@ -478,6 +483,7 @@ def test_foreign_and_unsafe_files_are_refused(saved, capsys):
     _assert_state_equal(other, snap)
 
 
+@pytest.mark.unit
 def test_missing_directory_content(tmp_path):
     _, opt = _trained(steps=1)
     with pytest.raises(CheckpointError, match="no LionCub checkpoint files in"):
@@ -488,6 +494,7 @@ def test_missing_directory_content(tmp_path):
         checkpoint.load(opt, str(tmp_path), reshard="mean")
 
 
+@pytest.mark.unit
 def test_format_version_mismatch(saved):
     directory, path, opt, other = saved
     payload = torch.load(path, weights_only=True)
@@ -506,6 +513,7 @@ def test_format_version_mismatch(saved):
     _assert_state_equal(other, _state_snapshot(opt))
 
 
+@pytest.mark.unit
 def test_mismatched_parameters(saved, tmp_path):
     directory, path, opt, other = saved
     _, wider = _trained(steps=1, shape=(6, 7))
@@ -561,6 +569,7 @@ def _tmp_files(directory):
     return [f for f in os.listdir(directory) if f.startswith(".tmp")]
 
 
+@pytest.mark.unit
 def test_failed_save_leaves_no_temporary_file_and_keeps_the_old_one(saved, monkeypatch):
     directory, path, opt, other = saved
     before = open(path, "rb").read()
@@ -604,6 +613,7 @@ def test_failed_save_leaves_no_temporary_file_and_keeps_the_old_one(saved, monke
     _assert_state_equal(other, _state_snapshot(opt))
 
 
+@pytest.mark.unit
 def test_checkpoint_payload_loads_with_weights_only(saved):
     _, path, _, _ = saved
     payload = checkpoint.read(path)
@@ -612,6 +622,7 @@ def test_checkpoint_payload_loads_with_weights_only(saved):
     torch.load(buf, weights_only=True)  # no custom classes inside
 
 
+@pytest.mark.unit
 def test_reshard_refuses_rank_files_from_different_steps(saved, tmp_path):
     """Averaging needs one consistent save: rank files of different steps (a save that died
     half-way through the ranks) are refused; consistent ones average."""

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from lioncub_ds import LionCub, LionCubConfigError
 
+pytestmark = pytest.mark.unit
+
 
 LR, WD, BETAS = 2e-3, 0.2, (0.9, 0.99)
 

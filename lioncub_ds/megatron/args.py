@@ -3,18 +3,50 @@
 ``add_lioncub_args(parser)`` adds them (usable as Megatron-LM's ``extra_args_provider``);
 ``lioncub_settings_from_args(args)`` turns the parsed namespace into the ``lioncub`` dict of
 :func:`lioncub_ds.megatron.get_megatron_lioncub_optimizer`. Settings left unset keep
-LionCub's defaults; lr and weight decay come from Megatron's own ``--lr`` /
-``--weight-decay``. Values are validated by :class:`lioncub_ds.LionCubConfig` when the
+LionCub's defaults. Values are validated by :class:`lioncub_ds.LionCubConfig` when the
 optimizer is built (errors name the setting, the value and what is allowed).
+
+The flags are made from the fields of :class:`lioncub_ds.LionCubConfig` (their type, choices and
+help): every setting ``x_y`` is ``--lioncub-x-y``, except (tests/test_settings.py checks the list)
+
+* ``lr`` and ``weight_decay``: Megatron's own ``--lr`` / ``--weight-decay`` (:data:`FROM_MEGATRON`);
+* ``betas``: ``--lioncub-beta1`` and ``--lioncub-beta2`` (both or neither);
+* ``network``: ``--lioncub-bandwidth-gbit`` and ``--lioncub-latency-us`` (one flag per key);
+* ``momentum_sync``: ``--lioncub-momentum-sync-KEY`` per key of :class:`MomentumSyncConfig`, or all
+  of it as one JSON object in ``--lioncub-momentum-sync``;
+* switches (``overlap``, ``momentum_double_buffer``, ``error_feedback``) take no value; ``foreach``
+  takes true / false / auto.
+
+Plus the integration flags, which are not optimizer settings: ``--lioncub-checkpoint-mode``,
+``--lioncub-reshard``, ``--lioncub-keep-grad-allreduce``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+from dataclasses import fields
 
-from ..config import (COMM_ALGORITHMS, DRIFT_ACTIONS, NONFINITE_POLICIES, QUANTS, SYNC_GROUPS, SYNC_SCHEDULES,
-                      TIE_RULES, VOTES, LionCubConfigError)
+from ..config import NETWORK_HELP, NETWORK_KEYS, LionCubConfig, LionCubConfigError, MomentumSyncConfig
 from .checkpoint import CHECKPOINT_MODES
+
+# Settings whose value comes from Megatron's own flags (the dest of each).
+FROM_MEGATRON = {"lr": "lr", "weight_decay": "weight_decay"}
+# Settings with flags of their own shape (see the module docstring).
+COMPOSITE = ("betas", "network", "momentum_sync")
+# Megatron-specific help, where the setting's own help would mislead.
+_HELP = {
+    "overlap": "NOT SUPPORTED under Megatron (refused with the reason): votes cannot start during backward, "
+               "because Megatron hands the optimizer its gradients (main_grad) only inside step(); votes start "
+               "in step()",
+    "foreach": "single-process path: auto = the fused kernel of the device's backend (C++ / CUDA, one pass), "
+               "true / false = torch foreach / single tensor (same bits)",
+    "momentum_sync.every": "average momenta over the data-parallel group every K steps (enables momentum sync)",
+    "momentum_sync.group": "world: the whole data-parallel group; node: data-parallel peers on the same node",
+    "momentum_sync.group_size": "data-parallel peers per node for group=node (default: from LOCAL_WORLD_SIZE)",
+    "momentum_sync.inter_every": "with group=node: every K' steps average across nodes (the whole data-parallel "
+                                 "group) instead",
+}
 
 
 def _bool(text):
@@ -28,51 +60,73 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"expected true/false/auto, got {text!r}")
 
 
+def _plain(markdown: str) -> str:
+    """The README's Markdown help as command-line text: no backticks; a link in parentheses (a pointer into
+    the docs) is dropped, any other link becomes its words."""
+    text = re.sub(r" \(\[[^\]]*\]\([^)]*\)\)", "", markdown)
+    return re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text).replace("`", "").replace("%", "%%")
+
+
+def flag(name: str) -> str:
+    return "--lioncub-" + name.replace("_", "-")
+
+
+def _add(add, f, name: str, key: str) -> None:
+    """One flag for the settings field ``f``, stored in ``args.lioncub_<name>`` (default None: unset)."""
+    meta = f.metadata
+    kw = {"default": None, "help": _HELP.get(key) or _plain(meta["help"])}
+    typ = meta["type"]
+    if typ is bool and f.default is False:
+        kw["action"] = "store_true"        # a switch
+    elif typ is bool:
+        kw.update(type=_bool, metavar="{true,false,auto}")
+    elif typ is list:
+        kw["nargs"] = "+"
+    else:
+        kw["type"] = typ
+        if meta["choices"] is not None:
+            kw["choices"] = meta["choices"]
+    add(flag(name), **kw)
+
+
+def setting_flags() -> dict:
+    """{setting or "momentum_sync.KEY" / "network.KEY": its flag}; betas' two flags under "betas"."""
+    out = {}
+    for f in fields(LionCubConfig):
+        if f.name in FROM_MEGATRON:
+            continue
+        if f.name == "betas":
+            out["betas"] = (flag("beta1"), flag("beta2"))
+        elif f.name == "network":
+            out.update({f"network.{k}": flag(k) for k in NETWORK_KEYS})
+        elif f.name == "momentum_sync":
+            out["momentum_sync"] = flag("momentum_sync")
+            out.update({f"momentum_sync.{g.name}": flag(f"momentum_sync_{g.name}") for g in fields(MomentumSyncConfig)})
+        else:
+            out[f.name] = flag(f.name)
+    return out
+
+
 def add_lioncub_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("LionCub (communication-efficient distributed Lion)")
     a = g.add_argument
-    a("--lioncub-vote", choices=VOTES, default=None, help="majority: Δ = sign(Σ votes); average: Δ = mean of votes")
-    a("--lioncub-comm", choices=COMM_ALGORITHMS, default=None,
-      help="vote collective: auto (α-β cost model) | allgather | 1bit (two-phase sharded) | pbit | int8")
-    a("--lioncub-quant", choices=QUANTS, default=None, help="sign (1-bit votes) or l1/l0/linf (int8 scaled votes)")
-    a("--lioncub-tie-break", choices=TIE_RULES, default=None, help="even-N tie rule")
-    a("--lioncub-beta1", type=float, default=None,
-      help="Lion β1 (default: --adam-beta1, or --lion-beta1 with --optimizer lion on Megatron-LM >= 0.18)")
-    a("--lioncub-beta2", type=float, default=None, help="Lion β2 (momentum decay; default as for β1)")
-    a("--lioncub-momentum-dtype", choices=("fp32", "bf16"), default=None, help="momentum storage dtype")
-    a("--lioncub-bucket-size-mb", type=float, default=None, help="MB of fp32 parameters per vote bucket")
-    a("--lioncub-pbit-bits", type=int, choices=(1, 2, 4, 8), default=None, help="force the pbit lane width")
-    a("--lioncub-bandwidth-gbit", type=float, default=None, help="network bandwidth for comm=auto's cost model")
-    a("--lioncub-latency-us", type=float, default=None, help="per-message latency for comm=auto's cost model")
-    a("--lioncub-nonfinite", choices=NONFINITE_POLICIES, default=None,
-      help="NaN/Inf gradient on any rank: skip the step everywhere, or raise")
-    a("--lioncub-drift-check-every", type=int, default=None, help="compare parameter checksums every K steps (0=off)")
-    a("--lioncub-drift-action", choices=DRIFT_ACTIONS, default=None, help="on drift: raise, or resync from rank 0")
-    a("--lioncub-timeout-s", type=float, default=None, help="vote collective timeout in seconds")
-    a("--lioncub-foreach", type=_bool, default=None, help="single-rank path: use foreach kernels (true/false/auto)")
-    a("--lioncub-overlap", action="store_true", default=None,
-      help="NOT SUPPORTED under Megatron (refused with the reason): votes cannot start during backward, because "
-           "Megatron hands the optimizer its gradients (main_grad) only inside step(); votes start in step()")
-    a("--lioncub-momentum-double-buffer", action="store_true", default=None,
-      help="+4 bytes/parameter: the local pass writes the next momentum into a second buffer, saving the "
-           "separate momentum pass over g and m after the vote (bit-identical)")
-    # selective momentum synchronization
-    a("--lioncub-momentum-sync-every", type=int, default=None,
-      help="average momenta over the data-parallel group every K steps (enables momentum sync)")
-    a("--lioncub-momentum-sync-schedule", choices=SYNC_SCHEDULES, default=None,
-      help="every: every K steps; geometric: T(j+1) = T(j) + floor(2^(j/k))")
-    a("--lioncub-momentum-sync-k", type=float, default=None, help="geometric schedule growth (gap doubles every k syncs)")
-    a("--lioncub-momentum-sync-until", type=int, default=None, help="sync only before this step")
-    a("--lioncub-momentum-sync-layers", nargs="+", default=None,
-      help="only parameters whose names match these fnmatch patterns, e.g. '*self_attention*'")
-    a("--lioncub-momentum-sync-group", choices=SYNC_GROUPS, default=None,
-      help="world: the whole data-parallel group; node: data-parallel peers on the same node")
-    a("--lioncub-momentum-sync-group-size", type=int, default=None,
-      help="data-parallel peers per node for group=node (default: from LOCAL_WORLD_SIZE)")
-    a("--lioncub-momentum-sync-inter-every", type=int, default=None,
-      help="with group=node: every K' steps average across nodes (the whole data-parallel group) instead")
-    a("--lioncub-momentum-sync", default=None,
-      help='momentum sync as one JSON object, e.g. \'{"group": "node", "every": 10, "inter_every": 100}\'')
+    for f in fields(LionCubConfig):
+        if f.name in FROM_MEGATRON:
+            continue
+        if f.name == "betas":
+            a("--lioncub-beta1", type=float, default=None,
+              help="Lion β1 (default: --adam-beta1, or --lion-beta1 with --optimizer lion on Megatron-LM >= 0.18)")
+            a("--lioncub-beta2", type=float, default=None, help="Lion β2 (momentum decay; default as for β1)")
+        elif f.name == "network":
+            for key in NETWORK_KEYS:
+                a(flag(key), type=float, default=None, help=NETWORK_HELP[key])
+        elif f.name == "momentum_sync":
+            for sub in fields(MomentumSyncConfig):
+                _add(a, sub, f"momentum_sync_{sub.name}", f"momentum_sync.{sub.name}")
+            a("--lioncub-momentum-sync", default=None,
+              help='momentum sync as one JSON object, e.g. \'{"group": "node", "every": 10, "inter_every": 100}\'')
+        else:
+            _add(a, f, f.name, f.name)
     # integration switches
     a("--lioncub-checkpoint-mode", choices=CHECKPOINT_MODES, default="per_rank",
       help="per_rank: every rank's momentum in its own file next to the checkpoint; sync: average momenta "
@@ -85,35 +139,21 @@ def add_lioncub_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-_SIMPLE = {"vote": "lioncub_vote", "comm": "lioncub_comm", "quant": "lioncub_quant",
-           "tie_break": "lioncub_tie_break", "momentum_dtype": "lioncub_momentum_dtype",
-           "bucket_size_mb": "lioncub_bucket_size_mb", "pbit_bits": "lioncub_pbit_bits",
-           "nonfinite": "lioncub_nonfinite", "drift_check_every": "lioncub_drift_check_every",
-           "drift_action": "lioncub_drift_action", "timeout_s": "lioncub_timeout_s", "foreach": "lioncub_foreach",
-           "overlap": "lioncub_overlap", "momentum_double_buffer": "lioncub_momentum_double_buffer"}
-_SYNC = {"every": "lioncub_momentum_sync_every", "schedule": "lioncub_momentum_sync_schedule",
-         "k": "lioncub_momentum_sync_k", "until": "lioncub_momentum_sync_until",
-         "layers": "lioncub_momentum_sync_layers", "group": "lioncub_momentum_sync_group",
-         "group_size": "lioncub_momentum_sync_group_size", "inter_every": "lioncub_momentum_sync_inter_every"}
-
-
 def lioncub_settings_from_args(args) -> dict:
     """The ``lioncub`` settings dict from a namespace parsed with :func:`add_lioncub_args`."""
     out = {}
-    for key, attr in _SIMPLE.items():
-        value = getattr(args, attr, None)
+    for f in fields(LionCubConfig):
+        if f.name in FROM_MEGATRON or f.name in COMPOSITE:
+            continue
+        value = getattr(args, "lioncub_" + f.name, None)
         if value is not None:
-            out[key] = value
+            out[f.name] = value
     b1, b2 = getattr(args, "lioncub_beta1", None), getattr(args, "lioncub_beta2", None)
     if (b1 is None) != (b2 is None):
         raise LionCubConfigError("LionCub: give both --lioncub-beta1 and --lioncub-beta2, or neither")
     if b1 is not None:
         out["betas"] = (b1, b2)
-    net = {}
-    if getattr(args, "lioncub_bandwidth_gbit", None) is not None:
-        net["bandwidth_gbit"] = args.lioncub_bandwidth_gbit
-    if getattr(args, "lioncub_latency_us", None) is not None:
-        net["latency_us"] = args.lioncub_latency_us
+    net = {k: getattr(args, "lioncub_" + k) for k in NETWORK_KEYS if getattr(args, "lioncub_" + k, None) is not None}
     if net:
         out["network"] = net
     sync = {}
@@ -125,8 +165,8 @@ def lioncub_settings_from_args(args) -> dict:
             raise LionCubConfigError(f"LionCub: --lioncub-momentum-sync is not valid JSON ({exc}): {text!r}") from exc
         if not isinstance(sync, dict):
             raise LionCubConfigError(f"LionCub: --lioncub-momentum-sync must be a JSON object, got {text!r}")
-    for key, attr in _SYNC.items():
-        value = getattr(args, attr, None)
+    for key in (g.name for g in fields(MomentumSyncConfig)):
+        value = getattr(args, "lioncub_momentum_sync_" + key, None)
         if value is not None:
             sync[key] = list(value) if key == "layers" else value
     if sync:
