@@ -14,6 +14,8 @@ from lioncub_ds.kernels import reference as R
 
 pytestmark = pytest.mark.unit
 
+pytestmark = pytest.mark.unit
+
 ODD_SIZES = (1, 7, 13, 61, 1003, 16384 + 37)
 
 

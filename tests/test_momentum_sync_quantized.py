@@ -13,6 +13,8 @@ from lioncub_ds.config import LionCubConfig
 from lioncub_ds.momentum_sync import (MomentumSync, quantized_average, sync_decode, sync_encode, sync_wire_bytes)
 from dist_helpers import run_ranks
 
+pytestmark = pytest.mark.unit  # the tests on ranks are marked dist
+
 
 def _rows(n, length, seed):
     g = torch.Generator().manual_seed(seed)
@@ -85,6 +87,7 @@ def _sync_on_ranks(rank, n):
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("n", (2, 3))
 def test_two_phase_sync_equals_the_reference_on_real_ranks(n):
     res = run_ranks(_sync_on_ranks, n, timeout=300)
@@ -125,6 +128,7 @@ def _lioncub_sync_dtype(rank, n):
     return out
 
 
+@pytest.mark.dist
 def test_lioncub_momentum_sync_dtype_on_real_ranks():
     """The setting reaches the step: after a sync step every rank holds the same momenta; bf16 costs
     about half, int8 about a quarter of the fp32 sync's bytes; replicas stay identical."""

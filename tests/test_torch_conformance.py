@@ -20,6 +20,8 @@ from lioncub_ds import Lion, LionCub
 from lioncub_ds.config import LionCubConfigError
 from dist_helpers import run_ranks
 
+pytestmark = pytest.mark.unit
+
 CLASSES = (Lion, LionCub)
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
@@ -94,6 +96,7 @@ def _copy_ranks(rank, world_size, overlap):
             "rank_of_copy": twin.rank}
 
 
+@pytest.mark.dist
 def test_a_deepcopy_votes_like_the_original_on_two_ranks():
     res = run_ranks(_copy_ranks, 2, False, timeout=300, env={"LIONCUB_KERNELS": "torch"})
     for r in (0, 1):
@@ -166,6 +169,7 @@ def _add_group_ranks(rank, world_size):
     return {"a": a.detach(), "b": b.detach(), "b0": b0}
 
 
+@pytest.mark.dist
 def test_add_param_group_after_distributed_steps_is_voted_on():
     res = run_ranks(_add_group_ranks, 2, timeout=300, env={"LIONCUB_KERNELS": "torch"})
     assert not torch.equal(res[0]["b"], res[0]["b0"])  # the new group is stepped (not left out of the buckets)
