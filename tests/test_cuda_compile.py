@@ -23,9 +23,11 @@ CUDA_DIR = ROOT / "csrc" / "cuda"
 SOURCES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 ARCHS = ("80", "90")
 FLAGS = ("-c", "-std=c++17", "--fmad=false", "-O3")
+HEADERS = sorted(p.name for p in CUDA_DIR.iterdir() if p.suffix in (".h", ".cuh"))
 ALLOWED_INCLUDES = {"cuda_runtime.h", "cuda_runtime_api.h", "cuda_bf16.h", "cuda_fp16.h", "vector_types.h",
                     "stdint.h", "stddef.h", "string.h", "math.h", "cstdint", "cstddef", "cstring", "cmath",
-                    "lioncub_cuda.h", "lioncub_cuda_common.cuh", "../common/lioncub_common.h"}
+                    "../common/lioncub_common.h", *HEADERS}
+MAX_LINES = 800  # per C++ / CUDA file (issue 21)
 COMMON = ROOT / "csrc" / "common" / "lioncub_common.h"
 
 
@@ -69,12 +71,18 @@ def test_sources_exist():
     assert not list(CUDA_DIR.glob("*emu*")) and (ROOT / "tests" / "cuda_emu" / "lioncub_cuda_emu.cpp").exists()
 
 
-@pytest.mark.parametrize("src", SOURCES + ["lioncub_cuda.h", "lioncub_cuda_common.cuh", "../common/lioncub_common.h"])
+@pytest.mark.parametrize("src", SOURCES + HEADERS + ["../common/lioncub_common.h"])
 def test_sources_include_no_torch(src):
     text = (CUDA_DIR / src).read_text()
     includes = re.findall(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', text, flags=re.M)
     bad = [h for h in includes if h not in ALLOWED_INCLUDES]
     assert not bad, f"{src} includes {bad}: csrc/cuda may include only CUDA runtime and standard headers"
+
+
+def test_no_source_file_is_too_long():
+    files = [p for d in (ROOT / "csrc", ROOT / "tests" / "cuda_emu") for p in d.rglob("*") if p.is_file()]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert len(files) > 10 and not long, f"split these files (over {MAX_LINES} lines): {long}"
 
 
 @pytest.mark.dist

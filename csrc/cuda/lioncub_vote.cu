@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 #include "lioncub_cuda.h"
-#include "lioncub_cuda_common.cuh"
+#include "lioncub_cuda_vote.cuh"
 
 namespace lc {
 namespace {

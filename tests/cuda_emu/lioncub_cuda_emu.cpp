@@ -4,7 +4,7 @@
 // tests/test_cuda_kernels.py compiles it with the
 // host C++ compiler (CUDA include dir on the path, no GPU needed) and checks it against
 // lioncub_ds/kernels/reference.py, so the per-element logic of the kernels -- everything in
-// lioncub_cuda_common.cuh: bit order, bit-sliced counting, majority masks, tie rules,
+// lioncub_cuda_common.cuh and lioncub_cuda_vote.cuh: bit order, bit-sliced counting, majority masks, tie rules,
 // lanes, int8 scales and codes, the 16-byte vector paths, the tensor lookup -- is
 // verified on a machine without a GPU. The emulation mirrors each kernel's thread
 // structure: grid-stride loops with a given number of threads (so the lookup hints jump
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "../../csrc/cuda/lioncub_cuda.h"
-#include "../../csrc/cuda/lioncub_cuda_common.cuh"
+#include "../../csrc/cuda/lioncub_cuda_vote.cuh"  // and lioncub_cuda_common.cuh
 
 using namespace lc;
 

@@ -1,0 +1,273 @@
+// lioncub_cuda_vote.cuh -- per-word logic of the vote kernels: tie rules, bit-sliced vote counts,
+// majority masks, the shard vote's result planes and the p-bit lanes (lioncub_vote.cu and the host
+// emulation, tests/cuda_emu). Split from lioncub_cuda_common.cuh (the scalar contract, element I/O,
+// tensor lookup, Lion math, apply and int8), on which it builds; same rules: __host__ __device__
+// (LC_HD), integer ops and correctly rounded single fp32 ops only.
+#ifndef LIONCUB_CUDA_VOTE_CUH_
+#define LIONCUB_CUDA_VOTE_CUH_
+
+#include "lioncub_cuda_common.cuh"
+
+namespace lc {
+
+// ----------------------------------------------------------------------------- votes
+// The tie index of bucket/shard position e (the element's index inside its parameter).
+LC_HD uint64_t tie_index_of(const lc_apply_args& a, int64_t e) { return lcc::tie_index(a.tie_rows, a.tie_nrows, e); }
+
+// The value a tied coordinate at position e takes.
+LC_HD float tie_value_at(const lc_apply_args& a, int64_t e) {
+  if (a.tie == LC_TIE_ZERO) return 0.0f;
+  return static_cast<float>(lcc::tie_value(a.tie, a.step, a.tie == LC_TIE_HASH ? tie_index_of(a, e) : 0));
+}
+
+// reference.decide for one element (bucket element index e).
+LC_HD float decide(int plus, int cnt, const lc_apply_args& a, int64_t e) {
+  const int diff = 2 * plus - cnt;
+  if (a.vote == LC_VOTE_AVERAGE) return fdiv(static_cast<float>(diff), static_cast<float>(a.world_size));
+  if (diff > 0) return 1.0f;
+  if (diff < 0) return -1.0f;
+  if (cnt == 0) return 0.0f;
+  return tie_value_at(a, e);
+}
+
+// 32-bit word w of a packed row of row_bytes bytes (bytes past the end read as 0).
+// `aligned`: the row starts 4-byte aligned and row_bytes % 4 == 0 (so every word is whole).
+LC_HD uint32_t load_word(const uint8_t* __restrict__ row, int64_t w, int64_t row_bytes, bool aligned) {
+  const int64_t b = w * 4;
+  if (aligned) return *reinterpret_cast<const uint32_t*>(row + b);
+  uint32_t x = 0;
+  LC_UNROLL
+  for (int i = 0; i < 4; ++i)
+    if (b + i < row_bytes) x |= static_cast<uint32_t>(row[b + i]) << (8 * i);
+  return x;
+}
+
+// Bit-sliced counter: L[k] holds bit k of 32 counters; add the 0/1 bits of x.
+template <int KB>
+LC_HD void slice_add(uint32_t* L, uint32_t x) {
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) {
+    const uint32_t carry = L[k] & x;
+    L[k] ^= x;
+    x = carry;
+  }
+}
+
+// Counts of word w over `rows` planes: P = #(sign & nonzero), C = #nonzero (or rows).
+template <int KB>
+LC_HD void count_word(const uint8_t* __restrict__ sign, const uint8_t* __restrict__ nonzero, int rows,
+                      int64_t row_bytes, int64_t w, bool aligned, uint32_t* P, uint32_t* C) {
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) {
+    P[k] = 0u;
+    C[k] = nonzero ? 0u : (((rows >> k) & 1) ? 0xffffffffu : 0u);
+  }
+  if (nonzero) {
+    LC_UNROLL_4
+    for (int r = 0; r < rows; ++r) {
+      const int64_t o = static_cast<int64_t>(r) * row_bytes;
+      const uint32_t z = load_word(nonzero + o, w, row_bytes, aligned);
+      const uint32_t s = load_word(sign + o, w, row_bytes, aligned) & z;
+      slice_add<KB>(P, s);
+      slice_add<KB>(C, z);
+    }
+  } else {
+    LC_UNROLL_4
+    for (int r = 0; r < rows; ++r)
+      slice_add<KB>(P, load_word(sign + static_cast<int64_t>(r) * row_bytes, w, row_bytes, aligned));
+  }
+}
+
+// Majority masks of 32 elements from bit-sliced counts: compares 2P with C bitwise.
+// pos: 2P > C, neg: 2P < C, tie: 2P == C with C > 0 (cnt == 0 -> no bit: no move).
+template <int KB>
+LC_HD void majority_masks(const uint32_t* P, const uint32_t* C, uint32_t& pos, uint32_t& neg, uint32_t& tie) {
+  uint32_t gt = 0u, lt = 0u, eq = 0xffffffffu, any = 0u;
+  // level KB of 2P is P[KB-1]; C has no level KB
+  gt |= eq & P[KB - 1];
+  eq &= ~P[KB - 1];
+  LC_UNROLL
+  for (int k = KB - 1; k >= 1; --k) {
+    const uint32_t a = P[k - 1], b = C[k];
+    gt |= eq & a & ~b;
+    lt |= eq & ~a & b;
+    eq &= ~(a ^ b);
+  }
+  lt |= eq & C[0];  // level 0 of 2P is 0
+  eq &= ~C[0];
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) any |= C[k];
+  pos = gt;
+  neg = lt;
+  tie = eq & any;
+}
+
+// Value of counter `bit` (0..31) of a bit-sliced counter.
+template <int KB>
+LC_HD int level_value(const uint32_t* L, int bit) {
+  int v = 0;
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) v |= static_cast<int>((L[k] >> bit) & 1u) << k;
+  return v;
+}
+
+// Δ of the 8 elements of byte `sel` of a word from its majority masks (e0: bucket index
+// of the first of the 8 elements).
+LC_HD void majority_delta8(uint32_t pos, uint32_t neg, uint32_t tie, int sel, const lc_apply_args& a, int64_t e0,
+                           float d[8]) {
+  const uint32_t sh = 8u * static_cast<uint32_t>(sel);
+  const uint32_t pb = (pos >> sh) & 0xffu, nb = (neg >> sh) & 0xffu, tb = (tie >> sh) & 0xffu;
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    float v = 0.0f;
+    if ((pb >> i) & 1u) v = 1.0f;
+    else if ((nb >> i) & 1u) v = -1.0f;
+    else if ((tb >> i) & 1u) v = tie_value_at(a, e0 + i);
+    d[i] = v;
+  }
+}
+
+// Average Δ of the 8 elements of byte `sel`: (float)(2p - c) / (float)world_size.
+template <int KB>
+LC_HD void average_delta8(const uint32_t* P, const uint32_t* C, int sel, const lc_apply_args& a, float d[8]) {
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    const int bit = 8 * sel + i;
+    const int diff = 2 * level_value<KB>(P, bit) - level_value<KB>(C, bit);
+    d[i] = fdiv(static_cast<float>(diff), static_cast<float>(a.world_size));
+  }
+}
+
+// Result planes of a majority shard vote for one word: sign (Δ > 0) and nonzero (Δ != 0);
+// e0: shard position of the word's first element; rows / nrows: the shard's tie-index table.
+LC_HD void shard_word(uint32_t pos, uint32_t neg, uint32_t tie, int tie_rule, int64_t step, int64_t e0,
+                      const int64_t* rows, int64_t nrows, uint32_t& out_sign, uint32_t& out_nz) {
+  uint32_t tplus = 0u, tminus = 0u;
+  if (tie_rule == LC_TIE_ALTERNATE) {
+    if (step & 1) tplus = tie;
+    else tminus = tie;
+  } else if (tie_rule == LC_TIE_HASH) {
+    uint32_t m = tie;
+    while (m) {
+      const int b = ctz32(m);
+      m &= m - 1u;
+      if (lcc::tie_hash(static_cast<uint64_t>(step), lcc::tie_index(rows, nrows, e0 + b)) & 1u) tplus |= 1u << b;
+    }
+    tminus = tie & ~tplus;
+  }
+  out_sign = pos | tplus;
+  out_nz = pos | neg | tplus | tminus;
+}
+
+// ----------------------------------------------------------------------------- lanes
+LC_HD uint32_t spread2(uint32_t x) {  // bit i of the low 16 -> bit 2i
+  x &= 0xffffu;
+  x = (x | (x << 8)) & 0x00ff00ffu;
+  x = (x | (x << 4)) & 0x0f0f0f0fu;
+  x = (x | (x << 2)) & 0x33333333u;
+  x = (x | (x << 1)) & 0x55555555u;
+  return x;
+}
+LC_HD uint32_t spread4(uint32_t x) {  // bit i of the low 8 -> bit 4i
+  x &= 0xffu;
+  x = (x | (x << 12)) & 0x000f000fu;
+  x = (x | (x << 6)) & 0x03030303u;
+  x = (x | (x << 3)) & 0x11111111u;
+  return x;
+}
+LC_HD uint32_t spread8(uint32_t x) {  // bit i of the low 4 -> bit 8i
+  x &= 0xfu;
+  x = (x | (x << 14)) & 0x00030003u;
+  x = (x | (x << 7)) & 0x01010101u;
+  return x;
+}
+
+// 32 counters (bit-sliced, KB levels) -> p-bit lanes, LSB first: p words out[0..p-1].
+template <int KB>
+LC_HD void pack_lanes_word(const uint32_t* L, int p, uint32_t out[8]) {
+#define LC_LVL(k) ((k) < KB ? L[(k) < KB ? (k) : 0] : 0u)
+  if (p == 1) {
+    out[0] = L[0];
+  } else if (p == 2) {
+    LC_UNROLL
+    for (int q = 0; q < 2; ++q) out[q] = spread2(LC_LVL(0) >> (16 * q)) | (spread2(LC_LVL(1) >> (16 * q)) << 1);
+  } else if (p == 4) {
+    LC_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      uint32_t o = 0u;
+      LC_UNROLL
+      for (int k = 0; k < 4; ++k) o |= spread4(LC_LVL(k) >> (8 * q)) << k;
+      out[q] = o;
+    }
+  } else {
+    LC_UNROLL
+    for (int q = 0; q < 8; ++q) {
+      uint32_t o = 0u;
+      LC_UNROLL
+      for (int k = 0; k < 8; ++k) o |= spread8(LC_LVL(k) >> (4 * q)) << k;
+      out[q] = o;
+    }
+  }
+#undef LC_LVL
+}
+
+// Write the bytes [b0, b0 + nb) of a little-endian word array (out bytes past `limit`
+// are not written). `aligned`: dst + b0 is 4-byte aligned and nb % 4 == 0.
+LC_HD void store_words(uint8_t* __restrict__ dst, int64_t b0, int64_t limit, const uint32_t* words, int nwords,
+                       bool aligned) {
+  if (aligned && b0 + 4 * nwords <= limit) {
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst + b0);
+    LC_UNROLL
+    for (int q = 0; q < 8; ++q)
+      if (q < nwords) d[q] = words[q];
+    return;
+  }
+  LC_UNROLL
+  for (int q = 0; q < 8; ++q) {
+    if (q < nwords) {
+      LC_UNROLL
+      for (int b = 0; b < 4; ++b)
+        if (b0 + 4 * q + b < limit) dst[b0 + 4 * q + b] = static_cast<uint8_t>(words[q] >> (8 * b));
+    }
+  }
+}
+
+// p*(n elements)/8 lane bytes of unit u (8 elements) as one integer, LSB first.
+LC_HD uint64_t load_lane_unit(const uint8_t* __restrict__ lanes, int64_t u, int p, int n) {
+  const uint8_t* src = lanes + u * p;
+  if (n == 8 && (reinterpret_cast<uintptr_t>(src) & static_cast<uintptr_t>(p - 1)) == 0) {
+    switch (p) {
+      case 1: return src[0];
+      case 2: return *reinterpret_cast<const uint16_t*>(src);
+      case 4: return *reinterpret_cast<const uint32_t*>(src);
+      default: return *reinterpret_cast<const unsigned long long*>(src);
+    }
+  }
+  const int nb = (n * p + 7) / 8;
+  uint64_t x = 0;
+  for (int b = 0; b < nb; ++b) x |= static_cast<uint64_t>(src[b]) << (8 * b);
+  return x;
+}
+
+// Δ of unit u (elements 8u.., n <= 8 of them) from summed p-bit lanes; cnt == NULL:
+// every element has a.world_size voters (reference.lanes_apply).
+LC_HD void lanes_delta8(const uint8_t* __restrict__ plus, const uint8_t* __restrict__ cnt, int64_t u, int n, int p,
+                        const lc_apply_args& a, float d[8]) {
+  const uint64_t mask = (1ull << p) - 1ull;
+  const uint64_t xp = load_lane_unit(plus, u, p, n);
+  const uint64_t xc = cnt ? load_lane_unit(cnt, u, p, n) : 0ull;
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    if (i < n) {
+      const int pl = static_cast<int>((xp >> (i * p)) & mask);
+      const int c = cnt ? static_cast<int>((xc >> (i * p)) & mask) : a.world_size;
+      d[i] = decide(pl, c, a, u * 8 + i);
+    } else {
+      d[i] = 0.0f;
+    }
+  }
+}
+
+}  // namespace lc
+
+#endif  // LIONCUB_CUDA_VOTE_CUH_
