@@ -198,9 +198,6 @@ class LionCubConfig:
     rounding: str | None = setting(None, type=str, choices=ROUNDINGS,
                                    help="`bbit` only: `dither` (`None`'s choice: unbiased, a reproducible per-rank "
                                         "stream) or `nearest`")
-    error_feedback: bool = setting(False, type=bool, choices=(True, False),
-                                   help="`bbit` only: each rank quantizes c plus what its earlier codes did not carry "
-                                        "(fp32 state: +4 bytes per parameter, saved in checkpoints)")
     network: dict = setting(type=dict, default_factory=lambda: dict(DEFAULT_NETWORK), allowed="> 0, ≥ 0",
                             default_doc='`{"bandwidth_gbit": 10, "latency_us": 50}`',
                             help="the α-β model behind `comm=\"auto\"`")

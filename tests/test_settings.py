@@ -127,11 +127,11 @@ def test_each_momentum_sync_flag_sets_its_key(key):
 
 def test_bbit_settings_from_the_command_line():
     args = _parser().parse_args(["--lioncub-comm", "bbit", "--lioncub-quant", "l1", "--lioncub-vote-bits", "3",
-                                 "--lioncub-rounding", "nearest", "--lioncub-error-feedback",
+                                 "--lioncub-rounding", "nearest",
                                  "--lioncub-comm-bucket-mb", "2", "--lioncub-latency-us", "5"])
     settings = margs.lioncub_settings_from_args(args)
     cfg = LionCubConfig.from_kwargs(**settings)
-    assert (cfg.comm, cfg.quant, cfg.bbit, cfg.error_feedback) == ("bbit", "l1", (3, "nearest"), True)
+    assert (cfg.comm, cfg.quant, cfg.bbit) == ("bbit", "l1", (3, "nearest"))
     assert cfg.comm_bucket_mb == 2.0 and cfg.network == {"bandwidth_gbit": 10.0, "latency_us": 5.0}
 
 

@@ -14,7 +14,7 @@ help): every setting ``x_y`` is ``--lioncub-x-y``, except (tests/test_settings.p
 * ``network``: ``--lioncub-bandwidth-gbit`` and ``--lioncub-latency-us`` (one flag per key);
 * ``momentum_sync``: ``--lioncub-momentum-sync-KEY`` per key of :class:`MomentumSyncConfig`, or all
   of it as one JSON object in ``--lioncub-momentum-sync``;
-* switches (``overlap``, ``momentum_double_buffer``, ``error_feedback``) take no value; ``foreach``
+* switches (``overlap``, ``momentum_double_buffer``) take no value; ``foreach``
   takes true / false / auto.
 
 Plus the integration flags, which are not optimizer settings: ``--lioncub-checkpoint-mode``,
