@@ -593,11 +593,20 @@ class LionCub(Optimizer):
             log.warning("LionCub: non-finite gradient/momentum on %d of %d ranks at step %d: step skipped on every rank",
                         flags[0], n, step)
             return
+        # Parameters without a gradient on every rank stay as they are (as in Lion): their votes
+        # (c = β1·m, from g = 0) ran with everyone else's and are undone here.
+        idle = pipe.idle_everywhere(flags)
+        kept = [(p, p.detach().clone(), self._momentum(p).clone()) for p in idle]
         pipe.complete(flags)
+        for p, value, m in kept:
+            p.copy_(value)
+            self._momentum(p).copy_(m)
         self._step_count = step
+        idle_ids = {id(p) for p in idle}
         for b in self._buckets:
             for p in b.params:
-                self.state[p]["step"] += 1
+                if id(p) not in idle_ids:
+                    self.state[p]["step"] += 1
         if self._msync is not None:
             where = self._msync.scope(step - 1)
             if where is not None:
