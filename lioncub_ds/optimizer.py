@@ -27,7 +27,7 @@ from .comm.abstain import list_capacity, real_mask
 from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
 from .config import DEFAULT_NETWORK, LionCubConfig, LionCubConfigError
-from .lion import check_param_group, lr_value, restore_momenta, saved_momenta
+from .lion import check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
 from .groups import consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
 from .momentum_sync import MomentumSync, node_group_size, select_params
@@ -492,6 +492,13 @@ class LionCub(Optimizer):
         extra = state_dict.pop("lioncub", None)
         # torch casts floating state to the parameter's dtype; keep the momenta exact instead.
         saved = saved_momenta(self, state_dict)
+        for p, m in saved.items():
+            bad = nonfinite_count(m)
+            if bad:
+                raise LionCubConfigError(
+                    f"LionCub.load_state_dict: the momentum of parameter {tuple(p.shape)} holds {bad} non-finite "
+                    "value(s); allowed: finite momenta (at N > 1 every later step would be skipped); no state was "
+                    "changed")
         super().load_state_dict(state_dict)
         restore_momenta(self, saved, self.config.momentum_dtype)
         if extra is not None:
@@ -524,6 +531,9 @@ class LionCub(Optimizer):
             for p in g["params"]:
                 if p.grad is None:
                     continue
+                if p.grad.is_sparse:  # the rule of every N (refused there through the step's flags)
+                    raise StepInputError(f"LionCub: the gradient of parameter {tuple(p.shape)} is sparse; allowed: "
+                                         "a dense gradient of the parameter's shape; no state was changed")
                 params.append(p)
                 grads.append(p.grad)
                 momenta.append(self._momentum(p))
@@ -731,6 +741,11 @@ class LionCub(Optimizer):
         if action == "resync":
             log.warning("%s; re-synchronizing every parameter from rank 0", msg)
             for p in params:
-                self._coll.broadcast_(p.data, 0, "drift_resync")
+                if p.is_contiguous():
+                    self._coll.broadcast_(p.data, 0, "drift_resync")
+                else:  # a broadcast sends raw memory: go through a contiguous copy of the view
+                    buf = p.detach().contiguous()
+                    self._coll.broadcast_(buf, 0, "drift_resync")
+                    p.data.copy_(buf)
             return False
         raise ReplicaDriftError(msg)

@@ -5,6 +5,7 @@ start-up dominates the cost.
 """
 from __future__ import annotations
 
+import copy
 import glob
 import os
 
@@ -63,3 +64,120 @@ def test_a_parameter_without_a_gradient_on_every_rank_stays_put(comm, overlap):
         assert not torch.equal(res[r]["half"], res[r]["half0"])  # a gradient on one rank: still voted
         assert res[r]["frozen_unchanged"]
     assert torch.equal(res[0]["half"], res[1]["half"]) and torch.equal(res[0]["used"], res[1]["used"])
+
+
+# ----------------------------------------------------------------------------- items 3, 5, 7
+def _catch(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test compares type and message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _stale_tmp_names(directory):
+    return sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory, ".tmp-*")))
+
+
+def _state_faults(rank, world_size, directory):
+    import torch.distributed as dist
+
+    out = {}
+    p, q = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3))
+    # 7: a parameter listed twice is refused at construction, on every rank
+    out["duplicate"] = _catch(lambda: LionCub([p, q, p], lr=0.01))
+    # 7: a sparse gradient: the same rule at N = 2 as at N = 1 (StepInputError on every rank)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt_e = LionCub(emb.parameters(), lr=0.01, comm="1bit")
+    emb(torch.tensor([1, 2])).sum().backward()
+    out["sparse"] = _catch(opt_e.step)
+
+    # 3: drift resync of a non-contiguous parameter
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 4).t())
+    b = torch.nn.Parameter(torch.randn(7))
+    out["w_contiguous"] = w.is_contiguous()
+    opt = LionCub([w, b], lr=0.01, comm="1bit")
+    for k in range(2):
+        w.grad, b.grad = _grads_for([w, b], rank, k)
+        opt.step()
+    if rank == 1:
+        with torch.no_grad():
+            w[0, 1] += 1.0
+            w[3, 5] -= 2.0
+    out["resync_found_drift"] = opt.check_replicas(action="resync") is False
+    out["after_resync"] = opt.check_replicas()
+    out["w"] = w.detach().clone()
+
+    # 7: a NaN momentum inside a checkpoint whose digest is valid is refused on every rank
+    ck = os.path.join(directory, "ck")
+    path = checkpoint.save(opt, ck)
+    if rank == 1:
+        payload = torch.load(path, weights_only=True)
+        payload.pop("sha256")
+        payload["optimizer"]["state"][0]["exp_avg"][0, 0] = float("nan")
+        payload["sha256"] = checkpoint.payload_digest(payload)
+        torch.save(payload, path)
+    dist.barrier()
+    m_before = opt.state[w]["exp_avg"].clone()
+    out["nan_load"] = _catch(lambda: checkpoint.load(opt, ck))
+    out["nan_state_unchanged"] = torch.equal(opt.state[w]["exp_avg"], m_before)
+    # the same through load_state_dict
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the live state dicts
+    sd["state"][1]["exp_avg"] = torch.full_like(sd["state"][1]["exp_avg"], float("inf"))
+    out["nan_load_state_dict"] = _catch(lambda: opt.load_state_dict(sd))
+
+    # 7: temporary files a killed save left behind are removed by the next save and load
+    own_tmp = os.path.join(ck, f".tmp-{os.path.basename(path)}-abcd1234.pt")
+    torch.save({"x": 1}, own_tmp)
+    if rank == 0:
+        torch.save({"x": 1}, os.path.join(ck, ".tmp-k3j_9xq2.pt"))  # an older version's name
+    dist.barrier()
+    out["tmp_before_save"] = _stale_tmp_names(ck)
+    dist.barrier()
+    checkpoint.save(opt, ck)
+    dist.barrier()
+    out["tmp_after_save"] = _stale_tmp_names(ck)
+    dist.barrier()
+    torch.save({"x": 1}, own_tmp)
+    dist.barrier()
+    out["load_ok"] = _catch(lambda: checkpoint.load(opt, ck))
+    dist.barrier()
+    out["tmp_after_load"] = _stale_tmp_names(ck)
+    dist.barrier()
+
+    # 5: a directory that mixes world sizes is refused, even when this rank's own file exists
+    if rank == 0:
+        import shutil
+        shutil.copy(path, checkpoint.rank_file(ck, 0, 1))
+    dist.barrier()
+    out["mixed"] = _catch(lambda: checkpoint.load(opt, ck))
+    return out
+
+
+def test_state_faults_on_two_ranks(tmp_path):
+    res = run_ranks(_state_faults, N, str(tmp_path), timeout=300, env=ENV)
+    for r in range(N):
+        o = res[r]
+        assert o["duplicate"].startswith("LionCubConfigError") and "more than once" in o["duplicate"]
+        assert o["sparse"].startswith("StepInputError") and "sparse" in o["sparse"]
+        assert o["w_contiguous"] is False
+        assert o["resync_found_drift"] and o["after_resync"] is True
+        assert o["nan_load"].startswith("CheckpointError"), o["nan_load"]
+        assert o["nan_state_unchanged"]
+        assert o["nan_load_state_dict"].startswith("LionCubConfigError") and "non-finite" in o["nan_load_state_dict"]
+        assert len(o["tmp_before_save"]) == 3
+        assert o["tmp_after_save"] == [] and o["load_ok"] is None and o["tmp_after_load"] == []
+        assert o["mixed"] is not None and "mixes checkpoints of world sizes [1, 2]" in o["mixed"], o["mixed"]
+    assert "non-finite" in res[1]["nan_load"]  # the rank with the bad file names the cause
+    assert torch.equal(res[0]["w"], res[1]["w"])
+
+
+def test_a_sparse_gradient_is_refused_at_n_1_too():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    before = emb.weight.detach().clone()
+    opt = LionCub(emb.parameters(), lr=0.01)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(StepInputError, match="sparse"):
+        opt.step()
+    assert torch.equal(emb.weight, before) and opt.step_count == 0
