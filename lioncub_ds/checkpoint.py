@@ -253,14 +253,10 @@ def _agree(optimizer, failed: bool, step: int) -> tuple[int, int, int]:
     return failed, hi, -neg_lo
 
 
-def load(optimizer, directory: str, reshard: str = "average") -> str:
-    """Load this rank's state from ``directory`` (see module doc for ``reshard``).
-
-    Collective when the optimizer is distributed: every rank validates its own file first,
-    then all ranks agree; if any rank failed, or ranks would resume from different steps
-    (e.g. an interrupted save), every rank raises :class:`CheckpointError` and no rank
-    changes its state.
-    """
+def prepare_load(optimizer, directory: str, reshard: str = "average") -> tuple[dict, str]:
+    """The checking half of :func:`load`: read and validate this rank's state, and agree across
+    ranks; changes nothing. Returns (state dict, source) for :func:`apply_load`. Collective when
+    the optimizer is distributed (same errors as :func:`load`)."""
     if reshard not in RESHARD_POLICIES:
         raise ValueError(f"reshard={reshard!r} is not allowed; allowed: {', '.join(RESHARD_POLICIES)}")
     error, state, source = None, None, directory
@@ -278,9 +274,28 @@ def load(optimizer, directory: str, reshard: str = "average") -> str:
     if hi != lo:
         raise CheckpointError(f"LionCub: ranks' checkpoints in {directory} were saved at different steps "
                               f"({lo}..{hi}; an interrupted save?); no rank changed its state")
+    return state, source
+
+
+def apply_load(optimizer, prepared: tuple[dict, str]) -> str:
+    """The changing half of :func:`load` (after :func:`prepare_load` succeeded on every rank)."""
+    state, source = prepared
     optimizer.load_state_dict(state)
-    remove_stale_temporaries(rank_file(directory, *_rank_info(optimizer)), legacy=_rank_info(optimizer)[0] == 0)
+    rank, world = _rank_info(optimizer)
+    remove_stale_temporaries(rank_file(source if os.path.isdir(source) else os.path.dirname(source), rank, world),
+                             legacy=rank == 0)
     return source
+
+
+def load(optimizer, directory: str, reshard: str = "average") -> str:
+    """Load this rank's state from ``directory`` (see module doc for ``reshard``).
+
+    Collective when the optimizer is distributed: every rank validates its own file first,
+    then all ranks agree; if any rank failed, or ranks would resume from different steps
+    (e.g. an interrupted save), every rank raises :class:`CheckpointError` and no rank
+    changes its state.
+    """
+    return apply_load(optimizer, prepare_load(optimizer, directory, reshard))
 
 
 def average_states(states: list[dict]) -> dict:

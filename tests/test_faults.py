@@ -181,3 +181,68 @@ def test_a_sparse_gradient_is_refused_at_n_1_too():
     with pytest.raises(StepInputError, match="sparse"):
         opt.step()
     assert torch.equal(emb.weight, before) and opt.step_count == 0
+
+
+# ----------------------------------------------------------------------------- item 4: DeepSpeed stage 0
+def _ds_bad_file_scenario(rank, world_size, directory, damage):
+    import deepspeed
+    import torch.distributed as dist
+
+    import lioncub_ds.deepspeed  # noqa: F401  (registers LionCub)
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
+           "zero_optimization": {"stage": 0},
+           "optimizer": {"type": "LionCub", "params": {"lr": 1e-2, "weight_decay": 0.1, "comm": "1bit"}}}
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    gen = torch.Generator().manual_seed(rank)
+
+    def train(steps):
+        for _ in range(steps):
+            x = torch.randn(4, 6, generator=gen)
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+
+    opt = engine.basic_optimizer
+
+    def snapshot():
+        return {"params": [p.detach().clone() for p in engine.module.parameters()],
+                "momenta": [opt.state[p]["exp_avg"].clone() for p in engine.module.parameters()],
+                "global_steps": int(engine.global_steps), "step_count": opt.step_count}
+
+    train(2)
+    at_save = snapshot()
+    engine.save_checkpoint(directory, tag="t")
+    train(2)
+    before = snapshot()
+    dist.barrier()
+    if rank == 1 and damage != "none":
+        path = checkpoint.rank_file(os.path.join(directory, "t"), 1, world_size)
+        if damage == "missing":
+            os.unlink(path)
+        else:
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+    dist.barrier()
+    error = _catch(lambda: engine.load_checkpoint(directory, tag="t"))
+    after = snapshot()
+
+    def same(x, y):
+        return (all(torch.equal(a, b) for a, b in zip(x["params"], y["params"]))
+                and all(torch.equal(a, b) for a, b in zip(x["momenta"], y["momenta"]))
+                and x["global_steps"] == y["global_steps"] and x["step_count"] == y["step_count"])
+    return {"error": error, "unchanged": same(before, after), "resumed": same(at_save, after)}
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+@pytest.mark.parametrize("damage", ["truncated", "missing", "none"])
+def test_deepspeed_stage0_bad_rank_file_changes_nothing(tmp_path, damage):
+    res = run_ranks(_ds_bad_file_scenario, N, str(tmp_path), damage, timeout=600,
+                    env={**ENV, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    if damage == "none":  # the control: an intact checkpoint resumes every rank's own state
+        assert all(res[r]["error"] is None and res[r]["resumed"] for r in range(N)), res
+        return
+    for r in range(N):
+        assert res[r]["error"] is not None and res[r]["error"].startswith("CheckpointError"), res[r]["error"]
+        assert res[r]["unchanged"], f"rank {r}: DeepSpeed's load ran before the LionCub files were checked"
