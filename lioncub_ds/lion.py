@@ -13,10 +13,60 @@ import torch
 from torch.optim import Optimizer
 
 from . import kernels
-from .config import validate_common
+from .config import LionCubConfigError, validate_common
 from .kernels import reference
 
 __all__ = ["Lion", "lion"]
+
+
+def lr_value(lr, owner="Lion"):
+    """``lr`` as a float. torch optimizers accept a 1-element tensor lr (schedulers and
+    ``torch.compile`` users pass one): it is read with ``float()`` when used (one host read per
+    step and group on an accelerator). Anything else is returned as is, for validate_common."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{owner}: Tensor lr must be 1-element (got shape {tuple(lr.shape)})")
+        if lr.is_complex() or not lr.is_floating_point():
+            raise LionCubConfigError(f"{owner}: invalid lr={lr!r}; allowed: a finite number > 0 or a 1-element "
+                                     "floating-point tensor")
+        return float(lr)
+    return lr
+
+
+def check_param_group(param_group, owner):
+    """What torch's add_param_group does not refuse but Lion cannot optimize correctly: complex
+    parameters (a real cast would drop the imaginary part). Raised before the group is added."""
+    params = param_group.get("params", []) if isinstance(param_group, dict) else []
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    for i, p in enumerate(params):
+        if isinstance(p, tuple) and len(p) == 2:
+            p = p[1]
+        if isinstance(p, torch.Tensor) and p.is_complex():
+            raise LionCubConfigError(f"{owner}: parameter #{i} of the group is complex ({p.dtype}); allowed: real "
+                                     "floating-point parameters (optimize torch.view_as_real(p) of a real leaf "
+                                     "instead)")
+    return params
+
+
+def saved_momenta(opt, state_dict):
+    """{parameter: saved exp_avg} of a state dict about to be loaded into ``opt`` (torch's id
+    mapping: saved ids in param-group order onto this optimizer's parameters)."""
+    saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    id_map = dict(zip(saved_ids, params))
+    out = {}
+    for idx, st in state_dict.get("state", {}).items():
+        if isinstance(st, dict) and "exp_avg" in st and idx in id_map:
+            out[id_map[idx]] = st["exp_avg"]
+    return out
+
+
+def restore_momenta(opt, saved, momentum_dtype):
+    """torch's load_state_dict casts floating state to each parameter's dtype (bf16 parameters would
+    get a bf16 momentum, fp32 parameters an fp32 one): put back the saved momenta, cast to the
+    optimizer's ``momentum_dtype`` only."""
+    for p, m in saved.items():
+        opt.state[p]["exp_avg"] = m.to(device=p.device, dtype=momentum_dtype).clone()
 
 
 def _single_tensor_lion(params, grads, momenta, *, lr, beta1, beta2, weight_decay):
@@ -30,7 +80,14 @@ def _foreach_lion(params, grads, momenta, *, lr, beta1, beta2, weight_decay):
     c = torch._foreach_mul(m32, beta1)
     torch._foreach_add_(c, torch._foreach_mul(g32, 1.0 - beta1))
     if decay != 1.0:
-        torch._foreach_mul_(params, decay)
+        # torch._foreach_mul_ rounds a fp16/bf16 product differently from Tensor.mul_ (the
+        # single-tensor path's op); only fp32/fp64 tensors take the foreach multiply.
+        wide = [p for p in params if p.dtype in (torch.float32, torch.float64)]
+        if wide:
+            torch._foreach_mul_(wide, decay)
+        for p in params:
+            if p.dtype not in (torch.float32, torch.float64):
+                p.mul_(decay)
     torch._foreach_add_(params, torch._foreach_sign(c), alpha=-lr)
     # m32 may alias the fp32 momenta themselves: multiply in place, then add.
     new_m = torch._foreach_mul(m32, beta2)
@@ -83,8 +140,8 @@ class Lion(Optimizer):
     """Lion (Chen et al., 2023) as a torch optimizer.
 
     Args:
-        params: iterable of tensors or param groups.
-        lr: learning rate η > 0 (default 1e-4; 3-10x smaller than AdamW's).
+        params: iterable of tensors or param groups (real floating-point tensors; complex ones are refused).
+        lr: learning rate η > 0 (default 1e-4; 3-10x smaller than AdamW's); a float or a 1-element tensor.
         betas: (β1, β2), each in [0, 1) (default (0.9, 0.99)).
         weight_decay: decoupled λ >= 0 (default 0).
         momentum_dtype: dtype of the momentum buffer (torch.float32 or torch.bfloat16).
@@ -93,11 +150,29 @@ class Lion(Optimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  momentum_dtype=torch.float32, foreach=None):
-        validate_common(lr=lr, betas=betas, weight_decay=weight_decay, momentum_dtype=momentum_dtype,
+        validate_common(lr=lr_value(lr), betas=betas, weight_decay=weight_decay, momentum_dtype=momentum_dtype,
                         foreach=foreach, owner="Lion")
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=foreach)
-        super().__init__(params, defaults)
         self.momentum_dtype = momentum_dtype
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        check_param_group(param_group, "Lion")
+        super().add_param_group(param_group)
+
+    # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups: copy.deepcopy and
+    # pickle would lose momentum_dtype.
+    def __getstate__(self):
+        return {**super().__getstate__(), "momentum_dtype": self.momentum_dtype}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("momentum_dtype", torch.float32)
+
+    def load_state_dict(self, state_dict):
+        saved = saved_momenta(self, state_dict)
+        super().load_state_dict(state_dict)
+        restore_momenta(self, saved, self.momentum_dtype)
 
     def _init_group(self, group, params, grads, momenta):
         for p in group["params"]:
@@ -123,7 +198,7 @@ class Lion(Optimizer):
             params, grads, momenta = [], [], []
             self._init_group(group, params, grads, momenta)
             beta1, beta2 = group["betas"]
-            lion(params, grads, momenta, lr=group["lr"], beta1=beta1, beta2=beta2,
+            lion(params, grads, momenta, lr=lr_value(group["lr"]), beta1=beta1, beta2=beta2,
                  weight_decay=group["weight_decay"], foreach=group["foreach"])
             for p in params:
                 self.state[p]["step"] += 1

@@ -13,6 +13,7 @@ The optimizer knows nothing of DeepSpeed or Megatron; they set ``process_group``
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from .comm.abstain import list_capacity, real_mask
 from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
 from .config import DEFAULT_NETWORK, LionCubConfig, LionCubConfigError
+from .lion import check_param_group, lr_value, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
 from .groups import consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
 from .momentum_sync import MomentumSync, node_group_size, select_params
@@ -85,27 +87,48 @@ def check_world_size(cfg: LionCubConfig, n: int) -> None:
 def _split_named(params):
     """Accept tensors, (name, tensor) pairs or param groups; return torch-style groups.
 
-    Names are kept in each group's ``param_names`` (torch's own key) for selective sync.
+    Names are kept in each group's ``param_names`` (torch's own key) for selective sync. The
+    argument forms follow torch.optim: a bare tensor is refused (TypeError, torch's wording), a
+    group's ``params`` may be one tensor, names are given for every parameter or for none.
     """
+    if isinstance(params, torch.Tensor):
+        raise TypeError("LionCub: params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                        "but got " + torch.typename(params))
     params = list(params)
     if not params:
         raise ValueError("LionCub got an empty parameter list")
-    if isinstance(params[0], tuple) and len(params[0]) == 2 and isinstance(params[0][0], str):
-        return [{"params": [p for _, p in params], "param_names": [n for n, _ in params]}]
+
+    def unnamed(ps, where):
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        named = [isinstance(p, tuple) for p in ps]
+        if any(named) and not all(named):
+            raise ValueError(f"LionCub: all optimizer params should be with/without names. Some param names are "
+                             f"missing ({where}: {sum(named)} of {len(ps)} are (name, tensor) pairs)")
+        if any(named):
+            for p in ps:
+                if len(p) != 2 or not isinstance(p[0], str):
+                    raise ValueError(f"LionCub: a named parameter must be a (str, tensor) pair; got a tuple of "
+                                     f"{len(p)} ({where})")
+            return [p for _, p in ps], [nm for nm, _ in ps]
+        return ps, None
+
     if isinstance(params[0], dict):
         groups = []
-        for g in params:
+        for k, g in enumerate(params):
+            if not isinstance(g, dict):
+                raise TypeError(f"LionCub: param group #{k} is a {type(g).__name__}; allowed: every entry a dict "
+                                "(param groups) or none")
             g = dict(g)
-            ps = list(g["params"])
-            if ps and isinstance(ps[0], tuple):
-                g["param_names"] = [n for n, _ in ps]
-                ps = [p for _, p in ps]
+            ps, names = unnamed(g.get("params", []), f"param group #{k}")
+            if names is not None:
+                g["param_names"] = names
             elif "names" in g and "param_names" not in g:
                 g["param_names"] = list(g.pop("names"))
             g["params"] = ps
             groups.append(g)
         return groups
-    return [{"params": params}]
+    ps, names = unnamed(params, "the parameter list")
+    return [{"params": ps, "param_names": names}] if names is not None else [{"params": ps}]
 
 
 class LionCub(Optimizer):
@@ -152,7 +175,8 @@ class LionCub(Optimizer):
                  **unknown):
         # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
         # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
-        settings = dict(lr=lr, betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
+        lr_given = lr  # a 1-element tensor lr stays in the param groups (schedulers fill it in place)
+        settings = dict(lr=lr_value(lr, "LionCub"), betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
                         tie_break=tie_break, momentum_sync=momentum_sync, momentum_dtype=momentum_dtype,
                         bucket_size_mb=bucket_size_mb, pbit_bits=pbit_bits, nonfinite=nonfinite,
                         drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
@@ -164,8 +188,10 @@ class LionCub(Optimizer):
         self.config = LionCubConfig.from_kwargs(**settings)
         groups = _split_named(params)
         cfg = self.config
-        defaults = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        defaults = dict(lr=lr_given if isinstance(lr_given, torch.Tensor) else cfg.lr, betas=tuple(cfg.betas),
+                        weight_decay=cfg.weight_decay)
         self._process_group = process_group
+        self._group_lost = False
         self._dist = None  # resolved at construction or lazily: (vote group, world_size, rank)
         self._node_group = None
         self._created_groups = []
@@ -189,12 +215,77 @@ class LionCub(Optimizer):
         self._skipped_steps = 0
         self._next_momenta = {}  # momentum_double_buffer: param -> the buffer the next momentum goes to
 
+    def add_param_group(self, param_group):
+        """torch's add_param_group, after LionCub's checks (complex parameters, a parameter listed twice
+        in the group: refused before anything changes). After the first distributed step the new
+        parameters need a new bucket layout: the current one is dropped (votes started in backward are
+        drained: collective, so add the group on every rank, as the same program does) and the next
+        step builds the layout again."""
+        params = check_param_group(param_group, "LionCub")
+        seen = set()
+        for i, p in enumerate(params):
+            p = p[1] if isinstance(p, tuple) else p
+            if id(p) in seen:
+                raise LionCubConfigError(f"LionCub: parameter #{i} of the group (shape {tuple(p.shape)}) is listed more "
+                                         "than once; allowed: each parameter once (it would be stepped twice)")
+            seen.add(id(p))
+        if getattr(self, "_buckets", None) is not None:
+            if self._pipe is not None and self._pipe.busy:
+                self._pipe.drain()
+            self._drop_layout()
+        super().add_param_group(param_group)
+
+    def _drop_layout(self):
+        for handle in getattr(self, "_hook_handles", []):
+            handle.remove()
+        self._hook_handles = []
+        self._pipe = None
+        self._buckets = None
+
+    # ------------------------------------------------------------------ copy / pickle
+    # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups. A copy keeps the
+    # settings and counters too; the bucket layout, hooks and pipeline are rebuilt at its first step
+    # (they hold the original's parameters). Process groups do not pickle: copy.deepcopy votes over
+    # the original's groups (without owning them); an unpickled copy of an optimizer that had a
+    # process group of its own needs set_process_group() before its first distributed step.
+    _COPIED = ("config", "_step_count", "_skipped_steps", "stats", "_revotes", "_backward_launches",
+               "_warned_revote", "_plan_logged")
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._COPIED if k in self.__dict__})
+        state["_group_lost"] = self.__dict__.get("_process_group") is not None or self.__dict__.get("_group_lost", False)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._process_group = None
+        self._dist = None
+        self._node_group = None
+        self._created_groups = []
+        self._buckets = None
+        self._pipe = None
+        self._hook_handles = []
+        self._no_sync_depth = 0
+        self._launch_condition = None
+        self._next_momenta = {}
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        # the same vote group (and node subgroup): still owned, and released, by the original only
+        new._process_group, new._dist, new._node_group = self._process_group, self._dist, self._node_group
+        new._group_lost = False
+        return new
+
     # ------------------------------------------------------------------ group
     def set_process_group(self, group) -> None:
         """Vote over ``group`` (integrations call this before the first step)."""
         if self._buckets is not None:
             raise RuntimeError("LionCub.set_process_group must be called before the first step")
         self._process_group = group
+        self._group_lost = False
         self._dist = None
         self._resolve_group()
 
@@ -202,6 +293,10 @@ class LionCub(Optimizer):
         """Check N-dependent settings, then create this optimizer's groups (collective, all ranks)."""
         cfg = self.config
         group = self._process_group
+        if group is None and getattr(self, "_group_lost", False):
+            raise RuntimeError("LionCub: this optimizer was unpickled from one that voted over a process group of its "
+                               "own (process groups do not pickle); call set_process_group(group) on every rank "
+                               "before its first step")
         n = dist.get_world_size(group)
         check_world_size(cfg, n)  # before creating anything (the groups below)
         settle_at_exit()  # a distributed run: let c10d's workers finish before the interpreter's teardown
@@ -238,11 +333,7 @@ class LionCub(Optimizer):
         self._created_groups = []
         self._node_group = None
         self._dist = None
-        for handle in getattr(self, "_hook_handles", []):
-            handle.remove()  # the next layout installs its own
-        self._hook_handles = []
-        self._pipe = None
-        self._buckets = None  # rebuilt (with the new group's collectives) at the next step
+        self._drop_layout()  # rebuilt (with the new group's collectives) at the next step; hooks too
 
     @property
     def vote_group(self):
@@ -402,12 +493,9 @@ class LionCub(Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("lioncub", None)
         # torch casts floating state to the parameter's dtype; keep the momenta exact instead.
-        saved = {idx: st["exp_avg"] for idx, st in state_dict.get("state", {}).items() if "exp_avg" in st}
+        saved = saved_momenta(self, state_dict)
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for idx, m in saved.items():
-            p = params[int(idx)]
-            self.state[p]["exp_avg"] = m.to(device=p.device, dtype=self.config.momentum_dtype).clone()
+        restore_momenta(self, saved, self.config.momentum_dtype)
         if extra is not None:
             self._step_count = int(extra.get("step", 0))
             self._skipped_steps = int(extra.get("skipped_steps", 0))
@@ -442,7 +530,7 @@ class LionCub(Optimizer):
                 grads.append(p.grad)
                 momenta.append(self._momentum(p))
             b1, b2 = g["betas"]
-            lion_functional(params, grads, momenta, lr=g["lr"], beta1=b1, beta2=b2,
+            lion_functional(params, grads, momenta, lr=lr_value(g["lr"]), beta1=b1, beta2=b2,
                             weight_decay=g["weight_decay"], foreach=self.config.foreach)
             for p in params:
                 self.state[p]["step"] += 1

@@ -22,6 +22,7 @@ import torch
 
 from . import kernels
 from .kernels.reference import dither_seed, int8_levels
+from .lion import lr_value
 from .comm import VoteJob
 from .telemetry import ring_bytes
 
@@ -115,7 +116,7 @@ class VotePipeline:
         b1, b2 = g["betas"]
         dev = b.params[0].device
         be = kernels.backend_for(dev.type)
-        job = VoteJob(b.params, b.offsets, b.numel, None, g["lr"], g["weight_decay"], opt._step_count + 1,
+        job = VoteJob(b.params, b.offsets, b.numel, None, lr_value(g["lr"]), g["weight_decay"], opt._step_count + 1,
                       cfg.tie_break, cfg.vote)
         problem = self._grad_problem(b)
         if problem is not None:
@@ -274,7 +275,7 @@ class VotePipeline:
             for i, recv in zip(batch, received[k]):
                 b, job = opt._buckets[i], self.local[i].job
                 g = opt.param_groups[b.group_index]
-                job.lr, job.weight_decay, job.step = g["lr"], g["weight_decay"], step
+                job.lr, job.weight_decay, job.step = lr_value(g["lr"]), g["weight_decay"], step
                 if b.algorithm.encoding != "bits":
                     continue
                 overflow, abstains = flags[FLAG_HEAD + 2 * i], flags[FLAG_HEAD + 1 + 2 * i]
