@@ -26,6 +26,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from .lion import nonfinite_count
+
 FORMAT_VERSION = 2  # 2: adds "sha256"; format 1 files (no digest) are still read
 READABLE_FORMATS = (1, 2)
 KIND = "lioncub_optimizer_state"
@@ -43,11 +45,46 @@ def rank_file(directory, rank: int, world_size: int) -> str:
     return os.path.join(directory, f"lioncub-rank{rank:05d}-of-{world_size:05d}.pt")
 
 
+# Temporary files: ".tmp-<target file name>-<random>.pt" (the target names which writer left one
+# behind after a kill -9); ".tmp-<8 random characters>.pt" from lioncub_ds before 22.
+_LEGACY_TMP = re.compile(r"^\.tmp-[A-Za-z0-9_]{8}\.pt$")
+
+
+def _tmp_prefix(path: str) -> str:
+    return ".tmp-" + os.path.basename(path) + "-"
+
+
+def remove_stale_temporaries(path: str, legacy: bool = False) -> list[str]:
+    """Remove the temporary files an interrupted (killed) :func:`atomic_torch_save` of ``path`` left
+    in its directory, and with ``legacy`` the unattributed ones of older versions. Call it only
+    while no save of ``path`` runs (each rank cleans its own file's). Returns the removed paths."""
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = _tmp_prefix(path)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if (name.startswith(prefix) and name.endswith(".pt")) or (legacy and _LEGACY_TMP.match(name)):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+    if removed:
+        log.warning("LionCub: removed %d temporary file(s) left by an interrupted save: %s", len(removed),
+                    ", ".join(os.path.basename(r) for r in removed))
+    return removed
+
+
 def atomic_torch_save(obj, path: str) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
+    """Write to a temporary file in the same directory, fsync, then rename over ``path``. Temporary
+    files an earlier, killed save of ``path`` left behind are removed first."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".pt", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -110,6 +147,8 @@ def save(optimizer, directory: str) -> str:
                "param_shapes": _shapes(optimizer), "optimizer": optimizer.state_dict()}
     payload["sha256"] = payload_digest(payload)
     path = rank_file(directory, rank, world)
+    if rank == 0:
+        remove_stale_temporaries(path, legacy=True)
     atomic_torch_save(payload, path)
     return path
 
@@ -160,24 +199,31 @@ def _check_fits(payload, optimizer, path):
             shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
             raise CheckpointError(f"{path}: the momentum of parameter #{idx} has shape {shape}; the parameter has "
                                   f"{tuple(want[idx])}")
+        bad = nonfinite_count(m)
+        if bad:
+            raise CheckpointError(f"{path}: the momentum of parameter #{idx} holds {bad} non-finite value(s) (its "
+                                  "digest is valid: it was saved so); refusing it, since at N > 1 every later step "
+                                  "would be skipped")
 
 
 def _prepare(optimizer, directory: str, reshard: str):
     """Read and validate this rank's state (no side effects). Returns (state dict, source)."""
     rank, world = _rank_info(optimizer)
     path = rank_file(directory, rank, world)
+    found = sorted(glob.glob(os.path.join(directory, "lioncub-rank*-of-*.pt")))
+    worlds = {int(_NAME.search(f).group(2)) for f in found if _NAME.search(f)}
+    if len(worlds) > 1:
+        # checked before this rank's own file: a stale set must never be resumed silently
+        raise CheckpointError(f"{directory} mixes checkpoints of world sizes {sorted(worlds)}; refusing to guess "
+                              "which set to resume (move the stale rank files away)")
     if os.path.exists(path):
         payload = read(path)
         if payload["world_size"] != world or payload["rank"] != rank:
             raise CheckpointError(f"{path} claims rank {payload['rank']} of {payload['world_size']}")
         _check_fits(payload, optimizer, path)
         return payload["optimizer"], path
-    found = sorted(glob.glob(os.path.join(directory, "lioncub-rank*-of-*.pt")))
-    worlds = {int(_NAME.search(f).group(2)) for f in found if _NAME.search(f)}
     if not worlds:
         raise CheckpointError(f"no LionCub checkpoint files in {directory}")
-    if len(worlds) > 1:
-        raise CheckpointError(f"{directory} mixes checkpoints of world sizes {sorted(worlds)}")
     old_world = worlds.pop()
     if reshard == "error":
         raise CheckpointError(f"{directory} was saved by {old_world} ranks; this run has {world} "
@@ -207,14 +253,10 @@ def _agree(optimizer, failed: bool, step: int) -> tuple[int, int, int]:
     return failed, hi, -neg_lo
 
 
-def load(optimizer, directory: str, reshard: str = "average") -> str:
-    """Load this rank's state from ``directory`` (see module doc for ``reshard``).
-
-    Collective when the optimizer is distributed: every rank validates its own file first,
-    then all ranks agree; if any rank failed, or ranks would resume from different steps
-    (e.g. an interrupted save), every rank raises :class:`CheckpointError` and no rank
-    changes its state.
-    """
+def prepare_load(optimizer, directory: str, reshard: str = "average") -> tuple[dict, str]:
+    """The checking half of :func:`load`: read and validate this rank's state, and agree across
+    ranks; changes nothing. Returns (state dict, source) for :func:`apply_load`. Collective when
+    the optimizer is distributed (same errors as :func:`load`)."""
     if reshard not in RESHARD_POLICIES:
         raise ValueError(f"reshard={reshard!r} is not allowed; allowed: {', '.join(RESHARD_POLICIES)}")
     error, state, source = None, None, directory
@@ -232,8 +274,28 @@ def load(optimizer, directory: str, reshard: str = "average") -> str:
     if hi != lo:
         raise CheckpointError(f"LionCub: ranks' checkpoints in {directory} were saved at different steps "
                               f"({lo}..{hi}; an interrupted save?); no rank changed its state")
+    return state, source
+
+
+def apply_load(optimizer, prepared: tuple[dict, str]) -> str:
+    """The changing half of :func:`load` (after :func:`prepare_load` succeeded on every rank)."""
+    state, source = prepared
     optimizer.load_state_dict(state)
+    rank, world = _rank_info(optimizer)
+    remove_stale_temporaries(rank_file(source if os.path.isdir(source) else os.path.dirname(source), rank, world),
+                             legacy=rank == 0)
     return source
+
+
+def load(optimizer, directory: str, reshard: str = "average") -> str:
+    """Load this rank's state from ``directory`` (see module doc for ``reshard``).
+
+    Collective when the optimizer is distributed: every rank validates its own file first,
+    then all ranks agree; if any rank failed, or ranks would resume from different steps
+    (e.g. an interrupted save), every rank raises :class:`CheckpointError` and no rank
+    changes its state.
+    """
+    return apply_load(optimizer, prepare_load(optimizer, directory, reshard))
 
 
 def average_states(states: list[dict]) -> dict:

@@ -61,6 +61,13 @@ def saved_momenta(opt, state_dict):
     return out
 
 
+def nonfinite_count(t) -> int:
+    """How many NaN/Inf values a saved state tensor holds (0 for anything that is not a float tensor)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return 0
+    return int((~torch.isfinite(t)).sum())
+
+
 def restore_momenta(opt, saved, momentum_dtype):
     """torch's load_state_dict casts floating state to each parameter's dtype (bf16 parameters would
     get a bf16 momentum, fp32 parameters an fp32 one): put back the saved momenta, cast to the

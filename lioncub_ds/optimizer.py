@@ -27,7 +27,7 @@ from .comm.abstain import list_capacity, real_mask
 from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
 from .config import DEFAULT_NETWORK, LionCubConfig, LionCubConfigError
-from .lion import check_param_group, lr_value, restore_momenta, saved_momenta
+from .lion import check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
 from .groups import consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
 from .momentum_sync import MomentumSync, node_group_size, select_params
@@ -494,6 +494,13 @@ class LionCub(Optimizer):
         extra = state_dict.pop("lioncub", None)
         # torch casts floating state to the parameter's dtype; keep the momenta exact instead.
         saved = saved_momenta(self, state_dict)
+        for p, m in saved.items():
+            bad = nonfinite_count(m)
+            if bad:
+                raise LionCubConfigError(
+                    f"LionCub.load_state_dict: the momentum of parameter {tuple(p.shape)} holds {bad} non-finite "
+                    "value(s); allowed: finite momenta (at N > 1 every later step would be skipped); no state was "
+                    "changed")
         super().load_state_dict(state_dict)
         restore_momenta(self, saved, self.config.momentum_dtype)
         if extra is not None:
@@ -526,6 +533,9 @@ class LionCub(Optimizer):
             for p in g["params"]:
                 if p.grad is None:
                     continue
+                if p.grad.is_sparse:  # the rule of every N (refused there through the step's flags)
+                    raise StepInputError(f"LionCub: the gradient of parameter {tuple(p.shape)} is sparse; allowed: "
+                                         "a dense gradient of the parameter's shape; no state was changed")
                 params.append(p)
                 grads.append(p.grad)
                 momenta.append(self._momentum(p))
@@ -595,11 +605,20 @@ class LionCub(Optimizer):
             log.warning("LionCub: non-finite gradient/momentum on %d of %d ranks at step %d: step skipped on every rank",
                         flags[0], n, step)
             return
+        # Parameters without a gradient on every rank stay as they are (as in Lion): their votes
+        # (c = β1·m, from g = 0) ran with everyone else's and are undone here.
+        idle = pipe.idle_everywhere(flags)
+        kept = [(p, p.detach().clone(), self._momentum(p).clone()) for p in idle]
         pipe.complete(flags)
+        for p, value, m in kept:
+            p.copy_(value)
+            self._momentum(p).copy_(m)
         self._step_count = step
+        idle_ids = {id(p) for p in idle}
         for b in self._buckets:
             for p in b.params:
-                self.state[p]["step"] += 1
+                if id(p) not in idle_ids:
+                    self.state[p]["step"] += 1
         if self._msync is not None:
             where = self._msync.scope(step - 1)
             if where is not None:
@@ -726,6 +745,11 @@ class LionCub(Optimizer):
         if action == "resync":
             log.warning("%s; re-synchronizing every parameter from rank 0", msg)
             for p in params:
-                self._coll.broadcast_(p.data, 0, "drift_resync")
+                if p.is_contiguous():
+                    self._coll.broadcast_(p.data, 0, "drift_resync")
+                else:  # a broadcast sends raw memory: go through a contiguous copy of the view
+                    buf = p.detach().contiguous()
+                    self._coll.broadcast_(buf, 0, "drift_resync")
+                    p.data.copy_(buf)
             return False
         raise ReplicaDriftError(msg)

@@ -29,9 +29,10 @@ from .telemetry import ring_bytes
 log = logging.getLogger("lioncub_ds")
 
 # The step's flag tensor, summed over ranks: [ranks with a non-finite value, ranks with an unusable
-# input, non-finite values in all (each rank's count capped at 2**20)], then per bucket
-# [ranks whose abstention list overflowed, ranks with an abstention].
-FLAG_HEAD = 3
+# input, non-finite values in all (each rank's count capped at 2**20), ranks where some voting
+# parameter has no gradient], then per bucket [ranks whose abstention list overflowed, ranks with
+# an abstention].
+FLAG_HEAD = 4
 
 
 def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
@@ -65,10 +66,12 @@ def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[i
 
 class _Local:
     """One bucket's local half of a step (nothing written to optimizer state)."""
-    __slots__ = ("job", "grads", "momenta", "backend", "nonfinite", "flags", "versions", "next_momenta")
+    __slots__ = ("job", "grads", "momenta", "backend", "nonfinite", "flags", "versions", "next_momenta", "missing")
 
-    def __init__(self, job, grads, momenta, backend, nonfinite, flags, versions, next_momenta=None):
+    def __init__(self, job, grads, momenta, backend, nonfinite, flags, versions, next_momenta=None, missing=()):
         self.job, self.grads, self.momenta, self.backend = job, grads, momenta, backend
+        # indices (in the bucket) of the parameters without a gradient on this rank
+        self.missing = tuple(missing)
         self.nonfinite, self.flags, self.versions = nonfinite, flags, versions
         # momentum_double_buffer: the momenta already advanced by the local pass (else None)
         self.next_momenta = next_momenta
@@ -155,7 +158,8 @@ class VotePipeline:
                                                        device_counts=True, momenta_out=nxt)
             flags = self._payload(job, b, sign, nz, be)
         versions = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
-        self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt)
+        missing = [k for k, p in enumerate(b.params) if p.grad is None]
+        self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt, missing)
 
     @staticmethod
     def _payload(job, b, sign, nz, be):
@@ -258,10 +262,29 @@ class VotePipeline:
         dev = self.opt._device
         # this rank's non-finite count, summed on the device; clamped so that the sum over ranks
         # cannot overflow int32 (the message says "at least")
-        nonfinite = torch.stack([loc.nonfinite.to(dev) for loc in self.local]).sum().clamp_(max=2**20)
+        nonfinite = torch.stack([loc.nonfinite.to(dev) for loc in self.local] +
+                                [torch.zeros((), dtype=torch.int64, device=dev)]).sum().clamp_(max=2**20)
+        missing = int(any(loc.missing for loc in self.local))
         head = torch.stack([(nonfinite > 0).to(torch.int32), torch.full((), int(bool(error)), dtype=torch.int32,
-                                                                        device=dev), nonfinite.to(torch.int32)])
+                                                                        device=dev), nonfinite.to(torch.int32),
+                            torch.full((), missing, dtype=torch.int32, device=dev)])
         return torch.cat([head] + [loc.flags.to(dev) for loc in self.local])
+
+    def idle_everywhere(self, flags) -> list:
+        """The voting parameters that have no gradient on ANY rank this step (Lion leaves such a
+        parameter alone: no decay, no momentum change). Only when the flags say some rank lacks a
+        gradient (agreed: every rank runs the same collective), one int32 per parameter is summed."""
+        if flags[3] == 0:
+            return []
+        opt = self.opt
+        params, have = [], []
+        for i, loc in enumerate(self.local):
+            b = opt._buckets[i]
+            params += b.params
+            have += [0 if k in loc.missing else 1 for k in range(len(b.params))]
+        counts = torch.tensor(have, dtype=torch.int32, device=opt._device)
+        opt._coll.all_reduce_(counts, "missing_grads")
+        return [p for p, c in zip(params, counts.tolist()) if c == 0]
 
     def complete(self, flags) -> None:
         opt = self.opt

@@ -9,7 +9,9 @@ engine instance, at ``deepspeed.initialize``):
   ``<save_dir>/<tag>/lioncub-rank{r:05d}-of-{N:05d}.pt`` (:mod:`lioncub_ds.checkpoint`:
   atomic, versioned, ``weights_only``), then DeepSpeed saves as usual (``latest`` is
   written last, so it never points at a tag without the per-rank files).
-* load: DeepSpeed loads as usual, then every rank restores its own file (a world-size
+* load: every rank first reads and checks its own file, and the ranks agree (a bad or missing
+  file raises ``CheckpointError`` on every rank before DeepSpeed has loaded anything); then
+  DeepSpeed loads as usual, then every rank restores its own file (a world-size
   change starts every rank from the mean momentum, see ``lioncub_ds.checkpoint``). A
   checkpoint without the files (saved without lioncub_ds) loads with a warning: every
   rank then continues from rank 0's momentum.
@@ -55,6 +57,24 @@ def save_rank_state(engine, save_dir, tag) -> str | None:
     return lc_checkpoint.save(st.optimizer, os.path.join(save_dir, str(tag)))
 
 
+def prepare_rank_state(engine, load_dir, tag, reshard: str = "average"):
+    """Stage 0: read, check and agree on every rank's LionCub file of the tag directory, changing
+    nothing (collective). Returns what :func:`lioncub_ds.checkpoint.apply_load` takes, or None (not
+    stage-0 local momentum, or a checkpoint saved without lioncub_ds: a warning)."""
+    st = _state(engine)
+    if st is None or st.mode != "local_momentum":
+        return None
+    directory = os.path.join(load_dir, str(tag))
+    try:
+        return lc_checkpoint.prepare_load(st.optimizer, directory, reshard=reshard)
+    except lc_checkpoint.CheckpointError as exc:
+        if "no LionCub checkpoint files" in str(exc):
+            _compat.ds_logger().warning(f"lioncub_ds: {directory} has no per-rank LionCub files (saved without "
+                                        "lioncub_ds?): every rank continues from data-parallel rank 0's momentum")
+            return None
+        raise
+
+
 def load_rank_state(engine, load_dir, tag, reshard: str = "average") -> str | None:
     """Restore this rank's LionCub state from the tag directory (stage 0), or refresh ZeRO replicas."""
     st = _state(engine)
@@ -64,15 +84,8 @@ def load_rank_state(engine, load_dir, tag, reshard: str = "average") -> str | No
         if st.zero_adapter is not None:
             st.zero_adapter.refresh()
         return None
-    directory = os.path.join(load_dir, str(tag))
-    try:
-        return lc_checkpoint.load(st.optimizer, directory, reshard=reshard)
-    except lc_checkpoint.CheckpointError as exc:
-        if "no LionCub checkpoint files" in str(exc):
-            _compat.ds_logger().warning(f"lioncub_ds: {directory} has no per-rank LionCub files (saved without "
-                                        "lioncub_ds?): every rank continues from data-parallel rank 0's momentum")
-            return None
-        raise
+    prepared = prepare_rank_state(engine, load_dir, tag, reshard)
+    return lc_checkpoint.apply_load(st.optimizer, prepared) if prepared is not None else None
 
 
 def save_checkpoint(engine, save_dir, tag=None, **kwargs):
@@ -105,19 +118,25 @@ def install_engine_hooks(engine) -> None:
     def hooked_load(*args, **kwargs):
         bound = load_sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        result = orig_load(*bound.args, **bound.kwargs)
-        load_path = result[0] if isinstance(result, tuple) else result
         a = bound.arguments
         st = _state(engine)
+        prepared = None
+        if (st is not None and st.mode == "local_momentum" and a.get("load_optimizer_states", True)
+                and not a.get("load_module_only", False)):
+            # Stage 0: check every rank's LionCub file BEFORE DeepSpeed replaces the parameters, the
+            # step and the momentum, so a CheckpointError ("no rank changed its state") stays true.
+            tag = _resolve_tag(engine, a["load_dir"], a.get("tag"))
+            if tag is not None and os.path.isdir(os.path.join(a["load_dir"], str(tag))):
+                prepared = prepare_rank_state(engine, a["load_dir"], tag)
+        result = orig_load(*bound.args, **bound.kwargs)
+        load_path = result[0] if isinstance(result, tuple) else result
         if load_path is None or st is None:
             return result
         if st.mode == "zero":
             if st.zero_adapter is not None:  # masters changed (loaded, or rebuilt from the 16-bit weights)
                 st.zero_adapter.refresh()
-        elif a.get("load_optimizer_states", True) and not a.get("load_module_only", False):
-            tag = _resolve_tag(engine, a["load_dir"], a.get("tag"))
-            if tag is not None:
-                load_rank_state(engine, a["load_dir"], tag)
+        elif prepared is not None:
+            lc_checkpoint.apply_load(st.optimizer, prepared)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
         return result
