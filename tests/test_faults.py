@@ -18,6 +18,8 @@ from lioncub_ds.config import LionCubConfigError
 from lioncub_ds.optimizer import StepInputError
 from dist_helpers import run_ranks
 
+pytestmark = pytest.mark.dist  # real gloo ranks; the single-process and DeepSpeed tests say so themselves
+
 N = 2
 ENV = {"LIONCUB_KERNELS": "torch"}
 
@@ -173,6 +175,7 @@ def test_state_faults_on_two_ranks(tmp_path):
     assert torch.equal(res[0]["w"], res[1]["w"])
 
 
+@pytest.mark.unit
 def test_a_sparse_gradient_is_refused_at_n_1_too():
     emb = torch.nn.Embedding(10, 3, sparse=True)
     before = emb.weight.detach().clone()
@@ -235,6 +238,7 @@ def _ds_bad_file_scenario(rank, world_size, directory, damage):
     return {"error": error, "unchanged": same(before, after), "resumed": same(at_save, after)}
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 @pytest.mark.parametrize("damage", ["truncated", "missing", "none"])
 def test_deepspeed_stage0_bad_rank_file_changes_nothing(tmp_path, damage):
