@@ -259,6 +259,10 @@ class LionCub(Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        if "_dist" in self.__dict__:
+            # torch's own load_state_dict ends with __setstate__ on this live optimizer: its layout,
+            # hooks and groups stay (resetting them here would leave the installed hooks behind)
+            return
         self._process_group = None
         self._dist = None
         self._node_group = None
