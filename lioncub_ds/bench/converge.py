@@ -403,7 +403,7 @@ class SimLionCub:
     def _sync_momenta(self):
         """Average the selected momenta over the workers as LionCub does (MomentumSync.average_over):
         the same chunks; fp32: sum then divide; bf16 / int8: the two-phase average, bit for bit."""
-        from lioncub_ds.momentum_sync import quantized_average, sync_encode
+        from lioncub_ds.momentum_sync import quantized_average, sync_wire_bytes
 
         if not self.sync_params or self.n <= 1:
             return 0
@@ -416,14 +416,8 @@ class SimLionCub:
                 size += p.numel()
                 continue
             rows = torch.cat([self.momenta[q].reshape(n, -1) for q in chunk], dim=1)
-            if dtype == "fp32":
-                sent += self._collective_bytes("all_reduce", 4 * size)
-                mean = rows.sum(0) / n
-            else:
-                width = sync_encode(torch.zeros(1, -(-size // n)), dtype).shape[1]
-                sent += self._collective_bytes("all_to_all", n * width) + self._collective_bytes("all_gather",
-                                                                                                 n * width)
-                mean = quantized_average(rows, dtype)
+            sent += sync_wire_bytes(size, n, dtype)
+            mean = rows.sum(0) / n if dtype == "fp32" else quantized_average(rows, dtype)
             off = 0
             for q in chunk:
                 self.momenta[q].copy_(mean[off:off + q.numel()].view(q.shape).expand_as(self.momenta[q]))

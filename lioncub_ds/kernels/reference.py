@@ -160,8 +160,7 @@ def local_step(grads, momenta, offsets, total, beta1, beta2, update_momentum=Fal
     if update_momentum:
         advance_momenta(grads, momenta, beta2, momenta_out)
     sign, nonzero, n_nonfinite, _ = encode_votes(c)
-    n_real = sum(g.numel() for g in grads)
-    n_zero = int((c == 0).sum()) - (total - n_real)
+    n_zero = real_zero_count(c, grads, total)
     if device_counts:
         return sign, nonzero, *as_device_counts(c.device, n_nonfinite, n_zero)
     return sign, nonzero, n_nonfinite, n_zero
@@ -173,6 +172,11 @@ def bucket_direction(grads, momenta, offsets, total, beta1) -> torch.Tensor:
     for g, m, off in zip(grads, momenta, offsets):
         c[off:off + g.numel()] = lion_direction(m.reshape(-1), g.reshape(-1), beta1)
     return c
+
+
+def real_zero_count(c: torch.Tensor, grads, total: int) -> int:
+    """Zeros of a bucket's c among its real elements (the padding and gaps are zero too)."""
+    return int((c == 0).sum()) - (total - sum(g.numel() for g in grads))
 
 
 def advance_momenta(grads, momenta, beta2, momenta_out=None) -> None:
@@ -807,7 +811,7 @@ def bbit_local_step(grads, momenta, offsets, total, beta1, beta2, kind, bits, ro
     if update_momentum:
         advance_momenta(grads, momenta, beta2, momenta_out)
     _, nonzero, n_nonfinite, _ = encode_votes(c)
-    n_zero = int((c == 0).sum()) - (total - sum(g.numel() for g in grads))
+    n_zero = real_zero_count(c, grads, total)
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     index = tie_index(segments, total, c.device) if rounding == "dither" else None
     codes = torch.zeros(total, dtype=torch.uint8, device=c.device)
