@@ -241,12 +241,17 @@ def _prepare(optimizer, directory: str, reshard: str):
     return average_states([pl["optimizer"] for pl in payloads]), directory
 
 
+def _device_of(optimizer):
+    """Where the optimizer's parameters live (an NCCL group takes only CUDA tensors)."""
+    return next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+
+
 def _agree(optimizer, failed: bool, step: int) -> tuple[int, int, int]:
     """All ranks of the optimizer's group: (#failed, max step, min step)."""
     if not optimizer.distributed:
         return int(failed), step, step
     # On the parameters' device: an NCCL group takes only CUDA tensors.
-    flags = torch.tensor([int(failed), step, -step], dtype=torch.int64, device=optimizer._device)
+    flags = torch.tensor([int(failed), step, -step], dtype=torch.int64, device=_device_of(optimizer))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=optimizer.vote_group)
     # MAX of the failure flag says "some rank failed"; count is not needed
     failed, hi, neg_lo = flags.tolist()

@@ -15,8 +15,19 @@ import inspect
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who a LionCub's step talks to: the vote group (None: the world), its size and this rank's
+    place in it, and the node subgroup of ``momentum_sync={"group": "node"}`` (or None)."""
+    group: object
+    world_size: int
+    rank: int
+    sync_node_group: object = None
 
 
 def group_ranks(group) -> list[int]:

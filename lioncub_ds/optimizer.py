@@ -15,23 +15,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from .kernels.reference import padded_numel
-from .comm import Collectives, make_algorithm
-from .comm.abstain import list_capacity, real_mask
-from .comm.cost import CostModel
 from .comm.pbit import check_lane_bits
-from .config import DEFAULT_NETWORK, LionCubConfig, LionCubConfigError
+from .config import LionCubConfig, LionCubConfigError
+from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
 from .lion import check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
-from .groups import consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
-from .momentum_sync import MomentumSync, node_group_size, select_params
-from .pipeline import VotePipeline, comm_batches
+from .groups import Topology, consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
+from .momentum_sync import node_group_size
+from .pipeline import StepPlan
 from .telemetry import CommStats
 
 log = logging.getLogger("lioncub_ds")
@@ -39,37 +35,37 @@ log = logging.getLogger("lioncub_ds")
 STATE_FORMAT = 1
 
 
-class NonFiniteError(FloatingPointError):
-    """A gradient or momentum was NaN/Inf on some rank and ``nonfinite='raise'``."""
+class MomentumStore:
+    """LionCub's momenta (the optimizer state's ``exp_avg``): get / next / commit.
 
+    ``next`` is ``momentum_double_buffer``'s spare: the step's local pass writes the next
+    momentum there, and ``commit`` makes it the state's ``exp_avg`` once the step is agreed
+    (the old one becomes the spare), so a skipped step changes nothing. Spares are not
+    optimizer state: never saved."""
 
-class ReplicaDriftError(RuntimeError):
-    """Parameters differ across ranks."""
+    def __init__(self, opt):
+        self.opt = opt
+        self.spares = {}
 
+    def get(self, p):
+        state = self.opt.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.opt.config.momentum_dtype,
+                                                memory_format=torch.contiguous_format)
+            state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")  # a host counter, as in torch.optim
+        return state["exp_avg"]
 
-class StepInputError(RuntimeError):
-    """A step's input is unusable on some rank (e.g. a gradient on a parameter frozen at the
-    first step). Agreed through the step's flags (summed over ranks), so every rank raises it together
-    and no rank is left waiting in a collective; no state was changed."""
+    def next(self, p):
+        buf = self.spares.get(p)
+        m = self.get(p)
+        if buf is None or buf.dtype != m.dtype or buf.shape != m.shape or buf.device != m.device:
+            buf = self.spares[p] = torch.empty_like(m, memory_format=torch.contiguous_format)
+        return buf
 
-
-# Checksums of the drift check are computed in chunks of this many elements (bounded memory).
-FINGERPRINT_CHUNK = 1 << 20
-
-
-@dataclass
-class Bucket:
-    group_index: int
-    params: list
-    names: list
-    offsets: list
-    numel: int          # padded to a multiple of 8·N
-    real_numel: int
-    base: int
-    algorithm: object = None
-    mask: object = None      # uint8 plane: bit 1 at real elements (abstention lists are relative to it)
-    capacity: int = 0        # entries of an abstention list (0: the plane always travels)
-    mode: str = "list"       # how abstentions travel this step: "list" or "plane" (agreed, see _finish)
+    def commit(self, p, new):
+        state = self.opt.state[p]
+        self.spares[p] = state["exp_avg"]
+        state["exp_avg"] = new
 
 
 def check_world_size(cfg: LionCubConfig, n: int) -> None:
@@ -192,35 +188,38 @@ class LionCub(Optimizer):
                         weight_decay=cfg.weight_decay)
         self._process_group = process_group
         self._group_lost = False
-        self._dist = None  # resolved at construction or lazily: (vote group, world_size, rank)
-        self._node_group = None
+        self._topology = None  # resolved at construction or lazily (groups.Topology)
         self._created_groups = []
         if dist.is_available() and dist.is_initialized():
-            self._resolve_group()  # fails now (before state) on e.g. a pbit width too small for N
+            self._ensure_topology()  # fails now (before state) on e.g. a pbit width too small for N
         if cfg.momentum_sync is not None and cfg.momentum_sync.layers:
             if not all("param_names" in g for g in groups):
                 raise LionCubConfigError("LionCub: momentum_sync.layers needs parameter names; pass "
                                          "model.named_parameters() or param groups carrying 'param_names'")
         super().__init__(groups, defaults)
-        self._buckets = None
-        self._pipe = None
+        self._init_runtime()
+        self._step_count = 0
+        self._skipped_steps = 0
+        self.stats = CommStats()
+        # overlap=True: communication batches a backward launched (cumulative), and steps that
+        # voted again because gradients changed after their vote (wasted votes)
+        self.overlap_counts = {"batches_launched_in_backward": 0, "revotes": 0}
+        self._plan_logged = False
+
+    def _init_runtime(self):
+        """What a copy or an unpickled optimizer rebuilds: the step plan (made at the first
+        distributed step), no_sync() depth, the launch condition, the momentum store."""
+        self._plan = None
         self._no_sync_depth = 0
         self._launch_condition = None
-        self._warned_revote = False
-        self._revotes = 0                   # steps that voted again (gradients changed after their vote)
-        self._backward_launches = 0         # communication batches launched from gradient-ready hooks
-        self._step_count = 0
-        self.stats = CommStats()
-        self._plan_logged = False
-        self._skipped_steps = 0
-        self._next_momenta = {}  # momentum_double_buffer: param -> the buffer the next momentum goes to
+        self.momenta = MomentumStore(self)
 
     def add_param_group(self, param_group):
         """torch's add_param_group, after LionCub's checks (complex parameters, a parameter listed twice
         in the group: refused before anything changes). After the first distributed step the new
-        parameters need a new bucket layout: the current one is dropped (votes started in backward are
+        parameters need a new step plan: the current one is dropped (votes started in backward are
         drained: collective, so add the group on every rank, as the same program does) and the next
-        step builds the layout again."""
+        step builds the plan again."""
         params = check_param_group(param_group, "LionCub")
         seen = set()
         for i, p in enumerate(params):
@@ -229,27 +228,25 @@ class LionCub(Optimizer):
                 raise LionCubConfigError(f"LionCub: parameter #{i} of the group (shape {tuple(p.shape)}) is listed more "
                                          "than once; allowed: each parameter once (it would be stepped twice)")
             seen.add(id(p))
-        if getattr(self, "_buckets", None) is not None:
-            if self._pipe is not None and self._pipe.busy:
-                self._pipe.drain()
-            self._drop_layout()
+        if getattr(self, "_plan", None) is not None:
+            if self._plan.pipe.busy:
+                self._plan.pipe.drain()
+            self._drop_plan()
         super().add_param_group(param_group)
 
-    def _drop_layout(self):
-        for handle in getattr(self, "_hook_handles", []):
-            handle.remove()
-        self._hook_handles = []
-        self._pipe = None
-        self._buckets = None
+    def _drop_plan(self):
+        if self._plan is not None:
+            self._plan.close()
+        self._plan = None
 
     # ------------------------------------------------------------------ copy / pickle
     # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups. A copy keeps the
-    # settings and counters too; the bucket layout, hooks and pipeline are rebuilt at its first step
-    # (they hold the original's parameters). Process groups do not pickle: copy.deepcopy votes over
-    # the original's groups (without owning them); an unpickled copy of an optimizer that had a
-    # process group of its own needs set_process_group() before its first distributed step.
-    _COPIED = ("config", "_step_count", "_skipped_steps", "stats", "_revotes", "_backward_launches",
-               "_warned_revote", "_plan_logged")
+    # settings and counters too; the step plan (layout, hooks) is rebuilt at its first step (the
+    # original's holds the original's parameters). Process groups do not pickle: copy.deepcopy
+    # votes over the original's groups (without owning them); an unpickled copy of an optimizer
+    # that had a process group of its own needs set_process_group() before its first
+    # distributed step.
+    _COPIED = ("config", "_step_count", "_skipped_steps", "stats", "overlap_counts", "_plan_logged")
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -259,50 +256,53 @@ class LionCub(Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if "_dist" in self.__dict__:
-            # torch's own load_state_dict ends with __setstate__ on this live optimizer: its layout,
+        if "_topology" in self.__dict__:
+            # torch's own load_state_dict ends with __setstate__ on this live optimizer: its plan,
             # hooks and groups stay (resetting them here would leave the installed hooks behind)
             return
         self._process_group = None
-        self._dist = None
-        self._node_group = None
+        self._topology = None
         self._created_groups = []
-        self._buckets = None
-        self._pipe = None
-        self._hook_handles = []
-        self._no_sync_depth = 0
-        self._launch_condition = None
-        self._next_momenta = {}
+        self._init_runtime()
 
     def __deepcopy__(self, memo):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         # the same vote group (and node subgroup): still owned, and released, by the original only
-        new._process_group, new._dist, new._node_group = self._process_group, self._dist, self._node_group
+        new._process_group, new._topology = self._process_group, self._topology
         new._group_lost = False
         return new
 
-    # ------------------------------------------------------------------ group
+    # ------------------------------------------------------------------ groups
     def set_process_group(self, group) -> None:
         """Vote over ``group`` (integrations call this before the first step)."""
-        if self._buckets is not None:
+        if self._plan is not None:
             raise RuntimeError("LionCub.set_process_group must be called before the first step")
         self._process_group = group
         self._group_lost = False
-        self._dist = None
-        self._resolve_group()
+        self._topology = None
+        self._ensure_topology()
 
-    def _resolve_group(self):
-        """Check N-dependent settings, then create this optimizer's groups (collective, all ranks)."""
+    def _ensure_topology(self) -> Topology:
+        if self._topology is None:
+            if self._process_group is None and getattr(self, "_group_lost", False):
+                raise RuntimeError("LionCub: this optimizer was unpickled from one that voted over a process group of "
+                                   "its own (process groups do not pickle); call set_process_group(group) on every "
+                                   "rank before its first step")
+            n = dist.get_world_size(self._process_group)
+            check_world_size(self.config, n)  # before creating anything (the groups below)
+            self._topology = self.resolve_topology(self._process_group)
+        return self._topology
+
+    def resolve_topology(self, group) -> Topology:
+        """The :class:`~lioncub_ds.groups.Topology` this optimizer votes over: ``group`` (None:
+        the world), plus the groups its settings need (a timeout group, a momentum-sync node
+        subgroup), created here collectively: every rank of the world takes part in every group
+        creation, in the same order. An integration that makes its groups elsewhere (Megatron's
+        factory, on every rank) overrides this to return them and create none."""
         cfg = self.config
-        group = self._process_group
-        if group is None and getattr(self, "_group_lost", False):
-            raise RuntimeError("LionCub: this optimizer was unpickled from one that voted over a process group of its "
-                               "own (process groups do not pickle); call set_process_group(group) on every rank "
-                               "before its first step")
         n = dist.get_world_size(group)
-        check_world_size(cfg, n)  # before creating anything (the groups below)
         settle_at_exit()  # a distributed run: let c10d's workers finish before the interpreter's teardown
         ranks = group_ranks(group)
         ms = cfg.momentum_sync
@@ -313,15 +313,11 @@ class LionCub(Optimizer):
             size = node_group_size(ms.group_size, n)
             me = dist.get_rank(group)
             wanted.append(consecutive_blocks(ranks, size)[me // size])
-        # Collective over the world whenever the settings (the same on every rank) need a group:
-        # every rank takes part in every group creation, in the same order.
         created = create_on_all_ranks(wanted, cfg.timeout_s) if wanted else []
         self._created_groups = list(created)
         if cfg.timeout_s is not None and n > 1:
             group = created.pop(0)
-        self._node_group = created[0] if created else None
-        self._dist = (group, n, dist.get_rank(group))
-        return self._dist
+        return Topology(group, n, dist.get_rank(group), created[0] if created else None)
 
     def release_process_group(self) -> None:
         """Destroy the process groups this LionCub created (its timeout group, its node
@@ -335,162 +331,74 @@ class LionCub(Optimizer):
             except Exception:  # noqa: BLE001 - already gone with the default group
                 pass
         self._created_groups = []
-        self._node_group = None
-        self._dist = None
-        self._drop_layout()  # rebuilt (with the new group's collectives) at the next step; hooks too
+        self._topology = None
+        self._drop_plan()  # rebuilt (with the new group's collectives) at the next step; hooks too
+
+    @property
+    def created_groups(self) -> list:
+        """The process groups this optimizer created (and :meth:`release_process_group` destroys)."""
+        return list(self._created_groups)
+
+    @property
+    def topology(self) -> Topology | None:
+        """The vote group and subgroups (None when not distributed)."""
+        return self._ensure_topology() if self.distributed else None
 
     @property
     def vote_group(self):
         """The process group whose ranks vote together (None: the world, or not distributed)."""
-        if not self.distributed:
-            return None
-        return self._dist[0]
+        return self._topology.group if self.distributed else None
 
     @property
     def rank(self) -> int:
         """This process's rank inside :attr:`vote_group` (0 when not distributed)."""
-        return self._dist[2] if self.distributed else 0
+        return self._topology.rank if self.distributed else 0
 
     @property
     def world_size(self) -> int:
-        if self._dist is None:
+        if self._topology is None:
             if not (dist.is_available() and dist.is_initialized()):
                 return 1
-            self._resolve_group()
-        return self._dist[1]
+            self._ensure_topology()
+        return self._topology.world_size
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    # ------------------------------------------------------------------ layout
-    def _build_buckets(self):
-        cfg = self.config
-        group, n, _ = self._dist
-        stats_coll = Collectives(group, self.stats, cfg.timeout_s)
-        self._coll = stats_coll
-        net = {**DEFAULT_NETWORK, **cfg.network}
-        cost = CostModel.from_network(net["bandwidth_gbit"], net["latency_us"])
-        buckets, base, frozen = [], 0, []
-        cap = cfg.bucket_numel
-        for gi, g in enumerate(self.param_groups):
-            names = g.get("param_names", [None] * len(g["params"]))
-            by_kind = {}
-            for p, name in zip(g["params"], names):
-                if not p.requires_grad:
-                    frozen.append((p, name))
-                    continue
-                by_kind.setdefault((p.device, p.dtype), []).append((p, name))
-            for members in by_kind.values():
-                cur = []
-                size = 0
-                for p, name in members + [(None, None)]:
-                    aligned = (p.numel() + 7) // 8 * 8 if p is not None else 0
-                    if p is not None and (size + aligned <= cap or not cur):
-                        cur.append((p, name, size))
-                        size += aligned
-                        continue
-                    total = padded_numel(size, n)
-                    buckets.append(Bucket(gi, [q for q, _, _ in cur], [nm for _, nm, _ in cur],
-                                          [o for _, _, o in cur], total, sum(q.numel() for q, _, _ in cur), base))
-                    base += total
-                    cur, size = ([(p, name, 0)], aligned) if p is not None else ([], 0)
-        for b in buckets:
-            if cfg.comm == "auto":
-                if cfg.quant != "sign":
-                    name = "int8"
-                else:
-                    name = cost.choose(b.numel, n, vote=cfg.vote, tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)
-            else:
-                name = cfg.comm
-            b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1],
-                                         quant=cfg.quant)
-            if b.algorithm.encoding == "bits":
-                b.mask = real_mask(b.offsets, [p.numel() for p in b.params], b.numel, b.params[0].device)
-                b.capacity = list_capacity(b.numel // 8, n)
-                b.mode = "list"  # a count alone (capacity 0) when the bucket is small
-        self._buckets = buckets
-        self._batches = comm_batches(buckets, cfg.comm_bucket_mb, n)
-        # The step's flags ride in the last batch's phase 1 when its algorithm delivers every
-        # rank's message to every rank, and when nothing can be launched before step() knows every
-        # input problem (overlap launches during backward: a separate flag all-reduce then).
-        self._carry_flags = (not cfg.overlap and bool(buckets)
-                             and buckets[self._batches[-1][0]].algorithm.carries_flags)
-        self._pipe = VotePipeline(self)
-        if cfg.overlap:
-            self._install_hooks()
-        # Frozen at the first step: not in the buckets. A gradient showing up there later would be
-        # ignored silently, so step() checks them (a cheap loop over a usually empty list).
-        self._frozen = frozen
-        ms = cfg.momentum_sync
-        self._msync = None
-        if ms is not None:
-            node = Collectives(self._node_group, self.stats, cfg.timeout_s) if ms.group == "node" else None
-            self._msync = MomentumSync(ms, stats_coll, node)
-            named = []
-            for g in self.param_groups:
-                names = g.get("param_names", [None] * len(g["params"]))
-                named += [(nm, p) for p, nm in zip(g["params"], names) if p.requires_grad]
-            self._sync_params = select_params(ms, named)
-        if not self._plan_logged and self._dist[2] == 0:
-            log.info("LionCub comm plan (N=%d): %s", n, "; ".join(
-                f"bucket {i}: {b.real_numel} params -> {b.algorithm.name}" for i, b in enumerate(buckets)))
-            self._plan_logged = True
+    # ------------------------------------------------------------------ the step plan
+    @property
+    def plan(self) -> StepPlan | None:
+        """The distributed step's :class:`~lioncub_ds.pipeline.StepPlan` (bucket layout,
+        communication batches, hooks), built at the first distributed step or here; None when
+        not distributed. Building it issues no collective."""
+        if not self.distributed:
+            return None
+        if self._plan is None:
+            self._plan = StepPlan(self, self._topology, self._may_launch)
+            if not self._plan_logged and self._topology.rank == 0:
+                log.info("LionCub comm plan (N=%d): %s", self._topology.world_size, "; ".join(
+                    f"bucket {i}: {b.real_numel} params -> {b.algorithm.name}"
+                    for i, b in enumerate(self._plan.buckets)))
+                self._plan_logged = True
+        return self._plan
 
     def comm_plan(self) -> list[dict]:
         """Per bucket: size, algorithm, and predicted/formula wire bytes per rank."""
-        if not self.distributed:
-            return []
-        if self._buckets is None:
-            self._build_buckets()
-        n = self.world_size
-        cfg = self.config
-        cost = CostModel.from_network(cfg.network["bandwidth_gbit"], cfg.network["latency_us"])
-        return [{"bucket": i, "group": b.group_index, "numel": b.real_numel, "padded_numel": b.numel,
-                 "algorithm": b.algorithm.name,
-                 "wire_bytes": b.algorithm.wire_bytes(b.numel, n, mode=b.mode, vote=cfg.vote, tie_break=cfg.tie_break),
-                 "predicted_s": cost.predict(b.algorithm.name, b.real_numel, n, vote=cfg.vote,
-                                             tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)}
-                for i, b in enumerate(self._buckets)]
+        return self.plan.describe() if self.distributed else []
 
     def comm_stats(self) -> dict:
         """Bytes sent per collective / algorithm, per step and cumulative (see telemetry)."""
         snap = self.stats.snapshot()
         snap["skipped_steps"] = self._skipped_steps
-        # overlap=True: how many communication batches a backward launched (cumulative), and how
-        # many steps had to vote again because gradients changed after their vote (wasted votes).
-        snap["overlap"] = {"batches_launched_in_backward": self._backward_launches, "revotes": self._revotes}
+        snap["overlap"] = dict(self.overlap_counts)
         return snap
 
     # ------------------------------------------------------------------ state
-    def _momentum(self, p):
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=self.config.momentum_dtype,
-                                                memory_format=torch.contiguous_format)
-            state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")  # a host counter, as in torch.optim
-        return state["exp_avg"]
-
-    def _next_momentum(self, p):
-        """momentum_double_buffer: where this step's local pass writes p's next momentum. It
-        becomes the state's ``exp_avg`` when the step commits (the old one is then reused), so a
-        skipped step changes nothing. Not optimizer state: never saved."""
-        buf = self._next_momenta.get(p)
-        m = self._momentum(p)
-        if buf is None or buf.dtype != m.dtype or buf.shape != m.shape or buf.device != m.device:
-            buf = self._next_momenta[p] = torch.empty_like(m, memory_format=torch.contiguous_format)
-        return buf
-
-    def _commit_momentum(self, p, new):
-        state = self.state[p]
-        self._next_momenta[p] = state["exp_avg"]
-        state["exp_avg"] = new
-
     def state_dict(self):
         sd = super().state_dict()
         sd["lioncub"] = {"format": STATE_FORMAT, "step": self._step_count, "skipped_steps": self._skipped_steps,
-                         "world_size": self.world_size,
-                         "rank": self._dist[2] if self._dist else 0, "comm_stats": self.stats.state_dict()}
+                         "world_size": self.world_size, "rank": self.rank, "comm_stats": self.stats.state_dict()}
         return sd
 
     def load_state_dict(self, state_dict):
@@ -527,8 +435,18 @@ class LionCub(Optimizer):
                 loss = closure()
         if not self.distributed:
             self._local_lion_step()
-        else:
-            self._distributed_step()
+            return loss
+        step = self._step_count + 1
+        outcome = self.plan.run(step)
+        if not outcome.applied:
+            self._skipped_steps += 1
+            if self.config.nonfinite == "raise":
+                raise NonFiniteError(f"LionCub: {outcome.message}; nonfinite='raise'. No state was changed.")
+            log.warning("LionCub: %s: step skipped on every rank", outcome.message)
+            return loss
+        self._step_count = step
+        if self.config.drift_check_every and step % self.config.drift_check_every == 0:
+            self.check_replicas()  # its bytes count towards the next step
         return loss
 
     def _local_lion_step(self):
@@ -542,7 +460,7 @@ class LionCub(Optimizer):
                                          "a dense gradient of the parameter's shape; no state was changed")
                 params.append(p)
                 grads.append(p.grad)
-                momenta.append(self._momentum(p))
+                momenta.append(self.momenta.get(p))
             b1, b2 = g["betas"]
             lion_functional(params, grads, momenta, lr=lr_value(g["lr"]), beta1=b1, beta2=b2,
                             weight_decay=g["weight_decay"], foreach=self.config.foreach)
@@ -550,100 +468,11 @@ class LionCub(Optimizer):
                 self.state[p]["step"] += 1
         self._step_count += 1
 
-    def _frozen_param_error(self) -> str | None:
-        """This rank's reason to refuse the step, or None (agreed through the flags before raising)."""
-        for p, name in self._frozen:
-            if p.grad is not None:
-                return (f"LionCub: parameter {name or tuple(p.shape)} had requires_grad=False at the first step (so it "
-                        "has no place in the vote buckets) but now has a gradient on this rank; set requires_grad "
-                        "before the first step, or clear its .grad")
-        return None
-
-    @property
-    def _device(self):
-        """Where the step's small tensors (flags, checksums) live: the parameters' device (NCCL
-        takes only CUDA tensors)."""
-        for g in self.param_groups:
-            for p in g["params"]:
-                return p.device
-        return torch.device("cpu")
-
-    def _grads(self, bucket):
-        # A parameter without a gradient on this rank votes with g = 0 (its momentum still
-        # decays); every rank must run the same collectives, whatever its batch used.
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-
-    def _distributed_step(self):
-        cfg = self.config
-        if self._buckets is None:
-            self._build_buckets()
-        n = self.world_size
-        pipe = self._pipe
-        step = self._step_count + 1
-        if pipe.stale or (pipe.busy and pipe.changed_since_vote()):
-            # A gradient changed after its bucket voted during backward (a second backward without
-            # no_sync(), or clipping in place): vote again from the gradients as they are now.
-            if not self._warned_revote:
-                log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward (a "
-                            "second backward without opt.no_sync(), or in-place clipping); voting again in step()")
-                self._warned_revote = True
-            self._revotes += 1
-            pipe.drain()
-        flags, input_error = pipe.finish(self._frozen_param_error())
-        if flags[1] > 0:
-            pipe.drain()
-            self.stats.end_step()
-            raise StepInputError(
-                (input_error + "; " if input_error else "LionCub: ") +
-                f"{flags[1]} of {n} ranks found an unusable input at step {step}; every rank raises this, no "
-                "state was changed")
-        if flags[0] > 0:
-            pipe.drain()
-            self._skipped_steps += 1
-            self.stats.end_step()
-            if cfg.nonfinite == "raise":
-                count = f"{flags[2]}{'+' if flags[2] >= 2**20 else ''}"
-                raise NonFiniteError(f"LionCub: non-finite gradient or momentum on {flags[0]} of {n} ranks at step "
-                                     f"{step} (non-finite values in all: {count}); nonfinite='raise'. No state was "
-                                     "changed.")
-            log.warning("LionCub: non-finite gradient/momentum on %d of %d ranks at step %d: step skipped on every rank",
-                        flags[0], n, step)
-            return
-        # Parameters without a gradient on every rank stay as they are (as in Lion): their votes
-        # (c = β1·m, from g = 0) ran with everyone else's and are undone here.
-        idle = pipe.idle_everywhere(flags)
-        kept = [(p, p.detach().clone(), self._momentum(p).clone()) for p in idle]
-        pipe.complete(flags)
-        for p, value, m in kept:
-            p.copy_(value)
-            self._momentum(p).copy_(m)
-        self._step_count = step
-        idle_ids = {id(p) for p in idle}
-        for b in self._buckets:
-            for p in b.params:
-                if id(p) not in idle_ids:
-                    self.state[p]["step"] += 1
-        if self._msync is not None:
-            where = self._msync.scope(step - 1)
-            if where is not None:
-                MomentumSync.average_over(where, [self._momentum(p) for p in self._sync_params], cfg.bucket_numel,
-                                          cfg.momentum_sync.dtype)
-        self.stats.end_step()
-        if cfg.drift_check_every and step % cfg.drift_check_every == 0:
-            self.check_replicas()  # its bytes count towards the next step
-
     # ------------------------------------------------------------------ overlap with backward
-    def _install_hooks(self):
-        self._hook_handles = []
-        for i, b in enumerate(self._buckets):
-            for p in b.params:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(
-                    lambda param, i=i: self._on_grad_ready(i, param)))
-
-    def _on_grad_ready(self, i, p):
-        if self._no_sync_depth == 0 and self._pipe is not None and \
-                (self._launch_condition is None or self._launch_condition()):
-            self._pipe.grad_ready(i, p)
+    def _may_launch(self) -> bool:
+        """A gradient-ready hook may start votes: outside no_sync() and when the launch
+        condition (if any) agrees."""
+        return self._no_sync_depth == 0 and (self._launch_condition is None or self._launch_condition())
 
     def set_launch_condition(self, condition) -> None:
         """``overlap=True``: ``condition()`` (no arguments, returns a bool) is asked whenever a
@@ -672,56 +501,38 @@ class LionCub(Optimizer):
         """Start every vote now (the local steps of buckets without one yet, and their launches),
         so communication runs while the caller does other work before ``step()``. Collective:
         call it on every rank, or on none."""
-        if not self.distributed:
-            return
-        if self._buckets is None:
-            self._build_buckets()
-        self._pipe.launch_all()
+        if self.distributed:
+            self.plan.pipe.launch_all()
 
     def zero_grad(self, set_to_none: bool = True):
         # Votes started in backward for gradients that are now being discarded: finish their
         # collectives (every rank does the same) and forget them.
-        if self._pipe is not None and self._pipe.busy:
-            self._pipe.drain()
+        if self._plan is not None and self._plan.pipe.busy:
+            self._plan.pipe.drain()
         super().zero_grad(set_to_none=set_to_none)
 
-    def sync_momenta(self, scope: str = "world") -> None:
-        """Average the momenta now (in momentum_sync.dtype, default fp32), over the vote group
-        (``scope="world"``) or this rank's node subgroup (``scope="node"``, needs
-        momentum_sync.group='node'). Collective: every rank of the group must call it.
-        Which momenta: those momentum_sync.layers selects (all when it is not set)."""
+    def sync_momenta(self, scope: str = "world", *, all_params: bool = False) -> None:
+        """Average the momenta now, over the vote group (``scope="world"``) or this rank's node
+        subgroup (``scope="node"``, needs momentum_sync.group='node'). Collective: every rank of
+        the group must call it. Which momenta: those momentum_sync.layers selects (all when it is
+        not set), in momentum_sync.dtype (default fp32); ``all_params=True``: every voting
+        parameter's momentum in fp32 over the vote group (a checkpoint that stores one replica
+        for every rank, e.g. Megatron's)."""
         if scope not in ("world", "node"):
             raise LionCubConfigError(f"LionCub.sync_momenta: invalid scope={scope!r}; allowed: 'world' | 'node'")
+        if all_params and scope != "world":
+            raise LionCubConfigError("LionCub.sync_momenta(all_params=True) averages over the vote group; allowed: "
+                                     "scope='world'")
         if not self.distributed:
             return
-        if self._buckets is None:
-            self._build_buckets()
-        if scope == "node" and self._node_group is None:
+        if scope == "node" and self._topology.sync_node_group is None:
             raise LionCubConfigError("LionCub.sync_momenta(scope='node') needs momentum_sync={'group': 'node', ...}")
-        if self._msync is not None:
-            coll, params = (self._msync.world if scope == "world" else self._msync.node), self._sync_params
+        if all_params:
+            self.plan.average_all_momenta()
         else:
-            coll, params = self._coll, [p for b in self._buckets for p in b.params]
-        dtype = self.config.momentum_sync.dtype if self.config.momentum_sync is not None else "fp32"
-        MomentumSync.average_over(coll, [self._momentum(p) for p in params], self.config.bucket_numel, dtype)
+            self.plan.sync_momenta(scope)
 
     # ------------------------------------------------------------------ drift guard
-    def _fingerprints(self, params):
-        """Two int64 checksums per parameter: the sum of its bit patterns and a position-weighted
-        sum, computed in chunks of FINGERPRINT_CHUNK elements (memory bounded by the chunk,
-        whatever the parameter's size). Integer sums wrap identically on every rank."""
-        out = torch.zeros(len(params), 2, dtype=torch.int64, device=self._device)
-        for i, p in enumerate(params):
-            flat = p.detach().reshape(-1)
-            ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16)
-            for start in range(0, ints.numel(), FINGERPRINT_CHUNK):
-                chunk = ints[start:start + FINGERPRINT_CHUNK].to(torch.int64)
-                idx = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
-                idx.remainder_(65521)
-                out[i, 0] += chunk.sum()
-                out[i, 1] += chunk.mul_(idx).sum()
-        return out.reshape(-1)
-
     def check_replicas(self, action: str | None = None) -> bool:
         """Compare parameter checksums across ranks. True if identical.
 
@@ -730,30 +541,4 @@ class LionCub(Optimizer):
         """
         if not self.distributed:
             return True
-        if self._buckets is None:
-            self._build_buckets()
-        action = action or self.config.drift_action
-        params = [p for b in self._buckets for p in b.params]
-        names = [nm for b in self._buckets for nm in b.names]
-        fp = self._fingerprints(params)
-        both = torch.cat([fp, -fp])
-        self._coll.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
-        hi, neg_lo = both[:fp.numel()], both[fp.numel():]
-        differs = (hi != -neg_lo).reshape(-1, 2).any(dim=1)
-        if not bool(differs.any()):
-            return True
-        idx = differs.nonzero().reshape(-1).tolist()
-        labels = [names[i] or f"param #{i} (shape {tuple(params[i].shape)})" for i in idx[:5]]
-        msg = (f"LionCub: parameters differ across the {self.world_size} ranks at step {self._step_count}: "
-               f"{', '.join(labels)}" + (f" and {len(idx) - 5} more" if len(idx) > 5 else ""))
-        if action == "resync":
-            log.warning("%s; re-synchronizing every parameter from rank 0", msg)
-            for p in params:
-                if p.is_contiguous():
-                    self._coll.broadcast_(p.data, 0, "drift_resync")
-                else:  # a broadcast sends raw memory: go through a contiguous copy of the view
-                    buf = p.detach().contiguous()
-                    self._coll.broadcast_(buf, 0, "drift_resync")
-                    p.data.copy_(buf)
-            return False
-        raise ReplicaDriftError(msg)
+        return self.plan.check_replicas(action or self.config.drift_action, self._step_count)

@@ -1,38 +1,62 @@
-"""The distributed step's pipeline: local steps, communication batches, async launch, finish.
+"""The distributed step and its one owner, :class:`StepPlan`.
 
-Like torch DDP's reducer: parameter buckets are grouped into communication batches (one
+A plan is built from the optimizer's settings and parameter groups and from the process-group
+topology (:class:`lioncub_ds.groups.Topology`); it holds everything fixed from one step to
+the next: the bucket layout (:mod:`lioncub_ds.layout`), the communication batches, where the
+step's flags travel, the gradient-ready hooks and the momentum-sync scope. The optimizer keeps
+the settings, the state (its momenta behind a small store: get / next / commit) and the public
+API; the plan reads nothing private of it.
+
+Like torch DDP's reducer, parameter buckets are grouped into communication batches (one
 collective per phase for a whole batch, sized by ``comm_bucket_mb`` of packed votes), and a
 batch is launched asynchronously as soon as every bucket in it has its local step (signs).
 Batches launch in one fixed order on every rank (last parameters first: backward produces
 their gradients first), so every rank issues the same collectives in the same order, whenever
 each becomes ready. With ``overlap=True`` the local steps run from gradient-ready hooks during
 backward; otherwise at the start of ``step()``. ``finish`` then reads the step's one flag
-tensor (non-finite values, unusable inputs, abstention overflow): every rank's flags ride in
-the last batch's first-phase message when that algorithm sends every rank's message to every
-rank (1bit, allgather) and the launch happens in ``step()``; otherwise one small all-reduce
-agrees on them. ``complete`` counts the votes, runs the momentum update while any second phase
-is in flight, and applies. Nothing here changes optimizer state before the flags are agreed: a
-skipped step is free.
+tensor: every rank's flags ride in the last batch's first-phase message when that algorithm
+sends every rank's message to every rank (1bit, allgather) and the launch happens in
+``step()``; otherwise one small all-reduce agrees on them. ``complete`` counts the votes, runs
+the momentum update while any second phase is in flight, and applies. Nothing changes
+optimizer state before the flags are agreed: a skipped step is free.
+
+Decisions that must be the same on every rank are taken from the summed flags, never from a
+rank's own view: skipping (non-finite values), refusing (unusable inputs, hyper-parameters
+that differ across ranks), voting again (gradients changed after their vote in backward).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from . import kernels
+from .comm import Collectives, VoteJob
+from .errors import ReplicaDriftError, StepInputError
 from .kernels.reference import dither_seed, int8_levels
+from .layout import assign_algorithms, build_buckets, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
-from .comm import VoteJob
+from .momentum_sync import MomentumSync, select_params
 from .telemetry import ring_bytes
 
 log = logging.getLogger("lioncub_ds")
 
-# The step's flag tensor, summed over ranks: [ranks with a non-finite value, ranks with an unusable
-# input, non-finite values in all (each rank's count capped at 2**20), ranks where some voting
-# parameter has no gradient], then per bucket [ranks whose abstention list overflowed, ranks with
-# an abstention].
-FLAG_HEAD = 4
+# The step's flag tensor (int32), summed over ranks:
+#   [0] ranks with a non-finite value, [1] ranks with an unusable input, [2] non-finite values in
+#   all (each rank's count capped at 2**20), [3] ranks where some voting parameter has no gradient,
+#   [4] ranks whose gradients changed after their bucket voted in backward,
+#   [5 .. 5+HYPER_BITS) one bit each of a hash of this step's lr, weight decay and betas (every
+#   group): a sum strictly between 0 and N means the ranks disagree,
+# then per bucket [ranks whose abstention list overflowed, ranks with an abstention].
+NONFINITE_RANKS, UNUSABLE_RANKS, NONFINITE_VALUES, MISSING_RANKS, CHANGED_RANKS, HYPER = range(6)
+HYPER_BITS = 8
+FLAG_HEAD = HYPER + HYPER_BITS
+
+# Checksums of the drift check are computed in chunks of this many elements (bounded memory).
+FINGERPRINT_CHUNK = 1 << 20
 
 
 def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
@@ -42,26 +66,235 @@ def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
     return (world_size - 1) * words if carried else ring_bytes("all_reduce", words, world_size)
 
 
-def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[int]]:
-    """Bucket indices per communication batch, in launch order (last buckets first).
+def hyper_values(param_groups) -> list[tuple]:
+    """Per param group, the hyper-parameters every rank must apply alike this step."""
+    return [(lr_value(g["lr"]), float(g["weight_decay"]), tuple(float(b) for b in g["betas"])) for g in param_groups]
 
-    Consecutive buckets with the same algorithm, device and dtype share a batch while their
-    packed votes (bits: numel/8 bytes; int8: numel bytes) fit ``comm_bucket_mb`` MB."""
-    cap = comm_bucket_mb * 2 ** 20
-    batches, cur, size = [], [], 0
-    for i in reversed(range(len(buckets))):
-        b = buckets[i]
-        width = b.numel // 8 if b.algorithm.encoding == "bits" else b.numel
-        key = (b.algorithm.name, b.params[0].device, b.params[0].dtype)
-        if cur and (key != cur_key or size + width > cap):
-            batches.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        cur_key = key
-        size += width
-    if cur:
-        batches.append(cur)
-    return batches
+
+def hyper_bits(param_groups, step: int) -> list[int]:
+    """HYPER_BITS bits of a hash of this step's hyper-parameters, salted with the step number so a
+    lasting disagreement that happens to collide once is caught at the next step."""
+    digest = hashlib.blake2b(repr((step, hyper_values(param_groups))).encode(), digest_size=2).digest()
+    word = int.from_bytes(digest, "little")
+    return [(word >> k) & 1 for k in range(HYPER_BITS)]
+
+
+def hyper_disagree(flags, world_size: int) -> bool:
+    return any(0 < x < world_size for x in flags[HYPER:HYPER + HYPER_BITS])
+
+
+@dataclass
+class StepOutcome:
+    applied: bool
+    message: str = ""   # why the step was skipped (non-finite values), for the optimizer's warning or error
+
+
+class StepPlan:
+    """The distributed step of one LionCub: layout, batches, hooks, flags, momentum sync.
+
+    ``opt`` is read through its public API only (``config``, ``param_groups``, ``state``,
+    ``step_count``, ``stats``, ``momenta``, ``overlap_counts``); ``may_launch()`` says whether
+    a gradient-ready hook may start votes now (``no_sync()`` and the launch condition)."""
+
+    def __init__(self, opt, topology, may_launch=None):
+        cfg = opt.config
+        self.opt, self.config, self.topology = opt, cfg, topology
+        self.world_size, self.rank = topology.world_size, topology.rank
+        self.coll = Collectives(topology.group, opt.stats, cfg.timeout_s)
+        self.buckets, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.world_size)
+        assign_algorithms(self.buckets, cfg, self.world_size)
+        self.batches = comm_batches(self.buckets, cfg.comm_bucket_mb, self.world_size)
+        # The step's flags ride in the last batch's phase 1 when its algorithm delivers every
+        # rank's message to every rank, and when nothing can be launched before step() knows every
+        # input problem (overlap launches during backward: a separate flag all-reduce then).
+        self.carry_flags = (not cfg.overlap and bool(self.buckets)
+                            and self.buckets[self.batches[-1][0]].algorithm.carries_flags)
+        self.device = next((p.device for g in opt.param_groups for p in g["params"]), torch.device("cpu"))
+        self.msync, self.sync_params = None, []
+        ms = cfg.momentum_sync
+        if ms is not None:
+            node = Collectives(topology.sync_node_group, opt.stats, cfg.timeout_s) if ms.group == "node" else None
+            self.msync = MomentumSync(ms, self.coll, node)
+            named = [(nm, p) for g in opt.param_groups for p, nm in zip(g["params"], group_names(g))
+                     if p.requires_grad]
+            self.sync_params = select_params(ms, named)
+        self.pipe = VotePipeline(self)
+        self.may_launch = may_launch
+        self.hooks = []
+        if cfg.overlap:
+            for i, b in enumerate(self.buckets):
+                for p in b.params:
+                    self.hooks.append(p.register_post_accumulate_grad_hook(lambda q, i=i: self._grad_ready(i, q)))
+        self.warned_revote = False
+
+    def close(self) -> None:
+        """Remove the hooks (the layout is being dropped: new parameters or new groups)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
+    def _grad_ready(self, i, p):
+        if self.may_launch is None or self.may_launch():
+            self.pipe.grad_ready(i, p)
+
+    def describe(self) -> list[dict]:
+        """Per bucket: size, algorithm, and predicted/formula wire bytes per rank."""
+        n, cfg = self.world_size, self.config
+        cost = cost_model(cfg)
+        return [{"bucket": i, "group": b.group_index, "numel": b.real_numel, "padded_numel": b.numel,
+                 "algorithm": b.algorithm.name,
+                 "wire_bytes": b.algorithm.wire_bytes(b.numel, n, mode=b.mode, vote=cfg.vote, tie_break=cfg.tie_break),
+                 "predicted_s": cost.predict(b.algorithm.name, b.real_numel, n, vote=cfg.vote,
+                                             tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)}
+                for i, b in enumerate(self.buckets)]
+
+    def params(self) -> list:
+        return [p for b in self.buckets for p in b.params]
+
+    # ------------------------------------------------------------------ the step
+    def _frozen_param_error(self) -> str | None:
+        """This rank's reason to refuse the step, or None (agreed through the flags before raising)."""
+        for p, name in self.frozen:
+            if p.grad is not None:
+                return (f"LionCub: parameter {name or tuple(p.shape)} had requires_grad=False at the first step (so it "
+                        "has no place in the vote buckets) but now has a gradient on this rank; set requires_grad "
+                        "before the first step, or clear its .grad")
+        return None
+
+    def run(self, step: int) -> StepOutcome:
+        """Step ``step`` (the optimizer's step count + 1) on every rank: the votes, the agreed
+        flags, then apply, the momentum update and the momentum sync. Raises StepInputError on
+        every rank together; returns whether the step was applied (else skipped, unchanged)."""
+        opt, pipe, n = self.opt, self.pipe, self.world_size
+        frozen_error = self._frozen_param_error()
+        # A gradient changed after its bucket voted during backward (a second backward without
+        # no_sync(), or clipping in place, maybe on some ranks only): this rank's view goes into
+        # the flags, and if any rank saw a change every rank votes again.
+        changed = pipe.stale or (pipe.busy and pipe.changed_since_vote())
+        flags, input_error = pipe.finish(frozen_error, changed)
+        if flags[CHANGED_RANKS] > 0:
+            if not self.warned_revote:
+                log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward on %d of %d "
+                            "ranks (a second backward without opt.no_sync(), or in-place clipping); every rank votes "
+                            "again in step()", flags[CHANGED_RANKS], n)
+                self.warned_revote = True
+            opt.overlap_counts["revotes"] += 1
+            pipe.drain()
+            flags, input_error = pipe.finish(frozen_error, False)
+        if flags[UNUSABLE_RANKS] > 0:
+            pipe.drain()
+            opt.stats.end_step()
+            raise StepInputError(
+                (input_error + "; " if input_error else "LionCub: ") +
+                f"{flags[UNUSABLE_RANKS]} of {n} ranks found an unusable input at step {step}; every rank raises "
+                "this, no state was changed")
+        if hyper_disagree(flags, n):
+            pipe.drain()
+            opt.stats.end_step()
+            raise StepInputError(self._hyper_mismatch(step))
+        if flags[NONFINITE_RANKS] > 0:
+            pipe.drain()
+            opt.stats.end_step()
+            count = f"{flags[NONFINITE_VALUES]}{'+' if flags[NONFINITE_VALUES] >= 2**20 else ''}"
+            return StepOutcome(False, f"non-finite gradient or momentum on {flags[NONFINITE_RANKS]} of {n} ranks at "
+                                      f"step {step} (non-finite values in all: {count})")
+        # Parameters without a gradient on every rank stay as they are (as in Lion): their votes
+        # (c = β1·m, from g = 0) ran with everyone else's and are undone here.
+        store = opt.momenta
+        idle = pipe.idle_everywhere(flags)
+        kept = [(p, p.detach().clone(), store.get(p).clone()) for p in idle]
+        pipe.complete(flags, step)
+        for p, value, m in kept:
+            p.copy_(value)
+            store.get(p).copy_(m)
+        idle_ids = {id(p) for p in idle}
+        for p in self.params():
+            if id(p) not in idle_ids:
+                opt.state[p]["step"] += 1
+        if self.msync is not None:
+            where = self.msync.scope(step - 1)
+            if where is not None:
+                MomentumSync.average_over(where, [store.get(p) for p in self.sync_params], self.config.bucket_numel,
+                                          self.config.momentum_sync.dtype)
+        opt.stats.end_step()
+        return StepOutcome(True)
+
+    def _hyper_mismatch(self, step: int) -> str:
+        """The error message for hyper-parameters that differ across ranks: gathers every rank's
+        values (only on this error path, which every rank takes together)."""
+        mine = hyper_values(self.opt.param_groups)
+        every = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.topology.group)
+        lines = []
+        for gi in range(len(mine)):
+            for k, what in enumerate(("lr", "weight_decay", "betas")):
+                vals = [r[gi][k] if gi < len(r) else None for r in every]
+                if len(set(vals)) > 1:
+                    lines.append(f"{what} of param group {gi}: " + ", ".join(f"rank {r}: {v!r}" for r, v in
+                                                                             enumerate(vals)))
+        if len({len(r) for r in every}) > 1:
+            lines.append("param groups: " + ", ".join(f"rank {r}: {len(v)}" for r, v in enumerate(every)))
+        detail = "; ".join(lines) or "(the values' hashes differ)"
+        return (f"LionCub: the hyper-parameters differ across ranks at step {step}: {detail}; allowed: the same "
+                "values on every rank (a scheduler must step alike everywhere); every rank raises this, no state "
+                "was changed")
+
+    # ------------------------------------------------------------------ other collective services
+    def sync_momenta(self, scope: str) -> None:
+        if self.msync is not None:
+            coll, params = (self.msync.world if scope == "world" else self.msync.node), self.sync_params
+        else:
+            coll, params = self.coll, self.params()
+        dtype = self.config.momentum_sync.dtype if self.config.momentum_sync is not None else "fp32"
+        MomentumSync.average_over(coll, [self.opt.momenta.get(p) for p in params], self.config.bucket_numel, dtype)
+
+    def average_all_momenta(self) -> None:
+        """Every voting parameter's momentum averaged (fp32) over the vote group: what a checkpoint
+        that keeps one replica for every rank needs (e.g. Megatron's)."""
+        MomentumSync.average_over(self.coll, [self.opt.momenta.get(p) for p in self.params()],
+                                  self.config.bucket_numel)
+
+    def _fingerprints(self, params):
+        """Two int64 checksums per parameter: the sum of its bit patterns and a position-weighted
+        sum, computed in chunks of FINGERPRINT_CHUNK elements (memory bounded by the chunk,
+        whatever the parameter's size). Integer sums wrap identically on every rank."""
+        out = torch.zeros(len(params), 2, dtype=torch.int64, device=self.device)
+        for i, p in enumerate(params):
+            flat = p.detach().reshape(-1)
+            ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16)
+            for start in range(0, ints.numel(), FINGERPRINT_CHUNK):
+                chunk = ints[start:start + FINGERPRINT_CHUNK].to(torch.int64)
+                idx = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
+                idx.remainder_(65521)
+                out[i, 0] += chunk.sum()
+                out[i, 1] += chunk.mul_(idx).sum()
+        return out.reshape(-1)
+
+    def check_replicas(self, action: str, step: int) -> bool:
+        params = self.params()
+        names = [nm for b in self.buckets for nm in b.names]
+        fp = self._fingerprints(params)
+        both = torch.cat([fp, -fp])
+        self.coll.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
+        hi, neg_lo = both[:fp.numel()], both[fp.numel():]
+        differs = (hi != -neg_lo).reshape(-1, 2).any(dim=1)
+        if not bool(differs.any()):
+            return True
+        idx = differs.nonzero().reshape(-1).tolist()
+        labels = [names[i] or f"param #{i} (shape {tuple(params[i].shape)})" for i in idx[:5]]
+        msg = (f"LionCub: parameters differ across the {self.world_size} ranks at step {step}: "
+               f"{', '.join(labels)}" + (f" and {len(idx) - 5} more" if len(idx) > 5 else ""))
+        if action == "resync":
+            log.warning("%s; re-synchronizing every parameter from rank 0", msg)
+            for p in params:
+                if p.is_contiguous():
+                    self.coll.broadcast_(p.data, 0, "drift_resync")
+                else:  # a broadcast sends raw memory: go through a contiguous copy of the view
+                    buf = p.detach().contiguous()
+                    self.coll.broadcast_(buf, 0, "drift_resync")
+                    p.data.copy_(buf)
+            return False
+        raise ReplicaDriftError(msg)
 
 
 class _Local:
@@ -78,17 +311,17 @@ class _Local:
 
 
 class VotePipeline:
-    """The per-step state of one LionCub's distributed step."""
+    """The per-step state of a :class:`StepPlan`: local steps, launched batches, flags."""
 
-    def __init__(self, opt):
-        self.opt = opt
+    def __init__(self, plan: StepPlan):
+        self.plan = plan
         self.reset()
 
     def reset(self):
-        n_buckets = len(self.opt._buckets)
+        n_buckets = len(self.plan.buckets)
         self.local: list[_Local | None] = [None] * n_buckets
         self.ready: list[set] = [set() for _ in range(n_buckets)]
-        self.launched: list = [None] * len(self.opt._batches)
+        self.launched: list = [None] * len(self.plan.batches)
         self.next_batch = 0
         self.stale = False
         self.error: str | None = None
@@ -113,13 +346,13 @@ class VotePipeline:
 
     def prepare(self, i: int) -> None:
         """Bucket ``i``'s local step: its votes and abstention payload, and its flag entries."""
-        opt, b = self.opt, self.opt._buckets[i]
-        cfg = opt.config
+        plan, b = self.plan, self.plan.buckets[i]
+        cfg, opt = plan.config, plan.opt
         g = opt.param_groups[b.group_index]
         b1, b2 = g["betas"]
         dev = b.params[0].device
         be = kernels.backend_for(dev.type)
-        job = VoteJob(b.params, b.offsets, b.numel, None, lr_value(g["lr"]), g["weight_decay"], opt._step_count + 1,
+        job = VoteJob(b.params, b.offsets, b.numel, None, lr_value(g["lr"]), g["weight_decay"], opt.step_count + 1,
                       cfg.tie_break, cfg.vote)
         problem = self._grad_problem(b)
         if problem is not None:
@@ -135,22 +368,24 @@ class VotePipeline:
             zero = torch.zeros((), dtype=torch.int64, device=dev)
             self.local[i] = _Local(job, grads, momenta, be, zero, torch.zeros(2, dtype=torch.int32, device=dev), [])
             return
-        grads = opt._grads(b)
-        momenta = [opt._momentum(p) for p in b.params]
+        # A parameter without a gradient on this rank votes with g = 0 (its momentum still
+        # decays); every rank must run the same collectives, whatever its batch used.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        momenta = [opt.momenta.get(p) for p in b.params]
         # counts stay on the device (device_counts): finish() folds them into the step's one flag read
         nxt = None
         if b.algorithm.encoding == "int8":
             job.codes, nonfinite = be.int8_local_step(grads, momenta, b.offsets, b.numel, b1, cfg.quant,
-                                                      int8_levels(opt.world_size), device_counts=True)
+                                                      int8_levels(plan.world_size), device_counts=True)
             flags = torch.zeros(2, dtype=torch.int32, device=dev)
         else:
             # momentum_double_buffer: the next momenta are written in this same pass over g and m
             # (into spare buffers: a skipped step must leave m unchanged), saving a second pass later
-            nxt = [opt._next_momentum(p) for p in b.params] if cfg.momentum_double_buffer else None
+            nxt = [opt.momenta.next(p) for p in b.params] if cfg.momentum_double_buffer else None
             al = b.algorithm
             if al.name == "bbit":  # b-bit codes as bit planes (job.sign), dithered per rank and step
                 sign, nz, nonfinite, _ = be.bbit_local_step(grads, momenta, b.offsets, b.numel, b1, b2, al.quant,
-                                                            al.bits, al.rounding, dither_seed(job.step, opt.rank),
+                                                            al.bits, al.rounding, dither_seed(job.step, plan.rank),
                                                             job.segments(), nxt is not None, device_counts=True,
                                                             momenta_out=nxt)
             else:
@@ -178,48 +413,48 @@ class VotePipeline:
             self.stale = True
             return
         self.ready[i].add(id(p))
-        if len(self.ready[i]) == len(self.opt._buckets[i].params):
+        if len(self.ready[i]) == len(self.plan.buckets[i].params):
             self.prepare(i)
             before = self.next_batch
             self.launch_ready()
-            self.opt._backward_launches += self.next_batch - before
+            self.plan.opt.overlap_counts["batches_launched_in_backward"] += self.next_batch - before
 
-    def launch_ready(self, carry_flags: bool = False, frozen_error: str | None = None) -> None:
+    def launch_ready(self, carry_flags: bool = False, frozen_error: str | None = None, changed: bool = False) -> None:
         """Launch, in the fixed order, every batch whose buckets all have their local step.
         ``carry_flags`` (only from finish(), on every rank): the last batch carries the step's
-        flags, with ``frozen_error`` (this rank's), if its algorithm can."""
-        opt = self.opt
-        while self.next_batch < len(opt._batches):
-            batch = opt._batches[self.next_batch]
+        flags, with ``frozen_error`` and ``changed`` (this rank's), if its algorithm can."""
+        plan = self.plan
+        while self.next_batch < len(plan.batches):
+            batch = plan.batches[self.next_batch]
             if any(self.local[i] is None for i in batch):
                 return
             jobs = [self.local[i].job for i in batch]
             first = self.local[batch[0]]
             flags = None
-            if carry_flags and opt._carry_flags and self.next_batch == len(opt._batches) - 1:
+            if carry_flags and plan.carry_flags and self.next_batch == len(plan.batches) - 1:
                 # Launched from step() after every local step: the last batch's phase 1 carries
                 # the step's flags (no flag all-reduce of its own).
                 self.flags_carried, self.carried_error = True, frozen_error or self.error
-                flags = self._own_flags(self.carried_error)
-            self.launched[self.next_batch] = opt._buckets[batch[0]].algorithm.launch(jobs, opt._coll, first.backend,
+                flags = self._own_flags(self.carried_error, changed)
+            self.launched[self.next_batch] = plan.buckets[batch[0]].algorithm.launch(jobs, plan.coll, first.backend,
                                                                                      flags)
             self.next_batch += 1
 
-    def launch_all(self, carry_flags: bool = False, frozen_error: str | None = None) -> None:
+    def launch_all(self, carry_flags: bool = False, frozen_error: str | None = None, changed: bool = False) -> None:
         """Local steps of the buckets that have none yet (in launch order), launching as they
-        complete (``carry_flags``, ``frozen_error``: see launch_ready)."""
-        for batch in self.opt._batches:
+        complete (``carry_flags``, ``frozen_error``, ``changed``: see launch_ready)."""
+        for batch in self.plan.batches:
             for i in batch:
                 if self.local[i] is None:
                     self.prepare(i)
-            self.launch_ready(carry_flags, frozen_error)
+            self.launch_ready(carry_flags, frozen_error, changed)
 
     def changed_since_vote(self) -> bool:
         """A gradient replaced or modified in place (e.g. clipped) after its bucket voted."""
         for i, loc in enumerate(self.local):
             if loc is None:
                 continue
-            b = self.opt._buckets[i]
+            b = self.plan.buckets[i]
             now = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
             if len(now) != len(loc.versions) or any(a is not c or v != w for (a, v), (c, w) in zip(now, loc.versions)):
                 return True
@@ -229,74 +464,75 @@ class VotePipeline:
         """Discard this step's votes and start over. Every batch is launched first: ranks may have
         launched different prefixes of the batch order during backward, and every rank must issue
         the same collectives (all batches once) before any of them votes again."""
-        opt = self.opt
+        plan = self.plan
         self.launch_all()
         for k, state in enumerate(self.launched):
             if state is not None:
-                batch = opt._batches[k]
-                opt._buckets[batch[0]].algorithm.received(state, [self.local[i].job for i in batch], opt._coll)
+                batch = plan.batches[k]
+                plan.buckets[batch[0]].algorithm.received(state, [self.local[i].job for i in batch], plan.coll)
         self.reset()
 
     # ------------------------------------------------------------------ finish
-    def finish(self, frozen_error: str | None):
+    def finish(self, frozen_error: str | None, changed: bool = False):
         """Agree on the flags (the step's one host read) and complete every batch.
 
         Returns (flags list, this rank's input error or None); raises nothing itself: the caller
         decides."""
-        opt = self.opt
-        self.launch_all(carry_flags=True, frozen_error=frozen_error)
+        plan = self.plan
+        self.launch_all(carry_flags=True, frozen_error=frozen_error, changed=changed)
         if self.flags_carried:  # they came with the last batch's phase 1
-            last = len(opt._batches) - 1
-            algorithm = opt._buckets[opt._batches[last][0]].algorithm
+            last = len(plan.batches) - 1
+            algorithm = plan.buckets[plan.batches[last][0]].algorithm
             width = FLAG_HEAD + 2 * len(self.local)
             rows = algorithm.flag_rows(self.launched[last], width)
             return rows.sum(0, dtype=torch.int64).tolist(), self.carried_error  # the one host read of the step
         error = frozen_error or self.error
-        flags = self._own_flags(error)
-        opt._coll.all_reduce_(flags, "control")
+        flags = self._own_flags(error, changed)
+        plan.coll.all_reduce_(flags, "control")
         flags = flags.tolist()  # the one host read of the step
         return flags, error
 
-    def _own_flags(self, error) -> torch.Tensor:
+    def _own_flags(self, error, changed: bool) -> torch.Tensor:
         """This rank's flag vector (int32, on the device; summed over ranks it is the step's flags)."""
-        dev = self.opt._device
+        plan = self.plan
+        dev = plan.device
         # this rank's non-finite count, summed on the device; clamped so that the sum over ranks
         # cannot overflow int32 (the message says "at least")
         nonfinite = torch.stack([loc.nonfinite.to(dev) for loc in self.local] +
                                 [torch.zeros((), dtype=torch.int64, device=dev)]).sum().clamp_(max=2**20)
         missing = int(any(loc.missing for loc in self.local))
-        head = torch.stack([(nonfinite > 0).to(torch.int32), torch.full((), int(bool(error)), dtype=torch.int32,
-                                                                        device=dev), nonfinite.to(torch.int32),
-                            torch.full((), missing, dtype=torch.int32, device=dev)])
+        host = [int(bool(error)), missing, int(changed)] + hyper_bits(plan.opt.param_groups, plan.opt.step_count + 1)
+        host = torch.tensor(host, dtype=torch.int32).to(dev, non_blocking=True)
+        head = torch.cat([(nonfinite > 0).to(torch.int32).reshape(1), host[:1], nonfinite.to(torch.int32).reshape(1),
+                          host[1:]])
         return torch.cat([head] + [loc.flags.to(dev) for loc in self.local])
 
     def idle_everywhere(self, flags) -> list:
         """The voting parameters that have no gradient on ANY rank this step (Lion leaves such a
         parameter alone: no decay, no momentum change). Only when the flags say some rank lacks a
         gradient (agreed: every rank runs the same collective), one int32 per parameter is summed."""
-        if flags[3] == 0:
+        if flags[MISSING_RANKS] == 0:
             return []
-        opt = self.opt
+        plan = self.plan
         params, have = [], []
         for i, loc in enumerate(self.local):
-            b = opt._buckets[i]
+            b = plan.buckets[i]
             params += b.params
             have += [0 if k in loc.missing else 1 for k in range(len(b.params))]
-        counts = torch.tensor(have, dtype=torch.int32, device=opt._device)
-        opt._coll.all_reduce_(counts, "missing_grads")
+        counts = torch.tensor(have, dtype=torch.int32, device=plan.device)
+        plan.coll.all_reduce_(counts, "missing_grads")
         return [p for p, c in zip(params, counts.tolist()) if c == 0]
 
-    def complete(self, flags) -> None:
-        opt = self.opt
-        coll = opt._coll
+    def complete(self, flags, step: int) -> None:
+        plan = self.plan
+        opt, coll = plan.opt, plan.coll
         received = []
         for k, state in enumerate(self.launched):
-            batch = opt._batches[k]
-            received.append(opt._buckets[batch[0]].algorithm.received(state, [self.local[i].job for i in batch], coll))
-        step = opt._step_count + 1
-        for k, batch in enumerate(opt._batches):
+            batch = plan.batches[k]
+            received.append(plan.buckets[batch[0]].algorithm.received(state, [self.local[i].job for i in batch], coll))
+        for k, batch in enumerate(plan.batches):
             for i, recv in zip(batch, received[k]):
-                b, job = opt._buckets[i], self.local[i].job
+                b, job = plan.buckets[i], self.local[i].job
                 g = opt.param_groups[b.group_index]
                 job.lr, job.weight_decay, job.step = lr_value(g["lr"]), g["weight_decay"], step
                 if b.algorithm.encoding != "bits":
@@ -308,23 +544,22 @@ class VotePipeline:
                     job.planes = coll.all_gather(job.nonzero, "abstain_planes")
                 else:
                     job.planes = job.payloads_from(recv)
-                # Many abstentions travel as the plane next step; few as a list (agreed: same on every rank).
-                b.mode = "plane" if overflow > 0 else "list"
+                b.mode = next_abstain_mode(overflow > 0)
         counted = []
-        for k, batch in enumerate(opt._batches):
+        for k, batch in enumerate(plan.batches):
             jobs = [self.local[i].job for i in batch]
-            counted.append(opt._buckets[batch[0]].algorithm.count(self.launched[k], jobs, coll,
+            counted.append(plan.buckets[batch[0]].algorithm.count(self.launched[k], jobs, coll,
                                                                    self.local[batch[0]].backend))
         # The momenta do not depend on the vote: they advance while any phase 2 is in flight.
         for i, loc in enumerate(self.local):
-            b = opt._buckets[i]
+            b = plan.buckets[i]
             if loc.next_momenta is not None:
                 for p, m in zip(b.params, loc.next_momenta):
-                    opt._commit_momentum(p, m)
+                    opt.momenta.commit(p, m)
             else:
                 loc.backend.momentum_update_list(loc.momenta, loc.grads, opt.param_groups[b.group_index]["betas"][1])
-            opt.stats.add_baseline(b.real_numel, opt.world_size)
-        for k, batch in enumerate(opt._batches):
+            opt.stats.add_baseline(b.real_numel, plan.world_size)
+        for k, batch in enumerate(plan.batches):
             jobs = [self.local[i].job for i in batch]
-            opt._buckets[batch[0]].algorithm.complete(counted[k], jobs, coll, self.local[batch[0]].backend)
+            plan.buckets[batch[0]].algorithm.complete(counted[k], jobs, coll, self.local[batch[0]].backend)
         self.reset()

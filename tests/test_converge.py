@@ -131,7 +131,7 @@ def test_even_n_ties_happen_and_sim_uses_the_hash():
     from lioncub_ds.kernels import reference
 
     torch.manual_seed(0)
-    p = torch.zeros(64)
+    p = torch.zeros(64, requires_grad=True)  # a trainable parameter: the layout leaves frozen ones out
     sim = C.SimLionCub([{"params": [p], "names": ["w"], "weight_decay": 0.0}], 4, lr=1.0, betas=(0.9, 0.99))
     g = torch.tensor([[1.0] * 64, [1.0] * 64, [-1.0] * 64, [-1.0] * 64])
     sim.step({p: g})

@@ -115,7 +115,7 @@ def _state(engine):
     return {"params": torch.cat([p.detach().reshape(-1).clone() for p in engine.module.parameters()]),
             "momenta": torch.cat([opt.state[p]["exp_avg"].reshape(-1).clone() for p in engine.module.parameters()]),
             "step_count": opt.step_count, "overlap": dict(opt.comm_stats()["overlap"]),
-            "spare_momenta": len(opt._next_momenta),
+            "spare_momenta": len(opt.momenta.spares),
             "summary": engine.lioncub.summary()}
 
 
@@ -144,7 +144,7 @@ def _expect_refusal(cfg, optimizer=None):
     from dist_helpers import recording_optimizer_inits
     model = _model(0)
     before = [p.detach().clone() for p in model.parameters()]
-    dist_before = optimizer._dist if optimizer is not None else None
+    dist_before = optimizer.topology if optimizer is not None else None
     with recording_optimizer_inits() as inits:
         try:
             import deepspeed
@@ -158,8 +158,8 @@ def _expect_refusal(cfg, optimizer=None):
            "params_untouched": all(torch.equal(a.to(b.dtype), b.detach()) for a, b in zip(before, model.parameters()))}
     if optimizer is not None:
         # still voting over the world (ZeRO would have given it a one-rank group), no layout, no hooks
-        out["client_untouched"] = (optimizer._dist is dist_before and optimizer.world_size == 2
-                                   and optimizer._buckets is None and not getattr(optimizer, "_hook_handles", []))
+        out["client_untouched"] = (optimizer.topology is dist_before and optimizer.world_size == 2
+                                   and optimizer._plan is None)
     return out
 
 

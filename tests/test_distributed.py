@@ -62,11 +62,11 @@ def _brute_force(opt, before, grads, momenta, n):
     """Expected parameters after one step, from every rank's fp32 c gathered with plain dist.all_gather."""
     cfg = opt.config
     expected = {p: before[p].clone() for p in before}
-    local = torch.cat([_bucket_c(opt, b, grads, momenta) for b in opt._buckets])
+    local = torch.cat([_bucket_c(opt, b, grads, momenta) for b in opt.plan.buckets])
     gathered = [torch.zeros_like(local) for _ in range(n)]
     dist.all_gather(gathered, local)
     everyone = torch.stack(gathered)
-    for b in opt._buckets:
+    for b in opt.plan.buckets:
         g = opt.param_groups[b.group_index]
         c_all = everyone[:, b.base:b.base + b.numel]
         if cfg.quant == "sign":
@@ -152,15 +152,15 @@ def _votes_match_brute_force(rank, n):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(idx), y).backward()
             if step == 0:
-                opt._build_buckets()
+                assert opt.plan is not None  # built now (the layout the brute force reads)
             before = {p: p.detach().clone() for p in model.parameters()}
             grads = {p: p.grad.clone() for p in model.parameters()}
-            momenta = {p: opt._momentum(p).clone() for p in model.parameters()}
+            momenta = {p: opt.momenta.get(p).clone() for p in model.parameters()}
             expected = _brute_force(opt, before, grads, momenta, n)
             opt.step()
             mismatched += sum(not torch.equal(p.detach(), expected[p]) for p in model.parameters())
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        report[(comm, vote, tie, quant, multi)] = (mismatched, flat, [b.algorithm.name for b in opt._buckets],
+        report[(comm, vote, tie, quant, multi)] = (mismatched, flat, [b.algorithm.name for b in opt.plan.buckets],
                                             opt.comm_stats()["cumulative"]["by_algorithm"])
     return report
 
@@ -211,7 +211,7 @@ def test_identical_data_reproduces_single_process_lion(n):
 
 def _gathered_momenta(opt, model, n):
     """Every rank's flat momentum, in rank order."""
-    m = torch.cat([opt._momentum(p).reshape(-1) for p in model.parameters()])
+    m = torch.cat([opt.momenta.get(p).reshape(-1) for p in model.parameters()])
     g = [torch.zeros_like(m) for _ in range(n)]
     dist.all_gather(g, m)
     return g
@@ -257,7 +257,7 @@ def _sync_and_telemetry(rank, n):
     opt.step()
     layer_eq = {}
     for name, p in model.named_parameters():
-        m = opt._momentum(p).reshape(-1).clone()
+        m = opt.momenta.get(p).reshape(-1).clone()
         g = [torch.zeros_like(m) for _ in range(n)]
         dist.all_gather(g, m)
         layer_eq[name] = all(torch.equal(g[0], x) for x in g)

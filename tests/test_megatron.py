@@ -375,7 +375,7 @@ def _bruteforce_run(tp, experts, comm, steps=3):
         _fwd_bwd(ddp, _batch(s))
         expected = []
         for lc in lcs:
-            group = lc._dist[0]
+            group = lc.vote_group
             n = dist.get_world_size(group)
             items = [(g, p) for g in lc.param_groups for p in g["params"]]
             c = []
@@ -451,7 +451,7 @@ def _scenario(rank, world, tp, ep, experts, tmpdir, lioncub):
     out["disabled"] = dp_grad_reduction_disabled(ddp)
     out["wrappers"] = [type(o).__name__ for o in opt.chained_optimizers]
     lcs = lioncub_optimizers(opt)
-    out["vote_groups"] = [(lc.megatron_kind, tuple(dist.get_process_group_ranks(lc._dist[0]))) for lc in lcs]
+    out["vote_groups"] = [(lc.megatron_kind, tuple(dist.get_process_group_ranks(lc.vote_group))) for lc in lcs]
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=2,
                                     lr_decay_steps=TRAIN_STEPS, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
                                     wd_incr_steps=TRAIN_STEPS, wd_incr_style="constant")

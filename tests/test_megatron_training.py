@@ -348,7 +348,7 @@ def _train_step(ddp, opt, step):
 
 def _momenta(opt, init=False):
     from lioncub_ds.megatron import lioncub_optimizers
-    return [opt_._momentum(p).clone() if init else opt_.state[p]["exp_avg"].clone()
+    return [opt_.momenta.get(p).clone() if init else opt_.state[p]["exp_avg"].clone()
             for opt_ in lioncub_optimizers(opt) for g in opt_.param_groups for p in g["params"]]
 
 

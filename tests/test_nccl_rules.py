@@ -243,14 +243,14 @@ def _release_and_resume(rank, n):
     model = Net()
     opt = LionCub(model.parameters(), lr=1e-2, comm="1bit", timeout_s=60, overlap=True)
     gen = torch.Generator().manual_seed(7)  # the same data on every rank
-    created = list(opt._created_groups)
+    created = list(opt.created_groups)
     _backward(model, gen)
     opt.step()
     opt.release_process_group()  # every rank: LionCub's own groups destroyed, references dropped
-    released = opt._created_groups == []
+    released = opt.created_groups == []
     _backward(model, gen)  # a backward after the release: no stale hook fires into the old layout
     opt.step()  # resolves and creates its groups again, on every rank
-    return {"created": len(created), "released": released, "recreated": len(opt._created_groups),
+    return {"created": len(created), "released": released, "recreated": len(opt.created_groups),
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "steps": opt.step_count}
 
 

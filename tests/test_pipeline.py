@@ -88,18 +88,18 @@ def _abstentions_vs_brute_force(rank, n):
                 if step > 0:
                     opt.state[w]["exp_avg"][idx] = 0.0
             if step == 0:
-                opt._build_buckets()
-            modes.append(opt._buckets[0].mode)
+                assert opt.plan is not None  # built now (the layout the brute force reads)
+            modes.append(opt.plan.buckets[0].mode)
             before = {p: p.detach().clone() for p in (w, v)}
             grads = {p: p.grad.clone() for p in (w, v)}
-            momenta = {p: opt._momentum(p).clone() for p in (w, v)}
+            momenta = {p: opt.momenta.get(p).clone() for p in (w, v)}
             expected = _brute_force(opt, before, grads, momenta, n)
             opt.step()
             mismatched += sum(not torch.equal(p.detach(), expected[p]) for p in (w, v))
             bytes_.append(dict(opt.comm_stats()["last_step"]["by_algorithm"]))
         out[comm] = {"mismatched": mismatched, "modes": modes, "bytes": bytes_,
                      "params": torch.cat([w.detach(), v.detach()]),
-                     "numel": opt._buckets[0].numel, "capacity": opt._buckets[0].capacity}
+                     "numel": opt.plan.buckets[0].numel, "capacity": opt.plan.buckets[0].capacity}
     return out
 
 
@@ -184,8 +184,8 @@ def _overlap_vs_plain(rank, n):
                                      comm_bucket_mb=0.0002, overlap=overlap, momentum_double_buffer=double)
             gen = torch.Generator().manual_seed(50 + rank)
             res[overlap, double] = _train(model, opt, gen, rank, overlap)
-            res[f"batches_{overlap}"] = len(opt._batches)
-            res[f"buckets_{overlap}"] = len(opt._buckets)
+            res[f"batches_{overlap}"] = len(opt.plan.batches)
+            res[f"buckets_{overlap}"] = len(opt.plan.buckets)
         out[(comm, vote)] = res
     return out
 
@@ -227,7 +227,7 @@ def _launch_condition_run(rank, n):
             opt.step()
             opt.zero_grad()
         out[overlap] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-                        opt.comm_stats()["overlap"], len(opt._batches))
+                        opt.comm_stats()["overlap"], len(opt.plan.batches))
     return out
 
 
@@ -273,8 +273,8 @@ def _flag_collectives(rank, n):
                 opt.step()
             last = opt.comm_stats()["last_step"]
             out[comm, mode] = {"by_collective": dict(last["by_collective"]), "control": last["by_algorithm"]["control"],
-                               "want_carried": flag_bytes(len(opt._buckets), n, True),
-                               "want_reduced": flag_bytes(len(opt._buckets), n, False),
+                               "want_carried": flag_bytes(len(opt.plan.buckets), n, True),
+                               "want_reduced": flag_bytes(len(opt.plan.buckets), n, False),
                                "skipped": opt.comm_stats()["skipped_steps"],
                                "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
     return out

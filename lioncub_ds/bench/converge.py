@@ -221,8 +221,8 @@ class SimLionCub:
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
                  momentum_sync=None, bucket_size_mb=25.0, vote_bits=None, rounding=None,
                  error_feedback=False, owner_ema=0.0, vote_every=1):
-        from lioncub_ds.kernels.reference import padded_numel
         from lioncub_ds.config import LionCubConfig
+        from lioncub_ds.layout import build_buckets
         from lioncub_ds.momentum_sync import select_params
 
         cfg = LionCubConfig.from_kwargs(lr=lr, betas=betas, vote=vote, comm=comm, quant=quant, tie_break=tie_break,
@@ -243,22 +243,9 @@ class SimLionCub:
         self.bytes_sent = 0
         self.sync_bytes = 0
         self.alt_bytes = {}  # sign comms with the same Δ (1bit / allgather / pbit): what each would send
-        self.buckets = []  # (group index, params, offsets, total, base)
-        self.modes = {}  # bucket index -> how abstentions travel this step ("list" / "plane"), as LionCub
-        base, cap = 0, cfg.bucket_numel
-        for gi, g in enumerate(self.groups):
-            cur, size = [], 0
-            for p in list(g["params"]) + [None]:
-                aligned = (p.numel() + 7) // 8 * 8 if p is not None else 0
-                if p is not None and (size + aligned <= cap or not cur):
-                    cur.append((p, size))
-                    size += aligned
-                    continue
-                if cur:
-                    total = padded_numel(size, n)
-                    self.buckets.append((gi, [q for q, _ in cur], [o for _, o in cur], total, base))
-                    base += total
-                cur, size = ([(p, 0)], aligned) if p is not None else ([], 0)
+        # LionCub's own layout (lioncub_ds.layout); the abstention mode of each bucket (b.mode)
+        # follows the same agreed rule, layout.next_abstain_mode
+        self.buckets, _ = build_buckets(self.groups, cfg.bucket_numel, n)
         for g in self.groups:
             for p in g["params"]:
                 self.momenta[p] = torch.zeros((n,) + tuple(p.shape), dtype=torch.float32, device=p.device)
@@ -284,6 +271,7 @@ class SimLionCub:
 
         from lioncub_ds.comm import make_algorithm
         from lioncub_ds.comm.abstain import list_capacity, real_mask
+        from lioncub_ds.layout import next_abstain_mode
         from lioncub_ds.pipeline import flag_bytes
 
         cfg, n = self.cfg, self.n
@@ -299,7 +287,8 @@ class SimLionCub:
         if self.comm not in ("int8", "bbit"):  # bytes_if: the sign comms, each with its own way of sending the flags
             for k in ("allgather", "pbit", "1bit"):
                 self.alt_bytes[k] = self.alt_bytes.get(k, 0) + control[k] - control[self.comm]
-        for bi, (gi, params, offsets, total, base) in enumerate(self.buckets):
+        for bi, bucket in enumerate(self.buckets):
+            gi, params, offsets, total = bucket.group_index, bucket.params, bucket.offsets, bucket.numel
             g = self.groups[gi]
             b1, b2 = g["betas"]
             lr, wd = g["lr"], g["weight_decay"]
@@ -333,7 +322,7 @@ class SimLionCub:
                 mask = real_mask(offsets, [p.numel() for p in params], total, dev)
                 counts = [int((reference.pack_bits(c[i] != 0) != mask).sum()) for i in range(n)]
                 abstain = max(counts) > 0
-                mode = self.modes.get(bi, "list")
+                mode = bucket.mode
                 overflow = max(counts) > list_capacity(total // 8, n)
                 segs = reference.tie_segments(offsets)
                 if self.comm == "bbit":
@@ -349,7 +338,7 @@ class SimLionCub:
                           for name in ("allgather", "pbit", "1bit")}
                 if mode == "list" and overflow:
                     sent += self._collective_bytes("all_gather", n * total // 8)
-                self.modes[bi] = "plane" if overflow else "list"
+                bucket.mode = next_abstain_mode(overflow)
                 sent += by[self.comm]
                 for k, v in by.items():
                     self.alt_bytes[k] = self.alt_bytes.get(k, 0) + v - by[self.comm]

@@ -68,6 +68,10 @@ _MARK = "_lioncub_ds_patch"
 _OPTIONS_ATTR = "_lioncub_ds_options"  # on a LionCub: its integration options (set by build / set_options)
 
 _SINGLETON_GROUP = {}
+# What this adapter remembers about each LionCub it drives (kept here, not on the optimizer):
+# the vote group it built for it, and its step count before the engine's step (overflow report).
+_BUILT_GROUP = weakref.WeakKeyDictionary()
+_STEPS_BEFORE = weakref.WeakKeyDictionary()
 # Optimizers that hold the singleton group: released at exit (process-lifetime resource, not options).
 _SINGLETON_USERS: "weakref.WeakSet" = weakref.WeakSet()
 _registered = False
@@ -188,8 +192,8 @@ def destroy_created_groups() -> int:
         release = getattr(opt, "release_process_group", None)
         if callable(release):
             release()
-        if getattr(opt, "_lioncub_ds_built_group", None) is not None:
-            opt._lioncub_ds_built_group = None
+        if _BUILT_GROUP.get(opt) is not None:
+            _BUILT_GROUP.pop(opt, None)
     _SINGLETON_USERS.clear()
     done = 0
     for group in groups:
@@ -315,7 +319,7 @@ def build_optimizer(engine, model_parameters):
     if stage >= 1 and group is not None:
         _SINGLETON_USERS.add(opt)
     setattr(opt, _OPTIONS_ATTR, options)
-    opt._lioncub_ds_built_group = group
+    _BUILT_GROUP[opt] = group
     if _global_rank() == 0:
         for msg in config_warnings(raw):
             _compat.ds_logger().warning(msg)
@@ -424,7 +428,7 @@ def wire(engine) -> EngineState:
         if hasattr(engine, "pipeline_enable_backward_allreduce"):
             engine.pipeline_enable_backward_allreduce = False
         group = data_parallel_group(engine) if dist.is_available() and dist.is_initialized() else None
-        if group is not None and getattr(opt, "_lioncub_ds_built_group", None) is not group:
+        if group is not None and _BUILT_GROUP.get(opt) is not group:
             try:
                 opt.set_process_group(group)
             except RuntimeError as exc:
@@ -475,10 +479,10 @@ def _report_skips_as_overflow(opt):
     opt.overflow = False
 
     def pre(o, args, kwargs):
-        o._lioncub_ds_steps_before = o.step_count
+        _STEPS_BEFORE[o] = o.step_count
 
     def post(o, args, kwargs):
-        o.overflow = o.step_count == getattr(o, "_lioncub_ds_steps_before", o.step_count - 1)
+        o.overflow = o.step_count == _STEPS_BEFORE.get(o, o.step_count - 1)
 
     opt.register_step_pre_hook(pre)
     opt.register_step_post_hook(post)

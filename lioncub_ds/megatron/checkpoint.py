@@ -49,17 +49,20 @@ import contextlib
 import glob
 import logging
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from .. import checkpoint as lc_checkpoint
-from ..momentum_sync import MomentumSync
 from .optimizer import lioncub_optimizers
 
 CHECKPOINT_MODES = ("per_rank", "sync")
 SUBDIR = "lioncub"
 
+
+# Where each LionCub was last saved (kept by this adapter, not on the optimizer)
+_SAVED_TO = weakref.WeakKeyDictionary()
 
 def _check_mode(mode):
     if mode not in CHECKPOINT_MODES:
@@ -105,7 +108,7 @@ def missing_lioncub_files(optimizer, checkpoint_dir: str) -> list[str]:
     out = []
     for opt in lioncub_optimizers(optimizer):
         d = rank_directory(checkpoint_dir, opt)
-        rank, world = lc_checkpoint._rank_info(opt)
+        rank, world = opt.rank, opt.world_size
         path = lc_checkpoint.rank_file(d, rank, world)
         if os.path.exists(path):
             continue
@@ -184,11 +187,8 @@ def sync_momenta(optimizer) -> None:
     for opt in lioncub_optimizers(optimizer):
         if not opt.distributed:
             continue
-        if opt._buckets is None:
-            opt._build_buckets()  # sets the vote group's Collectives (no group is created)
         # ALL momenta (not only momentum_sync.layers): Megatron stores one replica for every rank.
-        momenta = [opt._momentum(p) for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        MomentumSync.average_over(opt._coll, momenta, opt.config.bucket_numel)
+        opt.sync_momenta(all_params=True)
 
 
 def before_checkpoint_save(optimizer, mode: str = "per_rank", checkpoint_dir: str | None = None) -> list[str]:
@@ -217,7 +217,7 @@ def _save_key(opt, checkpoint_dir):
 
 def _mark_saved(optimizer, checkpoint_dir):
     for opt in lioncub_optimizers(optimizer):
-        opt._lioncub_saved_to = _save_key(opt, checkpoint_dir)
+        _SAVED_TO[opt] = _save_key(opt, checkpoint_dir)
 
 
 def after_checkpoint_save(optimizer, checkpoint_dir: str, mode: str = "per_rank") -> list[str]:
@@ -230,7 +230,7 @@ def after_checkpoint_save(optimizer, checkpoint_dir: str, mode: str = "per_rank"
     if mode != "per_rank":
         return []
     opts = lioncub_optimizers(optimizer)
-    if opts and all(getattr(o, "_lioncub_saved_to", None) == _save_key(o, checkpoint_dir) for o in opts):
+    if opts and all(_SAVED_TO.get(o) == _save_key(o, checkpoint_dir) for o in opts):
         return []
     paths = save_lioncub_states(optimizer, checkpoint_dir)
     _mark_saved(optimizer, checkpoint_dir)

@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import LionCubConfig, LionCubConfigError
-from ..groups import consecutive_blocks, create_on_all_ranks, group_ranks
+from ..groups import Topology, consecutive_blocks, create_on_all_ranks, group_ranks
 from ..momentum_sync import node_group_size
-from ..optimizer import LionCub, check_world_size
+from ..optimizer import LionCub
 from . import _compat
 from .ddp import LocalMomentumConfigError, disable_dp_grad_reduction
 
@@ -107,16 +107,12 @@ class MegatronLionCub(LionCub):
         self._premade = megatron_groups
         super().__init__(params, *args, **kwargs)
 
-    def _resolve_group(self):
+    def resolve_topology(self, group):
         premade = getattr(self, "_premade", None)
         if premade is None:
-            return super()._resolve_group()
-        group = self._process_group
-        n = dist.get_world_size(group)
-        check_world_size(self.config, n)
-        self._node_group = premade.get("node")
-        self._dist = (premade.get("vote") or group, n, dist.get_rank(group))
-        return self._dist
+            return super().resolve_topology(group)
+        return Topology(premade.get("vote") or group, dist.get_world_size(group), dist.get_rank(group),
+                        premade.get("node"))
 
     def state_dict(self):
         sd = super().state_dict()
@@ -263,7 +259,7 @@ def _init_state_fn(opt, config=None):
         return
     for g in opt.param_groups:
         for p in g["params"]:
-            opt._momentum(p)
+            opt.momenta.get(p)
 
 
 def _param_names(model_chunks) -> dict:

@@ -1,0 +1,125 @@
+"""The bucket layout of a distributed step: which parameters share a flat vote bucket, where
+each sits inside it, and which communication algorithm each bucket uses.
+
+Pure functions of the parameter groups and the settings (no process group, no optimizer), so
+the real step (:mod:`lioncub_ds.pipeline`) and the convergence simulation
+(:mod:`lioncub_ds.bench.converge`) build the very same layout: the hash tie rule (the element's
+index inside its parameter) and the abstention lists see the same buckets in both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .kernels.reference import padded_numel
+from .comm import make_algorithm
+from .comm.abstain import list_capacity, real_mask
+from .comm.cost import CostModel
+from .config import DEFAULT_NETWORK
+
+
+@dataclass
+class Bucket:
+    group_index: int
+    params: list
+    names: list
+    offsets: list
+    numel: int          # padded to a multiple of 8·N
+    real_numel: int
+    base: int
+    algorithm: object = None
+    mask: object = None      # uint8 plane: bit 1 at real elements (abstention lists are relative to it)
+    capacity: int = 0        # entries of an abstention list (0: the plane always travels)
+    mode: str = "list"       # how abstentions travel this step: "list" or "plane" (agreed through the flags)
+
+
+def group_names(group: dict) -> list:
+    """A param group's parameter names (torch's ``param_names``; the simulation's ``names``), or Nones."""
+    names = group.get("param_names", group.get("names"))
+    return list(names) if names is not None else [None] * len(group["params"])
+
+
+def build_buckets(param_groups, bucket_numel: int, world_size: int) -> tuple[list[Bucket], list]:
+    """(buckets, frozen): the flat buckets of every group's trainable parameters, and the
+    ``(param, name)`` pairs frozen now (``requires_grad=False``: not in any bucket).
+
+    Per group and per (device, dtype), parameters in their order fill buckets of at most
+    ``bucket_numel`` elements (a larger parameter gets a bucket of its own); each starts at an
+    8-aligned offset (whole bytes of vote bits), and a bucket is padded to a multiple of 8·N so
+    that every rank owns a whole number of bytes of it."""
+    buckets, frozen, base = [], [], 0
+    for gi, g in enumerate(param_groups):
+        by_kind = {}
+        for p, name in zip(g["params"], group_names(g)):
+            if not p.requires_grad:
+                frozen.append((p, name))
+                continue
+            by_kind.setdefault((p.device, p.dtype), []).append((p, name))
+        for members in by_kind.values():
+            cur, size = [], 0
+            for p, name in members + [(None, None)]:
+                aligned = (p.numel() + 7) // 8 * 8 if p is not None else 0
+                if p is not None and (size + aligned <= bucket_numel or not cur):
+                    cur.append((p, name, size))
+                    size += aligned
+                    continue
+                total = padded_numel(size, world_size)
+                buckets.append(Bucket(gi, [q for q, _, _ in cur], [nm for _, nm, _ in cur], [o for _, _, o in cur],
+                                      total, sum(q.numel() for q, _, _ in cur), base))
+                base += total
+                cur, size = ([(p, name, 0)], aligned) if p is not None else ([], 0)
+    return buckets, frozen
+
+
+def cost_model(cfg) -> CostModel:
+    """The α-β model ``comm="auto"`` chooses with: the settings' network over the defaults."""
+    net = {**DEFAULT_NETWORK, **cfg.network}
+    return CostModel.from_network(net["bandwidth_gbit"], net["latency_us"])
+
+
+def assign_algorithms(buckets: list[Bucket], cfg, world_size: int) -> None:
+    """Give every bucket its communication algorithm (``comm="auto"``: the cost model's choice
+    for its size), and for bit-encoded votes the real-element mask and the abstention list
+    capacity. Depends only on the settings and the layout: the same on every rank."""
+    cost = cost_model(cfg)
+    for b in buckets:
+        if cfg.comm != "auto":
+            name = cfg.comm
+        elif cfg.quant != "sign":
+            name = "int8"
+        else:
+            name = cost.choose(b.numel, world_size, vote=cfg.vote, tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)
+        b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1],
+                                     quant=cfg.quant)
+        if b.algorithm.encoding == "bits":
+            b.mask = real_mask(b.offsets, [p.numel() for p in b.params], b.numel, b.params[0].device)
+            b.capacity = list_capacity(b.numel // 8, world_size)
+            b.mode = "list"  # a count alone (capacity 0) when the bucket is small
+
+
+def next_abstain_mode(overflowed: bool) -> str:
+    """How a bucket's abstentions travel next step: the plane after a step in which some rank's
+    list overflowed (many abstentions), else a list (few). Agreed: the overflow count is in the
+    step's flags, so every rank switches together."""
+    return "plane" if overflowed else "list"
+
+
+def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[int]]:
+    """Bucket indices per communication batch, in launch order (last buckets first).
+
+    Consecutive buckets with the same algorithm, device and dtype share a batch while their
+    packed votes (bits: numel/8 bytes; int8: numel bytes) fit ``comm_bucket_mb`` MB."""
+    cap = comm_bucket_mb * 2 ** 20
+    batches, cur, size = [], [], 0
+    for i in reversed(range(len(buckets))):
+        b = buckets[i]
+        width = b.numel // 8 if b.algorithm.encoding == "bits" else b.numel
+        key = (b.algorithm.name, b.params[0].device, b.params[0].dtype)
+        if cur and (key != cur_key or size + width > cap):
+            batches.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        cur_key = key
+        size += width
+    if cur:
+        batches.append(cur)
+    return batches
