@@ -221,7 +221,7 @@ class SimLionCub:
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
                  momentum_sync=None, bucket_size_mb=25.0, vote_bits=None, rounding=None,
                  error_feedback=False, owner_ema=0.0, vote_every=1):
-        from lioncub_ds.kernels.reference import padded_numel
+        from lioncub_ds.conventions import padded_numel
         from lioncub_ds.config import LionCubConfig
         from lioncub_ds.momentum_sync import select_params
 
