@@ -13,7 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
-from .kernels.reference import ROUNDINGS, SCALE_KINDS, TIE_RULES, VOTE_BITS, VOTE_MODES
+from .conventions import ROUNDINGS, SCALE_KINDS, TIE_RULES, VOTE_BITS, VOTE_MODES
 
 COMM_ALGORITHMS = ("auto", "allgather", "1bit", "pbit", "int8", "bbit")
 SCALED_ALGORITHMS = ("int8", "bbit")  # need quant = l1 | l0 | linf

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kernels.reference import padded_numel
+from .conventions import padded_numel
 from .comm import make_algorithm
 from .comm.abstain import list_capacity, real_mask
 from .comm.cost import CostModel

@@ -1,7 +1,9 @@
-"""Reference codecs: documented bit order, lanes, counting, tie rules, int8 bounds."""
+"""Reference codecs and the conventions they follow: documented bit order, lanes, counting, tie rules,
+int8 bounds."""
 import pytest
 import torch
 
+from lioncub_ds import conventions
 from lioncub_ds.kernels import reference
 
 pytestmark = pytest.mark.unit
@@ -33,10 +35,10 @@ def test_literal_lane_patterns():
 
 
 def test_padding_and_lane_width_choice():
-    assert reference.padded_numel(1, 3) == 24 and reference.padded_numel(25, 3) == 48 and reference.padded_numel(0, 4) == 0
-    assert [reference.lane_bits_for(n) for n in (1, 2, 3, 4, 15, 16, 255)] == [1, 2, 2, 4, 4, 8, 8]
+    assert [conventions.padded_numel(k, n) for k, n in ((1, 3), (25, 3), (0, 4))] == [24, 48, 0]
+    assert [conventions.lane_bits_for(n) for n in (1, 2, 3, 4, 15, 16, 255)] == [1, 2, 2, 4, 4, 8, 8]
     with pytest.raises(ValueError, match="8-bit lane"):
-        reference.lane_bits_for(256)
+        conventions.lane_bits_for(256)
 
 
 def test_encode_votes_abstains_on_zero_and_nonfinite():
@@ -108,18 +110,18 @@ def test_tie_hash_pinned_values():
 
 def test_tie_segments_map_positions_to_parameter_indices():
     # parameters of 5, 16 and 3 elements at offsets 0, 8, 24 (8-aligned), bucket of 32
-    segs = reference.tie_segments([0, 8, 24])
+    segs = conventions.tie_segments([0, 8, 24])
     assert segs.tolist() == [[0, 0], [8, 0], [24, 0]]
     idx = reference.tie_index(segs, 32, "cpu").tolist()
     assert idx == [0, 1, 2, 3, 4, 5, 6, 7] + list(range(16)) + list(range(8))  # gaps continue the numbering
     # the same parameters in another order / another bucket: the same index per element
-    other = reference.tie_index(reference.tie_segments([16, 0, 40]), 48, "cpu").tolist()
+    other = reference.tie_index(conventions.tie_segments([16, 0, 40]), 48, "cpu").tolist()
     assert other[16:21] == idx[0:5] and other[0:16] == idx[8:24] and other[40:43] == idx[24:27]
     # a shard [12, 28) of the first bucket, and a piece of a parameter that starts at its element 100
-    shard = reference.tie_segments([0, 8, 24], start=12, stop=28)
+    shard = conventions.tie_segments([0, 8, 24], start=12, stop=28)
     assert shard.tolist() == [[0, 4], [12, 0]]
     assert reference.tie_index(shard, 16, "cpu").tolist() == idx[12:28]
-    assert reference.tie_segments([0], [100]).tolist() == [[0, 100]]
+    assert conventions.tie_segments([0], [100]).tolist() == [[0, 100]]
     assert reference.as_segments(7).tolist() == [[0, 7]] and reference.as_segments(None).tolist() == [[0, 0]]
     with pytest.raises(ValueError, match="position 0"):
         reference.as_segments([[4, 0]])
@@ -129,10 +131,10 @@ def test_tie_segments_map_positions_to_parameter_indices():
 
 def test_int8_levels_never_overflow():
     for n in (1, 2, 3, 7, 64, 127):
-        s = reference.int8_levels(n)
+        s = conventions.int8_levels(n)
         assert n * s <= 127
     with pytest.raises(ValueError, match="127"):
-        reference.int8_levels(128)
+        conventions.int8_levels(128)
     c = torch.tensor([0.0, 1e-9, -5.0, 0.3, float(2.5)])
     q = reference.int8_quantize(c, reference.int8_scale(c, "linf"), 31)
     assert q.dtype == torch.int8 and int(q.abs().max()) <= 31 and q[0] == 0

@@ -7,7 +7,7 @@
 // is built with -ffp-contract=off). So every function gives the same bits on every CPU, ISA and
 // GPU, and lioncub_ds/kernels/reference.py (the executable contract) computes the same values with torch.
 //
-//   * enums: dtype, tie rule, vote mode, int8 scale kind (codes shared with lioncub_ds/kernels/reference.py);
+//   * enums: dtype, tie rule, vote mode, int8 scale kind (codes shared with lioncub_ds/conventions.py);
 //   * f2u / u2f, bf16 and fp16 <-> fp32 (bf16: round to nearest even, NaN -> 0x7FC0 like torch);
 //   * the tie hash of (step, parameter-local index) and the tie-index table lookup (docs/conventions.md);
 //   * the int8 L1/L0 scale: fixed-order fp64 sum (lane tree), deterministic log / exp.
@@ -42,7 +42,7 @@ typedef struct lc_apply_args {
   int32_t world_size;  // divisor of the average vote (and cnt of lanes_apply without cnt lanes)
   int64_t step;        // tie rules alternate / hash
   // hash tie rule: the tie-index table, tie_nrows rows of int64 (pos, index) sorted by pos,
-  // rows[0].pos == 0 (reference.tie_segments; lcc::tie_index), in the kernels' memory (host for the
+  // rows[0].pos == 0 (conventions.tie_segments; lcc::tie_index), in the kernels' memory (host for the
   // CPU, device for CUDA); tie_nrows == 0 (tie_rows NULL): the index is the position
   const int64_t* tie_rows;
   int64_t tie_nrows;
@@ -121,7 +121,7 @@ inline lc_lion_step_args lc_make_lion_step_args(double lr, double weight_decay, 
 namespace lcc {
 
 // ----------------------------------------------------------------------------- enums
-// Python declares the same codes once, in lioncub_ds/kernels/reference.py (TIE_RULES, VOTE_MODES, SCALE_KINDS:
+// Python declares the same codes once, in lioncub_ds/conventions.py (TIE_RULES, VOTE_MODES, SCALE_KINDS:
 // the code of a name is its position in the tuple).
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 enum TieRule : int32_t { kTieZero = 0, kTieAlternate = 1, kTieHash = 2 };
@@ -264,7 +264,7 @@ LC_HD uint32_t tie_hash(uint64_t step, uint64_t index) {
                       tie_hash_base(step, static_cast<uint32_t>(index >> 32)));
 }
 
-// Tie-index table (reference.tie_segments): `nrows` rows of int64 (pos, index), sorted by pos with
+// Tie-index table (conventions.tie_segments): `nrows` rows of int64 (pos, index), sorted by pos with
 // rows[0].pos == 0: position p (relative to element 0 of the planes a kernel reads) has tie
 // index rows[k].index + (p - rows[k].pos) for the last row k with rows[k].pos <= p. nrows == 0
 // means the single row (0, 0). Looked up only where a tie occurs.

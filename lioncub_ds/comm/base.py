@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..kernels.reference import tie_segments
+from ..conventions import tie_segments
 from .abstain import decode_lists, list_capacity, payload_bytes, real_mask
 from ..groups import broadcast
 from ..telemetry import CommStats
@@ -174,7 +174,7 @@ class VoteJob:
                             f"got {self.param_starts!r} (the hash tie rule no longer takes a flat bucket base)")
 
     def segments(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The tie-index table of bucket positions [start, stop) (reference.tie_segments)."""
+        """The tie-index table of bucket positions [start, stop) (conventions.tie_segments)."""
         return tie_segments(self.offsets, self.param_starts, start, stop)
 
     @property

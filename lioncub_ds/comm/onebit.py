@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.reference import lane_bits_for
+from ..conventions import lane_bits_for
 from .abstain import any_voter
 from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, split_columns
 

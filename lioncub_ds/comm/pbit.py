@@ -7,7 +7,7 @@ Works on any backend that sums uint8; no custom reduction.
 """
 from __future__ import annotations
 
-from ..kernels.reference import lane_bits_for
+from ..conventions import lane_bits_for
 from ..config import LionCubConfigError
 import torch
 

@@ -40,42 +40,14 @@ import math
 
 import torch
 
-# The one Python declaration of the rule / mode / kind names; the code the kernels use for a
-# name is its position here (csrc/common/lioncub_common.h declares the same enums).
-TIE_RULES = ("zero", "alternate", "hash")
-VOTE_MODES = ("majority", "average")
-SCALE_KINDS = ("l1", "l0", "linf")
-LANE_WIDTHS = (1, 2, 4, 8)
-TIE_CODES = {name: i for i, name in enumerate(TIE_RULES)}
-VOTE_CODES = {name: i for i, name in enumerate(VOTE_MODES)}
-SCALE_CODES = {name: i for i, name in enumerate(SCALE_KINDS)}
-
-
-def enum_code(kind: str, value) -> int:
-    """The kernel code of ``value`` for ``kind`` ('tie_break', 'vote' or 'quant scale'); a
-    ValueError that names the argument and the allowed values otherwise."""
-    table, names = {"tie_break": (TIE_CODES, TIE_RULES), "vote": (VOTE_CODES, VOTE_MODES),
-                    "quant scale": (SCALE_CODES, SCALE_KINDS)}[kind]
-    try:
-        return table[value]
-    except (KeyError, TypeError):
-        raise ValueError(f"{kind} must be one of {names}, got {value!r}") from None
+# The project's fixed conventions (rule / mode / kind names and their kernel codes, padding, lane
+# widths, int8 levels, the tie-index table) live in lioncub_ds/conventions.py, below both the kernels
+# and comm/; they are re-exported here as part of the executable contract.
+from ..conventions import (LANE_WIDTHS, ROUNDINGS, SCALE_CODES, SCALE_KINDS, TIE_CODES, TIE_RULES,  # noqa: F401
+                           VOTE_BITS, VOTE_CODES, VOTE_MODES, enum_code, int8_levels, lane_bits_for,
+                           padded_numel, tie_segments)
 
 _M32 = 0xFFFFFFFF
-
-
-def padded_numel(numel: int, world_size: int) -> int:
-    """Smallest multiple of 8*world_size that holds ``numel`` elements."""
-    unit = 8 * max(1, world_size)
-    return (numel + unit - 1) // unit * unit
-
-
-def lane_bits_for(n: int) -> int:
-    """Smallest lane width p in {1,2,4,8} with 2**p - 1 >= n (a lane never carries)."""
-    for p in LANE_WIDTHS:
-        if (1 << p) - 1 >= n:
-            return p
-    raise ValueError(f"a count of up to {n} does not fit an 8-bit lane (needs 2**p - 1 >= {n}, p <= 8)")
 
 
 # ----------------------------------------------------------------------------- bits
@@ -231,35 +203,6 @@ def tie_hash_sign(step: int, index: torch.Tensor) -> torch.Tensor:
     """+1/-1 (int32): the value a tie at (step, parameter-local index) takes under
     tie_break='hash': +1 where :func:`tie_hash` is odd, -1 where it is even."""
     return ((tie_hash(step, index) & 1) * 2 - 1).to(torch.int32)
-
-
-def tie_segments(offsets, param_starts=None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """The tie-index table of a bucket (or of the slice [start, stop) of it, e.g. a 1bit shard).
-
-    ``offsets``: bucket position of each parameter (piece); ``param_starts``: the index inside
-    its parameter of each piece's first element (None: every parameter starts whole, at 0).
-    Returns int64 [K, 2] rows (pos, index), sorted by pos, rows[0].pos == 0, positions relative
-    to ``start``: position p has tie index rows[k].index + (p - rows[k].pos) for the last row k
-    with rows[k].pos <= p. Positions before the first parameter count from 0; padding and gaps
-    continue the numbering of the parameter before them. Parameters at the same offset (empty
-    ones) give one row: the first listed.
-    """
-    offs = [int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
-    firsts = [0] * len(offs) if param_starts is None else [int(v) for v in param_starts]
-    if len(firsts) != len(offs):
-        raise ValueError(f"param_starts has {len(firsts)} entries but offsets has {len(offs)}")
-    by_pos = {}
-    for pos, idx in zip(offs, firsts):  # an empty parameter shares its offset with the next one: one row
-        by_pos[pos] = idx if pos not in by_pos else by_pos[pos]
-    rows = sorted(by_pos.items())
-    if not rows or rows[0][0] > 0:
-        rows.insert(0, (0, 0))
-    k = 0
-    while k + 1 < len(rows) and rows[k + 1][0] <= start:
-        k += 1
-    out = [(0, rows[k][1] + (start - rows[k][0]))]
-    out += [(pos - start, idx) for pos, idx in rows[k + 1:] if stop is None or pos < stop]
-    return torch.tensor(out, dtype=torch.int64, device="cpu").reshape(-1, 2)  # a host table
 
 
 def as_segments(segments) -> torch.Tensor:
@@ -533,14 +476,6 @@ def zero_sign_apply(sign, nonzero, targets, casts, layout, lrs, weight_decays):
 
 
 # ----------------------------------------------------------------------------- int8
-def int8_levels(world_size: int) -> int:
-    """s = floor(127 / N): |sum of N codes| <= N*s <= 127, so an int8 SUM never overflows."""
-    s = 127 // world_size
-    if s < 1:
-        raise ValueError(f"int8 quantization needs world size <= 127, got {world_size}")
-    return s
-
-
 SUM_BLOCK = 16384  # elements per block of the ordered sum (csrc/common: kSumBlock)
 SUM_LANES = 256    # lanes per block (kSumLanes)
 _LN2 = float.fromhex("0x1.62e42fefa39efp-1")
@@ -694,11 +629,9 @@ def int8_apply(qsum, params, offsets, lr, weight_decay, return_delta=True):
 # b = 1: Q = 1, the levels -1 and +1 (the sign vote). An exact c == 0 abstains through the
 # abstention payload, as with 1-bit signs. The shard owner sums q over the voting ranks in int32 and
 # takes the sign (docs/conventions.md).
-ROUNDINGS = ("nearest", "dither")
 # x = c * Q / (CLIP_MULTIPLE * a) is clipped to [-Q, Q]: the levels span +-2a for the mean-like
 # scales (L1, L0), +-a for the max (Linf, where nothing clips).
 CLIP_MULTIPLE = {"l1": 2.0, "l0": 2.0, "linf": 1.0}
-VOTE_BITS = (1, 2, 3, 4)
 
 
 def bbit_qmax(bits: int) -> int:
