@@ -502,7 +502,7 @@ class VotePipeline:
                                 [torch.zeros((), dtype=torch.int64, device=dev)]).sum().clamp_(max=2**20)
         missing = int(any(loc.missing for loc in self.local))
         host = [int(bool(error)), missing, int(changed)] + hyper_bits(plan.opt.param_groups, plan.opt.step_count + 1)
-        host = torch.tensor(host, dtype=torch.int32).to(dev, non_blocking=True)
+        host = torch.tensor(host, dtype=torch.int32, device=dev)  # made on the step's device, as every flag
         head = torch.cat([(nonfinite > 0).to(torch.int32).reshape(1), host[:1], nonfinite.to(torch.int32).reshape(1),
                           host[1:]])
         return torch.cat([head] + [loc.flags.to(dev) for loc in self.local])
