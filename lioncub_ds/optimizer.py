@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from .agreement import agree_settings
 from .kernels.reference import padded_numel
 from .comm import Collectives, make_algorithm
 from .comm.abstain import list_capacity, real_mask
@@ -195,6 +196,7 @@ class LionCub(Optimizer):
         self._dist = None  # resolved at construction or lazily: (vote group, world_size, rank)
         self._node_group = None
         self._created_groups = []
+        self._construction_groups = groups  # what _resolve_group agrees on before param_groups exist
         if dist.is_available() and dist.is_initialized():
             self._resolve_group()  # fails now (before state) on e.g. a pbit width too small for N
         if cfg.momentum_sync is not None and cfg.momentum_sync.layers:
@@ -302,6 +304,8 @@ class LionCub(Optimizer):
                                "own (process groups do not pickle); call set_process_group(group) on every rank "
                                "before its first step")
         n = dist.get_world_size(group)
+        # one all-gather: the settings that must match do (else LionCubConfigError on every rank)
+        agree_settings(cfg, getattr(self, "param_groups", None) or self._construction_groups, group)
         check_world_size(cfg, n)  # before creating anything (the groups below)
         settle_at_exit()  # a distributed run: let c10d's workers finish before the interpreter's teardown
         ranks = group_ranks(group)
