@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from .agreement import agree_settings
 from .comm.pbit import check_lane_bits
 from .config import LionCubConfig, LionCubConfigError
 from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
@@ -190,6 +191,7 @@ class LionCub(Optimizer):
         self._group_lost = False
         self._topology = None  # resolved at construction or lazily (groups.Topology)
         self._created_groups = []
+        self._construction_groups = groups  # what _resolve_group agrees on before param_groups exist
         if dist.is_available() and dist.is_initialized():
             self._ensure_topology()  # fails now (before state) on e.g. a pbit width too small for N
         if cfg.momentum_sync is not None and cfg.momentum_sync.layers:
@@ -291,6 +293,10 @@ class LionCub(Optimizer):
                                    "its own (process groups do not pickle); call set_process_group(group) on every "
                                    "rank before its first step")
             n = dist.get_world_size(self._process_group)
+            # one all-gather: the settings that must match do (else LionCubConfigError on every
+            # rank); before the N-dependent checks, which would otherwise fail on some ranks only
+            agree_settings(self.config, getattr(self, "param_groups", None) or self._construction_groups,
+                           self._process_group)
             check_world_size(self.config, n)  # before creating anything (the groups below)
             self._topology = self.resolve_topology(self._process_group)
         return self._topology

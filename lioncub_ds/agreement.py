@@ -1,0 +1,234 @@
+"""Agree, once, that every rank of the vote group runs LionCub with the same settings.
+
+A setting that differs on one rank makes the ranks issue different collectives (gloo aborts
+with "collective mismatch", NCCL hangs until its timeout), read their flags from mismatched
+buffers, or silently apply different updates (``lr``, ``weight_decay``). At construction (and
+whenever the vote group is resolved again: :meth:`LionCub.set_process_group`, the first step
+after :meth:`LionCub.release_process_group`, an unpickled copy) every rank hashes each setting
+that must match, and the parameter layout, into a 63-bit digest (SHA-256, stable across
+processes and Python versions) and all-gathers the digests: ONE small int64 all-gather on the
+parameters' device (NCCL takes CUDA tensors only), 8 bytes per setting and rank.
+
+Every rank sees the same gathered table, so every rank takes the same path. Only on a mismatch
+does a second collective run (``all_gather_object`` of the differing settings' values), and
+every rank then raises the same :class:`LionCubConfigError`, naming each differing setting and
+each rank's value. Nothing is changed before the error (LionCub calls this before creating any
+process group or optimizer state).
+
+Parameter groups added later with ``add_param_group`` are not compared (the step's own flags
+catch some of what can go wrong there, not all): add the same groups on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from .config import LionCubConfig, LionCubConfigError
+from .lion import lr_value
+
+# What must match, field by field of LionCubConfig (and why). A new field must be added to
+# one of the two tuples: the test of this module checks that they cover every field.
+AGREED_FIELDS = (
+    "vote",            # which vote is computed (and, with 1bit, what its messages carry)
+    "comm",            # which collectives run
+    "quant",           # int8 / b-bit scale: message layout and the scale all-reduce
+    "tie_break",       # what an even-N tie does (and the 1bit/pbit paths it selects)
+    "momentum_sync",   # when and over which groups momenta are averaged (collectives), which layers
+    "momentum_dtype",  # the dtype of the momenta the momentum sync all-reduces; the vote's c
+    "bucket_size_mb",  # the bucket layout: message sizes and which algorithm comm="auto" picks
+    "pbit_bits",       # pbit lane width: message size
+    "vote_bits",       # bbit code width: message size
+    "rounding",        # bbit dither / nearest: what is voted
+    "network",         # comm="auto" picks each bucket's algorithm from it (compared only then)
+    "nonfinite",       # skip on every rank, or raise: one rank raising leaves the others waiting
+    "drift_check_every",  # the drift check is a collective every K steps
+    "drift_action",    # raise, or resync (a broadcast)
+    "timeout_s",       # set or not: a timeout group is created (a world collective); the value
+                       # itself is each rank's own deadline and may differ
+    "comm_bucket_mb",  # communication batches: one collective per phase per batch
+    "overlap",         # the flags ride in a vote message or travel in their own all-reduce
+)
+# Purely local, not compared:
+LOCAL_FIELDS = (
+    "foreach",                 # the single-process path only (N = 1); same bits either way
+    "momentum_double_buffer",  # where the local pass writes the next momentum; bit-identical
+    "lr", "betas", "weight_decay",  # compared per param group instead (below): groups override them
+)
+# Per param group (torch fills each group's lr / betas / weight_decay from the defaults):
+GROUP_SETTINGS = ("lr", "betas", "weight_decay")  # lr, λ: applied by every rank; β: every rank's vote
+# Then the layout ("parameters"): the number of groups, and per parameter its shape, dtype and
+# requires_grad (the buckets, their sizes and their order); "param_names" only where
+# momentum_sync.layers selects parameters by name (elsewhere names are labels, e.g. in errors).
+
+MAX_VALUE_CHARS = 160  # longer values are cut in the error message
+
+
+def _canon(value):
+    """Equal settings, equal repr: numbers as floats (weight_decay=0 is weight_decay=0.0), lists
+    as tuples, dicts sorted."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_canon(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _canon(v)) for k, v in value.items()))
+    return value
+
+
+def digest(value) -> int:
+    """A stable 63-bit hash of a setting's value (fits an int64, positive; SHA-256 of its
+    canonical repr, unlike Python's ``hash``, which is salted per process for strings)."""
+    h = hashlib.sha256(repr(_canon(value)).encode("utf-8", "backslashreplace")).digest()
+    return int.from_bytes(h[:8], "little") & (2**63 - 1)
+
+
+def _group_value(group: dict, key: str, default):
+    value = group.get(key, default)
+    if key == "lr":
+        try:
+            value = lr_value(value)  # a 1-element tensor lr is compared as its value
+        except Exception:  # noqa: BLE001 - never raise on one rank only: compare what is there
+            return repr(value)
+    if isinstance(value, list):
+        value = tuple(value)
+    return value
+
+
+def _param_desc(p):
+    if not isinstance(p, torch.Tensor):
+        return ("not a tensor", type(p).__name__)
+    return (tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad))
+
+
+def agreed_values(cfg: LionCubConfig, groups) -> dict:
+    """{setting: canonical value} of everything that must match across ranks, in a fixed order
+    (the same keys on every rank, whatever the settings: the all-gathered tensor has one length)."""
+    values = {}
+    for name in AGREED_FIELDS:
+        value = getattr(cfg, name)
+        if name == "network":
+            value = tuple(sorted(value.items())) if cfg.comm == "auto" else "unused (comm is not 'auto')"
+        elif name == "timeout_s":
+            value = "set" if value is not None else None
+        values[name] = value
+    defaults = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
+    groups = list(groups)
+    for key in GROUP_SETTINGS:
+        per_group = tuple(_group_value(g, key, defaults[key]) for g in groups)
+        values[key] = per_group[0] if len(per_group) == 1 else per_group
+    values["parameters"] = tuple(tuple(_param_desc(p) for p in g.get("params", ())) for g in groups)
+    ms = cfg.momentum_sync
+    values["param_names"] = (tuple(tuple(g.get("param_names") or ()) for g in groups)
+                             if ms is not None and ms.layers else "unused (no momentum_sync.layers)")
+    return values
+
+
+def _device(groups) -> torch.device:
+    for g in groups:
+        for p in g.get("params", ()):
+            if isinstance(p, torch.Tensor):
+                return p.device
+    return torch.device("cpu")
+
+
+def agree_settings(cfg: LionCubConfig, groups, group=None, device=None) -> None:
+    """Compare the settings that must match across the ranks of ``group`` (collective: every rank
+    of the group calls it). Raises :class:`LionCubConfigError` on every rank on a mismatch."""
+    n = dist.get_world_size(group)
+    if n <= 1:
+        return
+    groups = list(groups)
+    values = agreed_values(cfg, groups)
+    if device is None:
+        device = _device(groups)
+    mine = torch.tensor([digest(v) for v in values.values()], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu()  # construction only: one host read
+    same = (table == table[0]).all(dim=0).tolist()
+    differing = [name for name, ok in zip(values, same) if not ok]
+    if not differing:
+        return
+    # Every rank saw the same table: every rank is here, with the same list.
+    everyone = [None] * n
+    dist.all_gather_object(everyone, {name: values[name] for name in differing}, group=group)
+    lines = [_describe(name, [v[name] for v in everyone]) for name in differing]
+    raise LionCubConfigError(
+        f"LionCub: settings that must be the same on every rank of the vote group differ ({n} ranks; ranks "
+        "numbered inside the vote group); every rank raises this, before any process group or optimizer state is "
+        "created:\n  " + "\n  ".join(lines))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 15] + f"... ({len(text)} chars)"
+
+
+def _ranks(rs: list[int]) -> str:
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    if rs == list(range(rs[0], rs[-1] + 1)) and len(rs) > 2:
+        return f"ranks {rs[0]}-{rs[-1]}"
+    return "ranks " + ", ".join(map(str, rs))
+
+
+def _by_value(shown: list[str]) -> str:
+    """'rank 0: x; ranks 1-3: y' (ranks holding the same value together)."""
+    order, who = [], {}
+    for r, s in enumerate(shown):
+        if s not in who:
+            order.append(s)
+            who[s] = []
+        who[s].append(r)
+    return "; ".join(f"{_ranks(who[s])}: {s}" for s in order)
+
+
+def _describe(name: str, per_rank: list) -> str:
+    if name == "parameters":
+        return _describe_layout(per_rank)
+    if name == "param_names":
+        flat = [[nm for g in v for nm in g] if isinstance(v, tuple) else v for v in per_rank]
+        return _describe_first_difference("param_names (momentum_sync.layers selects by name)", flat,
+                                          lambda x: repr(x))
+    shown = [_cut(repr(v)) for v in per_rank]
+    label = name
+    if name in GROUP_SETTINGS and any(isinstance(v, tuple) and (name != "betas" or (v and isinstance(v[0], tuple)))
+                                      for v in per_rank):
+        label = f"{name} (one value per param group)"
+    elif name == "timeout_s":
+        label = "timeout_s (set on some ranks only)"
+    elif name == "network":
+        label = "network (comm='auto' picks each bucket's algorithm from it)"
+    return f"{label}: {_by_value(shown)}"
+
+
+def _describe_layout(per_rank: list) -> str:
+    counts = [f"{sum(len(g) for g in v)} in {len(v)} group{'s' if len(v) != 1 else ''}" for v in per_rank]
+    flat = [[(gi, i, d) for gi, g in enumerate(v) for i, d in enumerate(g)] for v in per_rank]
+
+    def show(entry):
+        gi, i, d = entry
+        if d[0] == "not a tensor":
+            return f"group {gi} #{i}: not a tensor ({d[1]})"
+        shape, dtype, grad = d
+        return f"group {gi} #{i}: shape {shape} {dtype}{'' if grad else ' requires_grad=False'}"
+
+    first = _describe_first_difference("parameters", flat, show)
+    if len(set(counts)) > 1:
+        first += f" (parameters: {_by_value(counts)})"
+    return first
+
+
+def _describe_first_difference(label, lists, show) -> str:
+    """The first position where the ranks' lists differ, and each rank's entry there."""
+    if not all(isinstance(x, list) for x in lists):
+        return f"{label}: {_by_value([_cut(repr(x)) for x in lists])}"
+    k = 0
+    while all(k < len(x) for x in lists) and all(x[k] == lists[0][k] for x in lists):
+        k += 1
+    if all(k == len(x) for x in lists):  # the same entries, grouped differently
+        return f"{label}: {_by_value([_cut(repr(x)) for x in lists])}"
+    shown = [_cut(show(x[k])) if k < len(x) else f"none (only {len(x)} entries)" for x in lists]
+    return f"{label} differ first at entry {k}: {_by_value(shown)}"
