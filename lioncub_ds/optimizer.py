@@ -191,7 +191,7 @@ class LionCub(Optimizer):
         self._group_lost = False
         self._topology = None  # resolved at construction or lazily (groups.Topology)
         self._created_groups = []
-        self._construction_groups = groups  # what _resolve_group agrees on before param_groups exist
+        self._construction_groups = groups  # what the settings agreement reads before param_groups exist
         if dist.is_available() and dist.is_initialized():
             self._ensure_topology()  # fails now (before state) on e.g. a pbit width too small for N
         if cfg.momentum_sync is not None and cfg.momentum_sync.layers:
