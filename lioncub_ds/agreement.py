@@ -50,6 +50,8 @@ AGREED_FIELDS = (
                        # itself is each rank's own deadline and may differ
     "comm_bucket_mb",  # communication batches: one collective per phase per batch
     "overlap",         # the flags ride in a vote message or travel in their own all-reduce
+    "voters",          # flat votes, or node groups that shard and vote across groups (other groups)
+    "node_size",       # the groups' size L: the shard layout and who votes with whom
 )
 # Purely local, not compared:
 LOCAL_FIELDS = (

@@ -29,6 +29,7 @@ SYNC_KEYS = ("every", "until", "schedule", "k", "layers", "group", "group_size",
 SYNC_DTYPES = ("fp32", "bf16", "int8")
 SYNC_SCHEDULES = ("every", "geometric")
 SYNC_GROUPS = ("world", "node")
+VOTERS = ("rank", "node")
 NETWORK_KEYS = ("bandwidth_gbit", "latency_us")
 # The network comm="auto" plans for when none is given: 10 Gbit/s Ethernet, 50 µs per message.
 DEFAULT_NETWORK = {"bandwidth_gbit": 10.0, "latency_us": 50.0}
@@ -224,6 +225,14 @@ class LionCubConfig:
                                                 "checkpoints): the local pass writes the next momentum there, so a "
                                                 "step reads g and m once instead of twice; bit-identical to `False`. "
                                                 "Sign votes only (`int8` keeps its momentum pass)")
+    voters: str = setting("rank", type=str, choices=VOTERS,
+                          help="every rank votes (`rank`), or one voter per group of `node_size` ranks: the group "
+                               "reduce-scatters its gradients, each rank keeps momentum (and the fp32 master of "
+                               "bf16/fp16 parameters) for 1/L of them and votes with the same shard of the other "
+                               "groups ([node voters](docs/node_voters.md))")
+    node_size: int | None = setting(None, type=int, allowed="`None` or an int ≥ 1 dividing N",
+                                    help="`voters=\"node\"`: ranks per group L (`None`: `LOCAL_WORLD_SIZE`, a group "
+                                         "is a node); 1 is flat voting")
 
     def __post_init__(self):
         validate_common(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
@@ -280,8 +289,31 @@ class LionCubConfig:
         for key in ("overlap", "momentum_double_buffer"):
             if not isinstance(getattr(self, key), bool):
                 raise _err(key, getattr(self, key), "True or False")
+        self._check_voters()
         if self.timeout_s is not None and (not _is_real(self.timeout_s) or not 0 < self.timeout_s < math.inf):
             raise _err("timeout_s", self.timeout_s, "None or a number of seconds > 0")
+
+    def _check_voters(self):
+        if not isinstance(self.voters, str) or self.voters not in VOTERS:
+            raise _err("voters", self.voters, " | ".join(repr(v) for v in VOTERS))
+        if self.node_size is not None and (not _is_int(self.node_size) or self.node_size < 1):
+            raise _err("node_size", self.node_size, "None (LOCAL_WORLD_SIZE) or an integer >= 1")
+        if self.voters == "rank":
+            if self.node_size is not None:
+                raise LionCubConfigError(
+                    f"LionCub: node_size={self.node_size!r} is only used with voters='node' (master-only sharding "
+                    "with voters='rank' is not built yet); allowed: node_size=None, or voters='node'")
+            return
+        for key, bad, why in (("overlap", self.overlap, "votes start after the node's gradient reduce-scatter"),
+                              ("momentum_double_buffer", self.momentum_double_buffer, "the momenta are shards")):
+            if bad:
+                raise LionCubConfigError(f"LionCub: {key}=True is not supported with voters='node' ({why}); "
+                                         f"allowed: {key}=False, or voters='rank'")
+        ms = self.momentum_sync
+        if ms is not None and (ms.layers or ms.group != "world"):
+            raise LionCubConfigError("LionCub: with voters='node' the momentum sync averages every momentum shard "
+                                     "over the voters; allowed: momentum_sync without 'layers' and with "
+                                     "group='world'")
 
     @property
     def bbit(self) -> tuple[int, str]:

@@ -28,6 +28,35 @@ class Topology:
     world_size: int
     rank: int
     sync_node_group: object = None
+    # voters="node" (L > 1): ``group`` is then this rank's shard peers (one rank per node group,
+    # the same local rank: the slow link), ``world_size`` the Nn voters and ``rank`` this node
+    # group's index; ``node_group`` holds the L ranks of this rank's node group (the fast link)
+    node_group: object = None
+    node_size: int = 1
+    local_rank: int = 0
+    full_group: object = None   # every rank of the vote (None: the world)
+
+    @property
+    def ranks(self) -> int:
+        """Ranks taking part in a step: Nn·L."""
+        return self.world_size * self.node_size
+
+
+def node_size_for(voters: str, node_size: int | None, n: int) -> int:
+    """L, the ranks per node group: 1 for voters="rank"; node_size, else LOCAL_WORLD_SIZE, for
+    voters="node". Raises ValueError naming the setting when L does not divide N."""
+    if voters != "node":
+        return 1
+    if node_size is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None or not env.isdigit() or int(env) < 1:
+            raise ValueError("LionCub: voters='node' with node_size=None takes L from LOCAL_WORLD_SIZE, which is not "
+                             "set (the torchrun / deepspeed launchers set it); allowed: node_size=<ranks per node>")
+        node_size = int(env)
+    if n % node_size:
+        raise ValueError(f"LionCub: node_size={node_size} does not divide the {n} ranks of the vote group; allowed: a "
+                         f"divisor of {n}")
+    return node_size
 
 
 def group_ranks(group) -> list[int]:

@@ -30,6 +30,17 @@ class Bucket:
     mask: object = None      # uint8 plane: bit 1 at real elements (abstention lists are relative to it)
     capacity: int = 0        # entries of an abstention list (0: the plane always travels)
     mode: str = "list"       # how abstentions travel this step: "list" or "plane" (agreed through the flags)
+    # index inside its parameter of each parameter's (piece's) first element: None when every
+    # parameter lies whole in the bucket (node voters' shards hold pieces; the hash tie rule keys on it)
+    param_starts: list | None = None
+    lengths: list | None = None   # elements of each piece (None: each parameter's numel)
+    kind: tuple | None = None     # (device, dtype) of the votes' inputs (None: the first parameter's)
+
+    def piece_numels(self) -> list:
+        return list(self.lengths) if self.lengths is not None else [p.numel() for p in self.params]
+
+    def device_dtype(self) -> tuple:
+        return self.kind if self.kind is not None else (self.params[0].device, self.params[0].dtype)
 
 
 def group_names(group: dict) -> list:
@@ -91,7 +102,7 @@ def assign_algorithms(buckets: list[Bucket], cfg, world_size: int) -> None:
         b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1],
                                      quant=cfg.quant)
         if b.algorithm.encoding == "bits":
-            b.mask = real_mask(b.offsets, [p.numel() for p in b.params], b.numel, b.params[0].device)
+            b.mask = real_mask(b.offsets, b.piece_numels(), b.numel, b.device_dtype()[0])
             b.capacity = list_capacity(b.numel // 8, world_size)
             b.mode = "list"  # a count alone (capacity 0) when the bucket is small
 
@@ -113,7 +124,7 @@ def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[i
     for i in reversed(range(len(buckets))):
         b = buckets[i]
         width = b.numel // 8 if b.algorithm.encoding == "bits" else b.numel
-        key = (b.algorithm.name, b.params[0].device, b.params[0].dtype)
+        key = (b.algorithm.name,) + tuple(b.device_dtype())
         if cur and (key != cur_key or size + width > cap):
             batches.append(cur)
             cur, size = [], 0

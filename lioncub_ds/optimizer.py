@@ -26,7 +26,7 @@ from .config import LionCubConfig, LionCubConfigError
 from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
 from .lion import check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
-from .groups import Topology, consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
+from .groups import Topology, node_size_for, consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
 from .momentum_sync import node_group_size
 from .pipeline import StepPlan
 from .telemetry import CommStats
@@ -47,6 +47,38 @@ class MomentumStore:
     def __init__(self, opt):
         self.opt = opt
         self.spares = {}
+        # voters="node": this rank's flat shards per bucket index, {"momentum": {i: tensor},
+        # "master": {i: tensor}} (saved in state_dict()["lioncub"]["node"]), and which masters
+        # hold values already
+        self.shards = {"momentum": {}, "master": {}}
+        self.initialized = set()
+
+    @property
+    def dtype(self):
+        return self.opt.config.momentum_dtype
+
+    def shard(self, kind: str, i: int, numel: int, dtype, device):
+        """voters="node": bucket ``i``'s ``kind`` shard ("momentum": zeros at first; "master":
+        filled by the caller, see :meth:`shard_initialized`)."""
+        t = self.shards[kind].get(i)
+        if t is None:
+            t = self.shards[kind][i] = torch.zeros(numel, dtype=dtype, device=device)
+        return t
+
+    def shard_initialized(self, kind: str, i: int) -> bool:
+        return (kind, i) in self.initialized
+
+    def mark_initialized(self, kind: str, i: int) -> None:
+        self.initialized.add((kind, i))
+
+    def state_bytes(self) -> dict:
+        """Bytes of optimizer state on this rank: momenta (per-parameter or shards), fp32 master
+        shards, double-buffer spares."""
+        per_param = sum(st["exp_avg"].numel() * st["exp_avg"].element_size()
+                        for st in self.opt.state.values() if "exp_avg" in st)
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {"momentum": per_param + size(self.shards["momentum"].values()),
+                "master": size(self.shards["master"].values()), "spare": size(self.spares.values())}
 
     def get(self, p):
         state = self.opt.state[p]
@@ -169,7 +201,7 @@ class LionCub(Optimizer):
                  momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
                  nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
                  comm_bucket_mb=4.0, overlap=False, momentum_double_buffer=False, vote_bits=None, rounding=None,
-                 **unknown):
+                 voters="rank", node_size=None, **unknown):
         # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
         # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
         lr_given = lr  # a 1-element tensor lr stays in the param groups (schedulers fill it in place)
@@ -179,7 +211,7 @@ class LionCub(Optimizer):
                         drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
                         foreach=foreach, comm_bucket_mb=comm_bucket_mb, overlap=overlap,
                         momentum_double_buffer=momentum_double_buffer, vote_bits=vote_bits, rounding=rounding,
-                        **unknown)
+                        voters=voters, node_size=node_size, **unknown)
         if network is not None:
             settings["network"] = network
         self.config = LionCubConfig.from_kwargs(**settings)
@@ -231,6 +263,10 @@ class LionCub(Optimizer):
                                          "than once; allowed: each parameter once (it would be stepped twice)")
             seen.add(id(p))
         if getattr(self, "_plan", None) is not None:
+            if self._plan.nodes is not None:
+                raise LionCubConfigError("LionCub.add_param_group after the first step is not supported with "
+                                         "voters='node' (the momentum shards follow the bucket layout); allowed: add "
+                                         "every group before the first step; nothing was changed")
             if self._plan.pipe.busy:
                 self._plan.pipe.drain()
             self._drop_plan()
@@ -293,11 +329,15 @@ class LionCub(Optimizer):
                                    "its own (process groups do not pickle); call set_process_group(group) on every "
                                    "rank before its first step")
             n = dist.get_world_size(self._process_group)
+            try:
+                size = node_size_for(self.config.voters, self.config.node_size, n)
+            except ValueError as exc:
+                raise LionCubConfigError(str(exc)) from None
             # one all-gather: the settings that must match do (else LionCubConfigError on every
             # rank); before the N-dependent checks, which would otherwise fail on some ranks only
             agree_settings(self.config, getattr(self, "param_groups", None) or self._construction_groups,
                            self._process_group)
-            check_world_size(self.config, n)  # before creating anything (the groups below)
+            check_world_size(self.config, n // size)  # N := the voters; before creating anything (the groups below)
             self._topology = self.resolve_topology(self._process_group)
         return self._topology
 
@@ -309,6 +349,7 @@ class LionCub(Optimizer):
         factory, on every rank) overrides this to return them and create none."""
         cfg = self.config
         n = dist.get_world_size(group)
+        size = node_size_for(cfg.voters, cfg.node_size, n)
         settle_at_exit()  # a distributed run: let c10d's workers finish before the interpreter's teardown
         ranks = group_ranks(group)
         ms = cfg.momentum_sync
@@ -319,11 +360,18 @@ class LionCub(Optimizer):
             size = node_group_size(ms.group_size, n)
             me = dist.get_rank(group)
             wanted.append(consecutive_blocks(ranks, size)[me // size])
+        if size > 1:  # node voters: this rank's node group (consecutive ranks) and its shard peers
+            me = dist.get_rank(group)
+            wanted += [consecutive_blocks(ranks, size)[me // size], ranks[me % size::size]]
         created = create_on_all_ranks(wanted, cfg.timeout_s) if wanted else []
         self._created_groups = list(created)
         if cfg.timeout_s is not None and n > 1:
             group = created.pop(0)
-        return Topology(group, n, dist.get_rank(group), created[0] if created else None)
+        if size > 1:
+            node, peers = created[-2:]
+            return Topology(peers, n // size, dist.get_rank(group) // size, None, node, size,
+                            dist.get_rank(group) % size, group)
+        return Topology(group, n, dist.get_rank(group), created[0] if created else None, full_group=group)
 
     def release_process_group(self) -> None:
         """Destroy the process groups this LionCub created (its timeout group, its node
@@ -352,21 +400,29 @@ class LionCub(Optimizer):
 
     @property
     def vote_group(self):
-        """The process group whose ranks vote together (None: the world, or not distributed)."""
-        return self._topology.group if self.distributed else None
+        """The process group of every rank taking part in the step (None: the world, or not
+        distributed); with voters="node" the voters are its node groups."""
+        if not self.distributed:
+            return None
+        t = self._topology
+        return t.full_group if t.node_size > 1 else t.group
 
     @property
     def rank(self) -> int:
         """This process's rank inside :attr:`vote_group` (0 when not distributed)."""
-        return self._topology.rank if self.distributed else 0
+        if not self.distributed:
+            return 0
+        t = self._topology
+        return t.rank * t.node_size + t.local_rank
 
     @property
     def world_size(self) -> int:
+        """Ranks taking part in the step (with voters="node": Nn groups × L ranks)."""
         if self._topology is None:
             if not (dist.is_available() and dist.is_initialized()):
                 return 1
             self._ensure_topology()
-        return self._topology.world_size
+        return self._topology.ranks
 
     @property
     def distributed(self) -> bool:
@@ -401,15 +457,38 @@ class LionCub(Optimizer):
         return snap
 
     # ------------------------------------------------------------------ state
+    def state_bytes(self) -> dict:
+        """This rank's optimizer-state bytes: ``momentum`` (per parameter, or its shards with
+        voters="node"), ``master`` (voters="node": fp32 master shards of bf16/fp16 parameters),
+        ``spare`` (momentum_double_buffer), and ``params``: the voting parameters' count."""
+        out = self.momenta.state_bytes()
+        out["params"] = sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
+        return out
+
+    def _node_layout(self) -> dict | None:
+        """voters="node": what this rank's shards are (saved with them; a load must match it)."""
+        plan = self.plan if self.distributed else None
+        if plan is None or plan.nodes is None:
+            return None
+        t = self._topology
+        return {"voters": t.world_size, "node_size": t.node_size, "local_rank": t.local_rank,
+                "numels": [b.numel for b in plan.buckets]}
+
     def state_dict(self):
         sd = super().state_dict()
         sd["lioncub"] = {"format": STATE_FORMAT, "step": self._step_count, "skipped_steps": self._skipped_steps,
                          "world_size": self.world_size, "rank": self.rank, "comm_stats": self.stats.state_dict()}
+        layout = self._node_layout()
+        if layout is not None:  # this rank's shards (a per-rank checkpoint file holds them)
+            sh = self.momenta.shards
+            sd["lioncub"]["node"] = dict(layout, momentum={i: t.clone() for i, t in sh["momentum"].items()},
+                                         master={i: t.clone() for i, t in sh["master"].items()})
         return sd
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         extra = state_dict.pop("lioncub", None)
+        node = self._check_node_state((extra or {}).get("node"))
         # torch casts floating state to the parameter's dtype; keep the momenta exact instead.
         saved = saved_momenta(self, state_dict)
         for p, m in saved.items():
@@ -421,11 +500,35 @@ class LionCub(Optimizer):
                     "changed")
         super().load_state_dict(state_dict)
         restore_momenta(self, saved, self.config.momentum_dtype)
+        if node is not None:
+            self.momenta.shards = {"momentum": {int(i): t.to(self.config.momentum_dtype).clone()
+                                                for i, t in node["momentum"].items()},
+                                   "master": {int(i): t.float().clone() for i, t in node["master"].items()}}
+            self.momenta.initialized = {("master", int(i)) for i in node["master"]}
         if extra is not None:
             self._step_count = int(extra.get("step", 0))
             self._skipped_steps = int(extra.get("skipped_steps", 0))
             if "comm_stats" in extra:
                 self.stats.load_state_dict(extra["comm_stats"])
+
+    def _check_node_state(self, node):
+        """The saved shards must be this rank's shards of this layout (same Nn, L, local rank and
+        bucket sizes): resharding is not supported. Raises before anything is loaded."""
+        mine = self._node_layout()
+        if node is None and mine is None:
+            return None
+        if node is None or mine is None:
+            raise LionCubConfigError(
+                "LionCub.load_state_dict: the state was saved with voters=" + ("'rank'" if node is None else "'node'") +
+                " but this optimizer has voters=" + ("'node'" if mine is not None else "'rank'") + "; allowed: load "
+                "with the voters setting it was saved with; no state was changed")
+        saved = {k: node.get(k) for k in mine}
+        if saved != mine:
+            raise LionCubConfigError(
+                f"LionCub.load_state_dict: the momentum shards were saved for {saved}, this rank has {mine}; "
+                "allowed: resume with the same node_size, number of node groups and ranks (resharding node-voter "
+                "state is not supported); no state was changed")
+        return node
 
     @property
     def step_count(self) -> int:

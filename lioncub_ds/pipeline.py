@@ -40,6 +40,7 @@ from .kernels.reference import dither_seed, int8_levels
 from .layout import assign_algorithms, build_buckets, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
 from .momentum_sync import MomentumSync, select_params
+from .node_voters import NodeShards
 from .telemetry import ring_bytes
 
 log = logging.getLogger("lioncub_ds")
@@ -99,9 +100,22 @@ class StepPlan:
     def __init__(self, opt, topology, may_launch=None):
         cfg = opt.config
         self.opt, self.config, self.topology = opt, cfg, topology
+        # the voters: N ranks, or with node voters Nn node groups (this rank votes for its group's shard)
         self.world_size, self.rank = topology.world_size, topology.rank
-        self.coll = Collectives(topology.group, opt.stats, cfg.timeout_s)
-        self.buckets, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.world_size)
+        self.ranks = topology.ranks   # every rank of the step (Nn·L)
+        self.nodes = None
+        if topology.node_size > 1:
+            # The one place the topology enters: the layout is cut for Nn·L ranks, and the buckets
+            # the pipeline votes on are this rank's shards of it (lioncub_ds.node_voters).
+            full, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.ranks)
+            self.coll = Collectives(topology.group, opt.stats, cfg.timeout_s, scope="inter_node")
+            self.node_coll = Collectives(topology.node_group, opt.stats, cfg.timeout_s, scope="intra_node")
+            self.world_coll = Collectives(topology.full_group, opt.stats, cfg.timeout_s)
+            self.nodes = NodeShards(full, topology, self.node_coll, opt.momenta)
+            self.buckets = self.nodes.shards
+        else:
+            self.coll = self.world_coll = Collectives(topology.group, opt.stats, cfg.timeout_s)
+            self.buckets, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.world_size)
         assign_algorithms(self.buckets, cfg, self.world_size)
         self.batches = comm_batches(self.buckets, cfg.comm_bucket_mb, self.world_size)
         # The step's flags ride in the last batch's phase 1 when its algorithm delivers every
@@ -149,7 +163,43 @@ class StepPlan:
                 for i, b in enumerate(self.buckets)]
 
     def params(self) -> list:
-        return [p for b in self.buckets for p in b.params]
+        """The voting parameters (the real ones, also with node voters)."""
+        return [p for b in (self.nodes.full if self.nodes else self.buckets) for p in b.params]
+
+    def bucket_inputs(self, i: int):
+        """(gradients, momenta, indices of parameters without a gradient here, this rank's reason
+        the bucket's gradients are unusable or None) for bucket ``i``'s local step."""
+        if self.nodes is not None:
+            grads, momenta = self.nodes.inputs(i)
+            return grads, momenta, (), self.nodes.problems[i]
+        b = self.buckets[i]
+        # A parameter without a gradient on this rank votes with g = 0 (its momentum still
+        # decays); every rank must run the same collectives, whatever its batch used.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        momenta = [self.opt.momenta.get(p) for p in b.params]
+        return grads, momenta, [k for k, p in enumerate(b.params) if p.grad is None], grad_problem(b)
+
+    def baseline(self, i: int) -> tuple[int, int]:
+        """(gradients, ranks) of the fp32 all-reduce bucket ``i`` stands in for (telemetry)."""
+        if self.nodes is not None:
+            return self.nodes.full[i].real_numel, self.ranks
+        return self.buckets[i].real_numel, self.world_size
+
+    def _agree_everywhere(self, flags: list) -> list:
+        """Node voters: the flags summed over the shard peers, then over the node group (every
+        rank of the step decides from the same sums)."""
+        if self.nodes is None:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        self.node_coll.all_reduce_(t, "node_flags")
+        return t.tolist()
+
+    def _abandon(self) -> None:
+        """Forget this step's votes and buffers (a skipped or refused step changes nothing)."""
+        self.pipe.drain()
+        if self.nodes is not None:
+            self.nodes.release()
+        self.opt.stats.end_step()
 
     # ------------------------------------------------------------------ the step
     def _frozen_param_error(self) -> str | None:
@@ -165,13 +215,16 @@ class StepPlan:
         """Step ``step`` (the optimizer's step count + 1) on every rank: the votes, the agreed
         flags, then apply, the momentum update and the momentum sync. Raises StepInputError on
         every rank together; returns whether the step was applied (else skipped, unchanged)."""
-        opt, pipe, n = self.opt, self.pipe, self.world_size
+        opt, pipe, n = self.opt, self.pipe, self.ranks
         frozen_error = self._frozen_param_error()
+        if self.nodes is not None:
+            self.nodes.begin(grad_problem)
         # A gradient changed after its bucket voted during backward (a second backward without
         # no_sync(), or clipping in place, maybe on some ranks only): this rank's view goes into
         # the flags, and if any rank saw a change every rank votes again.
         changed = pipe.stale or (pipe.busy and pipe.changed_since_vote())
         flags, input_error = pipe.finish(frozen_error, changed)
+        flags = self._agree_everywhere(flags)
         if flags[CHANGED_RANKS] > 0:
             if not self.warned_revote:
                 log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward on %d of %d "
@@ -181,20 +234,18 @@ class StepPlan:
             opt.overlap_counts["revotes"] += 1
             pipe.drain()
             flags, input_error = pipe.finish(frozen_error, False)
+            flags = self._agree_everywhere(flags)
         if flags[UNUSABLE_RANKS] > 0:
-            pipe.drain()
-            opt.stats.end_step()
+            self._abandon()
             raise StepInputError(
                 (input_error + "; " if input_error else "LionCub: ") +
                 f"{flags[UNUSABLE_RANKS]} of {n} ranks found an unusable input at step {step}; every rank raises "
                 "this, no state was changed")
         if hyper_disagree(flags, n):
-            pipe.drain()
-            opt.stats.end_step()
+            self._abandon()
             raise StepInputError(self._hyper_mismatch(step))
         if flags[NONFINITE_RANKS] > 0:
-            pipe.drain()
-            opt.stats.end_step()
+            self._abandon()
             count = f"{flags[NONFINITE_VALUES]}{'+' if flags[NONFINITE_VALUES] >= 2**20 else ''}"
             return StepOutcome(False, f"non-finite gradient or momentum on {flags[NONFINITE_RANKS]} of {n} ranks at "
                                       f"step {step} (non-finite values in all: {count})")
@@ -204,27 +255,35 @@ class StepPlan:
         idle = pipe.idle_everywhere(flags)
         kept = [(p, p.detach().clone(), store.get(p).clone()) for p in idle]
         pipe.complete(flags, step)
+        if self.nodes is not None:
+            self.nodes.finish()  # the group all-gathers the updated shards into the parameters
         for p, value, m in kept:
             p.copy_(value)
             store.get(p).copy_(m)
         idle_ids = {id(p) for p in idle}
         for p in self.params():
-            if id(p) not in idle_ids:
+            if id(p) not in idle_ids and "step" in opt.state[p]:
                 opt.state[p]["step"] += 1
         if self.msync is not None:
             where = self.msync.scope(step - 1)
             if where is not None:
-                MomentumSync.average_over(where, [store.get(p) for p in self.sync_params], self.config.bucket_numel,
+                MomentumSync.average_over(where, self._synced_momenta(), self.config.bucket_numel,
                                           self.config.momentum_sync.dtype)
         opt.stats.end_step()
         return StepOutcome(True)
+
+    def _synced_momenta(self) -> list:
+        if self.nodes is not None:  # every momentum shard, averaged over the shard peers
+            shards = self.opt.momenta.shards["momentum"]
+            return [shards[i] for i in sorted(shards)]
+        return [self.opt.momenta.get(p) for p in self.sync_params]
 
     def _hyper_mismatch(self, step: int) -> str:
         """The error message for hyper-parameters that differ across ranks: gathers every rank's
         values (only on this error path, which every rank takes together)."""
         mine = hyper_values(self.opt.param_groups)
-        every = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self.topology.group)
+        every = [None] * self.ranks
+        dist.all_gather_object(every, mine, group=self.world_coll.group)
         lines = []
         for gi in range(len(mine)):
             for k, what in enumerate(("lr", "weight_decay", "betas")):
@@ -241,12 +300,16 @@ class StepPlan:
 
     # ------------------------------------------------------------------ other collective services
     def sync_momenta(self, scope: str) -> None:
-        if self.msync is not None:
-            coll, params = (self.msync.world if scope == "world" else self.msync.node), self.sync_params
-        else:
-            coll, params = self.coll, self.params()
         dtype = self.config.momentum_sync.dtype if self.config.momentum_sync is not None else "fp32"
-        MomentumSync.average_over(coll, [self.opt.momenta.get(p) for p in params], self.config.bucket_numel, dtype)
+        if self.msync is not None:
+            coll = self.msync.world if scope == "world" else self.msync.node
+            MomentumSync.average_over(coll, self._synced_momenta(), self.config.bucket_numel, dtype)
+        elif self.nodes is not None:
+            shards = self.opt.momenta.shards["momentum"]
+            MomentumSync.average_over(self.coll, [shards[i] for i in sorted(shards)], self.config.bucket_numel, dtype)
+        else:
+            MomentumSync.average_over(self.coll, [self.opt.momenta.get(p) for p in self.params()],
+                                      self.config.bucket_numel, dtype)
 
     def average_all_momenta(self) -> None:
         """Every voting parameter's momentum averaged (fp32) over the vote group: what a checkpoint
@@ -275,26 +338,37 @@ class StepPlan:
         names = [nm for b in self.buckets for nm in b.names]
         fp = self._fingerprints(params)
         both = torch.cat([fp, -fp])
-        self.coll.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
+        self.world_coll.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
         hi, neg_lo = both[:fp.numel()], both[fp.numel():]
         differs = (hi != -neg_lo).reshape(-1, 2).any(dim=1)
         if not bool(differs.any()):
             return True
         idx = differs.nonzero().reshape(-1).tolist()
         labels = [names[i] or f"param #{i} (shape {tuple(params[i].shape)})" for i in idx[:5]]
-        msg = (f"LionCub: parameters differ across the {self.world_size} ranks at step {step}: "
+        msg = (f"LionCub: parameters differ across the {self.ranks} ranks at step {step}: "
                f"{', '.join(labels)}" + (f" and {len(idx) - 5} more" if len(idx) > 5 else ""))
         if action == "resync":
             log.warning("%s; re-synchronizing every parameter from rank 0", msg)
             for p in params:
                 if p.is_contiguous():
-                    self.coll.broadcast_(p.data, 0, "drift_resync")
+                    self.world_coll.broadcast_(p.data, 0, "drift_resync")
                 else:  # a broadcast sends raw memory: go through a contiguous copy of the view
                     buf = p.detach().contiguous()
-                    self.coll.broadcast_(buf, 0, "drift_resync")
+                    self.world_coll.broadcast_(buf, 0, "drift_resync")
                     p.data.copy_(buf)
             return False
         raise ReplicaDriftError(msg)
+
+
+def grad_problem(b) -> str | None:
+    """This rank's reason bucket ``b``'s gradients are unusable (sparse, wrong shape or device), or None."""
+    for p, name in zip(b.params, b.names):
+        gr = p.grad
+        if gr is not None and (gr.is_sparse or gr.shape != p.shape or gr.device != p.device):
+            return (f"LionCub: the gradient of parameter {name or tuple(p.shape)} is "
+                    f"{'sparse' if gr.is_sparse else f'{tuple(gr.shape)} on {gr.device}'}; allowed: a dense "
+                    f"gradient of the parameter's shape {tuple(p.shape)} on {p.device}")
+    return None
 
 
 class _Local:
@@ -335,26 +409,17 @@ class VotePipeline:
         return any(x is not None for x in self.local)
 
     # ------------------------------------------------------------------ local step
-    def _grad_problem(self, b) -> str | None:
-        for p, name in zip(b.params, b.names):
-            gr = p.grad
-            if gr is not None and (gr.is_sparse or gr.shape != p.shape or gr.device != p.device):
-                return (f"LionCub: the gradient of parameter {name or tuple(p.shape)} is "
-                        f"{'sparse' if gr.is_sparse else f'{tuple(gr.shape)} on {gr.device}'}; allowed: a dense "
-                        f"gradient of the parameter's shape {tuple(p.shape)} on {p.device}")
-        return None
-
     def prepare(self, i: int) -> None:
         """Bucket ``i``'s local step: its votes and abstention payload, and its flag entries."""
         plan, b = self.plan, self.plan.buckets[i]
         cfg, opt = plan.config, plan.opt
         g = opt.param_groups[b.group_index]
         b1, b2 = g["betas"]
-        dev = b.params[0].device
+        dev = b.device_dtype()[0]
         be = kernels.backend_for(dev.type)
-        job = VoteJob(b.params, b.offsets, b.numel, None, lr_value(g["lr"]), g["weight_decay"], opt.step_count + 1,
-                      cfg.tie_break, cfg.vote)
-        problem = self._grad_problem(b)
+        job = VoteJob(b.params, b.offsets, b.numel, b.param_starts, lr_value(g["lr"]), g["weight_decay"],
+                      opt.step_count + 1, cfg.tie_break, cfg.vote)
+        grads, momenta, missing, problem = plan.bucket_inputs(i)
         if problem is not None:
             # This rank cannot vote: send well-formed zeros so every rank's collectives still
             # match, and say why through the flags (every rank raises together).
@@ -368,10 +433,6 @@ class VotePipeline:
             zero = torch.zeros((), dtype=torch.int64, device=dev)
             self.local[i] = _Local(job, grads, momenta, be, zero, torch.zeros(2, dtype=torch.int32, device=dev), [])
             return
-        # A parameter without a gradient on this rank votes with g = 0 (its momentum still
-        # decays); every rank must run the same collectives, whatever its batch used.
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        momenta = [opt.momenta.get(p) for p in b.params]
         # counts stay on the device (device_counts): finish() folds them into the step's one flag read
         nxt = None
         if b.algorithm.encoding == "int8":
@@ -393,7 +454,6 @@ class VotePipeline:
                                                        device_counts=True, momenta_out=nxt)
             flags = self._payload(job, b, sign, nz, be)
         versions = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
-        missing = [k for k, p in enumerate(b.params) if p.grad is None]
         self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt, missing)
 
     @staticmethod
@@ -558,7 +618,7 @@ class VotePipeline:
                     opt.momenta.commit(p, m)
             else:
                 loc.backend.momentum_update_list(loc.momenta, loc.grads, opt.param_groups[b.group_index]["betas"][1])
-            opt.stats.add_baseline(b.real_numel, plan.world_size)
+            opt.stats.add_baseline(*plan.baseline(i))
         for k, batch in enumerate(plan.batches):
             jobs = [self.local[i].job for i in batch]
             plan.buckets[batch[0]].algorithm.complete(counted[k], jobs, coll, self.local[batch[0]].backend)

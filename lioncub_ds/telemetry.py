@@ -37,7 +37,10 @@ def _zero():
     # comm_time_s: each collective from launch to done (overlapped time included);
     # wait_time_s: the time the host spent blocked waiting for them (the exposed part)
     return {"bytes_sent": 0, "fp32_allreduce_bytes": 0, "bf16_allreduce_bytes": 0, "comm_time_s": 0.0,
-            "wait_time_s": 0.0, "collectives": 0, "by_collective": defaultdict(int), "by_algorithm": defaultdict(int)}
+            "wait_time_s": 0.0, "collectives": 0, "by_collective": defaultdict(int), "by_algorithm": defaultdict(int),
+            # which link: "vote_group" (flat voting), or with node voters "intra_node" (the node
+            # group's reduce-scatter / all-gather / flags) and "inter_node" (votes between groups)
+            "by_scope": defaultdict(int)}
 
 
 class CommStats:
@@ -50,7 +53,7 @@ class CommStats:
         self.steps = 0
 
     def record(self, kind: str, purpose: str, nbytes: int, world_size: int, seconds: float,
-               riders: dict | None = None) -> int:
+               riders: dict | None = None, scope: str = "vote_group") -> int:
         """One collective over ``nbytes``. ``riders``: {purpose: nbytes} of it that served another
         purpose (the step's flags riding in a vote message): counted under that purpose."""
         sent = ring_bytes(kind, nbytes, world_size)
@@ -64,6 +67,7 @@ class CommStats:
             acc["comm_time_s"] += seconds
             acc["collectives"] += 1
             acc["by_collective"][kind] += sent
+            acc["by_scope"][scope] += sent
             for name, part in parts.items():
                 acc["by_algorithm"][name] += part
         return sent
@@ -104,6 +108,7 @@ def _plain(acc):
     out = dict(acc)
     out["by_collective"] = dict(acc["by_collective"])
     out["by_algorithm"] = dict(acc["by_algorithm"])
+    out["by_scope"] = dict(acc["by_scope"])
     fp32 = out["fp32_allreduce_bytes"]
     out["ratio_vs_fp32"] = (fp32 / out["bytes_sent"]) if out["bytes_sent"] else None
     out["ratio_vs_bf16"] = (out["bf16_allreduce_bytes"] / out["bytes_sent"]) if out["bytes_sent"] else None

@@ -52,8 +52,9 @@ class Collectives:
     CUDA), and the group's own timeout handles a dead peer.
     """
 
-    def __init__(self, group, stats: CommStats, timeout_s: float | None = None):
+    def __init__(self, group, stats: CommStats, timeout_s: float | None = None, scope: str = "vote_group"):
         self.group = group
+        self.scope = scope  # which link the bytes cross (CommStats.by_scope)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.stats = stats
@@ -137,7 +138,8 @@ class Pending:
             self._done = True
             now = time.perf_counter()
             coll.stats.record_wait(now - t_wait)
-            coll.stats.record(self.kind, self.purpose, self._sent, coll.world_size, now - self._t, self._riders)
+            coll.stats.record(self.kind, self.purpose, self._sent, coll.world_size, now - self._t, self._riders,
+                              coll.scope)
         return self.out
 
 
@@ -222,7 +224,8 @@ class VoteAlgorithm:
         it (the carriers put it last)."""
         if not self.carries_flags:
             raise NotImplementedError(f"comm {self.name!r} does not carry the step's flags")
-        return state.wait()[:, -4 * width:].contiguous().view(torch.int32)
+        # a copy (not .contiguous(): one row of one rank is already contiguous at an odd offset)
+        return state.wait()[:, -4 * width:].clone(memory_format=torch.contiguous_format).view(torch.int32)
 
     def received(self, state, jobs: list[VoteJob], coll: Collectives) -> list:
         raise NotImplementedError

@@ -1,0 +1,136 @@
+"""Node voters (``voters="node"``, docs/node_voters.md, SPEC §7): shard inside a node group,
+vote across node groups.
+
+World N = Nn groups × L consecutive ranks. Every flat bucket of the layout is padded to a
+multiple of 8·Nn·L and cut into L equal shards; local rank k of every group owns shard k. Per
+step, on the rank (group j, local rank k):
+
+1. the group's gradients are reduce-scattered: an all_to_all inside the group, then the L rows
+   are summed in fp32 in local-rank order (row 0 + row 1 + ... + row L−1, one add at a time)
+   and divided by L: ḡ_jk, the same bits on every platform;
+2. shard k votes with the shard-k owners of the other groups (the shard peers) through the
+   ordinary pipeline: the shard bucket's "parameters" are views of a flat fp32 work buffer
+   (for bf16/fp16 parameters the persistent fp32 master shard; for fp32 parameters a copy of
+   their values made for the step), its gradients are views of ḡ_jk, its momenta views of the
+   rank's momentum shard, and the hash tie rule keys on the element's index inside its real
+   parameter (``param_starts``), as in flat voting;
+3. after the agreed update, the group all-gathers the shards (in the parameters' dtype) and
+   every rank copies them into its parameters.
+
+Nothing full-precision crosses a group boundary: steps 1 and 3 use the group's own process
+group, step 2 only the vote's messages and the step's flags.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import Bucket
+
+
+class NodeShards:
+    """This rank's shard of every flat bucket, its buffers and the group's collectives."""
+
+    def __init__(self, full_buckets: list[Bucket], topology, node_coll, store):
+        self.full = full_buckets
+        self.size, self.local_rank = topology.node_size, topology.local_rank
+        self.coll, self.store = node_coll, store
+        self.shards: list[Bucket] = []
+        self.pieces: list[list] = []   # per bucket: (param, start inside it, length, offset in the shard)
+        for fb in full_buckets:
+            numel = fb.numel // self.size
+            lo = self.local_rank * numel
+            pieces = []
+            for p, off in zip(fb.params, fb.offsets):
+                a, b = max(off, lo), min(off + p.numel(), lo + numel)
+                if a < b:
+                    pieces.append((p, a - off, b - a, a - lo))
+            self.pieces.append(pieces)
+            # an empty shard (the bucket's real elements all live in other shards) still votes, with
+            # one all-padding piece, so that every shard peer runs the same collectives
+            # (an empty shard's one piece is all padding: length 0 in the real-element mask)
+            self.shards.append(Bucket(fb.group_index, [], [None] * max(1, len(pieces)),
+                                      [q[3] for q in pieces] or [0], numel, sum(q[2] for q in pieces),
+                                      fb.base + lo, param_starts=[q[1] for q in pieces] or [0],
+                                      lengths=[q[2] for q in pieces] or [0],
+                                      kind=(fb.params[0].device, torch.float32)))
+        self.device = full_buckets[0].params[0].device if full_buckets else torch.device("cpu")
+        self.grads: list = []   # this step's ḡ shard per bucket
+        self.work: list = []    # this step's fp32 parameter shard per bucket (the master, or a copy)
+        self.problems: list = []
+
+    def low_precision(self, i: int) -> bool:
+        return self.full[i].params[0].dtype != torch.float32
+
+    # ------------------------------------------------------------------ before the vote
+    def _work(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s flat fp32 shard of parameter values: the persistent master for bf16/fp16
+        parameters (made from their values the first time), a copy for the step otherwise."""
+        sb = self.shards[i]
+        if self.low_precision(i):
+            master = self.store.shard("master", i, sb.numel, torch.float32, self.device)
+            if not self.store.shard_initialized("master", i):
+                self._copy_from_params(i, master)
+                self.store.mark_initialized("master", i)
+            return master
+        work = torch.zeros(sb.numel, dtype=torch.float32, device=self.device)
+        self._copy_from_params(i, work)
+        return work
+
+    def _copy_from_params(self, i, work):
+        for p, start, length, at in self.pieces[i]:
+            work[at:at + length].copy_(p.detach().reshape(-1)[start:start + length])
+
+    @staticmethod
+    def _views(flat, pieces):
+        return [flat[at:at + length] for _, _, length, at in pieces] or [flat]
+
+    def begin(self, grad_problem) -> None:
+        """Reduce-scatter every bucket's gradients inside the group (launched together, then
+        summed in local-rank order) and point each shard bucket at this step's buffers.
+        ``grad_problem(bucket)``: this rank's reason its gradients are unusable, or None (it then
+        sends zeros and the flags make every rank refuse the step)."""
+        pending, self.problems = [], []
+        for fb in self.full:
+            problem = grad_problem(fb)
+            self.problems.append(problem)
+            flat = torch.zeros(fb.numel, dtype=torch.float32, device=self.device)
+            if problem is None:
+                for p, off in zip(fb.params, fb.offsets):
+                    if p.grad is not None:
+                        flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+            pending.append(self.coll.all_to_all(flat.view(self.size, -1), "node_reduce_scatter", async_op=True))
+        self.grads, self.work = [], []
+        for i, pend in enumerate(pending):
+            rows = pend.wait()
+            acc = rows[0].clone()
+            for row in rows[1:]:  # local-rank order: the documented sum
+                acc.add_(row)
+            acc.div_(self.size)
+            self.grads.append(acc)
+            self.work.append(self._work(i))
+            self.shards[i].params = self._views(self.work[i], self.pieces[i])
+
+    def inputs(self, i: int):
+        """(gradients, momenta) of shard bucket ``i`` for the local step: views of ḡ and of the
+        momentum shard, piece by piece."""
+        sb = self.shards[i]
+        m = self.store.shard("momentum", i, sb.numel, self.store.dtype, self.device)
+        return self._views(self.grads[i], self.pieces[i]), self._views(m, self.pieces[i])
+
+    # ------------------------------------------------------------------ after the vote
+    def finish(self) -> None:
+        """All-gather the updated shards inside the group (in the parameters' dtype) and copy
+        them into the parameters; drop the step's buffers."""
+        pending = [self.coll.all_gather(work.to(fb.params[0].dtype), "node_all_gather", async_op=True)
+                   for fb, work in zip(self.full, self.work)]
+        for i, pend in enumerate(pending):
+            full = pend.wait().reshape(-1)
+            for p, off in zip(self.full[i].params, self.full[i].offsets):
+                p.detach().copy_(full[off:off + p.numel()].view_as(p))
+        self.release()
+
+    def release(self) -> None:
+        """Forget the step's gradient and work buffers (the master shards stay)."""
+        self.grads, self.work = [], []
+        for sb in self.shards:
+            sb.params = []

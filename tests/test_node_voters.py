@@ -1,0 +1,208 @@
+"""Node voters (voters="node", SPEC §7, issue 24) on real gloo ranks: Nn groups × L ranks.
+
+Every check runs inside one launch per (Nn, L) (process start-up dominates the cost):
+* each step equals a brute-force oracle computed independently in every rank (the gradients are
+  deterministic per (rank, step), so no communication is needed for it): Nn voters, voter j with
+  the mean of its L ranks' gradients (summed in local-rank order) and its own momentum, sign
+  votes with abstentions and the hash tie rule on the element's index inside its parameter;
+* every rank holds bit-identical parameters after every step;
+* no floating-point tensor crosses a group boundary (the NCCL-contract log of every collective,
+  its group and dtype), and comm_stats splits the bytes into intra- and inter-node;
+* the optimizer state per rank follows the formula (momentum shards of 1/L of each bucket);
+* a checkpoint resumes exactly at the same (Nn, L), and a changed L is refused.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lioncub_ds import LionCub
+from lioncub_ds.config import LionCubConfigError
+from lioncub_ds.kernels import reference
+from lioncub_ds.testing import nccl_contract
+from dist_helpers import run_ranks
+
+pytestmark = pytest.mark.dist
+
+ENV = {"LIONCUB_KERNELS": "torch"}
+STEPS = 5
+LR, WD, BETAS = 0.01, 0.1, (0.9, 0.99)
+
+
+class Net(torch.nn.Module):
+    """Odd sizes (41, 65, 14, ... elements); embedding rows 6..10 are never used (abstentions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 5)
+        self.fc1 = torch.nn.Linear(5, 13)
+        self.fc2 = torch.nn.Linear(13, 3)
+
+    def forward(self, idx):
+        return self.fc2(torch.tanh(self.fc1(self.emb(idx).mean(1))))
+
+
+def _grads(model, rank, step):
+    """Rank ``rank``'s gradients at ``step`` (deterministic; computed by any process)."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    idx = torch.randint(0, 6, (4, 3), generator=gen)
+    y = torch.randn(4, 3, generator=gen)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(idx), y).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _oracle(n_groups, size, dtype, tie_break, steps):
+    """The parameters after each step, by plain Distributed Lion over node-mean gradients."""
+    torch.manual_seed(0)
+    ref = Net().to(dtype)  # the gradients come from a model in the parameters' dtype, as in the run
+    master = [p.detach().float().clone() for p in ref.parameters()]
+    shapes = [p.shape for p in ref.parameters()]
+    momenta = [[torch.zeros(s) for s in shapes] for _ in range(n_groups)]
+    out = []
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), master):
+                p.copy_(m.to(dtype))  # the forward sees the parameters in their dtype
+        per_rank = [_grads(ref, r, step) for r in range(n_groups * size)]
+        new = []
+        for k, theta in enumerate(master):
+            gbar = []
+            for j in range(n_groups):
+                acc = per_rank[j * size][k].float().clone()
+                for l in range(1, size):
+                    acc.add_(per_rank[j * size + l][k].float())
+                gbar.append(acc.div_(size))
+            cs = [reference.lion_direction(momenta[j][k].reshape(-1), gbar[j].reshape(-1), BETAS[0])
+                  for j in range(n_groups)]
+            votes = torch.sign(torch.stack(cs))
+            plus, cnt = (votes > 0).sum(0), (votes != 0).sum(0)
+            diff = 2 * plus - cnt
+            delta = torch.sign(diff).float()
+            ties = (diff == 0) & (cnt > 0)
+            if tie_break == "hash":
+                tie = reference.tie_hash_sign(step, torch.arange(theta.numel(), dtype=torch.int64)).float()
+            else:
+                tie = torch.zeros(theta.numel())
+            delta = torch.where(ties, tie, delta)
+            e = theta.clone()
+            e.mul_(1.0 - LR * WD)
+            e.add_(delta.view_as(e).mul(-LR))
+            new.append(e)
+            for j in range(n_groups):
+                reference.momentum_update(momenta[j][k], gbar[j], BETAS[1])
+        master = new
+        out.append([m.to(dtype) for m in master])
+    return out
+
+
+def _run(rank, world_size, size, comm, dtype, tie_break):
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    kw = {"quant": "l1"} if comm in ("int8", "bbit") else {}
+    opt = LionCub(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, comm=comm, tie_break=tie_break,
+                  voters="node", node_size=size, bucket_size_mb=0.0002, **kw)  # several buckets
+    nccl_contract.reset()
+    after = []
+    for step in range(1, STEPS + 1):
+        for p, g in zip(model.parameters(), _grads(model, rank, step)):
+            p.grad = g.to(dtype)
+        opt.step()
+        after.append([p.detach().clone() for p in model.parameters()])
+    res = {"after": after, "stats": opt.comm_stats(), "state": opt.state_bytes(),
+           "shard_numels": [b.numel for b in opt.plan.buckets], "full_numels": [b.numel for b in opt.plan.nodes.full],
+           "log": list(nccl_contract.log()), "world": opt.world_size, "rank": opt.rank}
+    # resume: a fresh optimizer on the same model loads this one's state and goes on like it
+    sd = opt.state_dict()
+    twin_model = Net().to(dtype)
+    twin_model.load_state_dict(model.state_dict())
+    twin = LionCub(twin_model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, comm=comm, tie_break=tie_break,
+                   voters="node", node_size=size, bucket_size_mb=0.0002, **kw)
+    twin.load_state_dict(sd)
+    for m, o in ((model, opt), (twin_model, twin)):
+        for p, g in zip(m.parameters(), _grads(m, rank, STEPS + 1)):
+            p.grad = g.to(dtype)
+        o.step()
+    res["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+    # a different L: refused before anything is loaded
+    flat = LionCub(Net().to(dtype).parameters(), lr=LR, comm=comm, voters="node", node_size=1, **kw)
+    try:
+        flat.load_state_dict(sd)
+        res["other_layout"] = None
+    except LionCubConfigError as exc:
+        res["other_layout"] = str(exc)
+    return res
+
+
+CASES = [(2, 2, "1bit", torch.float32, "hash"), (2, 3, "1bit", torch.float32, "zero"),
+         (3, 2, "allgather", torch.float32, "hash"), (4, 2, "pbit", torch.float32, "hash"),
+         (1, 2, "1bit", torch.float32, "hash"), (2, 2, "1bit", torch.bfloat16, "hash")]
+
+
+@pytest.mark.parametrize("n_groups,size,comm,dtype,tie_break", CASES,
+                         ids=[f"{n}x{s}-{c}-{str(d)[6:]}-{t}" for n, s, c, d, t in CASES])
+def test_node_voters_match_the_oracle_on_real_ranks(n_groups, size, comm, dtype, tie_break):
+    world = n_groups * size
+    res = run_ranks(_run, world, size, comm, dtype, tie_break, timeout=400, env=ENV)
+    want = _oracle(n_groups, size, dtype, tie_break, STEPS)
+    for r in range(world):
+        assert res[r]["world"] == world and res[r]["rank"] == r
+        for step in range(STEPS):
+            for k, (got, exp) in enumerate(zip(res[r]["after"][step], want[step])):
+                assert torch.equal(got, exp), f"rank {r} step {step + 1} param {k}: {(got - exp).abs().max()}"
+        assert res[r]["resumed_equal"]
+        assert res[r]["other_layout"] is not None and "voters" in res[r]["other_layout"]
+    # no floating-point tensor in a collective whose group spans two node groups
+    node_of = lambda rank: rank // size  # noqa: E731
+    for r in range(world):
+        for entry in res[r]["log"]:
+            ranks, dtype_s = entry[1], entry[2]
+            if ranks and len({node_of(x) for x in ranks}) > 1:
+                assert dtype_s in ("torch.uint8", "torch.int8", "torch.int32", "torch.int64"), entry
+        scopes = res[r]["stats"]["cumulative"]["by_scope"]
+        assert set(scopes) <= {"intra_node", "inter_node"}, scopes
+        if n_groups == 1:
+            assert scopes.get("inter_node", 0) == 0  # one voter: no votes on the slow link
+    # state per rank: a momentum shard of 1/L of every bucket (fp32), and fp32 masters for bf16 only
+    for r in range(world):
+        st = res[r]["state"]
+        assert [f // size for f in res[r]["full_numels"]] == res[r]["shard_numels"]
+        assert st["momentum"] == 4 * sum(res[r]["shard_numels"])
+        assert st["master"] == (4 * sum(res[r]["shard_numels"]) if dtype != torch.float32 else 0)
+        assert st["momentum"] <= 4 * st["params"] / size * 1.05 + 4 * 8 * world * len(res[r]["full_numels"])
+
+
+def _flat_vs_node1(rank, world_size):
+    out = []
+    for voters in ("rank", "node"):
+        torch.manual_seed(0)
+        model = Net()
+        kw = {"node_size": 1} if voters == "node" else {}
+        opt = LionCub(model.parameters(), lr=LR, weight_decay=WD, comm="1bit", voters=voters, **kw)
+        for step in range(1, 4):
+            for p, g in zip(model.parameters(), _grads(model, rank, step)):
+                p.grad = g
+            opt.step()
+        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return out
+
+
+def test_node_size_one_is_flat_voting_bit_for_bit():
+    res = run_ranks(_flat_vs_node1, 3, timeout=240, env=ENV)
+    for r in range(3):
+        assert torch.equal(res[r][0], res[r][1])
+
+
+def _bad_node_size(rank, world_size):
+    try:
+        LionCub(Net().parameters(), lr=LR, voters="node", node_size=2)
+    except LionCubConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_node_size_that_does_not_divide_the_ranks_is_refused():
+    res = run_ranks(_bad_node_size, 3, timeout=240, env=ENV)
+    for r in range(3):
+        assert res[r] is not None and "node_size=2" in res[r] and "divisor of 3" in res[r]
