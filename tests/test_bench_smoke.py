@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lioncub_ds.bench import BENCHMARKS, comm, converge, netns, scaling
+from lioncub_ds.bench import BENCHMARKS, comm, converge, netns, netns_nodes, scaling
 from lioncub_ds.comm.cost import CostModel
 
 pytestmark = pytest.mark.unit  # tests that spawn ranks or a child process: dist
@@ -18,7 +18,7 @@ COMM_FIELDS = {"bench", "algorithm", "vote", "world_size", "numel", "bytes_per_r
 
 
 def test_registry_lists_every_benchmark():
-    for name in ("kernels", "comm", "netns", "converge", "scaling", "zero", "startup"):
+    for name in ("kernels", "comm", "netns", "netns_nodes", "converge", "scaling", "zero", "startup"):
         assert name in BENCHMARKS
 
 
@@ -196,6 +196,8 @@ def test_converge_tiny():
 def test_netns_refuses_clearly_when_it_cannot_run(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert netns.main(["--steps", "1"]) != 0
+    assert "root" in capsys.readouterr().err
+    assert netns_nodes.main(["--steps", "1"]) != 0
     assert "root" in capsys.readouterr().err
 
 

@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, str] = {
     "kernels": "lioncub_ds.bench.kernels",    # fused C++ kernels vs unfused torch vs the copy floor
     "comm": "lioncub_ds.bench.comm",          # wire bytes per rank per step, by algorithm
     "netns": "lioncub_ds.bench.netns",        # step time on a rate-limited loopback (network namespace)
+    "netns_nodes": "lioncub_ds.bench.netns_nodes",  # 2 namespaces (nodes) joined by a shaped veth pair
     "converge": "lioncub_ds.bench.converge",  # validation loss of a small GPT, per optimizer
     "scaling": "lioncub_ds.bench.scaling",    # alpha-beta model: predicted comm time vs world size
     "zero": "lioncub_ds.bench.zero",          # ZeRO-1 sign all-gather vs DeepSpeed's parameter all-gather

@@ -27,13 +27,17 @@ __all__ = ["free_port", "run_ranks", "print_table", "write_json", "machine_info"
 
 # ----------------------------------------------------------------------------- ranks
 # One spawner for tests and benchmarks (lioncub_ds.testing); benchmarks run without the NCCL contract.
-def run_ranks(fn, world_size: int, *args, timeout: float = 1800.0, env: dict | None = None, threads: int = 1):
+def run_ranks(fn, world_size: int, *args, timeout: float = 1800.0, env: dict | None = None, threads: int = 1,
+              init: str = "tcp", ranks=None):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes on 127.0.0.1.
 
     ``fn`` must be importable (module level). Returns the per-rank results (list by rank).
     Any rank's exception raises :class:`RankError` with its traceback; the other ranks are killed.
+    ``init`` (a ``tcp://ADDR:PORT`` URL) and ``ranks`` (a subset of the global ranks) spawn one
+    node's share of a world whose other ranks run elsewhere (``bench netns_nodes``).
     """
-    return _run_ranks(fn, world_size, *args, timeout=timeout, env=env, threads=threads, daemon=True)
+    return _run_ranks(fn, world_size, *args, timeout=timeout, env=env, threads=threads, daemon=True, init=init,
+                      ranks=ranks)
 
 
 # ----------------------------------------------------------------------------- output

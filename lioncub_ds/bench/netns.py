@@ -128,8 +128,10 @@ class FusedLion:
         self.be = kernels.backend_for("cpu")
         self.step_count = 0
 
-    def apply_bucket(self, ps, offs, total, grads):
-        moms = [self.mom[id(p)] for p in ps]
+    def apply_bucket(self, ps, offs, total, grads, moms=None):
+        """One fused Lion update of ``ps`` (at ``offs`` in a ``total``-element bucket) on ``grads``;
+        ``moms``: their momenta (default: this optimizer's, one per parameter)."""
+        moms = [self.mom[id(p)] for p in ps] if moms is None else moms
         sign, nz, _, nzero = self.be.local_step(grads, moms, offs, total, self.betas[0], self.betas[1], True)
         self.be.vote_apply(sign.view(1, -1), nz.view(1, -1) if nzero else None, ps, offs, self.lr, 0.0,
                            self.step_count, "zero", "majority", 1, 0, False)
@@ -187,14 +189,19 @@ class AllReduceLion(FusedLion):
         return comm_s, sent
 
 
-def _lo_tx_bytes() -> int | None:
-    """Bytes sent on this network namespace's loopback so far (all ranks' traffic, TCP/IP headers
-    included): ``ip netns exec`` mounts a sysfs of the namespace, so this is the shaped link."""
+def net_counter(dev: str = "lo", what: str = "tx_bytes") -> int | None:
+    """A byte counter of a device of this process's network namespace (all its processes' traffic,
+    TCP/IP headers included): ``ip netns exec`` mounts a sysfs of the namespace."""
     try:
-        with open("/sys/class/net/lo/statistics/tx_bytes") as f:
+        with open(f"/sys/class/net/{dev}/statistics/{what}") as f:
             return int(f.read())
     except OSError:
         return None
+
+
+def _lo_tx_bytes() -> int | None:
+    """Bytes sent on this namespace's loopback so far: in this benchmark, the shaped link."""
+    return net_counter("lo", "tx_bytes")
 
 
 def _bf16_hook(state, bucket):
@@ -206,52 +213,90 @@ def _bf16_hook(state, bucket):
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
-def _rank_fn(rank, n, cfg):
+def _make_opt(v, kw, params, cfg):
+    """The optimizer of a netns variant (``kw``: its LionCub settings, None for the baselines)."""
+    from lioncub_ds import LionCub
+
+    if kw is not None:
+        return LionCub(params, lr=1e-4, betas=(0.95, 0.98), **kw)
+    if v in (FLOOR_VARIANT, DDP_BASELINE):
+        return FusedLion(params, 1e-4, (0.95, 0.98))
+    dtype = torch.float32 if "fp32" in v else torch.bfloat16
+    return AllReduceLion(params, dtype, cfg["baseline_update"], 1e-4, (0.95, 0.98))
+
+
+def setup_rank(rank, n, cfg, kw_for=None, make_opt=_make_opt, optional=()):
+    """One rank's model, data and one optimizer per variant of ``cfg["variants"]`` (all ranks
+    construct them in the same order). ``kw_for(v)``: a variant's LionCub settings or None
+    (default :func:`lioncub_kw`); ``make_opt(v, kw, params, cfg)`` builds the optimizer. A variant
+    in ``optional`` whose construction raises :class:`LionCubConfigError` (a setting this LionCub
+    does not know) is left out and reported in ``state["unavailable"]`` (variant -> message)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lioncub_ds import LionCub
+    from lioncub_ds.config import LionCubConfigError
     from lioncub_ds.data import load_dataset
     from lioncub_ds.models import build_model
     from lioncub_ds.telemetry import ring_bytes
 
-    model = build_model(cfg["preset"], seed=0, n_layer=cfg["n_layer"], d_model=cfg["d_model"],
-                        n_head=cfg["n_head"], seq_len=cfg["seq_len"])
+    kw_for = kw_for or lioncub_kw
+
+    def new_model():
+        return build_model(cfg["preset"], seed=0, n_layer=cfg["n_layer"], d_model=cfg["d_model"],
+                           n_head=cfg["n_head"], seq_len=cfg["seq_len"])
+
+    model = new_model()
     params = [p for p in model.parameters() if p.requires_grad]
-    models = {v: model for v in cfg["variants"]}
-    kws = {v: lioncub_kw(v) for v in cfg["variants"]}  # once, not inside the timed loop
-    ds = load_dataset()
-    opts, ddp = {}, None
+    models, kws, opts, unavailable = {}, {}, {}, {}
     for v in cfg["variants"]:
-        kw = kws[v]
+        kw = kw_for(v)  # once, not inside the timed loop
+        models[v] = model
         if kw is not None and kw.get("overlap"):
             # overlap hooks on a copy of their own: they must not fire in other variants' backward
-            models[v] = build_model(cfg["preset"], seed=0, n_layer=cfg["n_layer"], d_model=cfg["d_model"],
-                                    n_head=cfg["n_head"], seq_len=cfg["seq_len"])
-            own = [p for p in models[v].parameters() if p.requires_grad]
-            opts[v] = LionCub(own, lr=1e-4, betas=(0.95, 0.98), **kw)
-        elif kw is not None:
-            opts[v] = LionCub(params, lr=1e-4, betas=(0.95, 0.98), **kw)
-        elif v in (FLOOR_VARIANT, DDP_BASELINE):
-            opts[v] = FusedLion(params, 1e-4, (0.95, 0.98))
-        else:
-            dtype = torch.float32 if "fp32" in v else torch.bfloat16
-            opts[v] = AllReduceLion(params, dtype, cfg["baseline_update"], 1e-4, (0.95, 0.98))
-    if DDP_BASELINE in cfg["variants"]:
+            models[v] = new_model()
+        own = [p for p in models[v].parameters() if p.requires_grad]
+        try:
+            opts[v] = make_opt(v, kw, own, cfg)
+        except LionCubConfigError as exc:
+            if v not in optional:
+                raise
+            unavailable[v] = f"{type(exc).__name__}: {exc}"
+            del models[v]
+            continue
+        kws[v] = kw
+    st = {"model": model, "params": params, "models": models, "kws": kws, "opts": opts, "ddp": None,
+          "ddp_bytes": None, "ds": load_dataset(), "unavailable": unavailable}
+    if DDP_BASELINE in opts:
         # What users run today: torch DDP (default 25 MB buckets, all-reduce overlapped with backward)
         # with bf16 gradient compression. It wraps the SAME module: its reducer hooks only fire for a
         # backward that follows a forward through the DDP wrapper, so the other variants are unaffected.
-        ddp = DistributedDataParallel(model)
-        ddp.register_comm_hook(dist.group.WORLD, _bf16_hook)
-        ddp_bytes = ring_bytes("all_reduce", 2 * sum(p.numel() for p in params), n)
+        st["ddp"] = DistributedDataParallel(model)
+        st["ddp"].register_comm_hook(dist.group.WORLD, _bf16_hook)
+        st["ddp_bytes"] = ring_bytes("all_reduce", 2 * sum(p.numel() for p in params), n)
+    return st
+
+
+def _split_stats(last: dict) -> dict:
+    """The intra-/inter-node byte split of a step's telemetry, where the optimizer reports one
+    (numeric keys naming ``intra_node`` / ``inter_node``); {} otherwise."""
+    return {k: v for k, v in last.items() if ("intra_node" in k or "inter_node" in k) and isinstance(v, (int, float))}
+
+
+def timed_rounds(rank, n, cfg, st, probe=None) -> list[dict]:
+    """The interleaved rounds: each round runs one step of every variant of ``st`` in a rotating
+    order. ``probe()`` (this rank's counters, a dict of ints) is read after the barrier that opens
+    a step and after the one that closes it; a row carries each counter's difference."""
+    import torch.distributed as dist
+
+    models, kws, opts, ddp, ds = st["models"], st["kws"], st["opts"], st["ddp"], st["ds"]
     rows = []
-    variants = list(cfg["variants"])
+    variants = [v for v in cfg["variants"] if v in opts]
     for r in range(cfg["warmup"] + cfg["steps"]):
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:  # rotate the order each round
             x, y = ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], rank, n, step=r, seed=0)
             dist.barrier()
-            lo0 = _lo_tx_bytes() if rank == 0 else None
+            c0 = probe() if probe is not None else {}
             t0 = time.perf_counter()
             models[v].zero_grad(set_to_none=True)
             _, loss = (ddp if v == DDP_BASELINE else models[v])(x, y)
@@ -270,19 +315,32 @@ def _rank_fn(rank, n, cfg):
                 if kws[v].get("overlap"):  # + what backward did not hide
                     comm_s += t2 - t1
                 ncoll = last["collectives"]
+                split = _split_stats(last)
             else:
                 comm_s, sent = opt.step(n)
                 in_step_wait = comm_s
                 ncoll = None
+                split = dict(getattr(opt, "last_split", None) or {})
                 if v == DDP_BASELINE:
-                    sent = ddp_bytes  # the ring formula for the reducer's bf16 buckets
+                    sent = st["ddp_bytes"]  # the ring formula for the reducer's bf16 buckets
             t3 = time.perf_counter()
             dist.barrier()  # every rank's traffic of this step has been sent
-            lo1 = _lo_tx_bytes() if rank == 0 else None
-            rows.append({"round": r, "variant": v, "step_s": t3 - t0, "compute_s": t1 - t0, "comm_s": comm_s,
-                         "update_s": t3 - t2, "kernel_s": t3 - t2 - in_step_wait, "bytes": sent, "collectives": ncoll, "loss": float(loss.detach()),
-                         "lo_tx_bytes": (lo1 - lo0) if lo0 is not None and lo1 is not None else None})
-    return {"rows": rows, "params": sum(p.numel() for p in params)}
+            c1 = probe() if probe is not None else {}
+            row = {"round": r, "variant": v, "step_s": t3 - t0, "compute_s": t1 - t0, "comm_s": comm_s,
+                   "update_s": t3 - t2, "kernel_s": t3 - t2 - in_step_wait, "bytes": sent, "collectives": ncoll,
+                   "loss": float(loss.detach())}
+            row.update({key: (c1[key] - val) if val is not None and c1.get(key) is not None else None
+                        for key, val in c0.items()})
+            if split:
+                row["split"] = split
+            rows.append(row)
+    return rows
+
+
+def _rank_fn(rank, n, cfg):
+    st = setup_rank(rank, n, cfg)
+    rows = timed_rounds(rank, n, cfg, st, probe=(lambda: {"lo_tx_bytes": _lo_tx_bytes()}) if rank == 0 else None)
+    return {"rows": rows, "params": sum(p.numel() for p in st["params"])}
 
 
 def count_zeros(world_size=4, steps=20, seq_len=32, batch_size=1, model_overrides=None, lr=1e-4,
@@ -345,11 +403,7 @@ def summarize_zeros(recs: list[dict], steps: int, world_size: int) -> list[dict]
 
 def inner(args) -> int:
     """Runs inside the namespace: N ranks, all variants; writes the raw per-step rows to --result."""
-    cfg = dict(MODEL, seq_len=args.seq_len, batch_size=args.batch_size, warmup=args.warmup, steps=args.steps,
-               variants=list(args.variants), baseline_update=args.baseline_update)
-    for key in ("n_layer", "d_model", "n_head"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
+    cfg = rank_cfg(args, baseline_update=args.baseline_update)
     res = run_ranks(_rank_fn, args.world_size, cfg, timeout=args.timeout)
     out = {"params": res[0]["params"], "ranks": [r["rows"] for r in res], "cfg": cfg}
     with open(args.result, "w") as f:
@@ -442,25 +496,45 @@ def _sh(cmd, check=True, **kw):
     return subprocess.run(cmd, check=check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def _ns_lo_tx(ns: str) -> int | None:
-    """The namespace's loopback tx byte counter, read from outside (``ip netns exec`` sees its sysfs)."""
-    res = _sh(["ip", "netns", "exec", ns, "cat", "/sys/class/net/lo/statistics/tx_bytes"], check=False)
+def ns_counter(ns: str, dev: str = "lo", what: str = "tx_bytes") -> int | None:
+    """A byte counter of a device of the namespace (default: its loopback's tx), read from outside
+    (``ip netns exec`` sees its sysfs)."""
+    res = _sh(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/{what}"], check=False)
     try:
         return int(res.stdout.strip())
     except ValueError:
         return None
 
 
-def preflight() -> str | None:
+def preflight(name: str = NAME, what: str = "a network namespace (ip netns add) and shapes its loopback") -> str | None:
     """None when the benchmark can run; otherwise why not."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return ("bench netns needs root: it creates a network namespace (ip netns add) and shapes its loopback "
-                "with tc. Run it as root (e.g. sudo -E .venv/bin/python -m lioncub_ds.bench netns).")
+        return (f"bench {name} needs root: it creates {what} with tc. Run it as root (e.g. sudo -E "
+                f".venv/bin/python -m lioncub_ds.bench {name}).")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            return (f"bench netns needs the '{tool}' command (package iproute2: apt-get update && "
+            return (f"bench {name} needs the '{tool}' command (package iproute2: apt-get update && "
                     "apt-get install -y iproute2).")
     return None
+
+
+def child_env() -> dict:
+    """The environment of a child started inside a namespace: one thread, this checkout first on
+    PYTHONPATH, c10d's "hostname cannot be retrieved" warning (inside a netns) silenced."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def delete_namespace(ns: str, name: str = NAME, verbose: bool = True) -> None:
+    """``ip netns del`` (its interfaces go with it: a veth pair dies with either end)."""
+    res = _sh(["ip", "netns", "del", ns], check=False)
+    if res.returncode != 0 and "No such file" not in res.stderr and verbose:
+        print(f"[bench {name}] WARNING: could not delete namespace {ns}: {res.stderr.strip()}", file=sys.stderr)
+    elif verbose:
+        print(f"[bench {name}] deleted namespace {ns}", flush=True)
 
 
 def _kill_group(proc):
@@ -504,13 +578,9 @@ def run(bandwidths=(1.0, 10.0), world_size=4, steps=4, warmup=1, seq_len=32, bat
                        "--timeout", str(timeout), "--baseline-update", baseline_update, "--variants", *variants]
                 for key, val in (model_overrides or {}).items():
                     cmd += [f"--{key.replace('_', '-')}", str(val)]
-                env = dict(os.environ, OMP_NUM_THREADS="1")
-                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d: "hostname cannot be retrieved" inside the netns
-                pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-                env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
                 t0 = time.perf_counter()
-                lo_before = _ns_lo_tx(ns)
-                child = subprocess.Popen(cmd, env=env, start_new_session=True)
+                lo_before = ns_counter(ns)
+                child = subprocess.Popen(cmd, env=child_env(), start_new_session=True)
                 rc = child.wait(timeout=timeout + 60)
                 child = None
                 if rc != 0:
@@ -518,7 +588,7 @@ def run(bandwidths=(1.0, 10.0), world_size=4, steps=4, warmup=1, seq_len=32, bat
                 with open(result) as f:
                     raw = json.load(f)
                 recs = summarize(raw, bw, world_size, warmup)
-                lo_after = _ns_lo_tx(ns)
+                lo_after = ns_counter(ns)
                 load = os.getloadavg()[0]
                 for r in recs:
                     r["qdisc"] = f"tbf rate {rate} burst 512kb latency 100ms (one token bucket shared by all ranks)"
@@ -531,12 +601,7 @@ def run(bandwidths=(1.0, 10.0), world_size=4, steps=4, warmup=1, seq_len=32, bat
                           flush=True)
         finally:
             _kill_group(child)
-            res = _sh(["ip", "netns", "del", ns], check=False)
-            if res.returncode != 0 and "No such file" not in res.stderr and verbose:
-                print(f"[bench netns] WARNING: could not delete namespace {ns}: {res.stderr.strip()}",
-                      file=sys.stderr)
-            elif verbose:
-                print(f"[bench netns] deleted namespace {ns}", flush=True)
+            delete_namespace(ns, verbose=verbose)
     return records
 
 
@@ -636,10 +701,8 @@ def plot(records, out):
     return [path]
 
 
-def build_parser():
-    p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench netns", description=__doc__.split("\n\n")[0])
-    p.add_argument("--bandwidths", type=float, nargs="+", default=[1.0, 10.0], help="tbf rates in Gbit/s")
-    p.add_argument("--world-size", type=int, default=4)
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The settings both namespace benchmarks share: rounds, tokens per rank, model overrides."""
     p.add_argument("--steps", type=int, default=4, help="measured rounds (one step of every variant each)")
     p.add_argument("--warmup", type=int, default=1, help="rounds not measured")
     p.add_argument("--seq-len", type=int, default=32)
@@ -647,6 +710,41 @@ def build_parser():
     p.add_argument("--n-layer", type=int, default=None, help=f"model override (default {MODEL['n_layer']})")
     p.add_argument("--d-model", type=int, default=None, help=f"model override (default {MODEL['d_model']})")
     p.add_argument("--n-head", type=int, default=None, help=f"model override (default {MODEL['n_head']})")
+
+
+def model_overrides(args) -> dict:
+    return {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head") if getattr(args, k) is not None}
+
+
+def rank_cfg(args, **extra) -> dict:
+    """What every rank needs (:data:`MODEL` with the overrides, tokens, rounds, variants)."""
+    return dict(MODEL, seq_len=args.seq_len, batch_size=args.batch_size, warmup=args.warmup, steps=args.steps,
+                variants=list(args.variants), **model_overrides(args), **extra)
+
+
+def run_guarded(name: str, why: str | None, fn):
+    """``(fn(), 0)``, or ``(None, exit code)`` with the reason printed: 2 when the preflight's
+    ``why`` says it cannot run, 130 on Ctrl-C/SIGTERM, 1 when a command or the ranks failed (the
+    namespaces are gone by then: ``run`` deletes them in its ``finally``)."""
+    if why:
+        print(f"[bench {name}] {why}", file=sys.stderr)
+        return None, 2
+    try:
+        return fn(), 0
+    except KeyboardInterrupt:
+        print(f"[bench {name}] interrupted (namespaces deleted)", file=sys.stderr)
+        return None, 130
+    except (subprocess.CalledProcessError, RuntimeError) as exc:
+        detail = getattr(exc, "stderr", None)
+        print(f"[bench {name}] FAILED: {exc}" + (f": {detail.strip()}" if detail else ""), file=sys.stderr)
+        return None, 1
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench netns", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bandwidths", type=float, nargs="+", default=[1.0, 10.0], help="tbf rates in Gbit/s")
+    p.add_argument("--world-size", type=int, default=4)
+    add_run_args(p)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name,
                    help=f"default: all of {', '.join(VARIANTS)}; a LionCub variant + _cb<MB> sets comm_bucket_mb")
     p.add_argument("--baseline-update", default="fused", choices=("fused", "reference"),
@@ -667,7 +765,7 @@ def main(argv=None) -> int:
     if args.inner:
         return inner(args)
     if args.count_zeros:
-        overrides = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head") if getattr(args, k) is not None}
+        overrides = model_overrides(args)
         t0 = time.perf_counter()
         recs = count_zeros(args.world_size, args.steps, args.seq_len, args.batch_size, overrides)
         summ = summarize_zeros(recs, args.steps, args.world_size)
@@ -681,33 +779,28 @@ def main(argv=None) -> int:
         finish("netns_zeros", args, summ + recs)
         print(f"[bench netns] done in {time.perf_counter() - t0:.1f} s")
         return 0
-    why = preflight()
-    if why:
-        print(f"[bench netns] {why}", file=sys.stderr)
-        return 2
     t0 = time.perf_counter()
-    overrides = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head") if getattr(args, k) is not None}
-    try:
-        records = run(tuple(args.bandwidths), args.world_size, args.steps, args.warmup, args.seq_len,
-                      args.batch_size, tuple(args.variants), args.timeout, overrides,
-                      baseline_update=args.baseline_update)
-    except KeyboardInterrupt:
-        print("[bench netns] interrupted (namespace deleted)", file=sys.stderr)
-        return 130
-    except (subprocess.CalledProcessError, RuntimeError) as exc:
-        detail = getattr(exc, "stderr", None)
-        print(f"[bench netns] FAILED: {exc}" + (f": {detail.strip()}" if detail else ""), file=sys.stderr)
-        return 1
-    cfg = dict(MODEL, **overrides)
-    print_table(records, TABLE, title=f"[bench netns] {args.world_size} gloo ranks in a network namespace sharing ONE "
-                                      f"token bucket (rate = total; per rank = total/{args.world_size}), GPT "
-                                      f"n_layer={cfg['n_layer']} d_model={cfg['d_model']} "
-                                      f"({records[0]['params']:,} params), {args.batch_size}x{args.seq_len} "
-                                      f"tokens/rank/step, median of {args.steps} interleaved rounds")
-    for m in check_goal(records):
-        print("[bench netns] " + m)
-    finish(NAME, args, records, plot)
-    print(f"[bench netns] done in {time.perf_counter() - t0:.1f} s")
+    overrides = model_overrides(args)
+    records, rc = run_guarded(NAME, preflight(), lambda: run(
+        tuple(args.bandwidths), args.world_size, args.steps, args.warmup, args.seq_len, args.batch_size,
+        tuple(args.variants), args.timeout, overrides, baseline_update=args.baseline_update))
+    if rc:
+        return rc
+    return report(NAME, args, records, TABLE, f"{args.world_size} gloo ranks in a network namespace sharing ONE token "
+                  f"bucket (rate = total; per rank = total/{args.world_size})", check_goal, plot, t0)
+
+
+def report(name, args, records, table, topology: str, goals, plot_fn, t0: float) -> int:
+    """The end of a namespace benchmark: the table, the goals, the JSON and the plots."""
+    cfg = dict(MODEL, **model_overrides(args))
+    print_table(records, table, title=f"[bench {name}] {topology}, GPT n_layer={cfg['n_layer']} "
+                                      f"d_model={cfg['d_model']} ({records[0]['params']:,} params), "
+                                      f"{args.batch_size}x{args.seq_len} tokens/rank/step, median of {args.steps} "
+                                      "interleaved rounds")
+    for m in goals(records):
+        print(f"[bench {name}] " + m)
+    finish(name, args, records, plot_fn)
+    print(f"[bench {name}] done in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

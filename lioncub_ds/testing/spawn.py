@@ -72,7 +72,8 @@ def _worker(rank, world_size, init_method, payload, q, env, threads, contract, d
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | None = None, threads: int = 1,
-              daemon: bool = False, init: str = "tcp", contract: bool = False, device=None, grace: float = 10.0):
+              daemon: bool = False, init: str = "tcp", contract: bool = False, device=None, grace: float = 10.0,
+              ranks=None):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes; return results by rank.
 
     ``fn`` must be importable (module level); ``args`` must pickle. Any rank's exception raises
@@ -80,7 +81,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
     report, then are killed).
 
     * ``init``: ``"tcp"`` (127.0.0.1 and a free port) or ``"file"`` (a FileStore in a fresh
-      temporary directory: no port race).
+      temporary directory: no port race), or an ``init_method`` URL (``tcp://ADDR:PORT``) that
+      the ranks spawned elsewhere use too (with ``ranks``).
+    * ``ranks``: which global ranks of the ``world_size`` to spawn here (default all); the others
+      are spawned by another call (another host or network namespace) with the same URL ``init``.
+      Returns the results of these ranks, in the order given.
     * ``daemon``: daemonic ranks die with the parent but cannot start processes of their own;
       Megatron ranks (dist-checkpointing) start children, so the default is False.
     * ``contract``: install the NCCL-contract wrapper (:mod:`lioncub_ds.testing.nccl_contract`)
@@ -98,33 +103,36 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
     elif init == "file":
         tmpdir = tempfile.mkdtemp(prefix="lioncub-store-")
         init_method = "file://" + os.path.join(tmpdir, "store")
+    elif "://" in init:
+        init_method = init
     else:
-        raise ValueError(f"init={init!r}; allowed: 'tcp', 'file'")
+        raise ValueError(f"init={init!r}; allowed: 'tcp', 'file', or an init_method URL")
+    ranks = list(range(world_size)) if ranks is None else list(ranks)
     base_env = {"MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(threads), "LOCAL_WORLD_SIZE": str(world_size),
                 "WORLD_SIZE": str(world_size)}
     base_env.update(env or {})
     payload = pickle.dumps((fn, args))
     dev = str(device) if device is not None else None
     dump = ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, init_method, payload, q, base_env, threads, contract,
-                                               dev, dump), daemon=daemon)
-             for r in range(world_size)]
-    for p in procs:
+    procs = {r: ctx.Process(target=_worker, args=(r, world_size, init_method, payload, q, base_env, threads, contract,
+                                                  dev, dump), daemon=daemon)
+             for r in ranks}
+    for p in procs.values():
         p.start()
     results, errors, snaps = {}, {}, {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < world_size:
+        while len(results) + len(errors) < len(ranks):
             try:
                 rank, status, data, snap = q.get(timeout=0.5)
             except _queue.Empty:
-                for i, p in enumerate(procs):
+                for i, p in procs.items():
                     if p.exitcode not in (None, 0) and i not in results and i not in errors:
                         time.sleep(0.5)  # its report may still be in the pipe
                         if q.empty():
                             errors[i] = f"died with exit code {p.exitcode} (no report)"
                 if time.monotonic() > deadline:
-                    missing = [i for i in range(world_size) if i not in results and i not in errors]
+                    missing = [i for i in ranks if i not in results and i not in errors]
                     dump.set()  # ask the silent ranks where they are (and for their call logs)
                     until = time.monotonic() + 5.0
                     while missing and time.monotonic() < until:
@@ -150,7 +158,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
                 errors[rank] = data
                 deadline = min(deadline, time.monotonic() + grace)  # let the others report, briefly
     finally:
-        for p in procs:
+        for p in procs.values():
             p.join(timeout=2 if errors else 30)
             if p.is_alive():
                 p.kill()
@@ -163,8 +171,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
         for r in sorted(snaps):
             if snaps[r]["violations"]:
                 contract_msgs.append(f"rank {r}: {snaps[r]['violations'][0]}")
-        if len(snaps) == world_size:
-            diff = nccl_contract.compare_logs([snaps[r] for r in range(world_size)])
+        if len(snaps) == len(ranks):
+            diff = nccl_contract.compare_logs([snaps[r] for r in ranks])
             if diff:
                 contract_msgs.append(diff + ("\n  (a failed rank's log ends where it failed)" if errors else ""))
     if errors:
@@ -174,4 +182,4 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
         raise (nccl_contract.NCCLContractError if contract_msgs else RankError)(text)
     if contract_msgs:
         raise nccl_contract.NCCLContractError("\n".join(contract_msgs))
-    return [results[r] for r in range(world_size)]
+    return [results[r] for r in ranks]
