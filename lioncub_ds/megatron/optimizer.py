@@ -70,6 +70,14 @@ _UNSUPPORTED = (
     ("overlap_param_gather_with_optimizer_step", "needs the distributed optimizer"),
     ("reuse_grad_buf_for_mxfp8_param_ag", "needs the distributed optimizer"),
 )
+# voters="node" needs the step to own the intra-node reduce-scatter; under Megatron that is
+# Megatron's distributed optimizer (instances), which this integration does not drive yet.
+NODE_VOTERS_UNSUPPORTED = (
+    "LionCub: voters='node' (--lioncub-voters node) is not supported under Megatron yet: there the node group's "
+    "gradient reduce-scatter and parameter all-gather belong to Megatron's distributed optimizer "
+    "(--use-distributed-optimizer --num-distributed-optimizer-instances K), and this integration does not drive it; "
+    "allowed: voters='rank' (the default) under Megatron, or voters='node' with DeepSpeed or plain torch "
+    "(docs/node_voters.md)")
 # overlap=True (votes started from gradient-ready hooks during backward) cannot be real here.
 OVERLAP_UNSUPPORTED = (
     "LionCub: overlap=True (--lioncub-overlap, lioncub={'overlap': True}) is not supported under Megatron: "
@@ -104,6 +112,8 @@ class MegatronLionCub(LionCub):
         # this kind of parameters would not join).
         if kwargs.get("overlap"):
             raise LionCubConfigError(OVERLAP_UNSUPPORTED)  # before any state exists
+        if kwargs.get("voters", "rank") != "rank" or kwargs.get("node_size") is not None:
+            raise LionCubConfigError(NODE_VOTERS_UNSUPPORTED)
         self._premade = megatron_groups
         super().__init__(params, *args, **kwargs)
 
@@ -146,6 +156,8 @@ def lioncub_settings(lioncub=None, **kwargs) -> dict:
     LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, **settings)
     if settings.get("overlap"):
         raise LionCubConfigError(OVERLAP_UNSUPPORTED)
+    if settings.get("voters", "rank") != "rank" or settings.get("node_size") is not None:
+        raise LionCubConfigError(NODE_VOTERS_UNSUPPORTED)
     return settings
 
 
