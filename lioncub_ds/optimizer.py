@@ -188,6 +188,9 @@ class LionCub(Optimizer):
             whole batch of parameter buckets (default 4).
         overlap: start each bucket's vote from gradient-ready hooks during backward (like DDP);
             ``no_sync()`` for gradient accumulation. Bit-identical to overlap=False.
+        voters, node_size: "rank" (every rank votes) or "node": groups of node_size ranks (None:
+            LOCAL_WORLD_SIZE) reduce-scatter their gradients, shard momentum and fp32 masters, and
+            vote across groups (docs/node_voters.md).
         momentum_double_buffer: +4 bytes per parameter: the local pass writes the next momentum into a
             second buffer, saving the momentum pass after the vote (sign votes; bit-identical).
 

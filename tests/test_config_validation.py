@@ -20,6 +20,7 @@ import torch.distributed as dist
 import lioncub_ds
 from lioncub_ds import LionCub, LionCubConfig, LionCubConfigError
 from lioncub_ds.comm.pbit import check_lane_bits
+from dist_helpers import recording_optimizer_inits
 
 pytestmark = pytest.mark.unit
 
@@ -297,6 +298,12 @@ def fake_world(monkeypatch):
         monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
         monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: list(range(n)))
         monkeypatch.setattr(dist, "new_group", lambda *a, **k: created.append((a, k)) or object())
+
+        def all_gather(outputs, tensor, group=None, async_op=False):  # N ranks with this rank's settings
+            for out in outputs:
+                out.copy_(tensor)
+
+        monkeypatch.setattr(dist, "all_gather", all_gather)
         return created
 
     return install
@@ -371,3 +378,21 @@ def test_lioncub_config_error_is_a_value_error():
     assert issubclass(LionCubConfigError, ValueError)
     assert lioncub_ds.LionCubConfigError is LionCubConfigError
     assert math.isfinite(LionCubConfig().bucket_size_mb)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(voters="nodes"), r"invalid voters='nodes'; allowed: 'rank' \| 'node'"),
+    (dict(voters="node", node_size=0), r"invalid node_size=0; allowed: None \(LOCAL_WORLD_SIZE\) or an integer >= 1"),
+    (dict(voters="node", node_size=2.5), r"invalid node_size=2.5"),
+    (dict(node_size=4), r"node_size=4 is only used with voters='node'.*allowed: node_size=None, or voters='node'"),
+    (dict(voters="node", overlap=True), r"overlap=True is not supported with voters='node'.*allowed: overlap=False"),
+    (dict(voters="node", momentum_double_buffer=True), r"momentum_double_buffer=True is not supported with voters='node'"),
+    (dict(voters="node", momentum_sync={"every": 5, "layers": ["*.w"]}), r"voters='node'.*without 'layers'"),
+    (dict(voters="node", momentum_sync={"every": 5, "group": "node"}), r"voters='node'.*group='world'"),
+])
+def test_node_voter_settings_are_checked_before_any_state(kw, match):
+    p = torch.nn.Parameter(torch.zeros(3))
+    with recording_optimizer_inits() as inits:
+        with pytest.raises(LionCubConfigError, match=match):
+            LionCub([p], lr=1e-3, **kw)
+    assert inits == []

@@ -206,3 +206,33 @@ def test_a_node_size_that_does_not_divide_the_ranks_is_refused():
     res = run_ranks(_bad_node_size, 3, timeout=240, env=ENV)
     for r in range(3):
         assert res[r] is not None and "node_size=2" in res[r] and "divisor of 3" in res[r]
+
+
+def _replicas(rank, world_size, comm, sync):
+    torch.manual_seed(0)
+    model = Net()
+    kw = {"quant": "l1"} if comm in ("int8", "bbit") else {}
+    if sync:
+        kw["momentum_sync"] = {"every": 1, "dtype": "int8"}  # after every step: the peers hold the same
+    opt = LionCub(model.parameters(), lr=LR, weight_decay=WD, comm=comm, voters="node", node_size=2,
+                  bucket_size_mb=0.0002, **kw)
+    for step in range(1, 5):
+        for p, g in zip(model.parameters(), _grads(model, rank, step)):
+            p.grad = g
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(every, flat)
+    shards = opt.state_dict()["lioncub"]["node"]["momentum"]
+    return {"same": all(torch.equal(flat, e) for e in every), "moved": opt.step_count,
+            "momentum": torch.cat([shards[i] for i in sorted(shards)])}
+
+
+@pytest.mark.parametrize("comm,sync", [("int8", False), ("bbit", False), ("1bit", True)])
+def test_scaled_votes_and_momentum_sync_keep_replicas_identical(comm, sync):
+    res = run_ranks(_replicas, 4, comm, sync, timeout=300, env=ENV)
+    for r in range(4):
+        assert res[r]["same"] and res[r]["moved"] == 4
+    if sync:  # the sync averaged each momentum shard over the two voters: the shard peers hold the same
+        assert torch.equal(res[0]["momentum"], res[2]["momentum"])
+        assert torch.equal(res[1]["momentum"], res[3]["momentum"])
