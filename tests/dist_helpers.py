@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
+import torch
+
 from lioncub_ds.testing import RankError, free_port, nccl_contract  # noqa: F401 - re-exported
 from lioncub_ds.testing import run_ranks as _run_ranks
 
@@ -38,3 +40,17 @@ def recording_optimizer_inits():
         yield inits
     finally:
         torch.optim.Optimizer.__init__ = orig
+
+
+
+class SmallNet(torch.nn.Module):
+    """A tiny model with odd sizes whose embedding rows 6..10 no batch uses (c == 0: abstentions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 5)
+        self.fc1 = torch.nn.Linear(5, 13)
+        self.fc2 = torch.nn.Linear(13, 3)
+
+    def forward(self, idx):
+        return self.fc2(torch.tanh(self.fc1(self.emb(idx).mean(1))))

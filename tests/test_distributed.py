@@ -14,7 +14,7 @@ from lioncub_ds import checkpoint
 from lioncub_ds.kernels import reference
 from lioncub_ds.pipeline import FLAG_HEAD, flag_bytes
 from lioncub_ds.momentum_sync import geometric_steps
-from dist_helpers import run_ranks
+from dist_helpers import SmallNet as Net, run_ranks  # Net: odd sizes; embedding rows no rank uses
 
 pytestmark = pytest.mark.dist
 
@@ -30,19 +30,6 @@ BBIT = {("hash", "l1"): dict(vote_bits=2, rounding="dither"), ("zero", "linf"): 
 # Several small buckets (one of them holds only abstaining rows some steps): a few combinations suffice.
 MULTI_BUCKET = {("1bit", "majority", "zero", "sign"), ("pbit", "average", "hash", "sign"), ("allgather", "majority", "alternate", "sign"),
                 ("bbit", "majority", "hash", "l1")}
-
-
-class Net(torch.nn.Module):
-    """Odd sizes; an embedding with rows no rank ever uses (c == 0: abstentions)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(11, 5)
-        self.fc1 = torch.nn.Linear(5, 13)
-        self.fc2 = torch.nn.Linear(13, 3)
-
-    def forward(self, idx):
-        return self.fc2(torch.tanh(self.fc1(self.emb(idx).mean(1))))
 
 
 def _batch(gen, rank_data=True):

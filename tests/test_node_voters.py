@@ -21,26 +21,13 @@ from lioncub_ds import LionCub
 from lioncub_ds.config import LionCubConfigError
 from lioncub_ds.kernels import reference
 from lioncub_ds.testing import nccl_contract
-from dist_helpers import run_ranks
+from dist_helpers import SmallNet as Net, run_ranks
 
 pytestmark = pytest.mark.dist
 
 ENV = {"LIONCUB_KERNELS": "torch"}
 STEPS = 5
 LR, WD, BETAS = 0.01, 0.1, (0.9, 0.99)
-
-
-class Net(torch.nn.Module):
-    """Odd sizes (41, 65, 14, ... elements); embedding rows 6..10 are never used (abstentions)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(11, 5)
-        self.fc1 = torch.nn.Linear(5, 13)
-        self.fc2 = torch.nn.Linear(13, 3)
-
-    def forward(self, idx):
-        return self.fc2(torch.tanh(self.fc1(self.emb(idx).mean(1))))
 
 
 def _grads(model, rank, step):
