@@ -360,9 +360,9 @@ class LionCub(Optimizer):
         if cfg.timeout_s is not None and n > 1:
             wanted.append(ranks)  # the vote group again, with LionCub's timeout
         if ms is not None and ms.group == "node" and n > 1:
-            size = node_group_size(ms.group_size, n)
+            pair = node_group_size(ms.group_size, n)
             me = dist.get_rank(group)
-            wanted.append(consecutive_blocks(ranks, size)[me // size])
+            wanted.append(consecutive_blocks(ranks, pair)[me // pair])
         if size > 1:  # node voters: this rank's node group (consecutive ranks) and its shard peers
             me = dist.get_rank(group)
             wanted += [consecutive_blocks(ranks, size)[me // size], ranks[me % size::size]]
