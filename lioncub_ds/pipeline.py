@@ -52,18 +52,48 @@ log = logging.getLogger("lioncub_ds")
 #   [5 .. 5+HYPER_BITS) one bit each of a hash of this step's lr, weight decay and betas (every
 #   group): a sum strictly between 0 and N means the ranks disagree,
 # then per bucket [ranks whose abstention list overflowed, ranks with an abstention].
+# On the wire every entry but the non-finite value count is a count of ranks (≤ N), so two share
+# one int32 word in 16-bit lanes (N < 2**15: the sums never carry into the next lane).
 NONFINITE_RANKS, UNUSABLE_RANKS, NONFINITE_VALUES, MISSING_RANKS, CHANGED_RANKS, HYPER = range(6)
 HYPER_BITS = 8
 FLAG_HEAD = HYPER + HYPER_BITS
+PACKED_BELOW = 2 ** 15
 
 # Checksums of the drift check are computed in chunks of this many elements (bounded memory).
 FINGERPRINT_CHUNK = 1 << 20
 
 
+def flag_words(n_buckets: int, world_size: int) -> int:
+    """int32 words of the packed flag vector."""
+    lanes = 2 if world_size < PACKED_BELOW else 1
+    return 1 + (FLAG_HEAD - 1 + 2 * n_buckets + lanes - 1) // lanes
+
+
+def pack_flags(logical: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The flag vector as sent: the non-finite value count, then the rank counts two per word."""
+    count = logical[NONFINITE_VALUES:NONFINITE_VALUES + 1]
+    rest = torch.cat([logical[:NONFINITE_VALUES], logical[NONFINITE_VALUES + 1:]])
+    if world_size >= PACKED_BELOW:
+        return torch.cat([count, rest])
+    if rest.numel() % 2:
+        rest = torch.cat([rest, rest.new_zeros(1)])
+    pairs = rest.view(-1, 2)
+    return torch.cat([count, pairs[:, 0] + pairs[:, 1] * 65536])
+
+
+def unpack_flags(words: list, n_buckets: int, world_size: int) -> list:
+    """The summed packed words -> the logical flag list (indices as named above)."""
+    count, rest = words[0], words[1:]
+    if world_size < PACKED_BELOW:
+        rest = [x for w in rest for x in (w & 0xFFFF, w >> 16)]
+    rest = rest[:FLAG_HEAD - 1 + 2 * n_buckets]
+    return rest[:NONFINITE_VALUES] + [count] + rest[NONFINITE_VALUES:]
+
+
 def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
     """Bytes one rank sends per step for the flags: carried in a gather-like first phase (to every
     other rank), or in their own all-reduce (ring)."""
-    words = 4 * (FLAG_HEAD + 2 * n_buckets)
+    words = 4 * flag_words(n_buckets, world_size)
     return (world_size - 1) * words if carried else ring_bytes("all_reduce", words, world_size)
 
 
@@ -543,14 +573,15 @@ class VotePipeline:
         if self.flags_carried:  # they came with the last batch's phase 1
             last = len(plan.batches) - 1
             algorithm = plan.buckets[plan.batches[last][0]].algorithm
-            width = FLAG_HEAD + 2 * len(self.local)
+            width = flag_words(len(self.local), plan.world_size)
             rows = algorithm.flag_rows(self.launched[last], width)
-            return rows.sum(0, dtype=torch.int64).tolist(), self.carried_error  # the one host read of the step
+            words = rows.sum(0, dtype=torch.int64).tolist()  # the one host read of the step
+            return unpack_flags(words, len(self.local), plan.world_size), self.carried_error
         error = frozen_error or self.error
         flags = self._own_flags(error, changed)
         plan.coll.all_reduce_(flags, "control")
-        flags = flags.tolist()  # the one host read of the step
-        return flags, error
+        words = flags.tolist()  # the one host read of the step
+        return unpack_flags(words, len(self.local), plan.world_size), error
 
     def _own_flags(self, error, changed: bool) -> torch.Tensor:
         """This rank's flag vector (int32, on the device; summed over ranks it is the step's flags)."""
@@ -565,7 +596,7 @@ class VotePipeline:
         host = torch.tensor(host, dtype=torch.int32, device=dev)  # made on the step's device, as every flag
         head = torch.cat([(nonfinite > 0).to(torch.int32).reshape(1), host[:1], nonfinite.to(torch.int32).reshape(1),
                           host[1:]])
-        return torch.cat([head] + [loc.flags.to(dev) for loc in self.local])
+        return pack_flags(torch.cat([head] + [loc.flags.to(dev) for loc in self.local]), plan.world_size)
 
     def idle_everywhere(self, flags) -> list:
         """The voting parameters that have no gradient on ANY rank this step (Lion leaves such a

@@ -102,3 +102,26 @@ def test_hyper_parameters_changed_on_one_rank_are_refused_on_every_rank(what, co
         assert f"{what} of param group 0" in err and "rank 0:" in err and "rank 1:" in err, err
         assert res[r]["unchanged"] and res[r]["steps"] == 2
     assert res[0]["error"] == res[1]["error"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("n,buckets", [(2, 1), (3, 2), (127, 5), (32767, 3), (40000, 2)])
+def test_packed_flags_sum_like_the_logical_ones(n, buckets):
+    """Summing packed words over ranks and unpacking equals summing the logical flags (no lane
+    carries, up to the largest N that packs; unpacked above it)."""
+    from lioncub_ds.pipeline import FLAG_HEAD, NONFINITE_VALUES, flag_words, pack_flags, unpack_flags
+    g = torch.Generator().manual_seed(n)
+    width = FLAG_HEAD + 2 * buckets
+    ranks = min(n, 50)  # the sum of 50 ranks' flags, scaled up to N ranks' worst case below
+    logical = torch.randint(0, 2, (ranks, width), generator=g, dtype=torch.int32)
+    logical[:, NONFINITE_VALUES] = torch.randint(0, 2**20, (ranks,), generator=g, dtype=torch.int32)
+    if n > ranks:  # every rank flags every entry: the largest sums N can give
+        logical = torch.ones(1, width, dtype=torch.int32)
+        logical[0, NONFINITE_VALUES] = 1
+        packed = pack_flags(logical[0], n) * n
+        want = (logical[0] * n).tolist()
+    else:
+        packed = torch.stack([pack_flags(row, n) for row in logical]).sum(0)
+        want = logical.sum(0).tolist()
+    assert packed.numel() == flag_words(buckets, n)
+    assert unpack_flags(packed.tolist(), buckets, n) == want
