@@ -258,8 +258,8 @@ class StepPlan:
         if flags[CHANGED_RANKS] > 0:
             if not self.warned_revote:
                 log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward on %d of %d "
-                            "ranks (a second backward without opt.no_sync(), or in-place clipping); every rank votes "
-                            "again in step()", flags[CHANGED_RANKS], n)
+                            "ranks (a second backward without opt.no_sync(), or in-place clipping); voting again in "
+                            "step(), on every rank", flags[CHANGED_RANKS], n)
                 self.warned_revote = True
             opt.overlap_counts["revotes"] += 1
             pipe.drain()
