@@ -387,7 +387,7 @@ def check_goal(records) -> list[str]:
             if ref is None:
                 continue
             q = ref[key] / node[key]
-            met = q > goal if strict else q >= goal if goal else None
+            met = None if goal is None else (q > goal if strict else q >= goal)
             out.append(f"{pre} node voters {q:.2f}x {what}"
                        + (f" (goal {'>' if strict else '>='} {goal}x: {'OK' if met else 'MISSED'})" if goal else ""))
     return out
