@@ -204,6 +204,15 @@ def _check_fits(payload, optimizer, path):
             raise CheckpointError(f"{path}: the momentum of parameter #{idx} holds {bad} non-finite value(s) (its "
                                   "digest is valid: it was saved so); refusing it, since at N > 1 every later step "
                                   "would be skipped")
+    # voters="node": the file's momentum (and master) shards must be this rank's shards of this
+    # layout; checked here, before anything is loaded, not only in load_state_dict
+    check_node = getattr(optimizer, "_check_node_state", None)
+    if check_node is not None:
+        lc = payload["optimizer"].get("lioncub")
+        try:
+            check_node(lc.get("node") if isinstance(lc, dict) else None)
+        except ValueError as exc:  # LionCubConfigError
+            raise CheckpointError(f"{path}: {exc}") from exc
 
 
 def _prepare(optimizer, directory: str, reshard: str):

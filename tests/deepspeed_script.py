@@ -374,12 +374,17 @@ def expect_error(cfg, rank):
     return {"error_type": None, "error": None}
 
 
-def main():
+def parse_args():
+    """The launched script's arguments: ``--out DIR`` and ``--only a,b`` (``--local_rank``: the launcher's)."""
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=-1)
     p.add_argument("--out", required=True)
     p.add_argument("--only", default=None, help="comma-separated scenario names")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
 
     assert "lioncub_ds" not in sys.modules
     instrument()
@@ -455,7 +460,16 @@ def main():
         "err_offload": lambda: expect_error(dict(base, zero_optimization={"stage": 2, "offload_optimizer": {
             "device": "cpu"}}, optimizer=lioncub()), rank),
     }
-    only = set(args.only.split(",")) if args.only else None
+    play(scenarios, args.only, result)
+    result["nccl_contract"] = NC.snapshot()
+    write_result(args.out, rank, result)
+
+
+def play(scenarios: dict, only, result: dict) -> None:
+    """Run every scenario (or those named in ``only``, comma-separated) into ``result``; a failing
+    scenario is reported and the others still run. A barrier after each keeps the ranks together."""
+    import torch
+    only = set(only.split(",")) if only else None
     for name, fn in scenarios.items():
         if only and name not in only:
             continue
@@ -466,21 +480,27 @@ def main():
             result[name] = {"exception": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         result[name]["wall_s"] = time.perf_counter() - t0
         torch.distributed.barrier()
-    result["nccl_contract"] = NC.snapshot()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+
+
+def write_result(out: str, rank: int, result: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
 
 
-if __name__ == "__main__":
-    main()
-    # Leave without the interpreter's teardown once the results are written: a gloo worker
-    # freeing the last collective's tensors can abort a finished rank there ("terminate called
-    # without an active exception", pytorch/pytorch#38228), which would fail the launch for
-    # nothing (docs/deepspeed.md).
+def exit_now() -> None:
+    """Leave without the interpreter's teardown once the results are written: a gloo worker
+    freeing the last collective's tensors can abort a finished rank there ("terminate called
+    without an active exception", pytorch/pytorch#38228), which would fail the launch for
+    nothing (docs/deepspeed.md)."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()

@@ -42,6 +42,8 @@ def main():
     p.add_argument("--save", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
     p.add_argument("--overlap", action="store_true", help='adds "overlap": true to the ds_config optimizer params')
+    p.add_argument("--node-size", type=int, default=None,
+                   help='adds "voters": "node", "node_size": N to the ds_config optimizer params')
     p.add_argument("--no-resume", action="store_true", help="only the full run")
     args = p.parse_args()
     assert "lioncub_ds" not in sys.modules
@@ -49,12 +51,15 @@ def main():
     from accelerate.state import AcceleratorState
 
     config = args.config
-    if args.overlap:  # the same template with "overlap": true (what a user adds to their ds_config)
+    if args.overlap or args.node_size:  # the same template plus what a user adds to its optimizer params
         with open(args.config) as f:
             cfg = json.load(f)
-        cfg["optimizer"]["params"]["overlap"] = True
+        if args.overlap:
+            cfg["optimizer"]["params"]["overlap"] = True
+        if args.node_size:
+            cfg["optimizer"]["params"].update(voters="node", node_size=args.node_size)
         os.makedirs(args.out, exist_ok=True)
-        config = os.path.join(args.out, "ds_config_overlap.json")
+        config = os.path.join(args.out, "ds_config_edited.json")
         if int(os.environ.get("RANK", "0")) == 0:
             with open(config + ".tmp", "w") as f:
                 json.dump(cfg, f)

@@ -365,3 +365,66 @@ def test_double_buffer_in_ds_config_is_bit_identical_resumes_and_skips(results):
         assert torch.equal(nan_plain["params"], nan_double["params"]), r
         assert torch.equal(nan_plain["momenta"], nan_double["momenta"]), r
         assert nan_double["step_count"] == nan_plain["step_count"] == STEPS - 1, r
+
+
+# ----------------------------------------------------------------------------- clipping on one rank only
+CLIP_COMMS = ("1bit", "pbit", "int8", "allgather", "bbit")
+# rank 1's loss is scaled up so that its local gradient norm exceeds gradient_clipping=1.0 at every
+# step; rank 0's is scaled down so that its norm stays below it: DeepSpeed clips on rank 1 only
+CLIP_LOSS_SCALE = (0.05, 50.0)
+
+
+def _clip_one_rank(rank, world_size, tmp):
+    """Per comm, overlap off and on: STEPS steps (2 micro-batches each) with clipping on rank 1 only."""
+    os.environ.update({"LOCAL_RANK": str(rank)})
+    import torch
+    import lioncub_ds.deepspeed  # noqa: F401
+    torch.set_num_threads(1)
+    out = {}
+    for comm in CLIP_COMMS:
+        for overlap in (False, True):
+            quant = {"quant": "l1"} if comm in ("int8", "bbit") else {}
+            cfg = _cfg(gas=2, clip=1.0, comm=comm, overlap=overlap, timeout_s=60,
+                       bucket_size_mb=0.0005, comm_bucket_mb=0.00002, **quant)
+            engine = _initialize(cfg)
+            norms = []
+            for s in range(STEPS):
+                for micro in range(2):
+                    x, y = _batch(rank, s, micro)
+                    engine.backward(((engine(x) - y) ** 2).mean() * CLIP_LOSS_SCALE[rank])
+                    engine.step()
+                norms.append(float(engine.get_global_grad_norm()))
+            res = _state(engine)
+            res["norms"] = norms
+            out[(comm, overlap)] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def clip_one_rank(tmp_path_factory):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed not installed")
+    from dist_helpers import run_ranks
+    return run_ranks(_clip_one_rank, 2, str(tmp_path_factory.mktemp("ds_clip_one")), env=ENV, timeout=600)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("comm", CLIP_COMMS)
+def test_clipping_on_one_rank_only_with_overlap_votes_again_everywhere(clip_one_rank, comm):
+    """Issue 22 item 1 under DeepSpeed: ``"overlap": true`` with ``"gradient_clipping": 1.0`` where
+    only rank 1's local norm exceeds the limit. The re-vote is agreed through the step's flags, so
+    no rank waits for a collective the other never issues (it used to time out at step 2), and
+    every rank ends bit-identical to the same run with overlap off."""
+    import torch
+    res = clip_one_rank
+    for r in range(2):
+        off, on = res[r][(comm, False)], res[r][(comm, True)]
+        assert torch.equal(on["params"], off["params"]) and torch.equal(on["momenta"], off["momenta"]), r
+        assert torch.equal(on["params"], res[0][(comm, True)]["params"]), "replicas differ across ranks"
+        assert on["step_count"] == off["step_count"] == STEPS
+        assert on["norms"] == off["norms"]
+    # the data really clips on rank 1 only
+    assert all(n > 1.0 for n in res[1][(comm, True)]["norms"]), res[1][(comm, True)]["norms"]
+    assert all(n < 1.0 for n in res[0][(comm, True)]["norms"]), res[0][(comm, True)]["norms"]
+    # rank 1's clipping changed its gradients after the votes started (steps 2..STEPS): both ranks voted again
+    assert res[0][(comm, True)]["overlap"]["revotes"] == res[1][(comm, True)]["overlap"]["revotes"] == STEPS - 1

@@ -17,6 +17,7 @@ Public helpers::
 
     lioncub_of(engine)          # the LionCub inside an engine
     comm_stats(engine)          # wire bytes per step / cumulative, with the baselines
+    state_bytes(engine)         # this rank's optimizer-state bytes (LionCub's and DeepSpeed's fp32 copy)
     save_checkpoint(engine, dir, tag) / load_checkpoint(engine, dir, tag)
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .engine import (INTEGRATION_KEYS, OPTIMIZER_NAME, LionCubDeepSpeedError, co
                      lioncub_of, register, set_options, split_params)
 from .zero import ZeroSignAllGatherError
 
-__all__ = ["register", "is_registered", "lioncub_of", "comm_stats", "save_checkpoint", "load_checkpoint",
+__all__ = ["register", "is_registered", "lioncub_of", "comm_stats", "state_bytes", "save_checkpoint", "load_checkpoint",
            "save_rank_state", "load_rank_state", "set_options", "split_params", "config_warnings",
            "LionCubDeepSpeedError", "DeepSpeedCompatError",
            "ZeroSignAllGatherError", "OPTIMIZER_NAME", "INTEGRATION_KEYS"]
@@ -54,6 +55,33 @@ def comm_stats(engine) -> dict:
         out.update(st.zero_adapter.snapshot_stats())
     else:
         out["zero_allgather"] = "params"
+    return out
+
+
+def state_bytes(engine) -> dict:
+    """This rank's optimizer-state bytes at ZeRO stage 0: LionCub's own (``momentum``, ``master``:
+    voters="node" fp32 master shards, ``spare``: momentum_double_buffer) plus ``deepspeed_master``:
+    the fp32 copies DeepSpeed's fp16/bf16 wrapper keeps of every parameter (0 when LionCub steps the
+    parameters itself: fp32, or voters="node" with bf16). ``total`` sums them; ``params`` counts the
+    model's trainable elements. Empty when the engine has no LionCub."""
+    opt = lioncub_of(engine)
+    if opt is None:
+        return {}
+    out = {k: v for k, v in opt.state_bytes().items() if k != "params"}
+    ds_master = 0
+    wrapper = engine.optimizer
+    if wrapper is not opt:
+        import torch
+        seen = set()
+        for name in ("fp32_groups", "fp32_groups_flat", "single_partition_of_fp32_groups"):
+            for group in getattr(wrapper, name, None) or []:
+                for t in (group if isinstance(group, (list, tuple)) else [group]):
+                    if isinstance(t, torch.Tensor) and id(t) not in seen:
+                        seen.add(id(t))
+                        ds_master += t.numel() * t.element_size()
+    out["deepspeed_master"] = ds_master
+    out["total"] = sum(v for k, v in out.items())
+    out["params"] = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     return out
 
 

@@ -69,8 +69,11 @@ def prepare_rank_state(engine, load_dir, tag, reshard: str = "average"):
         return lc_checkpoint.prepare_load(st.optimizer, directory, reshard=reshard)
     except lc_checkpoint.CheckpointError as exc:
         if "no LionCub checkpoint files" in str(exc):
+            what = ("every rank keeps its current momentum shards (voters='node'; the fp32 masters are rebuilt from "
+                    "the loaded weights)" if st.optimizer.config.voters == "node"
+                    else "every rank continues from data-parallel rank 0's momentum")
             _compat.ds_logger().warning(f"lioncub_ds: {directory} has no per-rank LionCub files (saved without "
-                                        "lioncub_ds?): every rank continues from data-parallel rank 0's momentum")
+                                        f"lioncub_ds?): {what}")
             return None
         raise
 
@@ -96,6 +99,12 @@ def save_checkpoint(engine, save_dir, tag=None, **kwargs):
 def load_checkpoint(engine, load_dir, tag=None, **kwargs):
     """``engine.load_checkpoint`` restoring every rank's momentum (same as the hooked engine method)."""
     return engine.load_checkpoint(load_dir, tag, **kwargs)
+
+
+def refresh_node_masters(optimizer) -> None:
+    """voters="node": rebuild this rank's fp32 master shards from the (just loaded) 16-bit
+    parameters at the next step, as DeepSpeed's ``refresh_fp32_params`` does for its own copy."""
+    optimizer.momenta.initialized = {key for key in optimizer.momenta.initialized if key[0] != "master"}
 
 
 def install_engine_hooks(engine) -> None:
@@ -128,6 +137,12 @@ def install_engine_hooks(engine) -> None:
             tag = _resolve_tag(engine, a["load_dir"], a.get("tag"))
             if tag is not None and os.path.isdir(os.path.join(a["load_dir"], str(tag))):
                 prepared = prepare_rank_state(engine, a["load_dir"], tag)
+        node = st is not None and st.mode == "local_momentum" and st.optimizer.config.voters == "node"
+        if node:
+            # voters="node": DeepSpeed's own file holds data-parallel rank 0's state only, whose
+            # shards are not this rank's; every rank's state comes from its own LionCub file.
+            keep_lioncub = a.get("load_optimizer_states", True) and not a.get("load_module_only", False)
+            a["load_optimizer_states"] = False
         result = orig_load(*bound.args, **bound.kwargs)
         load_path = result[0] if isinstance(result, tuple) else result
         if load_path is None or st is None:
@@ -137,6 +152,8 @@ def install_engine_hooks(engine) -> None:
                 st.zero_adapter.refresh()
         elif prepared is not None:
             lc_checkpoint.apply_load(st.optimizer, prepared)
+        elif node:  # no LionCub files, or not asked to load the optimizer state
+            refresh_node_masters(st.optimizer)  # the loaded 16-bit weights, not the old masters
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
         return result

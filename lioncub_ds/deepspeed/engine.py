@@ -42,6 +42,7 @@ import atexit
 import collections
 import math
 import numbers
+import os
 import types
 import weakref
 
@@ -265,6 +266,41 @@ def overlap_clipping_warning(clip: float) -> str:
             "counts them). Set \"gradient_clipping\": 0 to keep every step overlapped.")
 
 
+def node_voters_requested(engine, optimizer=None) -> bool:
+    """Whether the LionCub of this engine has ``voters="node"``: the client optimizer's setting,
+    else the ds_config ``optimizer.params``."""
+    if isinstance(optimizer, LionCub):
+        return optimizer.config.voters == "node"
+    if optimizer is None and is_lioncub_name(engine.optimizer_name()):
+        return (engine.optimizer_params() or {}).get("voters") == "node"
+    return False
+
+
+def check_node_voters(engine, optimizer=None) -> None:
+    """``voters: "node"`` needs ZeRO stage 0 with fp32 or bf16 parameters (LionCub shards the
+    momentum, and the fp32 master of bf16 parameters, inside each node group itself).
+
+    Raised from ``deepspeed.initialize`` before LionCub is built (ds_config) or touched (a client
+    optimizer), so nothing has changed yet."""
+    if not node_voters_requested(engine, optimizer):
+        return
+    stage = engine.zero_optimization_stage()
+    if stage >= 1:
+        raise LionCubDeepSpeedError(
+            f"LionCub: optimizer.params voters='node' is not supported at ZeRO stage {stage} "
+            f"(zero_optimization.stage={stage}): there DeepSpeed reduce-scatters uncompressed gradients over every "
+            "rank and partitions the optimizer over all of them (global Lion), so there is no node group to shard in "
+            "and no vote between groups. Allowed: voters='node' with zero_optimization.stage=0 (LionCub shards the "
+            "momentum and the fp32 master inside each node group and votes across groups), or voters='rank' (the "
+            "default) at stage 1/2.")
+    if engine.fp16_enabled():
+        raise LionCubDeepSpeedError(
+            "LionCub: optimizer.params voters='node' is not supported with fp16.enabled=true: DeepSpeed's fp16 "
+            "loss-scaling wrapper keeps a full fp32 master copy of every parameter on every rank and hands LionCub "
+            "those copies, so sharding inside the node group would save none of that memory. Allowed: voters='node' "
+            "with bf16.enabled=true or fp32 parameters, or voters='rank' with fp16.")
+
+
 def check_supported(engine, optimizer=None) -> None:
     """Refuse settings LionCub cannot honour, naming the setting (never mis-train silently).
 
@@ -297,6 +333,7 @@ def check_supported(engine, optimizer=None) -> None:
                 "LionCub at ZeRO stage 0 does not support torch_autocast with float16 (torch.amp.GradScaler "
                 "decides overflow per rank, ranks would diverge). Use \"fp16\": {\"enabled\": true} (DeepSpeed's "
                 "loss scaler agrees on overflow across ranks) or bf16.")
+    check_node_voters(engine, optimizer)
     check_overlap(engine, optimizer)
 
 
@@ -315,6 +352,7 @@ def build_optimizer(engine, model_parameters):
         group = singleton_group() if stage >= 1 else data_parallel_group(engine)
     if stage == 0:
         model_parameters = _with_names(model_parameters, getattr(engine, "param_names", {}))
+    params = with_launcher_node_size(params)
     opt = LionCub(model_parameters, process_group=group, **params)
     if stage >= 1 and group is not None:
         _SINGLETON_USERS.add(opt)
@@ -324,6 +362,16 @@ def build_optimizer(engine, model_parameters):
         for msg in config_warnings(raw):
             _compat.ds_logger().warning(msg)
     return opt
+
+
+def with_launcher_node_size(params: dict) -> dict:
+    """``voters="node"`` without ``node_size`` takes L from ``LOCAL_WORLD_SIZE`` (torchrun). The
+    ``deepspeed`` launcher does not set that variable; it sets ``LOCAL_SIZE`` (its ranks on this
+    machine), which is then used instead, so a group is a machine under either launcher."""
+    if params.get("voters") != "node" or params.get("node_size") is not None or "LOCAL_WORLD_SIZE" in os.environ:
+        return params
+    local = os.environ.get("LOCAL_SIZE", "")
+    return dict(params, node_size=int(local)) if local.isdigit() and int(local) >= 1 else params
 
 
 def _with_names(model_parameters, names: dict):
@@ -363,6 +411,13 @@ class EngineState:
         self.wrapper = wrapper
 
     @property
+    def master_sharded(self) -> bool:
+        """voters="node" with 16-bit parameters stepped by LionCub itself: it holds their fp32
+        master shards (DeepSpeed's full fp32 copy is never made)."""
+        return (self.mode == "local_momentum" and self.optimizer.config.voters == "node"
+                and any(p.dtype != torch.float32 for g in self.optimizer.param_groups for p in g["params"]))
+
+    @property
     def sign_allgather(self) -> bool:
         return self.zero_adapter is not None
 
@@ -376,7 +431,13 @@ class EngineState:
             what = "global Lion on DeepSpeed's reduced gradients"
             comm = "none (DeepSpeed reduces gradients)"
             sign = "on" if self.sign_allgather else f"off ({self.sign_off_reason})"
-        line = (f"LionCub: ZeRO stage {self.stage} ({what}); comm={comm}; N={self.world_size}; "
+        n = str(self.world_size)
+        t = self.optimizer.topology if self.mode == "local_momentum" else None
+        if t is not None and self.optimizer.config.voters == "node":
+            what = ("Lion Cub node voters: reduce-scatter inside each node group, momentum"
+                    + (" and fp32 master" if self.master_sharded else "") + " sharded 1/L, sign votes across groups")
+            n = f"{t.world_size * t.node_size} ({t.world_size} node groups x {t.node_size} ranks)"
+        line = (f"LionCub: ZeRO stage {self.stage} ({what}); comm={comm}; N={n}; "
                 f"sign all-gather={sign}; wrapper={self.wrapper}")
         if self.mode == "local_momentum" and self.optimizer.config.overlap:
             line += "; overlap=on (votes start in the backward of each accumulation-boundary micro-batch)"
@@ -437,6 +498,10 @@ def wire(engine) -> EngineState:
         engine.clip_fp32_gradients = types.MethodType(clip_local_gradients, engine)
         if engine.optimizer is opt:
             _report_skips_as_overflow(opt)
+            if engine.bfloat16_enabled() or engine.fp16_enabled():
+                # voters="node" with bf16: no DeepSpeed wrapper, so nothing else clips (the engine
+                # clips only fp32 runs itself); clip the local bf16 gradients right before the step.
+                _clip_before_step(engine, opt)
         if opt.config.overlap:
             if engine.optimizer is not opt:  # check_overlap refuses fp16/bf16; any other wrapper too
                 raise LionCubDeepSpeedError(
@@ -486,6 +551,19 @@ def _report_skips_as_overflow(opt):
 
     opt.register_step_pre_hook(pre)
     opt.register_step_post_hook(post)
+
+
+def _clip_before_step(engine, opt) -> None:
+    """Clip each rank's local gradient at the start of ``opt.step()`` when the engine will not
+    (16-bit parameters stepped by LionCub itself). Holds the engine weakly."""
+    ref = weakref.ref(engine)
+
+    def pre(o, args, kwargs):
+        eng = ref()
+        if eng is not None and float(eng.gradient_clipping() or 0.0) > 0:
+            clip_local_gradients(eng)
+
+    opt.register_step_pre_hook(pre)
 
 
 def clip_local_gradients(engine):
@@ -619,7 +697,22 @@ def register() -> None:
             return configure(self, optimizer, *args, **kwargs)
         return _configure_bf16_optimizer
 
-    _patch(Engine, "_configure_fp16_optimizer", make_no_init_step)
+    def make_fp16_configure(orig):
+        # DDP_BFLOAT16 (stage 0, bf16 without fp32 gradient accumulation) and FP16 both land here.
+        # With voters="node" (stage 0 and bf16 only: check_node_voters refuses fp16) LionCub steps
+        # the bf16 parameters itself and keeps their fp32 master only for its 1/L shard; DeepSpeed's
+        # FP16_UnfusedOptimizer would keep a full fp32 copy of every parameter on every rank (and a
+        # full fp32 gradient copy per step), which is what node voters exist to avoid.
+        configure = make_no_init_step(orig)
+
+        def _configure_fp16_optimizer(self, optimizer, *args, **kwargs):
+            if (isinstance(optimizer, LionCub) and optimizer.config.voters == "node"
+                    and self.zero_optimization_stage() == 0 and self.bfloat16_enabled()):
+                return optimizer
+            return configure(self, optimizer, *args, **kwargs)
+        return _configure_fp16_optimizer
+
+    _patch(Engine, "_configure_fp16_optimizer", make_fp16_configure)
     _patch(Engine, "_configure_bf16_optimizer", make_bf16_guard)
     _patch(Engine, "_is_supported_optimizer", make_supported)
     _patch(Engine, "_configure_basic_optimizer", make_basic)
