@@ -5,8 +5,8 @@ World N = Nn groups × L consecutive ranks. Every flat bucket of the layout is p
 multiple of 8·Nn·L and cut into L equal shards; local rank k of every group owns shard k. Per
 step, on the rank (group j, local rank k):
 
-1. the group's gradients are reduce-scattered: an all_to_all inside the group, then the L rows
-   are summed in fp32 in local-rank order (row 0 + row 1 + ... + row L−1, one add at a time)
+1. the group's gradients are reduce-scattered: an all_to_all inside the group (in the
+   gradients' dtype), then the L rows are summed in fp32 in local-rank order (row 0 + row 1 + ... + row L−1, one add at a time)
    and divided by L: ḡ_jk, the same bits on every platform;
 2. shard k votes with the shard-k owners of the other groups (the shard peers) through the
    ordinary pipeline: the shard bucket's "parameters" are views of a flat fp32 work buffer
@@ -93,7 +93,9 @@ class NodeShards:
         for fb in self.full:
             problem = grad_problem(fb)
             self.problems.append(problem)
-            flat = torch.zeros(fb.numel, dtype=torch.float32, device=self.device)
+            # the gradients travel in their own dtype (torch keeps p.grad in p's dtype, the same on
+            # every rank): bf16 halves the group's bytes, and the fp32 sum below is the same
+            flat = torch.zeros(fb.numel, dtype=fb.params[0].dtype, device=self.device)
             if problem is None:
                 for p, off in zip(fb.params, fb.offsets):
                     if p.grad is not None:
@@ -102,9 +104,9 @@ class NodeShards:
         self.grads, self.work = [], []
         for i, pend in enumerate(pending):
             rows = pend.wait()
-            acc = rows[0].clone()
-            for row in rows[1:]:  # local-rank order: the documented sum
-                acc.add_(row)
+            acc = rows[0].to(torch.float32, copy=True)
+            for row in rows[1:]:  # local-rank order: the documented sum, in fp32
+                acc.add_(row.to(torch.float32))
             acc.div_(self.size)
             self.grads.append(acc)
             self.work.append(self._work(i))
