@@ -231,8 +231,9 @@ class LionCubConfig:
                                "bf16/fp16 parameters) for 1/L of them and votes with the same shard of the other "
                                "groups ([node voters](docs/node_voters.md))")
     node_size: int | None = setting(None, type=int, allowed="`None` or an int ≥ 1 dividing N",
-                                    help="`voters=\"node\"`: ranks per group L (`None`: `LOCAL_WORLD_SIZE`, a group "
-                                         "is a node); 1 is flat voting")
+                                    help="ranks per group L. `voters=\"node\"`: `None` = `LOCAL_WORLD_SIZE` (a group "
+                                         "is a node), 1 = flat voting. `voters=\"rank\"`: shards only the fp32 master "
+                                         "of bf16/fp16 parameters over the group (`None`: no master)")
 
     def __post_init__(self):
         validate_common(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
@@ -299,11 +300,7 @@ class LionCubConfig:
         if self.node_size is not None and (not _is_int(self.node_size) or self.node_size < 1):
             raise _err("node_size", self.node_size, "None (LOCAL_WORLD_SIZE) or an integer >= 1")
         if self.voters == "rank":
-            if self.node_size is not None:
-                raise LionCubConfigError(
-                    f"LionCub: node_size={self.node_size!r} is only used with voters='node' (master-only sharding "
-                    "with voters='rank' is not built yet); allowed: node_size=None, or voters='node'")
-            return
+            return  # with node_size: master-only sharding (every rank votes; the fp32 master is sharded)
         for key, bad, why in (("overlap", self.overlap, "votes start after the node's gradient reduce-scatter"),
                               ("momentum_double_buffer", self.momentum_double_buffer, "the momenta are shards")):
             if bad:

@@ -35,19 +35,27 @@ class Topology:
     node_size: int = 1
     local_rank: int = 0
     full_group: object = None   # every rank of the vote (None: the world)
+    # voters="rank" with node_size: every rank votes (``group``, ``world_size``, ``rank`` as flat),
+    # and only the fp32 master of bf16/fp16 parameters is sharded over ``node_group``
+    master_only: bool = False
 
     @property
     def ranks(self) -> int:
-        """Ranks taking part in a step: Nn·L."""
-        return self.world_size * self.node_size
+        """Ranks taking part in a step: Nn·L (N with master-only sharding)."""
+        return self.world_size if self.master_only else self.world_size * self.node_size
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's place among :attr:`ranks`."""
+        return self.rank if self.master_only else self.rank * self.node_size + self.local_rank
 
 
 def node_size_for(voters: str, node_size: int | None, n: int) -> int:
     """L, the ranks per node group: 1 for voters="rank"; node_size, else LOCAL_WORLD_SIZE, for
     voters="node". Raises ValueError naming the setting when L does not divide N."""
     if voters != "node":
-        return 1
-    if node_size is None:
+        node_size = node_size or 1  # voters="rank": only an explicit node_size shards the master
+    elif node_size is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None or not env.isdigit() or int(env) < 1:
             raise ValueError("LionCub: voters='node' with node_size=None takes L from LOCAL_WORLD_SIZE, which is not "

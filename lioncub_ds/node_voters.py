@@ -27,6 +27,71 @@ import torch
 from .layout import Bucket
 
 
+def shard_pieces(bucket: Bucket, size: int, local_rank: int) -> list:
+    """The parameters' pieces inside shard ``local_rank`` of ``size`` equal shards of ``bucket``:
+    (param, start inside it, length, offset in the shard)."""
+    numel = bucket.numel // size
+    lo = local_rank * numel
+    pieces = []
+    for p, off in zip(bucket.params, bucket.offsets):
+        a, b = max(off, lo), min(off + p.numel(), lo + numel)
+        if a < b:
+            pieces.append((p, a - off, b - a, a - lo))
+    return pieces
+
+
+def copy_pieces_from_params(pieces, flat) -> None:
+    for p, start, length, at in pieces:
+        flat[at:at + length].copy_(p.detach().reshape(-1)[start:start + length])
+
+
+def gather_into_params(coll, buckets, shards) -> None:
+    """All-gather every bucket's shard inside the group (in the parameters' dtype) and copy the
+    whole bucket into its parameters."""
+    pending = [coll.all_gather(flat.to(b.params[0].dtype), "node_all_gather", async_op=True)
+               for b, flat in zip(buckets, shards)]
+    for b, pend in zip(buckets, pending):
+        full = pend.wait().reshape(-1)
+        for p, off in zip(b.params, b.offsets):
+            p.detach().copy_(full[off:off + p.numel()].view_as(p))
+
+
+class MasterShards:
+    """Master-only sharding (``voters="rank"`` with ``node_size``): every rank still votes with
+    its own full momentum over the whole bucket, so Δ is the flat vote's; only the fp32 master of
+    bf16/fp16 parameters is sharded over the group. The apply goes to this rank's master shard
+    (the vote jobs are pointed at its pieces, with their parameter-local tie indices), then the
+    group all-gathers the shards into the parameters. fp32 buckets are applied as in flat voting."""
+
+    def __init__(self, buckets: list[Bucket], topology, node_coll, store):
+        self.buckets, self.coll, self.store = buckets, node_coll, store
+        self.size, self.local_rank = topology.node_size, topology.local_rank
+        self.sharded = [i for i, b in enumerate(buckets) if b.params[0].dtype != torch.float32]
+        self.pieces = {i: shard_pieces(buckets[i], self.size, self.local_rank) for i in self.sharded}
+
+    def master(self, i: int) -> torch.Tensor:
+        b = self.buckets[i]
+        numel = b.numel // self.size
+        flat = self.store.shard("master", i, numel, torch.float32, b.params[0].device)
+        if not self.store.shard_initialized("master", i):
+            copy_pieces_from_params(self.pieces[i], flat)
+            self.store.mark_initialized("master", i)
+        return flat
+
+    def redirect(self, i: int, job) -> None:
+        """Point bucket ``i``'s apply at this rank's master shard (after the vote is counted)."""
+        if i not in self.pieces:
+            return
+        flat, lo = self.master(i), self.local_rank * (self.buckets[i].numel // self.size)
+        pieces = self.pieces[i] or [(None, 0, 0, 0)]
+        job.params = [flat[at:at + length] for _, _, length, at in pieces]
+        job.offsets = [lo + at for _, _, _, at in pieces]
+        job.param_starts = [start for _, start, _, _ in pieces]
+
+    def finish(self) -> None:
+        gather_into_params(self.coll, [self.buckets[i] for i in self.sharded], [self.master(i) for i in self.sharded])
+
+
 class NodeShards:
     """This rank's shard of every flat bucket, its buffers and the group's collectives."""
 
@@ -39,11 +104,7 @@ class NodeShards:
         for fb in full_buckets:
             numel = fb.numel // self.size
             lo = self.local_rank * numel
-            pieces = []
-            for p, off in zip(fb.params, fb.offsets):
-                a, b = max(off, lo), min(off + p.numel(), lo + numel)
-                if a < b:
-                    pieces.append((p, a - off, b - a, a - lo))
+            pieces = shard_pieces(fb, self.size, self.local_rank)
             self.pieces.append(pieces)
             # an empty shard (the bucket's real elements all live in other shards) still votes, with
             # one all-padding piece, so that every shard peer runs the same collectives
@@ -77,8 +138,7 @@ class NodeShards:
         return work
 
     def _copy_from_params(self, i, work):
-        for p, start, length, at in self.pieces[i]:
-            work[at:at + length].copy_(p.detach().reshape(-1)[start:start + length])
+        copy_pieces_from_params(self.pieces[i], work)
 
     @staticmethod
     def _views(flat, pieces):
@@ -123,12 +183,7 @@ class NodeShards:
     def finish(self) -> None:
         """All-gather the updated shards inside the group (in the parameters' dtype) and copy
         them into the parameters; drop the step's buffers."""
-        pending = [self.coll.all_gather(work.to(fb.params[0].dtype), "node_all_gather", async_op=True)
-                   for fb, work in zip(self.full, self.work)]
-        for i, pend in enumerate(pending):
-            full = pend.wait().reshape(-1)
-            for p, off in zip(self.full[i].params, self.full[i].offsets):
-                p.detach().copy_(full[off:off + p.numel()].view_as(p))
+        gather_into_params(self.coll, self.full, self.work)
         self.release()
 
     def release(self) -> None:

@@ -266,10 +266,10 @@ class LionCub(Optimizer):
                                          "than once; allowed: each parameter once (it would be stepped twice)")
             seen.add(id(p))
         if getattr(self, "_plan", None) is not None:
-            if self._plan.nodes is not None:
+            if self._topology.node_size > 1:
                 raise LionCubConfigError("LionCub.add_param_group after the first step is not supported with "
-                                         "voters='node' (the momentum shards follow the bucket layout); allowed: add "
-                                         "every group before the first step; nothing was changed")
+                                         "node_size > 1 (the shards follow the bucket layout); allowed: add every "
+                                         "group before the first step; nothing was changed")
             if self._plan.pipe.busy:
                 self._plan.pipe.drain()
             self._drop_plan()
@@ -340,7 +340,8 @@ class LionCub(Optimizer):
             # rank); before the N-dependent checks, which would otherwise fail on some ranks only
             agree_settings(self.config, getattr(self, "param_groups", None) or self._construction_groups,
                            self._process_group)
-            check_world_size(self.config, n // size)  # N := the voters; before creating anything (the groups below)
+            voters = n // size if self.config.voters == "node" else n
+            check_world_size(self.config, voters)  # N := the voters; before creating anything (the groups below)
             self._topology = self.resolve_topology(self._process_group)
         return self._topology
 
@@ -363,17 +364,23 @@ class LionCub(Optimizer):
             pair = node_group_size(ms.group_size, n)
             me = dist.get_rank(group)
             wanted.append(consecutive_blocks(ranks, pair)[me // pair])
-        if size > 1:  # node voters: this rank's node group (consecutive ranks) and its shard peers
+        if size > 1:  # this rank's node group (consecutive ranks), and for node voters its shard peers
             me = dist.get_rank(group)
-            wanted += [consecutive_blocks(ranks, size)[me // size], ranks[me % size::size]]
+            wanted.append(consecutive_blocks(ranks, size)[me // size])
+            if cfg.voters == "node":
+                wanted.append(ranks[me % size::size])
         created = create_on_all_ranks(wanted, cfg.timeout_s) if wanted else []
         self._created_groups = list(created)
         if cfg.timeout_s is not None and n > 1:
             group = created.pop(0)
-        if size > 1:
+        if size > 1 and cfg.voters == "node":
             node, peers = created[-2:]
             return Topology(peers, n // size, dist.get_rank(group) // size, None, node, size,
                             dist.get_rank(group) % size, group)
+        if size > 1:  # master-only sharding: the flat vote group, and the node group for the master
+            node = created.pop()
+            return Topology(group, n, dist.get_rank(group), created[0] if created else None, node, size,
+                            dist.get_rank(group) % size, group, master_only=True)
         return Topology(group, n, dist.get_rank(group), created[0] if created else None, full_group=group)
 
     def release_process_group(self) -> None:
@@ -408,15 +415,14 @@ class LionCub(Optimizer):
         if not self.distributed:
             return None
         t = self._topology
-        return t.full_group if t.node_size > 1 else t.group
+        return t.full_group if t.node_size > 1 and not t.master_only else t.group
 
     @property
     def rank(self) -> int:
         """This process's rank inside :attr:`vote_group` (0 when not distributed)."""
         if not self.distributed:
             return 0
-        t = self._topology
-        return t.rank * t.node_size + t.local_rank
+        return self._topology.global_rank
 
     @property
     def world_size(self) -> int:
@@ -471,9 +477,12 @@ class LionCub(Optimizer):
     def _node_layout(self) -> dict | None:
         """voters="node": what this rank's shards are (saved with them; a load must match it)."""
         plan = self.plan if self.distributed else None
-        if plan is None or plan.nodes is None:
+        if plan is None or (plan.nodes is None and plan.masters is None):
             return None
         t = self._topology
+        if plan.masters is not None:  # master-only sharding: fp32 master shards only
+            return {"voters": "rank", "node_size": t.node_size, "local_rank": t.local_rank,
+                    "numels": [plan.buckets[i].numel // t.node_size for i in plan.masters.sharded]}
         return {"voters": t.world_size, "node_size": t.node_size, "local_rank": t.local_rank,
                 "numels": [b.numel for b in plan.buckets]}
 

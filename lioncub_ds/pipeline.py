@@ -40,7 +40,7 @@ from .kernels.reference import dither_seed, int8_levels
 from .layout import assign_algorithms, build_buckets, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
 from .momentum_sync import MomentumSync, select_params
-from .node_voters import NodeShards
+from .node_voters import MasterShards, NodeShards, copy_pieces_from_params
 from .telemetry import ring_bytes
 
 log = logging.getLogger("lioncub_ds")
@@ -133,8 +133,8 @@ class StepPlan:
         # the voters: N ranks, or with node voters Nn node groups (this rank votes for its group's shard)
         self.world_size, self.rank = topology.world_size, topology.rank
         self.ranks = topology.ranks   # every rank of the step (Nn·L)
-        self.nodes = None
-        if topology.node_size > 1:
+        self.nodes = self.masters = None
+        if topology.node_size > 1 and not topology.master_only:
             # The one place the topology enters: the layout is cut for Nn·L ranks, and the buckets
             # the pipeline votes on are this rank's shards of it (lioncub_ds.node_voters).
             full, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.ranks)
@@ -146,6 +146,9 @@ class StepPlan:
         else:
             self.coll = self.world_coll = Collectives(topology.group, opt.stats, cfg.timeout_s)
             self.buckets, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.world_size)
+            if topology.master_only:
+                self.node_coll = Collectives(topology.node_group, opt.stats, cfg.timeout_s, scope="intra_node")
+                self.masters = MasterShards(self.buckets, topology, self.node_coll, opt.momenta)
         assign_algorithms(self.buckets, cfg, self.world_size)
         self.batches = comm_batches(self.buckets, cfg.comm_bucket_mb, self.world_size)
         # The step's flags ride in the last batch's phase 1 when its algorithm delivers every
@@ -287,9 +290,15 @@ class StepPlan:
         pipe.complete(flags, step)
         if self.nodes is not None:
             self.nodes.finish()  # the group all-gathers the updated shards into the parameters
+        if self.masters is not None:
+            self.masters.finish()
         for p, value, m in kept:
             p.copy_(value)
             store.get(p).copy_(m)
+        if self.masters is not None and kept:  # their master pieces follow the restored values
+            ids = {id(p) for p, _, _ in kept}
+            for i, pieces in self.masters.pieces.items():
+                copy_pieces_from_params([q for q in pieces if id(q[0]) in ids], self.masters.master(i))
         idle_ids = {id(p) for p in idle}
         for p in self.params():
             if id(p) not in idle_ids and "step" in opt.state[p]:
@@ -652,5 +661,8 @@ class VotePipeline:
             opt.stats.add_baseline(*plan.baseline(i))
         for k, batch in enumerate(plan.batches):
             jobs = [self.local[i].job for i in batch]
+            if plan.masters is not None:  # the counted Δ goes to this rank's master shard
+                for i, job in zip(batch, jobs):
+                    plan.masters.redirect(i, job)
             plan.buckets[batch[0]].algorithm.complete(counted[k], jobs, coll, self.local[batch[0]].backend)
         self.reset()

@@ -190,6 +190,7 @@ def main():
         "err_zero2_client": lambda: expect_error(dict(cfg_for(torch.float32), zero_optimization={"stage": 2}),
                                                  client=NODE),
         "err_fp16": lambda: expect_error(dict(cfg_for(torch.float32, **NODE), fp16={"enabled": True})),
+        "err_master_only": lambda: expect_error(cfg_for(torch.bfloat16, voters="rank", node_size=2)),
     }
     result = {"world_size": torch.distributed.get_world_size(), "LOCAL_SIZE": os.environ.get("LOCAL_SIZE"),
               "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE")}

@@ -149,6 +149,7 @@ def test_shipped_node_voters_config_trains(runs):
     ("err_zero1", ("voters='node'", "zero_optimization.stage=1", "Allowed: voters='node' with zero_optimization.stage=0")),
     ("err_zero2_client", ("voters='node'", "zero_optimization.stage=2", "voters='rank'")),
     ("err_fp16", ("voters='node'", "fp16.enabled=true", "bf16.enabled=true or fp32")),
+    ("err_master_only", ("node_size=2 with voters='rank'", "Allowed: node_size unset", "voters='node'")),
 ])
 def test_unsupported_node_voter_configs_are_refused(runs, name, needles):
     res, _ = runs

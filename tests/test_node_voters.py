@@ -223,3 +223,44 @@ def test_scaled_votes_and_momentum_sync_keep_replicas_identical(comm, sync):
     if sync:  # the sync averaged each momentum shard over the two voters: the shard peers hold the same
         assert torch.equal(res[0]["momentum"], res[2]["momentum"])
         assert torch.equal(res[1]["momentum"], res[3]["momentum"])
+
+
+def _master_only(rank, world_size, comm):
+    """voters='rank' with node_size=2 on bf16 parameters vs flat LionCub stepping fp32 copies of
+    them (what a framework's fp32 master does): the same parameters after every step."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    ref = Net()
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    kw = {"quant": "l1"} if comm in ("int8", "bbit") else {}
+    opt = LionCub(model.parameters(), lr=LR, weight_decay=WD, comm=comm, node_size=2, bucket_size_mb=0.0002, **kw)
+    ref_opt = LionCub(ref.parameters(), lr=LR, weight_decay=WD, comm=comm, bucket_size_mb=0.0002, **kw)
+    same = []
+    for step in range(1, STEPS + 1):
+        grads = _grads(model, rank, step)
+        for p, q, g in zip(model.parameters(), ref.parameters(), grads):
+            p.grad, q.grad = g, g.float()
+        opt.step()
+        ref_opt.step()
+        same.append(all(torch.equal(p, q.to(torch.bfloat16)) for p, q in zip(model.parameters(), ref.parameters())))
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    every = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(every, flat)
+    sd = opt.state_dict()
+    return {"same": same, "replicas": all(torch.equal(flat, e) for e in every), "state": opt.state_bytes(),
+            "layout": {k: v for k, v in sd["lioncub"]["node"].items() if k not in ("momentum", "master")},
+            "scopes": opt.comm_stats()["cumulative"]["by_scope"]}
+
+
+@pytest.mark.parametrize("comm", ["1bit", "pbit", "int8"])
+def test_master_only_sharding_equals_flat_voting_on_an_fp32_master(comm):
+    res = run_ranks(_master_only, 4, comm, timeout=300, env=ENV)
+    for r in range(4):
+        assert all(res[r]["same"]), res[r]["same"]
+        assert res[r]["replicas"]
+        st = res[r]["state"]
+        # full fp32 momenta (every rank votes with its own), and a master of 1/L of the padded buckets
+        assert st["master"] == 4 * sum(res[r]["layout"]["numels"]) and st["momentum"] == 4 * st["params"]
+        assert st["master"] <= 4 * st["params"] / 2 * 1.05 + 4 * 8 * 4 * len(res[r]["layout"]["numels"])
+        assert res[r]["layout"]["node_size"] == 2 and res[r]["layout"]["local_rank"] == r % 2
+        assert res[r]["scopes"].get("intra_node", 0) > 0

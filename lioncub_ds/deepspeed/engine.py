@@ -282,6 +282,17 @@ def check_node_voters(engine, optimizer=None) -> None:
 
     Raised from ``deepspeed.initialize`` before LionCub is built (ds_config) or touched (a client
     optimizer), so nothing has changed yet."""
+    if isinstance(optimizer, LionCub):
+        voters, node_size = optimizer.config.voters, optimizer.config.node_size
+    else:
+        raw = (engine.optimizer_params() or {}) if is_lioncub_name(engine.optimizer_name() or "") else {}
+        voters, node_size = raw.get("voters", "rank"), raw.get("node_size")
+    if voters == "rank" and node_size not in (None, 1):
+        raise LionCubDeepSpeedError(
+            f"LionCub: optimizer.params node_size={node_size} with voters='rank' (master-only sharding) is not "
+            "supported under DeepSpeed yet: DeepSpeed's bf16/fp16 wrappers keep their own full fp32 copy of every "
+            "parameter and hand LionCub fp32 parameters, so LionCub has no master to shard. Allowed: node_size unset "
+            "with voters='rank', or voters='node' (which shards the momentum and the fp32 master at ZeRO stage 0).")
     if not node_voters_requested(engine, optimizer):
         return
     stage = engine.zero_optimization_stage()

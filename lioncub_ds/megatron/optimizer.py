@@ -73,7 +73,8 @@ _UNSUPPORTED = (
 # voters="node" needs the step to own the intra-node reduce-scatter; under Megatron that is
 # Megatron's distributed optimizer (instances), which this integration does not drive yet.
 NODE_VOTERS_UNSUPPORTED = (
-    "LionCub: voters='node' (--lioncub-voters node) is not supported under Megatron yet: there the node group's "
+    "LionCub: voters='node' (--lioncub-voters node) and node_size (--lioncub-node-size) are not supported under "
+    "Megatron yet: there the node group's "
     "gradient reduce-scatter and parameter all-gather belong to Megatron's distributed optimizer "
     "(--use-distributed-optimizer --num-distributed-optimizer-instances K), and this integration does not drive it; "
     "allowed: voters='rank' (the default) under Megatron, or voters='node' with DeepSpeed or plain torch "
