@@ -476,8 +476,10 @@ class LionCub(Optimizer):
 
     def _node_layout(self) -> dict | None:
         """voters="node": what this rank's shards are (saved with them; a load must match it)."""
-        plan = self.plan if self.distributed else None
-        if plan is None or (plan.nodes is None and plan.masters is None):
+        if not self.distributed or self._topology.node_size == 1:
+            return None  # (and no plan is built here: saving or loading must not install hooks)
+        plan = self.plan
+        if plan.nodes is None and plan.masters is None:
             return None
         t = self._topology
         if plan.masters is not None:  # master-only sharding: fp32 master shards only
