@@ -37,7 +37,10 @@ NETWORK_HELP = {"bandwidth_gbit": "network bandwidth in Gbit/s for comm=auto's c
                 "latency_us": "per-message latency in µs for comm=auto's cost model (>= 0; default 50)"}
 # Constructor arguments that are not settings: (default, allowed, meaning), for the README table.
 CONSTRUCTOR_ONLY = {"process_group": ("world", "a ProcessGroup",
-                                      "the data-parallel group that votes (DeepSpeed and Megatron set it)")}
+                                      "the data-parallel group that votes (DeepSpeed and Megatron set it)"),
+                    "config": ("`None`", "a `LionCubConfig`",
+                               "every setting at once, already validated (integrations validate once, early); "
+                               "then no setting keyword may be given")}
 
 
 class LionCubConfigError(ValueError):

@@ -160,6 +160,16 @@ def _split_named(params):
     return [{"params": ps, "param_names": names}] if names is not None else [{"params": ps}]
 
 
+def _given_config(config, given: set) -> LionCubConfig:
+    """``LionCub(params, config=...)``: a validated LionCubConfig, and no setting keyword beside it."""
+    if not isinstance(config, LionCubConfig):
+        raise TypeError(f"LionCub: config must be a LionCubConfig (validated settings), got {type(config).__name__}")
+    if given:
+        raise LionCubConfigError(f"LionCub: config=... carries every setting; also given: {', '.join(sorted(given))}; "
+                                 "allowed: config alone, or the settings as keywords without config")
+    return config
+
+
 class LionCub(Optimizer):
     """Lion Cub: communication-efficient distributed Lion.
 
@@ -174,6 +184,8 @@ class LionCub(Optimizer):
         tie_break: "hash" (default) | "alternate" | "zero": what an even-N tie does.
         momentum_sync: None or a dict (every, until, schedule, k, layers, group, group_size, inter_every).
         process_group: the data-parallel group that votes (default: the world).
+        config: a validated :class:`LionCubConfig` carrying every setting (then no setting keyword
+            may be given): integrations validate once, early, and hand the result over.
         momentum_dtype: torch.float32 (default) or torch.bfloat16.
         bucket_size_mb: MB of fp32 parameters per flat bucket (default 25).
         pbit_bits: force the pbit lane width (1/2/4/8; must satisfy 2**p − 1 >= N).
@@ -204,9 +216,14 @@ class LionCub(Optimizer):
                  momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
                  nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
                  comm_bucket_mb=4.0, overlap=False, momentum_double_buffer=False, vote_bits=None, rounding=None,
-                 voters="rank", node_size=None, **unknown):
+                 voters="rank", node_size=None, config=None, **unknown):
         # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
         # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
+        if config is not None:
+            given = {k for k, v in locals().items() if k in _SETTING_DEFAULTS and v is not _SETTING_DEFAULTS[k]}
+            self.config = _given_config(config, given | set(unknown))
+            self._setup(params, config.lr, process_group)
+            return
         lr_given = lr  # a 1-element tensor lr stays in the param groups (schedulers fill it in place)
         settings = dict(lr=lr_value(lr, "LionCub"), betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
                         tie_break=tie_break, momentum_sync=momentum_sync, momentum_dtype=momentum_dtype,
@@ -218,6 +235,10 @@ class LionCub(Optimizer):
         if network is not None:
             settings["network"] = network
         self.config = LionCubConfig.from_kwargs(**settings)
+        self._setup(params, lr_given, process_group)
+
+    def _setup(self, params, lr_given, process_group):
+        """Everything after the settings are validated (``self.config``): groups, topology, state."""
         groups = _split_named(params)
         cfg = self.config
         defaults = dict(lr=lr_given if isinstance(lr_given, torch.Tensor) else cfg.lr, betas=tuple(cfg.betas),
@@ -665,3 +686,8 @@ class LionCub(Optimizer):
         if not self.distributed:
             return True
         return self.plan.check_replicas(action or self.config.drift_action, self._step_count)
+
+
+# The constructor's setting keywords and their defaults: with config=..., none may be given.
+_SETTING_DEFAULTS = {k: p.default for k, p in __import__("inspect").signature(LionCub.__init__).parameters.items()
+                     if k in LionCubConfig.keys()}

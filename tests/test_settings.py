@@ -153,3 +153,19 @@ def test_readme_check_notices_drift(tmp_path):
     stale.write_text(readme.replace("| `vote_bits` |", "| `vote_bitz` |"), encoding="utf-8")
     assert config_doc.main(["--check", str(stale)]) == 1
     assert config_doc.main([str(stale)]) == 0 and stale.read_text(encoding="utf-8") == readme
+
+
+def test_a_validated_config_is_taken_as_is():
+    """Integrations validate once and hand the LionCubConfig over: the constructor keeps that very
+    object (no second validation), and refuses a setting keyword beside it."""
+    import torch
+    from lioncub_ds import LionCubConfigError
+    cfg = LionCubConfig.from_kwargs(lr=3e-3, betas=(0.95, 0.98), weight_decay=0.1, comm="1bit")
+    p = torch.nn.Parameter(torch.zeros(5))
+    opt = LionCub([p], config=cfg)
+    assert opt.config is cfg
+    assert opt.param_groups[0]["lr"] == 3e-3 and opt.param_groups[0]["betas"] == (0.95, 0.98)
+    with pytest.raises(LionCubConfigError, match=r"config=\.\.\. carries every setting; also given: lr, vote"):
+        LionCub([p], config=cfg, lr=1e-3, vote="average")
+    with pytest.raises(TypeError, match="config must be a LionCubConfig"):
+        LionCub([p], config={"lr": 1e-3})

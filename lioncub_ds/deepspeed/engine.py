@@ -363,8 +363,9 @@ def build_optimizer(engine, model_parameters):
         group = singleton_group() if stage >= 1 else data_parallel_group(engine)
     if stage == 0:
         model_parameters = _with_names(model_parameters, getattr(engine, "param_names", {}))
-    params = with_launcher_node_size(params)
-    opt = LionCub(model_parameters, process_group=group, **params)
+    # one validation of the settings (with the launcher's node size), handed to the constructor as is
+    config = LionCubConfig.from_kwargs(where="ds_config optimizer.params", **with_launcher_node_size(params))
+    opt = LionCub(model_parameters, process_group=group, config=config)
     if stage >= 1 and group is not None:
         _SINGLETON_USERS.add(opt)
     setattr(opt, _OPTIONS_ATTR, options)

@@ -90,7 +90,8 @@ OVERLAP_UNSUPPORTED = (
     "accumulation only fills main_grad).")
 # LionCub settings that come from OptimizerConfig instead.
 _FROM_MEGATRON = {"lr": "OptimizerConfig.lr (--lr)", "weight_decay": "OptimizerConfig.weight_decay (--weight-decay)",
-                  "process_group": "Megatron's data-parallel groups"}
+                  "process_group": "Megatron's data-parallel groups",
+                  "config": "the lioncub settings (made by the integration from them)"}
 
 
 class MegatronLionCub(LionCub):
@@ -111,9 +112,10 @@ class MegatronLionCub(LionCub):
         # None (= Megatron's own group), "node": group or None}. With them, this LionCub creates
         # no process group itself (its own creation is a world collective, which a rank without
         # this kind of parameters would not join).
-        if kwargs.get("overlap"):
+        given = vars(kwargs["config"]) if isinstance(kwargs.get("config"), LionCubConfig) else kwargs
+        if given.get("overlap"):
             raise LionCubConfigError(OVERLAP_UNSUPPORTED)  # before any state exists
-        if kwargs.get("voters", "rank") != "rank" or kwargs.get("node_size") is not None:
+        if given.get("voters", "rank") != "rank" or given.get("node_size") is not None:
             raise LionCubConfigError(NODE_VOTERS_UNSUPPORTED)
         self._premade = megatron_groups
         super().__init__(params, *args, **kwargs)
@@ -432,8 +434,10 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
         inner = None
         if pgroups:
             kw = _momentum_sync_for_group(settings, vote_group)
-            inner = MegatronLionCub(pgroups, lr=config.lr, betas=betas, weight_decay=config.weight_decay,
-                                    process_group=vote_group, megatron_groups=premade.get(kind), **kw)
+            # the one validation of this optimizer's settings (Megatron's lr and weight decay included)
+            cfg = LionCubConfig.from_kwargs(where="lioncub setting", lr=config.lr, betas=betas,
+                                            weight_decay=config.weight_decay, **kw)
+            inner = MegatronLionCub(pgroups, config=cfg, process_group=vote_group, megatron_groups=premade.get(kind))
             inner.megatron_kind = kind
             inner.megatron_tag = _model_parallel_tag(kind, groups)
         optimizers.append(_wrap(config, inner, stats_group, tp_group, groups["expt_tp"]))
