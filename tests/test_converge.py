@@ -249,3 +249,21 @@ def test_node_voter_rows_in_the_table():
     md = C.markdown_table(summary)
     assert "voters (Nn × L)" in md and "| 4 × 4 | 1/4 |" in md and "| 1.000 |" in md and "inter-node" in md
     assert "voters" not in C.markdown_table([s for s in summary if s["variant"] == "lion"])
+    goal = [m for m in C.check_goal(summary) if "node voters" in m]
+    assert goal == ["N=16: node voters (1bit, no sync): largest L with the upper 95% bound of the gap <= 2%: none; "
+                    "L=4: +2.00% (upper +2.00%)"]
+
+
+def test_merge_keeps_the_first_copy_and_the_asked_runs(tmp_path):
+    import json
+
+    def rec(v, n, seed, loss):
+        return {"bench": "converge", "variant": v, "world_size": n, "seed": seed, "val_loss": loss}
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.json"
+    a.write_text("\n".join(json.dumps(r) for r in (rec("lion", 16, 0, 1.0), rec("cub_1bit_node2", 16, 0, 1.1))))
+    b.write_text(json.dumps([rec("lion", 16, 0, 9.0), rec("lion", 16, 1, 2.0), rec("adamw", 16, 1, 0.5),
+                             rec("lion", 8, 1, 3.0)]))
+    _, records, _, _ = C.merge([str(a), str(b)], variants=["lion", "cub_1bit_node2"], world_sizes=[16])
+    assert sorted((r["variant"], r["seed"], r["val_loss"]) for r in records) == \
+           [("cub_1bit_node2", 0, 1.1), ("lion", 0, 1.0), ("lion", 1, 2.0)]

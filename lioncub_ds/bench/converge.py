@@ -839,6 +839,17 @@ def check_goal(summary) -> list[str]:
                 b = min(sure, key=lambda s: s["ci_hi_pct"])
                 out.append(f"N={n}: tightest with >= 16x fewer bytes and upper 95% bound <= 2%: {b['variant']} "
                            f"{b['gap_pct']:+.2f}% [{b['ci_lo_pct']:+.2f}, {b['ci_hi_pct']:+.2f}]")
+        nodes = [s for s in rows if s.get("node_size", 1) > 1 and "sync" not in s["variant"]]
+        if nodes:  # issue 24's goal: the largest group size within 2% (upper 95% bound), flat beside it
+            flat = next((s for s in rows if s["variant"] == "cub_1bit"), None)
+            ok = [s for s in nodes if s["ci_hi_pct"] <= 2]
+            big = max(ok, key=lambda s: s["node_size"]) if ok else None
+            out.append(f"N={n}: node voters (1bit, no sync): largest L with the upper 95% bound of the gap <= 2%: "
+                       + (f"L={big['node_size']} ({big['voters']} voters, {big['gap_pct']:+.2f}% "
+                          f"[{big['ci_lo_pct']:+.2f}, {big['ci_hi_pct']:+.2f}])" if big else "none")
+                       + "; " + ", ".join(f"L={s['node_size']}: {s['gap_pct']:+.2f}% (upper {s['ci_hi_pct']:+.2f}%)"
+                                          for s in sorted(nodes, key=lambda s: s["node_size"]))
+                       + (f"; flat (L=1): {flat['gap_pct']:+.2f}% (upper {flat['ci_hi_pct']:+.2f}%)" if flat else ""))
     return out
 
 
@@ -963,13 +974,16 @@ def build_parser():
                         "--merge reads .jsonl)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no training: merge the records of earlier runs' JSON files (e.g. one per N or per variant "
-                        "group, same settings), then summarize, plot and write --json/--out as usual")
+                        "group, same settings; a run found in several files is taken from the first), then "
+                        "summarize, plot and write --json/--out as usual; --variants / --world-sizes given "
+                        "explicitly keep only those runs")
     add_output_args(p)
     return p
 
 
-def merge(paths):
-    """Records (config, per-run records, tune records, curves) of several JSON outputs, deduplicated."""
+def merge(paths, variants=None, world_sizes=None):
+    """Records (config, per-run records, tune records, curves) of several JSON outputs, deduplicated
+    (the first file's run wins), optionally only the runs of ``variants`` / ``world_sizes``."""
     meta, records, tune_recs, curves, seen = [], [], [], [], set()
     for path in paths:
         with open(path) as f:
@@ -980,10 +994,12 @@ def merge(paths):
                 meta.append(r)
             elif b == NAME:
                 key = (r["world_size"], r["variant"], r["seed"])
+                if (variants and r["variant"] not in variants) or (world_sizes and r["world_size"] not in world_sizes):
+                    continue
                 if key not in seen:
                     seen.add(key)
                     records.append(r)
-            elif b == "converge_tune":
+            elif b == "converge_tune" and not (world_sizes and r["world_size"] not in world_sizes):
                 tune_recs.append(r)
             elif b == "converge_curve":
                 curves.append(r)
@@ -1015,10 +1031,12 @@ def apply_protocol(args):
 
 
 def main(argv=None) -> int:
-    args = apply_protocol(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    explicit = {"variants": args.variants, "world_sizes": args.world_sizes}  # before the protocol fills them
+    args = apply_protocol(args)
     t0 = time.perf_counter()
     if args.merge:
-        meta, records, tune_recs, curves = merge(args.merge)
+        meta, records, tune_recs, curves = merge(args.merge, **explicit)
         summary = summarize(records)
         print_table(summary, SUMMARY_TABLE, title=f"[bench converge] merged {len(records)} runs from {len(args.merge)} "
                                                   "files: paired gap to global Lion")
