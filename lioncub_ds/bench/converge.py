@@ -810,7 +810,7 @@ def markdown_table(summary) -> str:
                  f"{s['lr']:.1e}"]
         if nodes:
             L = s.get("node_size")
-            cells[2:2] = [f"{s['world_size'] // L} × {L}" if L else "all-reduce", f"1/{L}" if L else "1"]
+            cells[2:2] = [f"{s['world_size'] // L} × {L}" if L else "all-reduce", f"1/{L}" if L and L > 1 else "1"]
             steps = s.get("steps") or 0
             intra = s.get("intra_node_bytes_per_rank")
             cells.append(f"{intra / steps / 2**20:.3f}" if intra is not None and steps else "—")
