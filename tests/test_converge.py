@@ -104,19 +104,30 @@ def test_same_command_same_numbers(ds):
 @pytest.mark.parametrize("n,variants", [(2, ("cub_1bit", "dlion", "cub_int8", "cub_avg", "cub_1bit_sync5_small",
                                              "cub_1bit_geo", "cub_b2", "cub_b3_nearest", "cub_1bit_sync20_bf16")),
                                         (4, ("cub_1bit", "cub_int8", "cub_b2", "cub_b2_l0", "cub_1bit_sync10_int8",
-                                             "cub_1bit_sync10_bf16"))])
+                                             "cub_1bit_sync10_bf16")),
+                                        (4, ("cub_1bit_node2", "cub_1bit_sync20_int8_node2")),
+                                        (8, ("cub_1bit_node4", "cub_1bit_sync20_int8_node2"))],
+                         ids=["n2", "n4", "n4-nodes2x2", "n8-nodes2x4-4x2"])
 def test_simulation_equals_real_lioncub(ds, n, variants):
     """N simulated workers give bit-identical parameters (SHA-1) and the same bytes as N real
     gloo ranks running LionCub. The fp32 momentum sync sums across ranks in gloo's order, which the
     simulation matches only for N = 2 (any order), so the fp32 sync variants run with N = 2; the
-    bf16 / int8 syncs sum in the project's own order (exact at any N); the votes are integer sums."""
+    bf16 / int8 syncs sum in the project's own order (exact at any N); the votes are integer sums.
+    Node voters (``*_nodeL``: LionCub(voters="node", node_size=L)): the same parameters, and the
+    simulation's bytes are the real ``comm_stats`` split by link: inter-node (votes, flags, the
+    momentum sync over the Nn shard peers) and intra-node (reduce-scatter, all-gather, flags)."""
     cfg = C.make_cfg(**dict(TINY, steps=6))
     real = run_ranks(C.real_lioncub_rank, n, variants, 3, cfg, LRS, timeout=600)
     for i, variant in enumerate(variants):
         assert len({r[i][0] for r in real}) == 1  # the real replicas agree
         sim = C.train_one(variant, 3, n, cfg, LRS, ds)
         assert sim["digest"] == real[0][i][0], variant
-        assert sim["bytes"] == real[0][i][1], variant
+        if "node" in variant:
+            for r in real:  # every rank sends the same on each link
+                assert r[i][2] == {"inter_node": sim["bytes"], "intra_node": sim["intra_bytes"]}, variant
+            assert sim["bytes"] > 0 and sim["intra_bytes"] > 0
+        else:
+            assert sim["bytes"] == real[0][i][1], variant
         if "sync" in variant or "geo" in variant:
             assert sim["sync_bytes"] > 0
     # D-Lion in the study reuses the 1bit run (same Δ): its digest equals the real all-gather run's.
@@ -175,3 +186,84 @@ def test_recommended_config_is_valid_and_is_the_studied_one():
     assert list(cfg.betas) == proto["betas"] and cfg.lr == proto["lr"]["cub"]
     assert cfg.weight_decay == pytest.approx(0.1 * proto["lr"]["adamw"] / proto["lr"]["cub"])
     assert ds_cfg["scheduler"]["params"]["total_num_steps"] == proto["steps"]
+
+
+# ----------------------------------------------------------------------------- node voters in the simulation
+def test_node_voters_vote_with_the_group_mean_gradient():
+    """node_size L: the N workers are N/L voters, each with its group's gradient summed in worker
+    order one add at a time and divided by L (the real reduce-scatter's order), so a step equals the
+    flat simulation of those N/L mean gradients; an odd parameter count, ties and abstentions."""
+    torch.manual_seed(1)
+    g = torch.randn(8, 37) * 1e3
+    g[:, 5] = 0.0  # every worker abstains here
+    g[::2, 7], g[1::2, 7] = 1.0, -1.0  # groups of 2 cancel: abstentions of the node voters
+    p_node = torch.zeros(37, requires_grad=True)
+    p_flat = torch.zeros(37, requires_grad=True)
+    node = C.SimLionCub([{"params": [p_node], "names": ["w"], "weight_decay": 0.1}], 8, lr=0.01, betas=(0.9, 0.99),
+                        node_size=2)
+    flat = C.SimLionCub([{"params": [p_flat], "names": ["w"], "weight_decay": 0.1}], 4, lr=0.01, betas=(0.9, 0.99))
+    rows = g.view(4, 2, 37)
+    mean = (rows[:, 0] + rows[:, 1]) / 2
+    assert torch.equal(node.node_means({p_node: g})[p_node], mean)
+    three = torch.randn(6, 5)  # L = 3: ((g0 + g1) + g2) / 3, not a tree sum or a mean()
+    sim3 = C.SimLionCub([{"params": [torch.zeros(5, requires_grad=True)], "names": ["v"], "weight_decay": 0.0}], 6,
+                        lr=0.01, betas=(0.9, 0.99), node_size=3)
+    got = next(iter(sim3.node_means({"x": three}).values()))
+    assert torch.equal(got, (three.view(2, 3, 5)[:, 0] + three.view(2, 3, 5)[:, 1] + three.view(2, 3, 5)[:, 2]) / 3)
+    for _ in range(3):
+        node.step({p_node: g})
+        flat.step({p_flat: mean})
+    assert torch.equal(p_node, p_flat) and torch.equal(node.momenta[p_node], flat.momenta[p_flat])
+    assert node.n == 4 and node.workers == 8 and node.intra_bytes > 0 and flat.intra_bytes == 0
+    # the shards vote over Nn = 4 voters with half the bucket each: fewer vote bytes than 4 flat voters
+    assert 0 < node.bytes_sent < flat.bytes_sent
+
+
+def test_node_voters_refuse_what_the_simulation_does_not_model():
+    p = torch.zeros(16, requires_grad=True)
+    grp = [{"params": [p], "names": ["w"], "weight_decay": 0.0}]
+    with pytest.raises(ValueError, match=r"sign comms only .*per \(parameter ∩ shard\) piece"):
+        C.SimLionCub(grp, 4, lr=0.01, betas=(0.9, 0.99), comm="int8", quant="l1", node_size=2)
+    with pytest.raises(ValueError, match="dividing the 6 workers"):
+        C.SimLionCub(grp, 6, lr=0.01, betas=(0.9, 0.99), node_size=4)
+    from lioncub_ds.config import LionCubConfigError
+    with pytest.raises(LionCubConfigError, match="without 'layers'"):  # LionCub's own rule
+        C.SimLionCub(grp, 4, lr=0.01, betas=(0.9, 0.99), node_size=2, momentum_sync={"every": 5, "layers": ["w"]})
+
+
+def test_node_voter_rows_in_the_table():
+    """Records of node voters carry Nn × L, the momentum per rank (1/L) and the intra-node bytes;
+    the bytes ratio is the inter-node link's against an fp32 all-reduce over all N ranks."""
+    recs = []
+    for v, ratio, L, ls in (("lion", 1.0, None, (2.0, 3.0)), ("cub_1bit_node4", 120.0, 4, (2.04, 3.06))):
+        for s, loss in zip((0, 1), ls):
+            r = dict(variant=v, world_size=16, seed=s, val_loss=loss, bytes_per_rank=1, bytes_ratio_vs_fp32=ratio,
+                     lr=5e-4, steps=10)
+            if L:
+                r.update(node_size=L, voters=16 // L, intra_node_bytes_per_rank=10 * 2**20,
+                         momentum_per_rank_ratio=1 / L)
+            recs.append(r)
+    summary = C.summarize(recs)
+    row = next(s for s in summary if s["variant"] == "cub_1bit_node4")
+    assert row["gap_pct"] == pytest.approx(2.0) and row["voters"] == 4 and row["momentum_per_rank_ratio"] == 0.25
+    md = C.markdown_table(summary)
+    assert "voters (Nn × L)" in md and "| 4 × 4 | 1/4 |" in md and "| 1.000 |" in md and "inter-node" in md
+    assert "voters" not in C.markdown_table([s for s in summary if s["variant"] == "lion"])
+    goal = [m for m in C.check_goal(summary) if "node voters" in m]
+    assert goal == ["N=16: node voters (1bit, no sync): largest L with the upper 95% bound of the gap <= 2%: none; "
+                    "L=4: +2.00% (upper +2.00%)"]
+
+
+def test_merge_keeps_the_first_copy_and_the_asked_runs(tmp_path):
+    import json
+
+    def rec(v, n, seed, loss):
+        return {"bench": "converge", "variant": v, "world_size": n, "seed": seed, "val_loss": loss}
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.json"
+    a.write_text("\n".join(json.dumps(r) for r in (rec("lion", 16, 0, 1.0), rec("cub_1bit_node2", 16, 0, 1.1))))
+    b.write_text(json.dumps([rec("lion", 16, 0, 9.0), rec("lion", 16, 1, 2.0), rec("adamw", 16, 1, 0.5),
+                             rec("lion", 8, 1, 3.0)]))
+    _, records, _, _ = C.merge([str(a), str(b)], variants=["lion", "cub_1bit_node2"], world_sizes=[16])
+    assert sorted((r["variant"], r["seed"], r["val_loss"]) for r in records) == \
+           [("cub_1bit_node2", 0, 1.1), ("lion", 0, 1.0), ("lion", 1, 2.0)]

@@ -16,7 +16,14 @@ for CPython's standard library) by **N simulated data-parallel workers in one pr
   multi-rank :class:`~lioncub_ds.LionCub` on gloo ranks;
 * bytes are what one rank sends over the run, mirroring LionCub's telemetry (votes, the
   step flags (carried or all-reduced), momentum syncs), and 2·(N−1)/N·4·P per step for the
-  all-reduced baselines.
+  all-reduced baselines;
+* node voters (``voters="node"``, SPEC §7; variants ``*_nodeL``): the N workers are Nn = N/L
+  groups of L consecutive workers; each group's gradients are averaged as the real step's
+  reduce-scatter does (summed in worker order, one add at a time, then divided by L) and the
+  Nn group means vote. Bytes are split as LionCub's ``comm_stats()["by_scope"]``: the records'
+  ``bytes_per_rank`` is the inter-node traffic (votes over Nn voters on shards of 1/L of each
+  bucket, the flags, momentum syncs), ``intra_node_bytes_per_rank`` the node group's
+  reduce-scatter, all-gather and flag all-reduce.
 
 Protocol: the same seed, init, data order, lr schedule and steps for every variant (paired);
 learning rates tuned per optimizer family on a separate seed (``--tune``); ≥5 seeds;
@@ -73,6 +80,12 @@ VARIANTS = {
     "cub_b2_sync20_int8": _bbit(quant="l1", bits=2, rounding="dither",
                                sync={"every": 20, "dtype": "int8"}, label="bbit b=2 + int8 sync/20"),
     "cub_int8": dict(family="cub", comm="int8", quant="l1", label="int8 L1"),
+    # node voters (SPEC §7): Nn = N/L voters, each the mean gradient of L consecutive workers
+    **{f"cub_1bit_node{L}": dict(family="cub", comm="1bit", node=L, label=f"1bit, node voters of L={L} ranks")
+       for L in (2, 4, 8)},
+    **{f"cub_1bit_sync20_int8_node{L}": dict(family="cub", comm="1bit", node=L, sync={"every": 20, "dtype": "int8"},
+                                             label=f"1bit + int8 sync/20, node voters of L={L} ranks")
+       for L in (2, 4, 8)},
     "cub_int8_sync20": dict(family="cub", comm="int8", quant="l1", sync={"every": 20}, label="int8 L1 + sync/20"),
     "cub_avg": dict(family="avg", comm="1bit", vote="average", label="1bit averaging vote"),
     # two-phase b-bit scaled votes (comm="bbit"): b-bit L1/L0/Linf codes summed at the shard owner
@@ -216,20 +229,42 @@ class SimLionCub:
     ``weight_decay``). The bucket layout (8-aligned offsets, buckets of at most
     ``bucket_numel`` elements per group, padded to a multiple of 8·N) is LionCub's, so the
     hash tie rule (index inside each parameter) and the abstention lists see the same buckets.
+
+    ``node_size`` L > 1: node voters (``LionCub(voters="node", node_size=L)``). ``n`` is still
+    the number of workers N (``step`` takes N gradients each); they form Nn = N/L groups of L
+    consecutive workers, whose mean gradients (:meth:`node_means`) are the Nn voters'. The
+    layout is the real step's: ``build_buckets(groups, bucket_numel, Nn·L)``, each bucket cut
+    into L shards that vote separately (their abstention lists, modes and bytes); the hash tie
+    index is the element's index inside its parameter, so for sign votes the cut does not change
+    Δ. Only sign comms (1bit / allgather / pbit): the real int8 / bbit per-tensor scales are per
+    (parameter ∩ shard) piece, which this simulation does not model.
     """
+
+    SIGN_COMMS = ("1bit", "allgather", "pbit")
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
                  momentum_sync=None, bucket_size_mb=25.0, vote_bits=None, rounding=None,
-                 error_feedback=False, owner_ema=0.0, vote_every=1):
+                 error_feedback=False, owner_ema=0.0, vote_every=1, node_size=1):
         from lioncub_ds.config import LionCubConfig
         from lioncub_ds.layout import build_buckets
         from lioncub_ds.momentum_sync import select_params
 
+        node_kw = dict(voters="node", node_size=node_size) if node_size != 1 else {}
         cfg = LionCubConfig.from_kwargs(lr=lr, betas=betas, vote=vote, comm=comm, quant=quant, tie_break=tie_break,
                                         momentum_sync=momentum_sync, bucket_size_mb=bucket_size_mb,
-                                        vote_bits=vote_bits, rounding=rounding)
+                                        vote_bits=vote_bits, rounding=rounding, **node_kw)
         if comm not in ("1bit", "allgather", "pbit", "int8", "bbit"):
             raise ValueError(f"SimLionCub: comm={comm!r} (allowed: 1bit, allgather, pbit, int8, bbit)")
+        if not isinstance(node_size, int) or node_size < 1 or n % node_size:
+            raise ValueError(f"SimLionCub: node_size={node_size!r} must be an int >= 1 dividing the {n} workers")
+        if node_size > 1 and (comm not in self.SIGN_COMMS or error_feedback or owner_ema or vote_every > 1):
+            raise ValueError(f"SimLionCub: node voters (node_size={node_size}) are simulated with the sign comms only "
+                             f"({', '.join(self.SIGN_COMMS)}; got comm={comm!r}), without the screening keys ef / "
+                             "ema / vote_every: the real int8 / bbit per-tensor scales are per (parameter ∩ shard) "
+                             "piece, which the simulation does not model")
+        # self.n: the voters (Nn = N/L with node voters); self.workers: the N gradients of a step
+        self.workers, self.node_size = n, node_size
+        n = n // node_size
         self.cfg, self.n, self.comm = cfg, n, comm
         self.error_feedback, self.residual = error_feedback, {}
         self.owner_ema, self.owner_sums = owner_ema, {}
@@ -240,17 +275,19 @@ class SimLionCub:
         self.groups = [dict(g, lr=lr, betas=tuple(betas)) for g in groups]
         self.momenta = {}
         self.step_count = 0
-        self.bytes_sent = 0
+        self.bytes_sent = 0     # inter-node bytes with node voters (the vote group's link)
+        self.intra_bytes = 0    # node voters: the node group's reduce-scatter, all-gather and flags
         self.sync_bytes = 0
         self.alt_bytes = {}  # sign comms with the same Δ (1bit / allgather / pbit): what each would send
         # LionCub's own layout (lioncub_ds.layout); the abstention mode of each bucket (b.mode)
         # follows the same agreed rule, layout.next_abstain_mode
-        self.buckets, _ = build_buckets(self.groups, cfg.bucket_numel, n)
+        # (node voters: the layout of Nn·L ranks, each bucket then cut into L shards, as the real step)
+        self.buckets, _ = build_buckets(self.groups, cfg.bucket_numel, n * node_size)
         for g in self.groups:
             for p in g["params"]:
                 self.momenta[p] = torch.zeros((n,) + tuple(p.shape), dtype=torch.float32, device=p.device)
         self.sync_params = []
-        if cfg.momentum_sync is not None:
+        if cfg.momentum_sync is not None and node_size == 1:
             named = [(nm, p) for g in self.groups for nm, p in zip(g["names"], g["params"])]
             self.sync_params = select_params(cfg.momentum_sync, named)
 
@@ -263,9 +300,41 @@ class SimLionCub:
 
         return ring_bytes(kind, nbytes, self.n)
 
+    def node_means(self, grads):
+        """The Nn voters' gradients from the N workers': per group of L consecutive workers,
+        (g_0 + g_1 + ... + g_{L−1}) / L in fp32, one add at a time in worker order, as the real
+        step's intra-node reduce-scatter (node_voters.NodeShards.begin)."""
+        L = self.node_size
+        out = {}
+        for p, g in grads.items():
+            rows = g.reshape((self.n, L) + tuple(g.shape[1:])).float()
+            acc = rows[:, 0].clone()
+            for k in range(1, L):
+                acc.add_(rows[:, k])
+            out[p] = acc.div_(L)
+        return out
+
+    def _node_bytes(self):
+        """Intra-node bytes one rank sends per step (node voters): per bucket the reduce-scatter
+        (an all_to_all of the fp32 flat bucket) and the all-gather of the updated shards (in the
+        parameters' dtype), plus the all-reduce of the flags inside the node."""
+        from lioncub_ds.pipeline import FLAG_HEAD
+        from lioncub_ds.telemetry import ring_bytes
+
+        L = self.node_size
+        out = ring_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(self.buckets)), L)
+        for b in self.buckets:
+            out += ring_bytes("all_to_all", 4 * b.numel, L)
+            out += ring_bytes("all_gather", b.params[0].element_size() * b.numel, L)
+        return out
+
     @torch.no_grad()
     def step(self, grads):
-        """``grads``: dict param -> [N, *shape] per-worker gradients."""
+        """``grads``: dict param -> [N, *shape] per-worker gradients (N workers: with node voters
+        the Nn·L workers, averaged per group here). Returns the (inter-node) bytes sent."""
+        if self.node_size > 1:
+            grads = self.node_means(grads)
+            self.intra_bytes += self._node_bytes()
         from lioncub_ds.kernels import reference
         from lioncub_ds.momentum_sync import on_schedule
 
@@ -318,12 +387,16 @@ class SimLionCub:
                 # Abstentions travel as LionCub's (comm/abstain.py): per worker, the bytes of its
                 # nonzero plane that differ from the bucket's mask; a list of capacity K, or the
                 # plane after a step in which some worker overflowed; an overflow all-gathers the
-                # planes once in its own step.
+                # planes once in its own step. Node voters: each of the L shards of the bucket is a
+                # bucket of the real step (the same whole-byte slices of the planes and the mask);
+                # the abstain / overflow flags are summed over every rank, so they hold for every shard.
                 mask = real_mask(offsets, [p.numel() for p in params], total, dev)
-                counts = [int((reference.pack_bits(c[i] != 0) != mask).sum()) for i in range(n)]
+                shard = total // self.node_size
+                diff = [(reference.pack_bits(c[i] != 0) != mask).view(self.node_size, -1) for i in range(n)]
+                counts = [int(x) for d in diff for x in d.sum(1)]
                 abstain = max(counts) > 0
-                mode = bucket.mode
-                overflow = max(counts) > list_capacity(total // 8, n)
+                overflow = max(counts) > list_capacity(shard // 8, n)
+                mode = bucket.mode  # (node voters: every shard's, agreed by the summed flags)
                 segs = reference.tie_segments(offsets)
                 if self.comm == "bbit":
                     delta = self._bbit_delta(c, params, offsets, step, abstain, segs)
@@ -333,11 +406,12 @@ class SimLionCub:
                     plus = (c > 0).sum(0, dtype=torch.int32)
                     cnt = (c != 0).sum(0, dtype=torch.int32) if abstain else torch.full_like(plus, n)
                     delta = reference.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, segs)
-                    by = {name: make_algorithm(name).wire_bytes(total, n, mode=mode, vote=cfg.vote,
+                    # this rank's shard (every shard has the same size, mode and flags: the same bytes)
+                    by = {name: make_algorithm(name).wire_bytes(shard, n, mode=mode, vote=cfg.vote,
                                                                 tie_break=cfg.tie_break, abstain=abstain)
                           for name in ("allgather", "pbit", "1bit")}
                 if mode == "list" and overflow:
-                    sent += self._collective_bytes("all_gather", n * total // 8)
+                    sent += self._collective_bytes("all_gather", n * shard // 8)
                 bucket.mode = next_abstain_mode(overflow)
                 sent += by[self.comm]
                 for k, v in by.items():
@@ -349,9 +423,11 @@ class SimLionCub:
         self.step_count = step
         ms = cfg.momentum_sync
         if ms is not None and on_schedule(ms, step - 1):
-            sync = self._sync_momenta()
+            sync = self._sync_momenta() if self.node_size == 1 else self._sync_node_momenta()
             sent += sync
             self.sync_bytes += sync
+        if n <= 1:
+            sent = 0  # one voter (flat N = 1, or Nn = 1): its vote group sends nothing (telemetry's ring model)
         self.bytes_sent += sent
         return sent
 
@@ -388,6 +464,44 @@ class SimLionCub:
     def bytes_if(self, comm):
         """Bytes sent so far had every vote used ``comm`` (same Δ: 1bit / allgather / pbit, majority)."""
         return self.bytes_sent + self.alt_bytes.get(comm, 0)
+
+    def _sync_node_momenta(self):
+        """Node voters' momentum sync as the real step's (StepPlan._synced_momenta): every momentum
+        shard (bucket order, padding included) averaged over the Nn shard peers, chunked like
+        MomentumSync.average_over; shard k of every bucket on the ranks of local rank k."""
+        from lioncub_ds.momentum_sync import quantized_average, sync_wire_bytes
+
+        n, L, dtype = self.n, self.node_size, self.cfg.momentum_sync.dtype
+        if n <= 1:
+            return 0
+        flats = []  # per bucket: the voters' flat momenta [Nn, numel] (zero in gaps and padding)
+        for b in self.buckets:
+            flat = torch.zeros((n, b.numel), dtype=torch.float32, device=b.params[0].device)
+            for p, off in zip(b.params, b.offsets):
+                flat[:, off:off + p.numel()] = self.momenta[p].reshape(n, -1)
+            flats.append(flat)
+        sent = 0
+        for k in range(L):
+            shards = [f[:, k * (f.shape[1] // L):(k + 1) * (f.shape[1] // L)] for f in flats]
+            chunk, size = [], 0
+            for t in shards + [None]:
+                if t is not None and (size + t.shape[1] <= self.cfg.bucket_numel or not chunk):
+                    chunk.append(t)
+                    size += t.shape[1]
+                    continue
+                rows = torch.cat(chunk, dim=1)
+                if k == 0:
+                    sent += sync_wire_bytes(size, n, dtype)  # this rank's (local rank 0's) shards
+                mean = rows.sum(0) / n if dtype == "fp32" else quantized_average(rows, dtype)
+                off = 0
+                for q in chunk:
+                    q.copy_(mean[off:off + q.shape[1]].expand_as(q))
+                    off += q.shape[1]
+                chunk, size = ([t], t.shape[1]) if t is not None else ([], 0)
+        for b, flat in zip(self.buckets, flats):
+            for p, off in zip(b.params, b.offsets):
+                self.momenta[p].copy_(flat[:, off:off + p.numel()].reshape(self.momenta[p].shape))
+        return sent
 
     def _sync_momenta(self):
         """Average the selected momenta over the workers as LionCub does (MomentumSync.average_over):
@@ -440,7 +554,7 @@ def build_variant(name, model, n, cfg, lrs):
                      momentum_sync=spec.get("sync"),
                      vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
                      error_feedback=spec.get("ef", False), owner_ema=spec.get("ema", 0.0),
-                     vote_every=spec.get("vote_every", 1))
+                     vote_every=spec.get("vote_every", 1), node_size=spec.get("node", 1))
     return opt, fam, False
 
 
@@ -469,7 +583,7 @@ def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
     ar_bytes = ring_bytes("all_reduce", 4 * nparams, n)
     curve = [(0, evaluate(model, ds, cfg, device), 0)]
     alt_curve = [{"allgather": 0}]
-    sent = sync_sent = 0
+    sent = sync_sent = intra = 0
     t0 = time.perf_counter()
     for step in range(cfg["steps"]):
         lr = lr_at(step, cfg["steps"], peak, cfg["warmup"], cfg["min_lr_ratio"])
@@ -497,21 +611,22 @@ def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
             for p in params:
                 p.grad = None
             opt.step(grads)
-            sent, sync_sent = opt.bytes_sent, opt.sync_bytes
+            sent, sync_sent, intra = opt.bytes_sent, opt.sync_bytes, opt.intra_bytes
         if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
             curve.append((step + 1, evaluate(model, ds, cfg, device), sent))
             alt_curve.append({"allgather": opt.bytes_if("allgather") if isinstance(opt, SimLionCub) else None})
             if not math.isfinite(curve[-1][1]):
                 break
     return {"variant": variant, "seed": seed, "world_size": n, "curve": curve, "bytes": sent, "sync_bytes": sync_sent,
-            "params": nparams, "wall_s": time.perf_counter() - t0, "fp32_allreduce_bytes_per_step": ar_bytes,
+            "intra_bytes": intra, "node_size": spec_of(variant).get("node", 1), "params": nparams, "wall_s": time.perf_counter() - t0, "fp32_allreduce_bytes_per_step": ar_bytes,
             "digest": param_digest(model), "lr": peak, "family": fam, "alt_curve": alt_curve}
 
 
 def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
     """Rank ``rank`` of real multi-rank LionCub runs of ``variants`` (one after the other, no
     evaluation): the reference that the simulation must reproduce bit for bit.
-    Returns [(param digest, bytes sent)] per variant."""
+    Returns [(param digest, bytes sent, bytes by scope)] per variant (node voters: scopes
+    "inter_node" and "intra_node", else "vote_group")."""
     from lioncub_ds import LionCub
     from lioncub_ds.data import load_dataset
     from lioncub_ds.models import build_model
@@ -528,7 +643,9 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
         wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
         opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
                       comm=spec["comm"], quant=spec.get("quant", "sign"),
-                      tie_break=spec.get("tie_break", cfg["tie_break"]), momentum_sync=spec.get("sync"), vote_bits=spec.get("bits"), rounding=spec.get("rounding"))
+                      tie_break=spec.get("tie_break", cfg["tie_break"]), momentum_sync=spec.get("sync"),
+                      vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
+                      **(dict(voters="node", node_size=spec["node"]) if "node" in spec else {}))
         for step in range(cfg["steps"]):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])
@@ -536,7 +653,8 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
             opt.zero_grad(set_to_none=True)
             model(x, y)[1].backward()
             opt.step()
-        out.append((param_digest(model), opt.comm_stats()["cumulative"]["bytes_sent"]))
+        cum = opt.comm_stats()["cumulative"]
+        out.append((param_digest(model), cum["bytes_sent"], dict(cum["by_scope"])))
     return out
 
 
@@ -624,6 +742,10 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
                        "params": r["params"], "digest": r["digest"], "wall_s": round(r["wall_s"], 1),
                        "sync": json.dumps(spec.get("sync")) if spec.get("sync") else "",
                        "sync_dtype": spec["sync"].get("dtype", "fp32") if spec.get("sync") else ""}
+                if spec["kind"] not in ("adamw", "lion"):  # voters Nn x L; bytes_per_rank: the inter-node link's
+                    L = r["node_size"]
+                    rec.update(node_size=L, voters=n // L, intra_node_bytes_per_rank=int(r["intra_bytes"]),
+                               momentum_per_rank_ratio=1.0 / L)
                 rec["bytes_ratio_vs_fp32"] = rec["fp32_allreduce_bytes"] / rec["bytes_per_rank"]
                 records.append(rec)
                 mine = [{"bench": "converge_curve", "variant": v, "world_size": n, "seed": seed, "step": step,
@@ -658,6 +780,8 @@ def summarize(records):
                         "gap_pct": mean, "ci95_pct": half, "ci_lo_pct": mean - half, "ci_hi_pct": mean + half,
                         "gap_sd_pct": sd, "bytes_per_rank": r0["bytes_per_rank"],
                         "bytes_ratio_vs_fp32": r0["bytes_ratio_vs_fp32"], "lr": r0["lr"],
+                        "steps": r0.get("steps"), **{k: r0[k] for k in ("node_size", "voters", "intra_node_bytes_per_rank",
+                                              "momentum_per_rank_ratio") if k in r0},
                         "meets_goal": (mean <= 2.0 and r0["bytes_ratio_vs_fp32"] >= 16.0),
                         "meets_goal_resolved": (mean + half <= 2.0 and r0["bytes_ratio_vs_fp32"] >= 16.0)})
     return out
@@ -669,14 +793,28 @@ SUMMARY_TABLE = [("world_size", "N"), ("variant", "variant"), ("mean_val_loss", 
 
 
 def markdown_table(summary) -> str:
-    """The summary as a markdown table (what docs/converge.md holds)."""
-    lines = ["| N | variant | seeds | mean val loss | paired gap to global Lion | 95% CI | x fewer bytes than fp32 "
-             "all-reduce | lr |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    """The summary as a markdown table (what docs/converge.md holds). With node-voter rows, the
+    voters (Nn × L), the momentum per rank (1/L of a flat voter's) and the intra-node bytes are
+    shown too, and the bytes ratio is the inter-node link's (what the slow link carries)."""
+    nodes = any(s.get("node_size", 1) > 1 for s in summary)
+    head = ["N", "variant", "seeds", "mean val loss", "paired gap to global Lion", "95% CI",
+            "x fewer inter-node bytes than fp32 all-reduce" if nodes else "x fewer bytes than fp32 all-reduce", "lr"]
+    if nodes:
+        head[2:2] = ["voters (Nn × L)", "momentum per rank"]
+        head.append("intra-node MB per rank per step")
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h == "variant" else "---:" for h in head) + "|"]
     for s in sorted(summary, key=lambda s: (s["world_size"], s["variant"] not in ("adamw", "lion"), s["gap_pct"])):
         ci = f"[{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}]" if s["ci95_pct"] == s["ci95_pct"] else "n/a"
-        lines.append(f"| {s['world_size']} | `{s['variant']}` ({s['label']}) | {len(s['seeds'])} | "
-                     f"{s['mean_val_loss']:.4f} | {s['gap_pct']:+.2f}% | {ci} | {s['bytes_ratio_vs_fp32']:.1f}x | "
-                     f"{s['lr']:.1e} |")
+        cells = [str(s["world_size"]), f"`{s['variant']}` ({s['label']})", str(len(s["seeds"])),
+                 f"{s['mean_val_loss']:.4f}", f"{s['gap_pct']:+.2f}%", ci, f"{s['bytes_ratio_vs_fp32']:.1f}x",
+                 f"{s['lr']:.1e}"]
+        if nodes:
+            L = s.get("node_size")
+            cells[2:2] = [f"{s['world_size'] // L} × {L}" if L else "all-reduce", f"1/{L}" if L and L > 1 else "1"]
+            steps = s.get("steps") or 0
+            intra = s.get("intra_node_bytes_per_rank")
+            cells.append(f"{intra / steps / 2**20:.3f}" if intra is not None and steps else "—")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -701,6 +839,17 @@ def check_goal(summary) -> list[str]:
                 b = min(sure, key=lambda s: s["ci_hi_pct"])
                 out.append(f"N={n}: tightest with >= 16x fewer bytes and upper 95% bound <= 2%: {b['variant']} "
                            f"{b['gap_pct']:+.2f}% [{b['ci_lo_pct']:+.2f}, {b['ci_hi_pct']:+.2f}]")
+        nodes = [s for s in rows if s.get("node_size", 1) > 1 and "sync" not in s["variant"]]
+        if nodes:  # issue 24's goal: the largest group size within 2% (upper 95% bound), flat beside it
+            flat = next((s for s in rows if s["variant"] == "cub_1bit"), None)
+            ok = [s for s in nodes if s["ci_hi_pct"] <= 2]
+            big = max(ok, key=lambda s: s["node_size"]) if ok else None
+            out.append(f"N={n}: node voters (1bit, no sync): largest L with the upper 95% bound of the gap <= 2%: "
+                       + (f"L={big['node_size']} ({big['voters']} voters, {big['gap_pct']:+.2f}% "
+                          f"[{big['ci_lo_pct']:+.2f}, {big['ci_hi_pct']:+.2f}])" if big else "none")
+                       + "; " + ", ".join(f"L={s['node_size']}: {s['gap_pct']:+.2f}% (upper {s['ci_hi_pct']:+.2f}%)"
+                                          for s in sorted(nodes, key=lambda s: s["node_size"]))
+                       + (f"; flat (L=1): {flat['gap_pct']:+.2f}% (upper {flat['ci_hi_pct']:+.2f}%)" if flat else ""))
     return out
 
 
@@ -825,13 +974,16 @@ def build_parser():
                         "--merge reads .jsonl)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no training: merge the records of earlier runs' JSON files (e.g. one per N or per variant "
-                        "group, same settings), then summarize, plot and write --json/--out as usual")
+                        "group, same settings; a run found in several files is taken from the first), then "
+                        "summarize, plot and write --json/--out as usual; --variants / --world-sizes given "
+                        "explicitly keep only those runs")
     add_output_args(p)
     return p
 
 
-def merge(paths):
-    """Records (config, per-run records, tune records, curves) of several JSON outputs, deduplicated."""
+def merge(paths, variants=None, world_sizes=None):
+    """Records (config, per-run records, tune records, curves) of several JSON outputs, deduplicated
+    (the first file's run wins), optionally only the runs of ``variants`` / ``world_sizes``."""
     meta, records, tune_recs, curves, seen = [], [], [], [], set()
     for path in paths:
         with open(path) as f:
@@ -842,10 +994,12 @@ def merge(paths):
                 meta.append(r)
             elif b == NAME:
                 key = (r["world_size"], r["variant"], r["seed"])
+                if (variants and r["variant"] not in variants) or (world_sizes and r["world_size"] not in world_sizes):
+                    continue
                 if key not in seen:
                     seen.add(key)
                     records.append(r)
-            elif b == "converge_tune":
+            elif b == "converge_tune" and not (world_sizes and r["world_size"] not in world_sizes):
                 tune_recs.append(r)
             elif b == "converge_curve":
                 curves.append(r)
@@ -877,10 +1031,12 @@ def apply_protocol(args):
 
 
 def main(argv=None) -> int:
-    args = apply_protocol(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    explicit = {"variants": args.variants, "world_sizes": args.world_sizes}  # before the protocol fills them
+    args = apply_protocol(args)
     t0 = time.perf_counter()
     if args.merge:
-        meta, records, tune_recs, curves = merge(args.merge)
+        meta, records, tune_recs, curves = merge(args.merge, **explicit)
         summary = summarize(records)
         print_table(summary, SUMMARY_TABLE, title=f"[bench converge] merged {len(records)} runs from {len(args.merge)} "
                                                   "files: paired gap to global Lion")
