@@ -72,11 +72,8 @@ class MasterShards:
     def master(self, i: int) -> torch.Tensor:
         b = self.buckets[i]
         numel = b.numel // self.size
-        flat = self.store.shard("master", i, numel, torch.float32, b.params[0].device)
-        if not self.store.shard_initialized("master", i):
-            copy_pieces_from_params(self.pieces[i], flat)
-            self.store.mark_initialized("master", i)
-        return flat
+        return self.store.shard("master", i, numel, torch.float32, b.params[0].device,
+                                fill=lambda flat: copy_pieces_from_params(self.pieces[i], flat))
 
     def redirect(self, i: int, job) -> None:
         """Point bucket ``i``'s apply at this rank's master shard (after the vote is counted)."""
@@ -128,17 +125,11 @@ class NodeShards:
         parameters (made from their values the first time), a copy for the step otherwise."""
         sb = self.shards[i]
         if self.low_precision(i):
-            master = self.store.shard("master", i, sb.numel, torch.float32, self.device)
-            if not self.store.shard_initialized("master", i):
-                self._copy_from_params(i, master)
-                self.store.mark_initialized("master", i)
-            return master
+            return self.store.shard("master", i, sb.numel, torch.float32, self.device,
+                                    fill=lambda flat: copy_pieces_from_params(self.pieces[i], flat))
         work = torch.zeros(sb.numel, dtype=torch.float32, device=self.device)
-        self._copy_from_params(i, work)
-        return work
-
-    def _copy_from_params(self, i, work):
         copy_pieces_from_params(self.pieces[i], work)
+        return work
 
     @staticmethod
     def _views(flat, pieces):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 
 import torch
@@ -47,29 +48,27 @@ class MomentumStore:
     def __init__(self, opt):
         self.opt = opt
         self.spares = {}
-        # voters="node": this rank's flat shards per bucket index, {"momentum": {i: tensor},
-        # "master": {i: tensor}} (saved in state_dict()["lioncub"]["node"]), and which masters
-        # hold values already
+        # node_size > 1: this rank's flat shards per bucket index, {"momentum": {i: tensor},
+        # "master": {i: tensor}} (saved in state_dict()["lioncub"]["node"])
         self.shards = {"momentum": {}, "master": {}}
-        self.initialized = set()
 
     @property
     def dtype(self):
         return self.opt.config.momentum_dtype
 
-    def shard(self, kind: str, i: int, numel: int, dtype, device):
-        """voters="node": bucket ``i``'s ``kind`` shard ("momentum": zeros at first; "master":
-        filled by the caller, see :meth:`shard_initialized`)."""
+    def shard(self, kind: str, i: int, numel: int, dtype, device, fill=None):
+        """node_size > 1: bucket ``i``'s ``kind`` shard, made when first asked for: zeros, then
+        ``fill(tensor)`` if given (a master shard takes the parameters' values)."""
         t = self.shards[kind].get(i)
         if t is None:
             t = self.shards[kind][i] = torch.zeros(numel, dtype=dtype, device=device)
+            if fill is not None:
+                fill(t)
         return t
 
-    def shard_initialized(self, kind: str, i: int) -> bool:
-        return (kind, i) in self.initialized
-
-    def mark_initialized(self, kind: str, i: int) -> None:
-        self.initialized.add((kind, i))
+    def drop_masters(self) -> None:
+        """Forget the master shards: the next step makes them again from the parameters."""
+        self.shards["master"].clear()
 
     def state_bytes(self) -> dict:
         """Bytes of optimizer state on this rank: momenta (per-parameter or shards), fp32 master
@@ -539,7 +538,6 @@ class LionCub(Optimizer):
             self.momenta.shards = {"momentum": {int(i): t.to(self.config.momentum_dtype).clone()
                                                 for i, t in node["momentum"].items()},
                                    "master": {int(i): t.float().clone() for i, t in node["master"].items()}}
-            self.momenta.initialized = {("master", int(i)) for i in node["master"]}
         if extra is not None:
             self._step_count = int(extra.get("step", 0))
             self._skipped_steps = int(extra.get("skipped_steps", 0))
@@ -689,5 +687,5 @@ class LionCub(Optimizer):
 
 
 # The constructor's setting keywords and their defaults: with config=..., none may be given.
-_SETTING_DEFAULTS = {k: p.default for k, p in __import__("inspect").signature(LionCub.__init__).parameters.items()
+_SETTING_DEFAULTS = {k: p.default for k, p in inspect.signature(LionCub.__init__).parameters.items()
                      if k in LionCubConfig.keys()}

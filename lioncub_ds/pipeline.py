@@ -63,6 +63,16 @@ PACKED_BELOW = 2 ** 15
 FINGERPRINT_CHUNK = 1 << 20
 
 
+def host_values_on(values: list, device) -> torch.Tensor:
+    """Host-known int32 values as a tensor on the step's device without a stream synchronisation:
+    a pageable host-to-CUDA copy (``torch.tensor(..., device="cuda")``) waits for the queued
+    kernels, which would add a second host sync to the step; a pinned buffer copies asynchronously."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.int32, device=device)
+    pinned = torch.tensor(values, dtype=torch.int32, device="cpu").pin_memory()
+    return pinned.to(device, non_blocking=True)
+
+
 def flag_words(n_buckets: int, world_size: int) -> int:
     """int32 words of the packed flag vector."""
     lanes = 2 if world_size < PACKED_BELOW else 1
@@ -311,10 +321,18 @@ class StepPlan:
         opt.stats.end_step()
         return StepOutcome(True)
 
-    def _synced_momenta(self) -> list:
-        if self.nodes is not None:  # every momentum shard, averaged over the shard peers
+    def _all_momenta(self) -> list:
+        """Every momentum this rank holds: one per voting parameter, or its shards (node voters)."""
+        if self.nodes is not None:
             shards = self.opt.momenta.shards["momentum"]
             return [shards[i] for i in sorted(shards)]
+        return [self.opt.momenta.get(p) for p in self.params()]
+
+    def _synced_momenta(self) -> list:
+        """What momentum_sync averages: the layers it selects, or every momentum shard with node
+        voters (averaged over the shard peers)."""
+        if self.nodes is not None:
+            return self._all_momenta()
         return [self.opt.momenta.get(p) for p in self.sync_params]
 
     def _hyper_mismatch(self, step: int) -> str:
@@ -343,18 +361,13 @@ class StepPlan:
         if self.msync is not None:
             coll = self.msync.world if scope == "world" else self.msync.node
             MomentumSync.average_over(coll, self._synced_momenta(), self.config.bucket_numel, dtype)
-        elif self.nodes is not None:
-            shards = self.opt.momenta.shards["momentum"]
-            MomentumSync.average_over(self.coll, [shards[i] for i in sorted(shards)], self.config.bucket_numel, dtype)
         else:
-            MomentumSync.average_over(self.coll, [self.opt.momenta.get(p) for p in self.params()],
-                                      self.config.bucket_numel, dtype)
+            MomentumSync.average_over(self.coll, self._all_momenta(), self.config.bucket_numel, dtype)
 
     def average_all_momenta(self) -> None:
-        """Every voting parameter's momentum averaged (fp32) over the vote group: what a checkpoint
-        that keeps one replica for every rank needs (e.g. Megatron's)."""
-        MomentumSync.average_over(self.coll, [self.opt.momenta.get(p) for p in self.params()],
-                                  self.config.bucket_numel)
+        """Every momentum averaged (fp32) over the vote group: what a checkpoint that keeps one
+        replica for every rank needs (e.g. Megatron's)."""
+        MomentumSync.average_over(self.coll, self._all_momenta(), self.config.bucket_numel)
 
     def _fingerprints(self, params):
         """Two int64 checksums per parameter: the sum of its bit patterns and a position-weighted
@@ -602,7 +615,7 @@ class VotePipeline:
                                 [torch.zeros((), dtype=torch.int64, device=dev)]).sum().clamp_(max=2**20)
         missing = int(any(loc.missing for loc in self.local))
         host = [int(bool(error)), missing, int(changed)] + hyper_bits(plan.opt.param_groups, plan.opt.step_count + 1)
-        host = torch.tensor(host, dtype=torch.int32, device=dev)  # made on the step's device, as every flag
+        host = host_values_on(host, dev)
         head = torch.cat([(nonfinite > 0).to(torch.int32).reshape(1), host[:1], nonfinite.to(torch.int32).reshape(1),
                           host[1:]])
         return pack_flags(torch.cat([head] + [loc.flags.to(dev) for loc in self.local]), plan.world_size)

@@ -104,7 +104,7 @@ def load_checkpoint(engine, load_dir, tag=None, **kwargs):
 def refresh_node_masters(optimizer) -> None:
     """voters="node": rebuild this rank's fp32 master shards from the (just loaded) 16-bit
     parameters at the next step, as DeepSpeed's ``refresh_fp32_params`` does for its own copy."""
-    optimizer.momenta.initialized = {key for key in optimizer.momenta.initialized if key[0] != "master"}
+    optimizer.momenta.drop_masters()
 
 
 def install_engine_hooks(engine) -> None:

@@ -266,14 +266,15 @@ def overlap_clipping_warning(clip: float) -> str:
             "counts them). Set \"gradient_clipping\": 0 to keep every step overlapped.")
 
 
-def node_voters_requested(engine, optimizer=None) -> bool:
-    """Whether the LionCub of this engine has ``voters="node"``: the client optimizer's setting,
-    else the ds_config ``optimizer.params``."""
+def requested_voters(engine, optimizer=None) -> tuple:
+    """(voters, node_size) of the LionCub of this engine: the client optimizer's settings, else
+    the ds_config ``optimizer.params`` (flat voters when neither is a LionCub)."""
     if isinstance(optimizer, LionCub):
-        return optimizer.config.voters == "node"
+        return optimizer.config.voters, optimizer.config.node_size
     if optimizer is None and is_lioncub_name(engine.optimizer_name()):
-        return (engine.optimizer_params() or {}).get("voters") == "node"
-    return False
+        raw = engine.optimizer_params() or {}
+        return raw.get("voters", "rank"), raw.get("node_size")
+    return "rank", None
 
 
 def check_node_voters(engine, optimizer=None) -> None:
@@ -282,18 +283,14 @@ def check_node_voters(engine, optimizer=None) -> None:
 
     Raised from ``deepspeed.initialize`` before LionCub is built (ds_config) or touched (a client
     optimizer), so nothing has changed yet."""
-    if isinstance(optimizer, LionCub):
-        voters, node_size = optimizer.config.voters, optimizer.config.node_size
-    else:
-        raw = (engine.optimizer_params() or {}) if is_lioncub_name(engine.optimizer_name() or "") else {}
-        voters, node_size = raw.get("voters", "rank"), raw.get("node_size")
+    voters, node_size = requested_voters(engine, optimizer)
     if voters == "rank" and node_size not in (None, 1):
         raise LionCubDeepSpeedError(
             f"LionCub: optimizer.params node_size={node_size} with voters='rank' (master-only sharding) is not "
             "supported under DeepSpeed yet: DeepSpeed's bf16/fp16 wrappers keep their own full fp32 copy of every "
             "parameter and hand LionCub fp32 parameters, so LionCub has no master to shard. Allowed: node_size unset "
             "with voters='rank', or voters='node' (which shards the momentum and the fp32 master at ZeRO stage 0).")
-    if not node_voters_requested(engine, optimizer):
+    if voters != "node":
         return
     stage = engine.zero_optimization_stage()
     if stage >= 1:
