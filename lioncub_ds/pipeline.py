@@ -654,9 +654,9 @@ class VotePipeline:
                 if abstains == 0:
                     job.planes = None
                 elif job.mode == "list" and overflow > 0:  # some rank's list was too short: the planes
-                    job.planes = coll.all_gather(job.nonzero, "abstain_planes")
+                    job.planes = b.algorithm.overflow_planes(job, coll)
                 else:
-                    job.planes = job.payloads_from(recv)
+                    job.planes = job.payloads_from(recv, b.algorithm.shards_planes(job.vote))
                 b.mode = next_abstain_mode(overflow > 0)
         counted = []
         for k, batch in enumerate(plan.batches):

@@ -115,13 +115,77 @@ def test_abstention_lists_and_overflow_equal_brute_force():
         # and step 4 goes back to lists
         assert r0["modes"] == ["list", "list", "list", "plane", "list"], (comm, r0["modes"])
         algo = make_algorithm(comm)
-        want_list = algo.wire_bytes(r0["numel"], n, mode="list")
-        want_plane = algo.wire_bytes(r0["numel"], n, mode="plane")
+        numel = r0["numel"]
+        want_list = algo.wire_bytes(numel, n, mode="list")
+        want_plane = algo.wire_bytes(numel, n, mode="plane", abstain=True)  # every rank abstains once in step 3
         assert r0["bytes"][0][comm] == want_list and r0["bytes"][4][comm] == want_list, (comm, r0["bytes"])
         assert r0["bytes"][3][comm] == want_plane, (comm, r0["bytes"])
-        # the overflow step all-gathers the planes once (exact), in the step it happened
-        assert r0["bytes"][2].get("abstain_planes", 0) == (n - 1) * r0["numel"] // 8
+        # the overflow step fetches the planes once (exact), in the step it happened: 1bit (majority)
+        # sends each rank only its shard of every plane (all-to-all), the others every whole plane
+        sharded = comm == "1bit"
+        refetch = (n - 1) * numel // 8 // (n if sharded else 1)
+        assert r0["bytes"][2].get("abstain_planes", 0) == refetch, (comm, r0["bytes"][2])
+        assert r0["bytes"][2][comm] + refetch == algo.wire_bytes(numel, n, mode="list", abstain=True, overflow=True)
         assert "abstain_planes" not in r0["bytes"][1]
+        if sharded:  # 4 bit-planes' worth in plane mode (votes, nonzero shards, Δ sign + nonzero) ...
+            assert want_plane == 4 * (n - 1) * numel // 8 // n
+            # ... where every whole plane to every rank would cost (N−1)·P/8 on top of the vote
+            assert want_plane < 2 * (n - 1) * numel // 8 // n + (n - 1) * numel // 8
+
+
+def _sharded_vs_whole_planes(rank, n):
+    """The overflow / plane-mode scenario above for the comms whose planes travel sharded, run
+    twice: as shipped, and with every rank's whole plane sent to every rank (the protocol before
+    sharding). Parameters must match bit for bit at every step; the sharded run sends fewer bytes."""
+    out = {}
+    cases = [("1bit", "hash", "majority"), ("1bit", "zero", "majority"), ("bbit", "hash", "majority"),
+             ("1bit", "hash", "average")]
+    for comm, tie, vote in cases:
+        runs = {}
+        for whole in (False, True):
+            torch.manual_seed(0)
+            w = torch.nn.Parameter(torch.randn(N_BIG + 13))  # odd: not a multiple of 8, 32 or N
+            v = torch.nn.Parameter(torch.randn(37))
+            extra = {"quant": "l1"} if comm == "bbit" else {}
+            opt = lioncub_ds.LionCub([w, v], lr=1e-2, comm=comm, tie_break=tie, vote=vote, **extra)
+            gen = torch.Generator().manual_seed(10 + rank)
+            params, modes, sent = [], [], 0
+            for step, nzero in enumerate([2, 3000 if rank == 1 else 1, 1, 4000, 0]):
+                for p in (w, v):
+                    p.grad = torch.randn(p.shape, generator=gen)
+                if nzero:
+                    idx = torch.randperm(w.numel(), generator=gen)[:nzero]
+                    w.grad[idx] = 0.0
+                    if step > 0:
+                        opt.state[w]["exp_avg"][idx] = 0.0
+                if step == 0:
+                    assert opt.plan is not None
+                    if whole:  # every bucket's algorithm sends whole planes
+                        for b in opt.plan.buckets:
+                            b.algorithm.shards_planes = lambda vote: False
+                modes.append(opt.plan.buckets[0].mode)
+                opt.step()
+                params.append(torch.cat([w.detach(), v.detach()]).clone())
+                sent += sum(opt.comm_stats()["last_step"]["by_algorithm"].values())
+            runs[whole] = (params, modes, sent)
+        out[(comm, tie, vote)] = runs
+    return out
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_sharded_planes_equal_whole_planes(n):
+    res = run_ranks(_sharded_vs_whole_planes, n, timeout=600)
+    for case, runs in res[0].items():
+        (sharded, modes, sent_sharded), (whole, modes_whole, sent_whole) = runs[False], runs[True]
+        assert modes == modes_whole and "plane" in modes, (case, modes)
+        for step, (a, b) in enumerate(zip(sharded, whole)):
+            assert torch.equal(a, b), (case, step)
+        for r in range(1, n):  # replicas identical
+            assert all(torch.equal(a, b) for a, b in zip(res[r][case][False][0], sharded)), (case, r)
+        if case[2] == "majority":
+            assert sent_sharded < sent_whole, (case, sent_sharded, sent_whole)
+        else:  # the averaging vote needs every rank's whole plane: unchanged
+            assert sent_sharded == sent_whole, case
 
 
 # ----------------------------------------------------------------------------- overlap

@@ -244,7 +244,7 @@ class SimLionCub:
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
                  momentum_sync=None, bucket_size_mb=25.0, vote_bits=None, rounding=None,
-                 error_feedback=False, owner_ema=0.0, vote_every=1, node_size=1):
+                 error_feedback=False, owner_ema=0.0, vote_every=1, node_size=1, drift_sync=None):
         from lioncub_ds.config import LionCubConfig
         from lioncub_ds.layout import build_buckets
         from lioncub_ds.momentum_sync import select_params
@@ -269,6 +269,13 @@ class SimLionCub:
         self.error_feedback, self.residual = error_feedback, {}
         self.owner_ema, self.owner_sums = owner_ema, {}
         self.vote_every, self.last_delta = vote_every, {}
+        # drift-scheduled momentum sync (screening): {"threshold": τ, "dtype": ..., "min_every": k}.
+        # The drift signal is free: the fraction of a worker's votes that disagree with the agreed Δ
+        # (where both are nonzero), averaged over workers. It rises as local momenta drift apart.
+        # The decision after step t uses step t−1's signal (in LionCub it would ride in step t's
+        # flags): sync when it exceeds the signal of the first step after the last sync by τ.
+        self.drift_sync, self.disagreement = drift_sync, []
+        self._drift_base, self._last_sync = None, 0
         from lioncub_ds.comm import make_algorithm
 
         self.algorithm = make_algorithm(comm, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1], quant=cfg.quant)
@@ -353,6 +360,7 @@ class SimLionCub:
         if not voting:
             control = {k: flag_bytes(len(self.buckets), n, False) for k in control}
         sent = control[self.comm]
+        disagree = [0, 0]
         if self.comm not in ("int8", "bbit"):  # bytes_if: the sign comms, each with its own way of sending the flags
             for k in ("allgather", "pbit", "1bit"):
                 self.alt_bytes[k] = self.alt_bytes.get(k, 0) + control[k] - control[self.comm]
@@ -398,20 +406,26 @@ class SimLionCub:
                 overflow = max(counts) > list_capacity(shard // 8, n)
                 mode = bucket.mode  # (node voters: every shard's, agreed by the summed flags)
                 segs = reference.tie_segments(offsets)
+                # an overflow in list mode fetches the planes once more (each algorithm's way: whole
+                # planes all-gathered, or shards all-to-all'd), counted in its wire_bytes
+                refetch = mode == "list" and overflow
                 if self.comm == "bbit":
                     delta = self._bbit_delta(c, params, offsets, step, abstain, segs)
                     by = {"bbit": self.algorithm.wire_bytes(total, n, mode=mode, tie_break=cfg.tie_break,
-                                                            abstain=abstain)}
+                                                            abstain=abstain, overflow=refetch)}
                 else:
                     plus = (c > 0).sum(0, dtype=torch.int32)
                     cnt = (c != 0).sum(0, dtype=torch.int32) if abstain else torch.full_like(plus, n)
                     delta = reference.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, segs)
+                    if self.drift_sync is not None:
+                        both = (c != 0) & (delta != 0).view(1, -1)
+                        disagree[0] += int(((torch.sign(c) != delta.view(1, -1)) & both).sum())
+                        disagree[1] += int(both.sum())
                     # this rank's shard (every shard has the same size, mode and flags: the same bytes)
                     by = {name: make_algorithm(name).wire_bytes(shard, n, mode=mode, vote=cfg.vote,
-                                                                tie_break=cfg.tie_break, abstain=abstain)
+                                                                tie_break=cfg.tie_break, abstain=abstain,
+                                                                overflow=refetch)
                           for name in ("allgather", "pbit", "1bit")}
-                if mode == "list" and overflow:
-                    sent += self._collective_bytes("all_gather", n * shard // 8)
                 bucket.mode = next_abstain_mode(overflow)
                 sent += by[self.comm]
                 for k, v in by.items():
@@ -422,14 +436,27 @@ class SimLionCub:
                 reference.momentum_update(self.momenta[p], grads[p], b2)
         self.step_count = step
         ms = cfg.momentum_sync
-        if ms is not None and on_schedule(ms, step - 1):
+        if ms is not None and (on_schedule(ms, step - 1) if self.drift_sync is None else self._drift_due(step)):
             sync = self._sync_momenta() if self.node_size == 1 else self._sync_node_momenta()
             sent += sync
             self.sync_bytes += sync
+            self._last_sync, self._drift_base = step, None
+        if self.drift_sync is not None:
+            self.disagreement.append(disagree[0] / max(1, disagree[1]))
+            if self._drift_base is None and step > self._last_sync:
+                self._drift_base = self.disagreement[-1]
+            sent += 4 * (n - 1)  # one more int32 flag word to every rank (the drift count)
         if n <= 1:
             sent = 0  # one voter (flat N = 1, or Nn = 1): its vote group sends nothing (telemetry's ring model)
         self.bytes_sent += sent
         return sent
+
+    def _drift_due(self, step):
+        """Drift-scheduled sync: the previous step's disagreement exceeds the post-sync baseline by τ."""
+        d = self.drift_sync
+        if len(self.disagreement) < 1 or self._drift_base is None or step - self._last_sync < d.get("min_every", 2):
+            return False
+        return self.disagreement[-1] - self._drift_base >= d["threshold"]
 
     def _bbit_delta(self, c, params, offsets, step, abstain, segs):
         """Δ of comm="bbit" over a bucket's c [N, total]: each worker's b-bit codes (its own
@@ -554,7 +581,8 @@ def build_variant(name, model, n, cfg, lrs):
                      momentum_sync=spec.get("sync"),
                      vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
                      error_feedback=spec.get("ef", False), owner_ema=spec.get("ema", 0.0),
-                     vote_every=spec.get("vote_every", 1), node_size=spec.get("node", 1))
+                     vote_every=spec.get("vote_every", 1), node_size=spec.get("node", 1),
+                     drift_sync=spec.get("drift"))
     return opt, fam, False
 
 

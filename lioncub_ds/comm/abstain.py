@@ -11,7 +11,9 @@ from the mask, byte by byte. Per bucket and step, every rank uses the same mode:
   all-reduce says so, and that bucket's planes are then all-gathered in full (exact either way).
   A small bucket has K = 0: its list is the count alone (4 bytes).
 * ``plane``: the whole nonzero plane, for the step after a bucket overflowed (many
-  abstentions tend to persist, e.g. embedding rows nobody has used yet).
+  abstentions tend to persist, e.g. embedding rows nobody has used yet). Algorithms whose shard
+  owner decides Δ alone send each rank only its shard of the plane
+  (``VoteAlgorithm.shards_planes``; the same after an overflow).
 
 The capacity K is fixed per bucket (from its size and N), so every message has the same size on
 every rank: no size exchange, no host synchronisation. A rank's list is built by its kernel

@@ -32,8 +32,10 @@ class AllGatherVote(VoteAlgorithm):
             backend.vote_apply(sign.contiguous(), j.planes, j.params, j.offsets, j.lr, j.weight_decay, j.step,
                                j.tie_break, j.vote, coll.world_size, j.segments(), return_delta=False)
 
-    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False):
-        return (world_size - 1) * (numel // 8 + payload_len(numel, world_size, mode))
+    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False,
+                   overflow=False):
+        refetch = numel // 8 if overflow and mode == "list" else 0  # the planes, all-gathered after an overflow
+        return (world_size - 1) * (numel // 8 + payload_len(numel, world_size, mode) + refetch)
 
     def messages(self, world_size):
         return world_size - 1

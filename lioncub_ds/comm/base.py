@@ -167,8 +167,10 @@ class VoteJob:
     nonzero: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     # filled after the step's flags: every rank's nonzero plane [N, numel/8], or None when no
-    # rank abstained anywhere in the bucket (every vote counts)
+    # rank abstained anywhere in the bucket (every vote counts); with ``planes_sharded`` only
+    # this rank's shard of every rank's plane [N, numel/8/N] (algorithms that shard planes)
     planes: torch.Tensor | None = None
+    planes_sharded: bool = False
 
     def __post_init__(self):
         if self.param_starts is not None and not isinstance(self.param_starts, (list, tuple)):
@@ -183,8 +185,11 @@ class VoteJob:
     def plane_bytes(self) -> int:
         return self.numel // 8
 
-    def payloads_from(self, received: torch.Tensor) -> torch.Tensor:
-        """[N, payload bytes] received -> every rank's nonzero plane [N, numel/8] (mode aware)."""
+    def payloads_from(self, received: torch.Tensor, sharded: bool = False) -> torch.Tensor:
+        """[N, payload bytes] received -> every rank's nonzero plane [N, numel/8] (mode aware);
+        ``sharded`` (plane mode of an algorithm that shards planes): what arrived is already this
+        rank's shard of every rank's plane [N, numel/8/N]. Sets ``planes_sharded``."""
+        self.planes_sharded = sharded and self.mode == "plane"
         if self.mode == "plane":
             return received
         words = received.contiguous().view(torch.int32)
@@ -215,6 +220,24 @@ class VoteAlgorithm:
     encoding = "bits"
     supports_average = True
     carries_flags = False  # phase 1 delivers every rank's message to every rank (gather-like)
+
+    def shards_planes(self, vote: str) -> bool:
+        """Whether whole nonzero planes (plane mode, or the planes fetched after an overflow) travel
+        sharded: rank r receives only shard r of every rank's plane (an all-to-all, (N−1)/N·P/8
+        bytes instead of an all-gather's (N−1)·P/8), and phase 2 carries the result's nonzero
+        plane. Only an algorithm whose shard owner decides Δ alone can (``1bit``/``bbit``
+        majority); the others need every rank's whole plane."""
+        return False
+
+    def overflow_planes(self, job: VoteJob, coll: "Collectives") -> torch.Tensor:
+        """After a step in which some rank's abstention list overflowed: every rank's nonzero plane,
+        in the form this algorithm counts (sharded: an all-to-all of the shards; else an all-gather)."""
+        if self.shards_planes(job.vote):
+            n = coll.world_size
+            job.planes_sharded = True
+            return coll.all_to_all(job.nonzero.reshape(n, -1), "abstain_planes")
+        job.planes_sharded = False
+        return coll.all_gather(job.nonzero, "abstain_planes")
 
     def launch(self, jobs: list[VoteJob], coll: Collectives, backend, flags=None):
         raise NotImplementedError
@@ -247,15 +270,17 @@ class VoteAlgorithm:
         state = self.launch([job], coll, backend)
         received = self.received(state, [job], coll)[0]
         if self.encoding == "bits":
-            job.planes = job.payloads_from(received)
+            job.planes = job.payloads_from(received, self.shards_planes(job.vote))
         self.complete(self.count(state, [job], coll, backend), [job], coll, backend)
 
     def wire_bytes(self, numel: int, world_size: int, *, mode: str = "list", vote: str = "majority",
-                   tie_break: str = "hash", abstain: bool = False) -> int:
+                   tie_break: str = "hash", abstain: bool = False, overflow: bool = False) -> int:
         """Bytes one rank sends for a bucket of ``numel`` (padded) elements whose abstentions
         travel as ``mode`` ("list", with the capacity of :func:`list_capacity`, or "plane");
-        ``abstain``: some rank abstains in the bucket this step (only 1bit with
-        tie_break="zero" sends more then)."""
+        ``abstain``: some rank abstains in the bucket this step (1bit sends more then with
+        tie_break="zero", or when the planes travel sharded); ``overflow``: a list-mode step in
+        which some rank's list overflowed, so the planes travel once more (all-gathered, or
+        sharded: :meth:`shards_planes`)."""
         raise NotImplementedError
 
     def messages(self, world_size: int) -> int:

@@ -31,8 +31,9 @@ class BBitVote(OneBitVote):
         return backend.bbit_shard_vote(votes.reshape(n, self.bits, shard).contiguous(), nz, self.bits, j.step,
                                        j.tie_break, j.segments(rank * shard * 8, (rank + 1) * shard * 8))
 
-    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False):
+    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False,
+                   overflow=False):
         # phase 1 carries b planes where 1bit carries one; phase 2 is 1bit's
         extra = (world_size - 1) * (self.bits - 1) * (numel // 8 // world_size)
         return extra + super().wire_bytes(numel, world_size, mode=mode, vote="majority", tie_break=tie_break,
-                                          abstain=abstain)
+                                          abstain=abstain, overflow=overflow)

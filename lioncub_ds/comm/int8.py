@@ -32,7 +32,8 @@ class Int8Vote(VoteAlgorithm):
                                return_delta=False)
             off += j.numel
 
-    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False):
+    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False,
+                   overflow=False):
         return 2 * (world_size - 1) * numel // world_size
 
     def messages(self, world_size):

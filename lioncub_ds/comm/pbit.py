@@ -67,10 +67,12 @@ class PBitVote(VoteAlgorithm):
             backend.lanes_apply(plus.reshape(-1), cnt, n, p, j.params, j.offsets, j.lr, j.weight_decay, j.step,
                                 j.tie_break, j.vote, j.segments(), return_delta=False)
 
-    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False):
+    def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False,
+                   overflow=False):
         n = world_size
         total = numel * self.lane_bits(n) // 8 + n * payload_len(numel, n, mode)
-        return 2 * (n - 1) * total // n
+        refetch = (n - 1) * (numel // 8) if overflow and mode == "list" else 0  # the planes, all-gathered
+        return 2 * (n - 1) * total // n + refetch
 
     def messages(self, world_size):
         return 2 * (world_size - 1)
