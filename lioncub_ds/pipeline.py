@@ -387,7 +387,7 @@ class StepPlan:
 
     def check_replicas(self, action: str, step: int) -> bool:
         params = self.params()
-        names = [nm for b in self.buckets for nm in b.names]
+        names = [nm for b in (self.nodes.full if self.nodes else self.buckets) for nm in b.names]
         fp = self._fingerprints(params)
         both = torch.cat([fp, -fp])
         self.world_coll.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
@@ -408,6 +408,9 @@ class StepPlan:
                     buf = p.detach().contiguous()
                     self.world_coll.broadcast_(buf, 0, "drift_resync")
                     p.data.copy_(buf)
+            # fp32 master shards (bf16/fp16 with node_size) hold this rank's old values: the next
+            # step makes them again from the re-synchronized parameters (else it would undo the resync)
+            self.opt.momenta.drop_masters()
             return False
         raise ReplicaDriftError(msg)
 

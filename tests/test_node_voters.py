@@ -252,6 +252,44 @@ def _master_only(rank, world_size, comm):
             "scopes": opt.comm_stats()["cumulative"]["by_scope"]}
 
 
+def _resync_with_masters(rank, world_size, voters):
+    """bf16 parameters with fp32 master shards; rank 0's parameters are moved by +1 (drift),
+    check_replicas('resync') broadcasts them: the next step must start from them, not from the
+    master shards' old values."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    opt = LionCub(model.parameters(), lr=LR, weight_decay=WD, comm="1bit", voters=voters, node_size=2,
+                  drift_action="resync")
+    for step in (1, 2):
+        for p, g in zip(model.parameters(), _grads(model, rank, step)):
+            p.grad = g
+        opt.step()
+    before = [p.detach().float().clone() for p in model.parameters()]
+    if rank == 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    agreed = opt.check_replicas()
+    for p, g in zip(model.parameters(), _grads(model, rank, 3)):
+        p.grad = g
+    opt.step()
+    after = [p.detach().float() for p in model.parameters()]
+    # one step moves a parameter by lr·(1 + |wd·p|) at most: far less than the +1 of the resync
+    moved = min(float((a - b).mean()) for a, b in zip(after, before))
+    flat = torch.cat([a.reshape(-1) for a in after])
+    every = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(every, flat)
+    return {"agreed": agreed, "moved": moved, "replicas": all(torch.equal(flat, e) for e in every)}
+
+
+@pytest.mark.parametrize("voters", ["node", "rank"])
+def test_resync_rebuilds_the_master_shards(voters):
+    res = run_ranks(_resync_with_masters, 4, voters, timeout=300, env=ENV)
+    for r in range(4):
+        assert res[r]["agreed"] is False and res[r]["replicas"]
+        assert res[r]["moved"] > 0.9, res[r]  # the resynchronized (+1) values, not the old masters'
+
+
 @pytest.mark.parametrize("comm", ["1bit", "pbit", "int8"])
 def test_master_only_sharding_equals_flat_voting_on_an_fp32_master(comm):
     res = run_ranks(_master_only, 4, comm, timeout=300, env=ENV)

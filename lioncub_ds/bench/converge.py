@@ -77,6 +77,12 @@ VARIANTS = {
                                  label="1bit + int8 sync/10"),
     "cub_1bit_sync20_int8": dict(family="cub", comm="1bit", sync={"every": 20, "dtype": "int8"},
                                  label="1bit + int8 sync/20"),
+    # drift-scheduled int8 sync (screening, simulation only): sync when the mean disagreement of the
+    # workers' votes with Δ has risen by τ since the step after the last sync (SimLionCub.drift_sync)
+    **{f"cub_1bit_drift{int(t * 100):02d}_int8": dict(family="cub", comm="1bit", sync={"every": 10 ** 9, "dtype": "int8"},
+                                                      drift={"threshold": t, "min_every": 2},
+                                                      label=f"1bit + int8 sync when drift > {t:g} (sim)")
+       for t in (0.03, 0.05, 0.07)},
     "cub_b2_sync20_int8": _bbit(quant="l1", bits=2, rounding="dither",
                                sync={"every": 20, "dtype": "int8"}, label="bbit b=2 + int8 sync/20"),
     "cub_int8": dict(family="cub", comm="int8", quant="l1", label="int8 L1"),
