@@ -316,6 +316,12 @@ class LionCubConfig:
                                      "group='world'")
 
     @property
+    def shards_in_node(self) -> bool:
+        """State sharded inside node groups: node voters, or master-only sharding (voters="rank"
+        with node_size > 1: every rank votes, the fp32 master of 16-bit parameters is sharded)."""
+        return self.voters == "node" or (self.node_size or 1) > 1
+
+    @property
     def bbit(self) -> tuple[int, str]:
         """(vote_bits, rounding) of comm='bbit', defaults filled in."""
         return (self.vote_bits or BBIT_DEFAULTS["vote_bits"], self.rounding or BBIT_DEFAULTS["rounding"])

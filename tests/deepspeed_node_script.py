@@ -12,8 +12,9 @@ Per precision (fp32, bf16), ZeRO stage 0, ``gradient_clipping`` on:
 * the same model with today's flat voters (``voters: "rank"``) for the state bytes per rank;
 * the collectives of the training steps (the NCCL-contract log: group ranks and dtype of each).
 
-Also: ``node_size`` left out (the deepspeed launcher's ``LOCAL_SIZE`` is the node), and the
-refusals (ZeRO stage 1/2, fp16) before any optimizer exists. Like ``deepspeed_script.py`` it
+Also: master-only sharding (``voters: "rank"`` with ``node_size: 2``, bf16), ``node_size`` left
+out (the deepspeed launcher's ``LOCAL_SIZE`` is the node), and the refusals (ZeRO stage 1/2,
+fp16) before any optimizer exists. Like ``deepspeed_script.py`` it
 installs the NCCL-contract wrapper before deepspeed is imported. Not a test module itself.
 """
 import hashlib
@@ -71,12 +72,13 @@ def train(engine, rank, start, stop, dtype):
     return losses
 
 
-def reference(rank, dtype):
-    """Plain-torch LionCub (voters="node") with the integration's local clipping rule."""
+def reference(rank, dtype, settings=NODE):
+    """Plain-torch LionCub (voters="node", or ``settings``) with the integration's local clipping rule."""
     import torch
     import lioncub_ds
     model = ds_script.make_model(0).to(dtype)
-    opt = lioncub_ds.LionCub(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1, comm="1bit", **NODE)
+    opt = lioncub_ds.LionCub(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1, comm="1bit",
+                             **settings)
     for s in range(STEPS):
         loss_of(model, rank, s, dtype).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -136,6 +138,38 @@ def node_scenario(dtype, rank, out_dir):
     return res
 
 
+MASTER_ONLY = {"voters": "rank", "node_size": 2}
+
+
+def master_only_scenario(rank, out_dir):
+    """bf16 with master-only sharding: every rank votes with its full momentum; LionCub keeps the
+    fp32 master of its 1/L shard (no DeepSpeed wrapper); checkpoint and resume."""
+    import torch
+    import lioncub_ds.deepspeed as lds
+    dtype = torch.bfloat16
+    cfg = cfg_for(dtype, **MASTER_ONLY)
+    engine = initialize(cfg)
+    losses = train(engine, rank, 0, SAVE_AT, dtype)
+    ckpt = os.path.join(out_dir, "ckpt_master_only")
+    engine.save_checkpoint(ckpt, tag="mid")
+    losses += train(engine, rank, SAVE_AT, STEPS, dtype)
+    opt = engine.basic_optimizer
+    res = {"losses": losses, "digest": digest(engine.module.parameters()),
+           "wrapper": type(engine.optimizer).__name__, "summary": engine.lioncub.summary(),
+           "state_bytes": lds.state_bytes(engine), "step_count": opt.step_count,
+           "master_numels": [t.numel() for _, t in sorted(opt.momenta.shards["master"].items())],
+           "by_scope": lds.comm_stats(engine)["cumulative"]["by_scope"]}
+    engine2 = initialize(cfg, seed=123)
+    res["resume_path"], _ = engine2.load_checkpoint(ckpt, tag="mid")
+    res["resumed_losses"] = train(engine2, rank, SAVE_AT, STEPS, dtype)
+    res["resumed_digest"] = digest(engine2.module.parameters())
+    res["reference_digest"] = reference(rank, dtype, MASTER_ONLY)
+    flat = initialize(cfg_for(dtype))
+    train(flat, rank, 0, 1, dtype)
+    res["flat_state_bytes"] = lds.state_bytes(flat)
+    return res
+
+
 def default_node_size(rank):
     import torch
     engine = initialize(cfg_for(torch.float32, voters="node"))
@@ -190,7 +224,11 @@ def main():
         "err_zero2_client": lambda: expect_error(dict(cfg_for(torch.float32), zero_optimization={"stage": 2}),
                                                  client=NODE),
         "err_fp16": lambda: expect_error(dict(cfg_for(torch.float32, **NODE), fp16={"enabled": True})),
-        "err_master_only": lambda: expect_error(cfg_for(torch.bfloat16, voters="rank", node_size=2)),
+        "master_only_bf16": lambda: master_only_scenario(rank, args.out),
+        "err_master_only_zero1": lambda: expect_error(dict(cfg_for(torch.float32, **MASTER_ONLY),
+                                                           zero_optimization={"stage": 1})),
+        "err_master_only_fp16": lambda: expect_error(dict(cfg_for(torch.float32, **MASTER_ONLY),
+                                                          fp16={"enabled": True})),
     }
     result = {"world_size": torch.distributed.get_world_size(), "LOCAL_SIZE": os.environ.get("LOCAL_SIZE"),
               "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE")}

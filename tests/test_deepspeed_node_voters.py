@@ -149,7 +149,9 @@ def test_shipped_node_voters_config_trains(runs):
     ("err_zero1", ("voters='node'", "zero_optimization.stage=1", "Allowed: voters='node' with zero_optimization.stage=0")),
     ("err_zero2_client", ("voters='node'", "zero_optimization.stage=2", "voters='rank'")),
     ("err_fp16", ("voters='node'", "fp16.enabled=true", "bf16.enabled=true or fp32")),
-    ("err_master_only", ("node_size=2 with voters='rank'", "Allowed: node_size unset", "voters='node'")),
+    ("err_master_only_zero1", ("node_size=2 with voters='rank' (master-only sharding)", "zero_optimization.stage=1",
+                               "zero_optimization.stage=0")),
+    ("err_master_only_fp16", ("node_size=2 with voters='rank'", "fp16.enabled=true", "bf16.enabled=true or fp32")),
 ])
 def test_unsupported_node_voter_configs_are_refused(runs, name, needles):
     res, _ = runs
@@ -158,3 +160,24 @@ def test_unsupported_node_voter_configs_are_refused(runs, name, needles):
         assert e["error_type"] == "LionCubDeepSpeedError", e
         for needle in needles:
             assert needle in e["error"], (needle, e["error"])
+
+
+@deepspeed_missing
+def test_master_only_sharding_trains_like_plain_lioncub_and_resumes(runs):
+    """bf16 with ``"voters": "rank", "node_size": 2``: the engine equals plain-torch LionCub with the
+    same settings bit for bit (which equals flat voting on fp32 masters: tests/test_node_voters.py),
+    LionCub steps the bf16 parameters with the fp32 master of its shard only (no DeepSpeed wrapper,
+    no full fp32 copy), votes stay flat (no intra-node gradient traffic), and resume is exact."""
+    res, _ = runs
+    out = [r["master_only_bf16"] for r in res]
+    for r, x in enumerate(out):
+        assert "exception" not in x, f"rank {r}: {x.get('traceback', x)}"
+        assert x["digest"] == out[0]["digest"] and x["digest"] == x["reference_digest"], r
+        assert x["wrapper"] == "LionCub" and "fp32 master sharded 1/L" in x["summary"], x["summary"]
+        node, flat = x["state_bytes"], x["flat_state_bytes"]
+        assert node["momentum"] == flat["momentum"] == 4 * flat["params"]  # every rank keeps its full momentum
+        assert node["master"] == 4 * sum(x["master_numels"]) and node["deepspeed_master"] == 0
+        assert sum(x["master_numels"]) * 2 >= flat["params"] and node["master"] <= flat["deepspeed_master"] / 2 * 1.1
+        assert flat["deepspeed_master"] == 4 * flat["params"]
+        assert x["resume_path"] is not None and x["resumed_digest"] == x["digest"], r
+        assert x["resumed_losses"] == x["losses"][3:]

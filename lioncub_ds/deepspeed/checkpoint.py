@@ -71,6 +71,8 @@ def prepare_rank_state(engine, load_dir, tag, reshard: str = "average"):
         if "no LionCub checkpoint files" in str(exc):
             what = ("every rank keeps its current momentum shards (voters='node'; the fp32 masters are rebuilt from "
                     "the loaded weights)" if st.optimizer.config.voters == "node"
+                    else "every rank keeps its current momentum (the fp32 master shards are rebuilt from the loaded "
+                         "weights)" if st.optimizer.config.shards_in_node
                     else "every rank continues from data-parallel rank 0's momentum")
             _compat.ds_logger().warning(f"lioncub_ds: {directory} has no per-rank LionCub files (saved without "
                                         f"lioncub_ds?): {what}")
@@ -102,7 +104,7 @@ def load_checkpoint(engine, load_dir, tag=None, **kwargs):
 
 
 def refresh_node_masters(optimizer) -> None:
-    """voters="node": rebuild this rank's fp32 master shards from the (just loaded) 16-bit
+    """voters="node" / master-only sharding: rebuild this rank's fp32 master shards from the (just loaded) 16-bit
     parameters at the next step, as DeepSpeed's ``refresh_fp32_params`` does for its own copy."""
     optimizer.momenta.drop_masters()
 
@@ -137,10 +139,10 @@ def install_engine_hooks(engine) -> None:
             tag = _resolve_tag(engine, a["load_dir"], a.get("tag"))
             if tag is not None and os.path.isdir(os.path.join(a["load_dir"], str(tag))):
                 prepared = prepare_rank_state(engine, a["load_dir"], tag)
-        node = st is not None and st.mode == "local_momentum" and st.optimizer.config.voters == "node"
+        node = st is not None and st.mode == "local_momentum" and st.optimizer.config.shards_in_node
         if node:
-            # voters="node": DeepSpeed's own file holds data-parallel rank 0's state only, whose
-            # shards are not this rank's; every rank's state comes from its own LionCub file.
+            # voters="node" / master-only sharding: DeepSpeed's own file holds data-parallel rank 0's
+            # state only, whose shards are not this rank's; every rank's state comes from its own file.
             keep_lioncub = a.get("load_optimizer_states", True) and not a.get("load_module_only", False)
             a["load_optimizer_states"] = False
         result = orig_load(*bound.args, **bound.kwargs)

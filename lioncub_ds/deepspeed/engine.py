@@ -278,35 +278,31 @@ def requested_voters(engine, optimizer=None) -> tuple:
 
 
 def check_node_voters(engine, optimizer=None) -> None:
-    """``voters: "node"`` needs ZeRO stage 0 with fp32 or bf16 parameters (LionCub shards the
-    momentum, and the fp32 master of bf16 parameters, inside each node group itself).
+    """``voters: "node"``, and master-only sharding (``voters: "rank"`` with ``node_size`` > 1),
+    need ZeRO stage 0 with fp32 or bf16 parameters: LionCub shards the fp32 master of bf16
+    parameters (and, with node voters, the momentum) inside each node group itself.
 
     Raised from ``deepspeed.initialize`` before LionCub is built (ds_config) or touched (a client
     optimizer), so nothing has changed yet."""
     voters, node_size = requested_voters(engine, optimizer)
-    if voters == "rank" and node_size not in (None, 1):
-        raise LionCubDeepSpeedError(
-            f"LionCub: optimizer.params node_size={node_size} with voters='rank' (master-only sharding) is not "
-            "supported under DeepSpeed yet: DeepSpeed's bf16/fp16 wrappers keep their own full fp32 copy of every "
-            "parameter and hand LionCub fp32 parameters, so LionCub has no master to shard. Allowed: node_size unset "
-            "with voters='rank', or voters='node' (which shards the momentum and the fp32 master at ZeRO stage 0).")
-    if voters != "node":
+    if voters != "node" and node_size in (None, 1):
         return
+    what = "voters='node'" if voters == "node" else f"node_size={node_size} with voters='rank' (master-only sharding)"
+    shards = ("the momentum and the fp32 master" if voters == "node" else "the fp32 master of bf16 parameters")
     stage = engine.zero_optimization_stage()
     if stage >= 1:
         raise LionCubDeepSpeedError(
-            f"LionCub: optimizer.params voters='node' is not supported at ZeRO stage {stage} "
+            f"LionCub: optimizer.params {what} is not supported at ZeRO stage {stage} "
             f"(zero_optimization.stage={stage}): there DeepSpeed reduce-scatters uncompressed gradients over every "
             "rank and partitions the optimizer over all of them (global Lion), so there is no node group to shard in "
-            "and no vote between groups. Allowed: voters='node' with zero_optimization.stage=0 (LionCub shards the "
-            "momentum and the fp32 master inside each node group and votes across groups), or voters='rank' (the "
-            "default) at stage 1/2.")
+            f"and no vote between groups. Allowed: {what} with zero_optimization.stage=0 (LionCub shards {shards} "
+            "inside each node group), or voters='rank' without node_size (the default) at stage 1/2.")
     if engine.fp16_enabled():
         raise LionCubDeepSpeedError(
-            "LionCub: optimizer.params voters='node' is not supported with fp16.enabled=true: DeepSpeed's fp16 "
+            f"LionCub: optimizer.params {what} is not supported with fp16.enabled=true: DeepSpeed's fp16 "
             "loss-scaling wrapper keeps a full fp32 master copy of every parameter on every rank and hands LionCub "
-            "those copies, so sharding inside the node group would save none of that memory. Allowed: voters='node' "
-            "with bf16.enabled=true or fp32 parameters, or voters='rank' with fp16.")
+            f"those copies, so sharding inside the node group would save none of that memory. Allowed: {what} "
+            "with bf16.enabled=true or fp32 parameters, or voters='rank' without node_size with fp16.")
 
 
 def check_supported(engine, optimizer=None) -> None:
@@ -421,9 +417,9 @@ class EngineState:
 
     @property
     def master_sharded(self) -> bool:
-        """voters="node" with 16-bit parameters stepped by LionCub itself: it holds their fp32
-        master shards (DeepSpeed's full fp32 copy is never made)."""
-        return (self.mode == "local_momentum" and self.optimizer.config.voters == "node"
+        """voters="node" or master-only sharding with 16-bit parameters stepped by LionCub itself:
+        it holds their fp32 master shards (DeepSpeed's full fp32 copy is never made)."""
+        return (self.mode == "local_momentum" and self.optimizer.config.shards_in_node
                 and any(p.dtype != torch.float32 for g in self.optimizer.param_groups for p in g["params"]))
 
     @property
@@ -446,6 +442,9 @@ class EngineState:
             what = ("Lion Cub node voters: reduce-scatter inside each node group, momentum"
                     + (" and fp32 master" if self.master_sharded else "") + " sharded 1/L, sign votes across groups")
             n = f"{t.world_size * t.node_size} ({t.world_size} node groups x {t.node_size} ranks)"
+        elif t is not None and self.optimizer.config.shards_in_node:
+            what += (f"; fp32 master sharded 1/L over node groups of L={t.node_size} ranks" if self.master_sharded
+                     else f"; node_size={t.node_size} (fp32 parameters: no master to shard)")
         line = (f"LionCub: ZeRO stage {self.stage} ({what}); comm={comm}; N={n}; "
                 f"sign all-gather={sign}; wrapper={self.wrapper}")
         if self.mode == "local_momentum" and self.optimizer.config.overlap:
@@ -508,7 +507,7 @@ def wire(engine) -> EngineState:
         if engine.optimizer is opt:
             _report_skips_as_overflow(opt)
             if engine.bfloat16_enabled() or engine.fp16_enabled():
-                # voters="node" with bf16: no DeepSpeed wrapper, so nothing else clips (the engine
+                # bf16 with its master sharded: no DeepSpeed wrapper, so nothing else clips (the engine
                 # clips only fp32 runs itself); clip the local bf16 gradients right before the step.
                 _clip_before_step(engine, opt)
         if opt.config.overlap:
@@ -708,14 +707,15 @@ def register() -> None:
 
     def make_fp16_configure(orig):
         # DDP_BFLOAT16 (stage 0, bf16 without fp32 gradient accumulation) and FP16 both land here.
-        # With voters="node" (stage 0 and bf16 only: check_node_voters refuses fp16) LionCub steps
-        # the bf16 parameters itself and keeps their fp32 master only for its 1/L shard; DeepSpeed's
+        # With voters="node" or master-only sharding (stage 0 and bf16 only: check_node_voters
+        # refuses fp16) LionCub steps the bf16 parameters itself and keeps their fp32 master only for
+        # its 1/L shard; DeepSpeed's
         # FP16_UnfusedOptimizer would keep a full fp32 copy of every parameter on every rank (and a
         # full fp32 gradient copy per step), which is what node voters exist to avoid.
         configure = make_no_init_step(orig)
 
         def _configure_fp16_optimizer(self, optimizer, *args, **kwargs):
-            if (isinstance(optimizer, LionCub) and optimizer.config.voters == "node"
+            if (isinstance(optimizer, LionCub) and optimizer.config.shards_in_node
                     and self.zero_optimization_stage() == 0 and self.bfloat16_enabled()):
                 return optimizer
             return configure(self, optimizer, *args, **kwargs)
