@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import time
 import types
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lioncub_ds.testing import nccl_contract as nc
+from lioncub_ds.testing.spawn import RankError
 from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -200,3 +202,21 @@ def test_contract_switch():
     assert on == [(True, 1), (True, 1)]
     off = run_ranks(_clean, 2, contract=False)
     assert off == [(False, 0), (False, 0)]
+
+
+def _one_rank_finishes_one_hangs(rank, n):
+    if rank == 1:
+        time.sleep(120)  # silent past the spawner's deadline
+    return rank
+
+
+def test_spawner_reports_a_silent_rank_after_another_has_exited():
+    """Rank 0 returns and its process exits; rank 1 stays silent past the deadline. The spawner
+    must report rank 1 as hung within seconds (it once waited forever: its 'where are you'
+    request went through a multiprocessing Event, whose set() waits for the exited rank too)."""
+    t = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_one_rank_finishes_one_hangs, 2, timeout=8)
+    assert time.monotonic() - t < 60
+    msg = str(info.value)
+    assert "rank 1" in msg and ("hung" in msg or "no report" in msg), msg

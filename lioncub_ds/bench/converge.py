@@ -77,6 +77,10 @@ VARIANTS = {
                                  label="1bit + int8 sync/10"),
     "cub_1bit_sync20_int8": dict(family="cub", comm="1bit", sync={"every": 20, "dtype": "int8"},
                                  label="1bit + int8 sync/20"),
+    # diagnostics (screening): how far can a momentum sync go? every step in fp32 is the floor
+    "cub_1bit_sync1": dict(family="cub", comm="1bit", sync={"every": 1}, label="1bit + fp32 sync every step"),
+    "cub_1bit_sync5_int8": dict(family="cub", comm="1bit", sync={"every": 5, "dtype": "int8"},
+                                label="1bit + int8 sync/5"),
     # drift-scheduled int8 sync (screening, simulation only): sync when the mean disagreement of the
     # workers' votes with Δ has risen by τ since the step after the last sync (SimLionCub.drift_sync)
     **{f"cub_1bit_drift{int(t * 100):02d}_int8": dict(family="cub", comm="1bit", sync={"every": 10 ** 9, "dtype": "int8"},

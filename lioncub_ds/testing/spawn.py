@@ -34,8 +34,13 @@ def free_port() -> int:
 
 
 def _watch(rank, q, dump, contract, main_ident):
-    """On the parent's request (a rank seems hung): report where the main thread is, and the log."""
-    dump.wait()
+    """On the parent's request (a rank seems hung): report where the main thread is, and the log.
+
+    ``dump`` is a lock-free shared flag, polled: a multiprocessing Event would make the parent's
+    ``set()`` wait for every waiting thread to acknowledge, forever if one of them belonged to a
+    rank that had already exited (the parent then hung instead of reporting the silent rank)."""
+    while not dump.value:
+        time.sleep(0.2)
     frame = sys._current_frames().get(main_ident)
     stack = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "(no stack)"
     q.put((rank, "hung", f"hung; its main thread is at:\n{stack}", nccl_contract.snapshot() if contract else None))
@@ -113,7 +118,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
     base_env.update(env or {})
     payload = pickle.dumps((fn, args))
     dev = str(device) if device is not None else None
-    dump = ctx.Event()
+    dump = ctx.RawValue("b", 0)  # the parent's "report where you are" flag (see _watch)
     procs = {r: ctx.Process(target=_worker, args=(r, world_size, init_method, payload, q, base_env, threads, contract,
                                                   dev, dump), daemon=daemon)
              for r in ranks}
@@ -133,7 +138,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
                             errors[i] = f"died with exit code {p.exitcode} (no report)"
                 if time.monotonic() > deadline:
                     missing = [i for i in ranks if i not in results and i not in errors]
-                    dump.set()  # ask the silent ranks where they are (and for their call logs)
+                    dump.value = 1  # ask the silent ranks where they are (and for their call logs)
                     until = time.monotonic() + 5.0
                     while missing and time.monotonic() < until:
                         try:
