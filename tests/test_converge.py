@@ -105,8 +105,10 @@ def test_same_command_same_numbers(ds):
                                              "cub_1bit_geo", "cub_b2", "cub_b3_nearest", "cub_1bit_sync20_bf16")),
                                         (4, ("cub_1bit", "cub_int8", "cub_b2", "cub_b2_l0", "cub_1bit_sync10_int8",
                                              "cub_1bit_sync10_bf16")),
-                                        (4, ("cub_1bit_node2", "cub_1bit_sync20_int8_node2")),
-                                        (8, ("cub_1bit_node4", "cub_1bit_sync20_int8_node2"))],
+                                        (4, ("cub_1bit_node2", "cub_1bit_sync20_int8_node2", "cub_1bit_node2_tz",
+                                             "cub_avg_node2")),
+                                        (8, ("cub_1bit_node4", "cub_1bit_sync20_int8_node2", "cub_1bit_node4_alt",
+                                             "cub_avg_node4"))],
                          ids=["n2", "n4", "n4-nodes2x2", "n8-nodes2x4-4x2"])
 def test_simulation_equals_real_lioncub(ds, n, variants):
     """N simulated workers give bit-identical parameters (SHA-1) and the same bytes as N real

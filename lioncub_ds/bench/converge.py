@@ -96,6 +96,14 @@ VARIANTS = {
     **{f"cub_1bit_sync20_int8_node{L}": dict(family="cub", comm="1bit", node=L, sync={"every": 20, "dtype": "int8"},
                                              label=f"1bit + int8 sync/20, node voters of L={L} ranks")
        for L in (2, 4, 8)},
+    # few voters (Nn = N/L small and even): ties are common, so the tie rule and the averaging vote
+    # matter; with Nn = 2 the averaging vote is majority with ties -> 0 (mean of two signs).
+    **{f"cub_1bit_node{L}_{tag}": dict(family="cub", comm="1bit", node=L, tie_break=rule,
+                                       label=f"1bit, node voters of L={L} ranks, ties -> {rule}")
+       for L in (2, 4, 8) for tag, rule in (("tz", "zero"), ("alt", "alternate"))},
+    **{f"cub_avg_node{L}": dict(family="cub", comm="1bit", node=L, vote="average",
+                                label=f"1bit averaging vote, node voters of L={L} ranks (Lion Cub's lr)")
+       for L in (2, 4, 8)},
     "cub_int8_sync20": dict(family="cub", comm="int8", quant="l1", sync={"every": 20}, label="int8 L1 + sync/20"),
     "cub_avg": dict(family="avg", comm="1bit", vote="average", label="1bit averaging vote"),
     # two-phase b-bit scaled votes (comm="bbit"): b-bit L1/L0/Linf codes summed at the shard owner
