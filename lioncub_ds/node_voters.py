@@ -112,6 +112,7 @@ class NodeShards:
                                       lengths=[q[2] for q in pieces] or [0],
                                       kind=(fb.params[0].device, torch.float32)))
         self.device = full_buckets[0].params[0].device if full_buckets else torch.device("cpu")
+        self.missing: list = []  # per bucket: this step's parameters without a gradient on this rank
         self.grads: list = []   # this step's ḡ shard per bucket
         self.work: list = []    # this step's fp32 parameter shard per bucket (the master, or a copy)
         self.problems: list = []
@@ -140,10 +141,13 @@ class NodeShards:
         summed in local-rank order) and point each shard bucket at this step's buffers.
         ``grad_problem(bucket)``: this rank's reason its gradients are unusable, or None (it then
         sends zeros and the flags make every rank refuse the step)."""
-        pending, self.problems = [], []
+        pending, self.problems, self.missing = [], [], []
         for fb in self.full:
             problem = grad_problem(fb)
             self.problems.append(problem)
+            # indices (in the full bucket) of the parameters without a gradient on this rank: the
+            # step leaves a parameter that has none on ANY rank alone, as flat voting does
+            self.missing.append(tuple(k for k, p in enumerate(fb.params) if p.grad is None))
             # the gradients travel in their own dtype (torch keeps p.grad in p's dtype, the same on
             # every rank): bf16 halves the group's bytes, and the fp32 sum below is the same
             flat = torch.zeros(fb.numel, dtype=fb.params[0].dtype, device=self.device)
@@ -169,6 +173,28 @@ class NodeShards:
         sb = self.shards[i]
         m = self.store.shard("momentum", i, sb.numel, self.store.dtype, self.device)
         return self._views(self.grads[i], self.pieces[i]), self._views(m, self.pieces[i])
+
+    def keep(self, idle) -> list:
+        """Copies of the momentum and master pieces of the ``idle`` parameters in this rank's
+        shards, for :meth:`restore` after the step."""
+        ids = {id(p) for p in idle}
+        kept = []
+        for i, pieces in enumerate(self.pieces):
+            mine = [q for q in pieces if id(q[0]) in ids]
+            if not mine:
+                continue
+            flats = [self.store.shard("momentum", i, self.shards[i].numel, self.store.dtype, self.device)]
+            if self.low_precision(i):
+                flats.append(self.work[i])  # the persistent master shard
+            for flat in flats:
+                for _, _, length, at in mine:
+                    kept.append((flat, at, flat[at:at + length].clone()))
+        return kept
+
+    @staticmethod
+    def restore(kept) -> None:
+        for flat, at, values in kept:
+            flat[at:at + values.numel()].copy_(values)
 
     # ------------------------------------------------------------------ after the vote
     def finish(self) -> None:

@@ -40,7 +40,7 @@ from .kernels.reference import dither_seed, int8_levels
 from .layout import assign_algorithms, build_buckets, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
 from .momentum_sync import MomentumSync, select_params
-from .node_voters import MasterShards, NodeShards, copy_pieces_from_params
+from .node_voters import MasterShards, NodeShards
 from .telemetry import ring_bytes
 
 log = logging.getLogger("lioncub_ds")
@@ -214,7 +214,7 @@ class StepPlan:
         the bucket's gradients are unusable or None) for bucket ``i``'s local step."""
         if self.nodes is not None:
             grads, momenta = self.nodes.inputs(i)
-            return grads, momenta, (), self.nodes.problems[i]
+            return grads, momenta, self.nodes.missing[i], self.nodes.problems[i]
         b = self.buckets[i]
         # A parameter without a gradient on this rank votes with g = 0 (its momentum still
         # decays); every rank must run the same collectives, whatever its batch used.
@@ -294,21 +294,22 @@ class StepPlan:
                                       f"step {step} (non-finite values in all: {count})")
         # Parameters without a gradient on every rank stay as they are (as in Lion): their votes
         # (c = β1·m, from g = 0) ran with everyone else's and are undone here.
-        store = opt.momenta
         idle = pipe.idle_everywhere(flags)
-        kept = [(p, p.detach().clone(), store.get(p).clone()) for p in idle]
+        store = opt.momenta
+        kept = [(p, p.detach().clone(), None if self.nodes is not None else store.get(p).clone()) for p in idle]
+        kept_state = self._keep_state(idle)
         pipe.complete(flags, step)
         if self.nodes is not None:
+            self.nodes.restore(kept_state)  # before the all-gather: the shards carry the old values
             self.nodes.finish()  # the group all-gathers the updated shards into the parameters
+        else:
+            NodeShards.restore(kept_state)
         if self.masters is not None:
             self.masters.finish()
         for p, value, m in kept:
             p.copy_(value)
-            store.get(p).copy_(m)
-        if self.masters is not None and kept:  # their master pieces follow the restored values
-            ids = {id(p) for p, _, _ in kept}
-            for i, pieces in self.masters.pieces.items():
-                copy_pieces_from_params([q for q in pieces if id(q[0]) in ids], self.masters.master(i))
+            if m is not None:
+                store.get(p).copy_(m)
         idle_ids = {id(p) for p in idle}
         for p in self.params():
             if id(p) not in idle_ids and "step" in opt.state[p]:
@@ -320,6 +321,23 @@ class StepPlan:
                                           self.config.momentum_sync.dtype)
         opt.stats.end_step()
         return StepOutcome(True)
+
+    def _keep_state(self, idle) -> list:
+        """(flat, offset, values) copies of the optimizer state of the ``idle`` parameters: their
+        momenta, and their fp32 master pieces (exact: not re-made from the low-precision values)."""
+        if not idle:
+            return []
+        if self.nodes is not None:
+            return self.nodes.keep(idle)
+        # a parameter's momentum tensor may be replaced by the step (double buffering): restored
+        # through the store, after the step, in run()
+        kept = []
+        if self.masters is not None:
+            ids = {id(p) for p in idle}
+            for i, pieces in self.masters.pieces.items():
+                flat = self.masters.master(i)
+                kept += [(flat, at, flat[at:at + length].clone()) for q, _, length, at in pieces if id(q) in ids]
+        return kept
 
     def _all_momenta(self) -> list:
         """Every momentum this rank holds: one per voting parameter, or its shards (node voters)."""
@@ -631,12 +649,15 @@ class VotePipeline:
             return []
         plan = self.plan
         params, have = [], []
+        full = plan.nodes.full if plan.nodes is not None else plan.buckets  # loc.missing indexes these
         for i, loc in enumerate(self.local):
-            b = plan.buckets[i]
+            b = full[i]
             params += b.params
             have += [0 if k in loc.missing else 1 for k in range(len(b.params))]
         counts = torch.tensor(have, dtype=torch.int32, device=plan.device)
         plan.coll.all_reduce_(counts, "missing_grads")
+        if plan.nodes is not None:  # the shard peers' sum, then the node group's: every rank's
+            plan.node_coll.all_reduce_(counts, "node_missing_grads")
         return [p for p, c in zip(params, counts.tolist()) if c == 0]
 
     def complete(self, flags, step: int) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub_ds import LionCub
+from lioncub_ds import Lion, LionCub
 from lioncub_ds.config import LionCubConfigError
 from lioncub_ds.kernels import reference
 from lioncub_ds.testing import nccl_contract
@@ -302,3 +302,44 @@ def test_master_only_sharding_equals_flat_voting_on_an_fp32_master(comm):
         assert st["master"] <= 4 * st["params"] / 2 * 1.05 + 4 * 8 * 4 * len(res[r]["layout"]["numels"])
         assert res[r]["layout"]["node_size"] == 2 and res[r]["layout"]["local_rank"] == r % 2
         assert res[r]["scopes"].get("intra_node", 0) > 0
+
+
+def _idle(rank, world_size, voters, dtype):
+    """Three parameters in shared buckets: ``used`` has a gradient on every rank every step;
+    ``idle`` never has one; ``late`` has the same gradient on every rank at steps 1, 2, 5 and none
+    at steps 3, 4. As in Lion (and flat voting), a parameter without a gradient on any rank keeps
+    its value, its momentum and its fp32 master: ``idle`` never moves, and ``late`` follows
+    single-process Lion that skips it at steps 3, 4 (identical gradients: every voter agrees)."""
+    torch.manual_seed(0)
+    used, idle, late = (torch.nn.Parameter(torch.randn(s).to(dtype)) for s in ((29,), (11,), (7,)))
+    idle0 = idle.detach().clone()
+    ref = torch.nn.Parameter(late.detach().float().clone())
+    kw = dict(voters="node") if voters == "node" else {}
+    opt = LionCub([used, idle, late], lr=LR, weight_decay=WD, betas=BETAS, comm="1bit", node_size=2,
+                  bucket_size_mb=0.0001, **kw)
+    ref_opt = Lion([ref], lr=LR, weight_decay=WD, betas=BETAS)
+    same = []
+    for step in range(1, 6):
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        used.grad = torch.randn(29, generator=gen).to(dtype)
+        shared = torch.randn(7, generator=torch.Generator().manual_seed(step)).to(dtype)
+        late.grad = shared if step in (1, 2, 5) else None
+        ref.grad = shared.float() if step in (1, 2, 5) else None
+        opt.step()
+        ref_opt.step()
+        same.append(torch.equal(late.detach(), ref.detach().to(dtype)))
+    flat = torch.cat([p.detach().float() for p in (used, idle, late)])
+    every = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(every, flat)
+    return {"idle_kept": torch.equal(idle.detach(), idle0), "late_as_lion": same,
+            "replicas": all(torch.equal(flat, e) for e in every)}
+
+
+@pytest.mark.parametrize("voters,dtype", [("node", torch.float32), ("node", torch.bfloat16),
+                                          ("rank", torch.bfloat16)], ids=["node-fp32", "node-bf16", "master-only-bf16"])
+def test_a_parameter_without_a_gradient_on_any_rank_keeps_value_momentum_and_master(voters, dtype):
+    res = run_ranks(_idle, 4, voters, dtype, timeout=300, env=ENV)
+    for r in range(4):
+        assert res[r]["idle_kept"], r
+        assert all(res[r]["late_as_lion"]), (r, res[r]["late_as_lion"])
+        assert res[r]["replicas"], r
