@@ -184,7 +184,19 @@ def _oracle_run(k, steps):
             elements += e.numel()
         fps.append(_fingerprints(ddp))
     lc = lioncub_optimizers(opt)[0]
+    # Lion's step is blind to a common scale of g and m, the momenta are not: this rank's momentum
+    # shard must be its instance's oracle momentum over the same elements (instance-mean scaling)
+    dopt = opt.chained_optimizers[0]
+    me = dist.get_rank() // size
+    momentum_mismatched = 0
+    for gi, g in enumerate(lc.param_groups):
+        models = [*dopt.model_fp32_groups[gi], *dopt.model_float16_groups[gi]]
+        for shard, model_param, name in zip(g["params"], models, g["param_names"]):
+            rng = dopt._get_model_param_range_map(model_param)["param"]
+            want = momenta[name][me][rng.start:rng.end]
+            momentum_mismatched += int((lc.state[shard]["exp_avg"].reshape(-1) != want).sum())
     return {"mismatched": mismatched, "moved": moved, "elements": elements, "fps": fps,
+            "momentum_mismatched": momentum_mismatched,
             "scopes": lc.comm_stats()["cumulative"]["by_scope"],
             "vote_group": tuple(dist.get_process_group_ranks(lc.vote_group)),
             "wrappers": [type(o).__name__ for o in opt.chained_optimizers],
@@ -213,11 +225,11 @@ def _k1_run(steps):
             mean[n] = t / dist.get_world_size()
         before = {id(p): p.detach().clone() for g in lc.param_groups for p in g["params"]}
         _train_step(ddp, opt, s)
-        full = {n: p for n, p in ddp.named_parameters()}
-        for g in lc.param_groups:
-            for p, name in zip(g["params"], g["param_names"]):
-                grad = p.grad.detach().reshape(-1)
-                # where this shard sits in the parameter: find it by value in the full mean gradient
+        dopt = opt.chained_optimizers[0]
+        for gi, g in enumerate(lc.param_groups):
+            models = [*dopt.model_fp32_groups[gi], *dopt.model_float16_groups[gi]]
+            for p, model_param, name in zip(g["params"], models, g["param_names"]):
+                grad = p.grad.detach().reshape(-1)  # what LionCub stepped with (Megatron's reduce-scattered shard)
                 m = momenta.setdefault(id(p), torch.zeros(p.numel()))
                 c = reference.lion_direction(m, grad, BETAS[0])
                 e = before[id(p)].reshape(-1).clone()
@@ -226,13 +238,11 @@ def _k1_run(steps):
                 out["mismatched"] += int((p.detach().reshape(-1) != e).sum())
                 out["moved"] += int((c != 0).sum())
                 reference.momentum_update(m, grad, BETAS[1])
-                flat_mean = mean[name].reshape(-1)
-                # the shard's gradient is a slice of the DP-mean gradient of its parameter
-                hits = [i for i in range(flat_mean.numel() - grad.numel() + 1)
-                        if torch.allclose(flat_mean[i:i + grad.numel()], grad, rtol=1e-5, atol=1e-7)][:1]
-                out["grad_err"] = max(out["grad_err"], 0.0 if hits else 1.0)
-                del full
-                full = None
+                # ... and that gradient is this shard of the DP-mean gradient (up to the sum order of
+                # the reduce-scatter over 4 ranks)
+                rng = dopt._get_model_param_range_map(model_param)["param"]
+                want = mean[name].reshape(-1)[rng.start:rng.end]
+                out["grad_err"] = max(out["grad_err"], float((grad - want).abs().max() / want.abs().max()))
         out["fps"].append(_fingerprints(ddp))
     out["scopes"] = lc.comm_stats()["cumulative"]["by_scope"]
     out["vote_size"] = dist.get_world_size(lc.vote_group)
@@ -338,6 +348,7 @@ def test_two_instances_match_the_oracle_and_replicas_agree(results):
         o = r["oracle"]
         assert o["wrappers"] == ["DistributedOptimizer"]
         assert o["mismatched"] == 0 and o["moved"] > 0, (r["rank"], o["mismatched"], o["moved"], o["elements"])
+        assert o["momentum_mismatched"] == 0, (r["rank"], o["momentum_mismatched"])
         # the voters are the instances: rank r votes with the rank at its place in the other instance
         assert o["vote_group"] == ((0, 2) if r["rank"] % 2 == 0 else (1, 3)), o["vote_group"]
         # a shard of the parameters (the instance's 2 ranks hold every element once), and the
@@ -393,7 +404,7 @@ def test_one_instance_is_lion_on_the_mean_gradient(results):
         k1 = r["k1"]
         assert k1["vote_size"] == 1
         assert k1["mismatched"] == 0 and k1["moved"] > 0, k1
-        assert k1["grad_err"] == 0.0
+        assert k1["grad_err"] < 1e-5, k1["grad_err"]
         assert k1["scopes"].get("inter_node", 0) == 0, k1["scopes"]  # no votes sent
         assert k1["fps"] == results[0]["k1"]["fps"], r["rank"]
 
