@@ -260,10 +260,17 @@ def _contract_run(k, steps):
     return {"log": [tuple(e) for e in nccl_contract.log()[start:]], "losses": losses}
 
 
+def _ckpt_state(ddp, opt, is_loading=False):
+    model_sd = ddp.module.sharded_state_dict()
+    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
 def _resume_run(k, tmpdir):
-    """3 steps, save (model params + per-rank LionCub files), 2 more; rebuild, load, the same 2 steps."""
+    """3 steps, save (Megatron's dist-checkpointing + per-rank LionCub files, LionCub's before
+    Megatron's as Megatron-LM's patched save does), 2 more; rebuild, load, the same 2 steps."""
     import torch.distributed as dist
-    from lioncub_ds.megatron import after_checkpoint_load, after_checkpoint_save, get_megatron_lioncub_optimizer
+    from megatron.core import dist_checkpointing
+    from lioncub_ds.megatron import after_checkpoint_load, before_checkpoint_save, get_megatron_lioncub_optimizer
     ckpt = os.path.join(tmpdir, "ckpt")
     cfg, ddp = _build(k)
     opt = get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"voters": "node"})
@@ -272,16 +279,16 @@ def _resume_run(k, tmpdir):
     if dist.get_rank() == 0:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
-    saved_params = {n: p.detach().clone() for n, p in ddp.named_parameters()}
-    after_checkpoint_save(opt, ckpt, mode="per_rank")
+    before_checkpoint_save(opt, "per_rank", checkpoint_dir=ckpt)
+    dist_checkpointing.save(_ckpt_state(ddp, opt), ckpt)
     for s in range(3, 5):
         _train_step(ddp, opt, s)
     want = _fingerprints(ddp)
-    cfg2, ddp2 = _build(k, seed=999)
+    cfg2, ddp2 = _build(k, seed=999)  # another init: everything must come from the checkpoint
     opt2 = get_megatron_lioncub_optimizer(_opt_config(), [ddp2], lioncub={"voters": "node"})
-    with torch.no_grad():
-        for n, p in ddp2.named_parameters():
-            p.copy_(saved_params[n])
+    state = dist_checkpointing.load(_ckpt_state(ddp2, opt2, is_loading=True), ckpt)
+    ddp2.module.load_state_dict(state["model"])
+    opt2.load_state_dict(state["optimizer"])
     after_checkpoint_load(opt2, ckpt, mode="per_rank")
     for s in range(3, 5):
         _train_step(ddp2, opt2, s)

@@ -569,6 +569,38 @@ def _leaf_shards(dopt):
         rng["orig_group"]["params"] = [*shards, *dopt.shard_fp32_from_float16_groups[gi]]
 
 
+def _common_state_dict(self, *args, **kwargs):
+    """What Megatron's checkpoint keeps of a node-voter optimizer: the common part only (the
+    param groups' hyper-parameters and the loss scale), the same on every rank. The
+    DistributedOptimizer's own state_dict / sharded_state_dict read Adam's per-parameter state
+    (``exp_avg``, ``exp_avg_sq``, ``step``); LionCub's momentum shards and fp32 main shards go to
+    its per-rank files instead (lioncub_ds.megatron.checkpoint), written and read by every rank."""
+    inner = self.optimizer.state_dict()
+    out = {"lioncub_node_voters": True,
+           "param_groups": [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                            for g in inner["param_groups"]]}
+    if self.grad_scaler:
+        out["grad_scaler"] = self.grad_scaler.state_dict()
+    return out
+
+
+def _load_common_state_dict(self, state_dict):
+    """Inverse of :func:`_common_state_dict` (Megatron's load, before the per-rank files are read)."""
+    if not isinstance(state_dict, dict) or not state_dict.get("lioncub_node_voters"):
+        raise LionCubConfigError(
+            "LionCub: this optimizer checkpoint was not written by LionCub with voters='node' (the distributed "
+            "optimizer's state of another optimizer, e.g. Adam); allowed: a checkpoint saved with the same "
+            "--lioncub-voters node layout, or --no-load-optim to start the optimizer fresh")
+    saved = state_dict.get("param_groups", [])
+    if len(saved) != len(self.optimizer.param_groups):
+        raise LionCubConfigError(f"LionCub: the checkpoint has {len(saved)} parameter groups, this optimizer "
+                                 f"{len(self.optimizer.param_groups)}; allowed: the same model and settings")
+    for group, old in zip(self.optimizer.param_groups, saved):
+        group.update({k: v for k, v in old.items() if k not in ("params", "param_names")})
+    if self.grad_scaler and "grad_scaler" in state_dict:
+        self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
 def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_collection, dump_map):
     """voters='node': LionCub inside Megatron's DistributedOptimizer, voting across its K instances.
 
@@ -650,6 +682,9 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     inner.megatron_tag = _model_parallel_tag("dense", groups)
     inner.megatron_layout = {"instances": k, "instance_size": size}
     dopt.optimizer = inner
+    dopt.state_dict = types.MethodType(_common_state_dict, dopt)
+    dopt.sharded_state_dict = types.MethodType(_common_state_dict, dopt)
+    dopt.load_state_dict = types.MethodType(_load_common_state_dict, dopt)
     # with K instances Megatron reduces gradient statistics (norm for clipping, zeros) inside the
     # instance: the instance's shards are one gradient, the instance mean
     dopt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
