@@ -424,3 +424,41 @@ def test_flag_errors(results):
         assert "--lioncub-node-size 4" in e["node_size"] and "--num-distributed-optimizer-instances 2" in \
             e["node_size"] and "allowed: --lioncub-node-size 2" in e["node_size"], e
         assert e["untouched"]
+
+
+# ----------------------------------------------------------------------------- Megatron-LM flags (no spawn)
+from test_megatron_training import GOOD, standins  # noqa: E402,F401 - Megatron-LM stand-in modules (fixture)
+
+
+@pytest.mark.unit
+def test_megatron_lm_flags_for_node_voters(standins):  # noqa: F811
+    from lioncub_ds.megatron.training import LionCubMegatronArgsError, megatron_args_problems
+    p = standins.arguments.parse_args
+    node = GOOD + ["--lioncub-voters", "node"]
+    dist_opt = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+    # node voters without the distributed optimizer: one early error naming the flag to add
+    with pytest.raises(LionCubMegatronArgsError) as info:
+        standins.arguments.validate_args(p(argv=node), {})
+    assert "--lioncub-voters node" in str(info.value) and "--use-distributed-optimizer" in str(info.value)
+    assert standins.validate_calls == []  # before Megatron's own validation (before any model)
+    # with it (and K instances): accepted
+    assert megatron_args_problems(p(argv=node + dist_opt)) == []
+    # without node voters the distributed optimizer stays refused, with the way out named
+    plain = megatron_args_problems(p(argv=GOOD + dist_opt))
+    assert any(x.startswith("--use-distributed-optimizer") and "--lioncub-voters node" in x for x in plain), plain
+    assert any(x.startswith("--num-distributed-optimizer-instances 2") for x in plain), plain
+    # what node voters still do not support stays in the one early error
+    still = megatron_args_problems(p(argv=node + dist_opt + ["--overlap-param-gather", "--overlap-grad-reduce"]))
+    assert any(x.startswith("--overlap-param-gather") for x in still), still
+    assert any(x.startswith("--overlap-grad-reduce") and "--lioncub-voters node" in x for x in still), still
+    # node_size must be DP / K once Megatron has derived the data-parallel size
+    args = p(argv=node + dist_opt + ["--lioncub-node-size", "4"])
+    args.data_parallel_size = 4
+    bad = megatron_args_problems(args)
+    assert any(x.startswith("--lioncub-node-size 4") and "allowed: --lioncub-node-size 2" in x
+               and "--num-distributed-optimizer-instances 2" in x for x in bad), bad
+    args.lioncub_node_size = 2
+    assert megatron_args_problems(args) == []
+    # node_size without node voters (master-only sharding) is refused under Megatron
+    assert any(x.startswith("--lioncub-node-size 2") for x in megatron_args_problems(
+        p(argv=GOOD + ["--lioncub-node-size", "2"])))
