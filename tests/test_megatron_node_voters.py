@@ -296,6 +296,37 @@ def _resume_run(k, tmpdir):
             "files": sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)}
 
 
+def _nan_run(k):
+    """One rank (3) has a NaN in one gradient element at step 1: the element lands in one rank's
+    shard only (its instance's reduce-scatter), yet every rank of the data-parallel group must skip
+    that step (LionCub's flags: over the shard peers by the vote, over the instance by the
+    agreement), and train on together afterwards."""
+    import torch.distributed as dist
+    from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
+    cfg, ddp = _build(k)
+    opt = get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"voters": "node"})
+    lc = lioncub_optimizers(opt)[0]
+    weight = dict(ddp.named_parameters())["module.decoder.layers.0.mlp.linear_fc1.weight"]
+    poison = {"on": False}
+
+    def hook(grad):
+        if poison["on"] and dist.get_rank() == 3:
+            grad = grad.clone()
+            grad.view(-1)[7] = float("nan")
+        return grad
+
+    weight.register_hook(hook)
+    _train_step(ddp, opt, 0)
+    before = _fingerprints(ddp)
+    poison["on"] = True
+    _train_step(ddp, opt, 1)
+    poison["on"] = False
+    after_nan = _fingerprints(ddp)
+    _train_step(ddp, opt, 2)
+    return {"unchanged": after_nan == before, "skipped": lc.comm_stats()["skipped_steps"],
+            "trained_after": _fingerprints(ddp) != after_nan, "fp": _fingerprints(ddp)}
+
+
 def _errors():
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer
     out = {}
@@ -324,6 +355,7 @@ def _scenario(rank, world, tmpdir):
     out["contract"] = _contract_run(2, steps=2)
     out["resume"] = _resume_run(2, tmpdir)
     out["errors"] = _errors()
+    out["nan"] = _nan_run(2)
     _init(1)
     out["k1"] = _k1_run(steps=2)
     # a checkpoint of the K = 2 layout, loaded under K = 1 (same DP size, same file names)
@@ -414,6 +446,14 @@ def test_one_instance_is_lion_on_the_mean_gradient(results):
         assert k1["grad_err"] < 1e-5, k1["grad_err"]
         assert k1["scopes"].get("inter_node", 0) == 0, k1["scopes"]  # no votes sent
         assert k1["fps"] == results[0]["k1"]["fps"], r["rank"]
+
+
+@needs_megatron
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(results):
+    for r in results:
+        n = r["nan"]
+        assert n["unchanged"] and n["skipped"] == 1, (r["rank"], n["unchanged"], n["skipped"])
+        assert n["trained_after"] and n["fp"] == results[0]["nan"]["fp"], r["rank"]
 
 
 @needs_megatron
