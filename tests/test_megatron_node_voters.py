@@ -45,7 +45,7 @@ def _init(k):
     ps.initialize_model_parallel(tensor_model_parallel_size=1, num_distributed_optimizer_instances=k)
 
 
-def _build(k, seed=1234):
+def _build(k, seed=1234, dtype=torch.float32):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -55,11 +55,15 @@ def _build(k, seed=1234):
     model_parallel_cuda_manual_seed(seed)
     cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=2 * HIDDEN,
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                            params_dtype=torch.float32, pipeline_dtype=torch.float32)
+                            params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16)
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ)
+    if dtype != torch.float32:
+        from megatron.core.transformer.module import Float16Module
+        model = Float16Module(cfg, model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, num_distributed_optimizer_instances=k), model)
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=k,
+        grad_reduce_in_fp32=dtype != torch.float32), model)
     cfg.finalize_model_grads_func = finalize_model_grads
     return cfg, ddp
 
@@ -120,7 +124,7 @@ def _train_step(ddp, opt, step):
 
 
 def _fingerprints(ddp):
-    return {n: hashlib.sha1(p.detach().contiguous().view(-1).numpy().tobytes()).hexdigest()
+    return {n: hashlib.sha1(p.detach().float().contiguous().view(-1).numpy().tobytes()).hexdigest()
             for n, p in ddp.named_parameters()}
 
 
@@ -265,15 +269,25 @@ def _ckpt_state(ddp, opt, is_loading=False):
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
-def _resume_run(k, tmpdir):
+def _resume_run(k, tmpdir, dtype=torch.float32):
     """3 steps, save (Megatron's dist-checkpointing + per-rank LionCub files, LionCub's before
-    Megatron's as Megatron-LM's patched save does), 2 more; rebuild, load, the same 2 steps."""
+    Megatron's as Megatron-LM's patched save does), 2 more; rebuild, load, the same 2 steps.
+    With bf16 the fp32 main shards come back from the per-rank files (Megatron's checkpoint
+    holds the bf16 weights only)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from lioncub_ds.megatron import after_checkpoint_load, before_checkpoint_save, get_megatron_lioncub_optimizer
-    ckpt = os.path.join(tmpdir, "ckpt")
-    cfg, ddp = _build(k)
-    opt = get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"voters": "node"})
+    from lioncub_ds.megatron import (after_checkpoint_load, before_checkpoint_save, get_megatron_lioncub_optimizer,
+                                     lioncub_optimizers)
+    ckpt = os.path.join(tmpdir, f"ckpt-{str(dtype)[6:]}")
+    bf16 = dict(bf16=True, params_dtype=torch.bfloat16) if dtype == torch.bfloat16 else {}
+    cfg, ddp = _build(k, dtype=dtype)
+    opt = get_megatron_lioncub_optimizer(_opt_config(**bf16), [ddp], lioncub={"voters": "node"})
+    main_dtype = str(lioncub_optimizers(opt)[0].param_groups[0]["params"][0].dtype)
+    try:
+        before_checkpoint_save(opt, "sync")
+        sync_error = None
+    except ValueError as exc:
+        sync_error = str(exc)
     for s in range(3):
         _train_step(ddp, opt, s)
     if dist.get_rank() == 0:
@@ -284,15 +298,16 @@ def _resume_run(k, tmpdir):
     for s in range(3, 5):
         _train_step(ddp, opt, s)
     want = _fingerprints(ddp)
-    cfg2, ddp2 = _build(k, seed=999)  # another init: everything must come from the checkpoint
-    opt2 = get_megatron_lioncub_optimizer(_opt_config(), [ddp2], lioncub={"voters": "node"})
+    cfg2, ddp2 = _build(k, seed=999, dtype=dtype)  # another init: everything must come from the checkpoint
+    opt2 = get_megatron_lioncub_optimizer(_opt_config(**bf16), [ddp2], lioncub={"voters": "node"})
     state = dist_checkpointing.load(_ckpt_state(ddp2, opt2, is_loading=True), ckpt)
     ddp2.module.load_state_dict(state["model"])
     opt2.load_state_dict(state["optimizer"])
     after_checkpoint_load(opt2, ckpt, mode="per_rank")
     for s in range(3, 5):
         _train_step(ddp2, opt2, s)
-    return {"resume_equal": _fingerprints(ddp2) == want, "ckpt": ckpt,
+    return {"resume_equal": _fingerprints(ddp2) == want, "ckpt": ckpt, "fp": want, "main_dtype": main_dtype,
+            "sync_error": sync_error,
             "files": sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)}
 
 
@@ -354,6 +369,7 @@ def _scenario(rank, world, tmpdir):
     out["oracle"] = _oracle_run(2, steps=3)
     out["contract"] = _contract_run(2, steps=2)
     out["resume"] = _resume_run(2, tmpdir)
+    out["resume_bf16"] = _resume_run(2, tmpdir, torch.bfloat16)
     out["errors"] = _errors()
     out["nan"] = _nan_run(2)
     _init(1)
@@ -431,6 +447,10 @@ def test_resume_is_exact_and_another_layout_is_refused(results):
         assert r["resume"]["resume_equal"], r["rank"]
         assert any(f.endswith(f"lioncub-rank{r['rank']:05d}-of-00004.pt") for f in r["resume"]["files"]), \
             r["resume"]["files"]
+        assert r["resume"]["sync_error"] and "per_rank" in r["resume"]["sync_error"]
+        b = r["resume_bf16"]  # bf16 weights, fp32 main shards (Megatron's) that LionCub steps
+        assert b["resume_equal"] and b["main_dtype"] == "torch.float32", (r["rank"], b["main_dtype"])
+        assert b["fp"] == results[0]["resume_bf16"]["fp"], r["rank"]  # replicas identical in bf16 too
         msg = r.get("changed_layout")
         assert msg is not None, "loading a K=2 checkpoint under K=1 was not refused"
         assert "--num-distributed-optimizer-instances 2 x 2" in msg and "--num-distributed-optimizer-instances 1 x 4" \
@@ -499,6 +519,8 @@ def test_megatron_lm_flags_for_node_voters(standins):  # noqa: F811
                and "--num-distributed-optimizer-instances 2" in x for x in bad), bad
     args.lioncub_node_size = 2
     assert megatron_args_problems(args) == []
+    sync = megatron_args_problems(p(argv=node + dist_opt + ["--lioncub-checkpoint-mode", "sync"]))
+    assert any(x.startswith("--lioncub-checkpoint-mode sync") and "per_rank" in x for x in sync), sync
     # node_size without node voters (master-only sharding) is refused under Megatron
     assert any(x.startswith("--lioncub-node-size 2") for x in megatron_args_problems(
         p(argv=GOOD + ["--lioncub-node-size", "2"])))

@@ -102,6 +102,9 @@ INCOMPATIBLE_FLAGS = (
      and not getattr(a, "lioncub_keep_grad_allreduce", False) and not _node(a),
      "no data-parallel gradient reduction is left to overlap (LionCub votes after backward), and the flag makes "
      "DDP's backward hooks issue reduce collectives"),
+    ("lioncub_checkpoint_mode", lambda a: _node(a) and getattr(a, "lioncub_checkpoint_mode", None) == "sync",
+     "with --lioncub-voters node Megatron's checkpoint holds no optimizer tensors: the momentum and fp32 main "
+     "shards are in the per-rank files; allowed: --lioncub-checkpoint-mode per_rank (the default)"),
     ("overlap_grad_reduce", lambda a: bool(getattr(a, "overlap_grad_reduce", False)) and _node(a),
      "not supported with --lioncub-voters node yet (the instance's reduce-scatter runs after backward)"),
     ("overlap_param_gather", _on("overlap_param_gather"), _NEEDS_DIST_OPT),
