@@ -22,6 +22,10 @@ across DP ranks; Lion Cub keeps a full momentum per rank and never reduces gradi
 ``overlap_grad_reduce`` (there is no gradient reduction left to overlap; the flag also
 makes the backward hooks dispatch collectives), ``num_distributed_optimizer_instances > 1``
 and Megatron-FSDP / torch FSDP chunks (they shard parameters and gradients over DP).
+
+Node voters (``voters='node'``) are the exception: they run inside Megatron's distributed
+optimizer, and :func:`vote_across_instances` switches off only the all-reduce across its
+instances (the votes replace it), keeping the reduce-scatter inside each instance.
 """
 from __future__ import annotations
 

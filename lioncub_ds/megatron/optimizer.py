@@ -33,6 +33,12 @@ inf/NaN: ONE extra 4-byte all-reduce over the world per step, issued by the
 number of sub-optimizers (a rank with no expert parameters has no expert optimizer, as in
 Megatron), and data-parallel peers never disagree about whether to vote.
 
+``voters='node'`` (with ``OptimizerConfig.use_distributed_optimizer`` and K
+``num_distributed_optimizer_instances``): Megatron's DistributedOptimizer steps a flat LionCub
+over this rank's fp32 main shards, voting across the K instances; the all-reduce across
+instances is switched off (:func:`lioncub_ds.megatron.ddp.vote_across_instances`); see
+:func:`_node_voters_optimizer` and docs/megatron.md.
+
 Process groups (the NCCL contract, docs/conventions.md): every group the LionCubs need (the vote groups with
 ``timeout_s``, the per-node momentum-sync subgroups, for dense AND expert parameters) is
 created here, at construction, in ONE call of :func:`lioncub_ds.groups.create_on_all_ranks`
@@ -466,7 +472,10 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
             momentum_dtype, bucket_size_mb, pbit_bits, network, nonfinite, drift_check_every,
             drift_action, timeout_s, foreach, comm_bucket_mb); keyword arguments are merged in.
             ``overlap=True`` is refused (:data:`OVERLAP_UNSUPPORTED` says why), before anything
-            is changed.
+            is changed. ``voters="node"`` (``node_size`` = DP/K or unset) needs
+            ``config.use_distributed_optimizer`` and DDP chunks with the distributed optimizer:
+            the K distributed-optimizer instances vote (returns a ChainedOptimizer over Megatron's
+            DistributedOptimizer around LionCub).
             ``momentum_sync={"group": "node", ...}`` without ``group_size`` uses the number of
             data-parallel peers on this node (from LOCAL_WORLD_SIZE).
         disable_grad_reduction: switch off DDP's data-parallel gradient reduction on
