@@ -295,6 +295,10 @@ def _resume_run(k, tmpdir, dtype=torch.float32):
     dist.barrier()
     before_checkpoint_save(opt, "per_rank", checkpoint_dir=ckpt)
     dist_checkpointing.save(_ckpt_state(ddp, opt), ckpt)
+    # Megatron-LM's legacy format (--ckpt-format torch) also asks for the parameter state file
+    legacy = os.path.join(ckpt, f"distrib_optim_{dist.get_rank()}.pt")
+    opt.save_parameter_state(legacy)
+    dist.barrier()
     for s in range(3, 5):
         _train_step(ddp, opt, s)
     want = _fingerprints(ddp)
@@ -303,6 +307,7 @@ def _resume_run(k, tmpdir, dtype=torch.float32):
     state = dist_checkpointing.load(_ckpt_state(ddp2, opt2, is_loading=True), ckpt)
     ddp2.module.load_state_dict(state["model"])
     opt2.load_state_dict(state["optimizer"])
+    opt2.load_parameter_state(legacy)
     after_checkpoint_load(opt2, ckpt, mode="per_rank")
     for s in range(3, 5):
         _train_step(ddp2, opt2, s)

@@ -610,6 +610,19 @@ def _load_common_state_dict(self, state_dict):
         self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
 
+def _save_parameter_state(self, filename):
+    """Megatron-LM's legacy checkpoints (``--ckpt-format torch``) save the distributed optimizer's
+    parameter state to one more file, on the instance's rank 0. Under node voters that state
+    (momentum and fp32 main shards) is in LionCub's per-rank files; this file only says so."""
+    if self.data_parallel_group.rank() == 0:
+        torch.save({"lioncub_node_voters": True, "state": "in the LionCub per-rank files (lioncub/)"}, filename)
+
+
+def _load_parameter_state(self, filename, *, update_legacy_format=False):
+    """Nothing to read here: the per-rank files are read after Megatron's load (see above)."""
+    return None
+
+
 def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_collection, dump_map):
     """voters='node': LionCub inside Megatron's DistributedOptimizer, voting across its K instances.
 
@@ -694,6 +707,8 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     dopt.state_dict = types.MethodType(_common_state_dict, dopt)
     dopt.sharded_state_dict = types.MethodType(_common_state_dict, dopt)
     dopt.load_state_dict = types.MethodType(_load_common_state_dict, dopt)
+    dopt.save_parameter_state = types.MethodType(_save_parameter_state, dopt)
+    dopt.load_parameter_state = types.MethodType(_load_parameter_state, dopt)
     # with K instances Megatron reduces gradient statistics (norm for clipping, zeros) inside the
     # instance: the instance's shards are one gradient, the instance mean
     dopt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
