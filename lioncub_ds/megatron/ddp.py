@@ -67,7 +67,8 @@ def check_local_momentum_ddp(model_chunk) -> None:
             "optimizer reduce-scatters gradients and shards optimizer state over data-parallel ranks, while "
             "Lion Cub keeps one full local momentum per rank (1 fp32 value per parameter, half of Adam's "
             "state) and exchanges only 1-bit votes. Set use_distributed_optimizer=False in both "
-            "DistributedDataParallelConfig and OptimizerConfig (--use-distributed-optimizer off).")
+            "DistributedDataParallelConfig and OptimizerConfig (--use-distributed-optimizer off), or use "
+            "voters='node' (--lioncub-voters node): the distributed optimizer's instances then vote.")
     if getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
         raise LocalMomentumConfigError(
             "lioncub_ds.megatron: num_distributed_optimizer_instances > 1 needs the distributed optimizer, "

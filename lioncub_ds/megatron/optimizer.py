@@ -68,7 +68,8 @@ log = logging.getLogger("lioncub_ds")
 # OptimizerConfig settings whose behaviour LionCub cannot honour.
 _UNSUPPORTED = (
     ("use_distributed_optimizer", "the distributed optimizer reduce-scatters gradients and shards optimizer state "
-                                  "over data-parallel ranks; Lion Cub keeps one full local momentum per rank"),
+                                  "over data-parallel ranks; Lion Cub keeps one full local momentum per rank "
+                                  "(or use voters='node': the distributed optimizer's instances then vote)"),
     ("optimizer_cpu_offload", "CPU offload wraps Adam/SGD in HybridDeviceOptimizer"),
     ("use_precision_aware_optimizer", "precision-aware state is a TransformerEngine FusedAdam feature; "
                                       "use lioncub momentum_dtype='bf16' for a bf16 momentum"),
