@@ -615,7 +615,8 @@ def _save_parameter_state(self, filename):
     """Megatron-LM's legacy checkpoints (``--ckpt-format torch``) save the distributed optimizer's
     parameter state to one more file, on the instance's rank 0. Under node voters that state
     (momentum and fp32 main shards) is in LionCub's per-rank files; this file only says so."""
-    if self.data_parallel_group.rank() == 0:
+    # one writer: every instance has a rank 0, and the file name is the same for all of them
+    if self.data_parallel_group.rank() == 0 and self.distributed_optimizer_instance_id == 0:
         torch.save({"lioncub_node_voters": True, "state": "in the LionCub per-rank files (lioncub/)"}, filename)
 
 
