@@ -45,7 +45,7 @@ def _init(k):
     ps.initialize_model_parallel(tensor_model_parallel_size=1, num_distributed_optimizer_instances=k)
 
 
-def _build(k, seed=1234, dtype=torch.float32):
+def _build(k, seed=1234, dtype=torch.float32, overlap=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -63,7 +63,8 @@ def _build(k, seed=1234, dtype=torch.float32):
         model = Float16Module(cfg, model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=True, num_distributed_optimizer_instances=k,
-        grad_reduce_in_fp32=dtype != torch.float32), model)
+        grad_reduce_in_fp32=dtype != torch.float32, overlap_grad_reduce=overlap, bucket_size=2000 if overlap else None),
+        model)
     cfg.finalize_model_grads_func = finalize_model_grads
     return cfg, ddp
 
@@ -107,7 +108,8 @@ def _local_grads(cfg, ddp, step):
     cfg.finalize_model_grads_func = None
     try:
         ddp.zero_grad_buffer()
-        _fwd_bwd(ddp, _batch(step))
+        with ddp.no_sync():  # with overlap_grad_reduce the backward hooks would start the reduce-scatter
+            _fwd_bwd(ddp, _batch(step))
         return {n: p.main_grad.detach().clone() for n, p in ddp.named_parameters()}
     finally:
         cfg.finalize_model_grads_func = fin
@@ -140,14 +142,15 @@ def _hyper(config, ddp):
     return out
 
 
-def _oracle_run(k, steps):
-    """Train ``steps`` steps; before each, compute the expected parameters by brute force."""
+def _oracle_run(k, steps, overlap=False):
+    """Train ``steps`` steps; before each, compute the expected parameters by brute force. With
+    ``overlap`` Megatron's reduce-scatter of each bucket starts during backward (several buckets)."""
     import torch.distributed as dist
     from lioncub_ds.kernels import reference
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
     world = dist.get_world_size()
     size = world // k
-    cfg, ddp = _build(k)
+    cfg, ddp = _build(k, overlap=overlap)
     config = _opt_config()
     opt = get_megatron_lioncub_optimizer(config, [ddp], lioncub={"voters": "node", "comm": "1bit",
                                                                   "tie_break": "zero"})
@@ -200,7 +203,7 @@ def _oracle_run(k, steps):
             want = momenta[name][me][rng.start:rng.end]
             momentum_mismatched += int((lc.state[shard]["exp_avg"].reshape(-1) != want).sum())
     return {"mismatched": mismatched, "moved": moved, "elements": elements, "fps": fps,
-            "momentum_mismatched": momentum_mismatched,
+            "momentum_mismatched": momentum_mismatched, "buckets": len(ddp.bucket_groups),
             "scopes": lc.comm_stats()["cumulative"]["by_scope"],
             "vote_group": tuple(dist.get_process_group_ranks(lc.vote_group)),
             "wrappers": [type(o).__name__ for o in opt.chained_optimizers],
@@ -253,11 +256,11 @@ def _k1_run(steps):
     return out
 
 
-def _contract_run(k, steps):
+def _contract_run(k, steps, overlap=False):
     """A plain training run; returns the NCCL-contract log entries of the steps."""
     from lioncub_ds.testing import nccl_contract
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer
-    cfg, ddp = _build(k)
+    cfg, ddp = _build(k, overlap=overlap)
     opt = get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"voters": "node", "comm": "1bit"})
     start = len(nccl_contract.log())
     losses = [_train_step(ddp, opt, s) for s in range(steps)]
@@ -372,7 +375,9 @@ def _scenario(rank, world, tmpdir):
     out = {"rank": rank}
     _init(2)
     out["oracle"] = _oracle_run(2, steps=3)
+    out["oracle_overlap"] = _oracle_run(2, steps=2, overlap=True)
     out["contract"] = _contract_run(2, steps=2)
+    out["contract_overlap"] = _contract_run(2, steps=2, overlap=True)
     out["resume"] = _resume_run(2, tmpdir)
     out["resume_bf16"] = _resume_run(2, tmpdir, torch.bfloat16)
     out["errors"] = _errors()
@@ -425,11 +430,20 @@ def test_two_instances_match_the_oracle_and_replicas_agree(results):
 
 
 @needs_megatron
+def test_overlapped_reduce_scatter_matches_the_oracle(results):
+    """--overlap-grad-reduce: each bucket's reduce-scatter inside the instance starts in backward."""
+    for r in results:
+        o = r["oracle_overlap"]
+        assert o["buckets"] > 1, o["buckets"]
+        assert o["mismatched"] == 0 and o["moved"] > 0 and o["momentum_mismatched"] == 0, (r["rank"], o)
+        assert o["fps"] == results[0]["oracle_overlap"]["fps"], r["rank"]
+
+
+@needs_megatron
 def test_nothing_full_precision_crosses_instances(results):
     instance = lambda x: x // 2  # noqa: E731 - DP rank = global rank at TP = PP = 1; instances of 2
     crossing = 0
-    for r in results:
-        c = r["contract"]
+    for r, c in [(r, r[key]) for r in results for key in ("contract", "contract_overlap")]:
         assert c["log"], "the contract log recorded nothing"
         for op, ranks, dtype, shape, *_ in c["log"]:
             if not ranks or len({instance(x) for x in ranks}) < 2:
@@ -515,7 +529,7 @@ def test_megatron_lm_flags_for_node_voters(standins):  # noqa: F811
     # what node voters still do not support stays in the one early error
     still = megatron_args_problems(p(argv=node + dist_opt + ["--overlap-param-gather", "--overlap-grad-reduce"]))
     assert any(x.startswith("--overlap-param-gather") for x in still), still
-    assert any(x.startswith("--overlap-grad-reduce") and "--lioncub-voters node" in x for x in still), still
+    assert not any(x.startswith("--overlap-grad-reduce") for x in still), still  # the instance's reduce-scatter
     # node_size must be DP / K once Megatron has derived the data-parallel size
     args = p(argv=node + dist_opt + ["--lioncub-node-size", "4"])
     args.data_parallel_size = 4

@@ -167,10 +167,6 @@ def check_instance_ddp(model_chunk) -> int:
             "lioncub_ds.megatron: voters='node' (--lioncub-voters node) needs the distributed optimizer: set "
             "use_distributed_optimizer=True in DistributedDataParallelConfig and OptimizerConfig "
             "(--use-distributed-optimizer --num-distributed-optimizer-instances K; K instances = K voters)")
-    if getattr(ddp_config, "overlap_grad_reduce", False):
-        raise LocalMomentumConfigError(
-            "lioncub_ds.megatron: overlap_grad_reduce=True (--overlap-grad-reduce) is not supported with voters='node' "
-            "yet; allowed: overlap_grad_reduce=False (the instance's reduce-scatter then runs after backward)")
     if getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False):
         raise LocalMomentumConfigError(
             "lioncub_ds.megatron: reduce_scatter_with_fp32_accumulation=True is not supported with voters='node'; "

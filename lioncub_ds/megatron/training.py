@@ -105,8 +105,6 @@ INCOMPATIBLE_FLAGS = (
     ("lioncub_checkpoint_mode", lambda a: _node(a) and getattr(a, "lioncub_checkpoint_mode", None) == "sync",
      "with --lioncub-voters node Megatron's checkpoint holds no optimizer tensors: the momentum and fp32 main "
      "shards are in the per-rank files; allowed: --lioncub-checkpoint-mode per_rank (the default)"),
-    ("overlap_grad_reduce", lambda a: bool(getattr(a, "overlap_grad_reduce", False)) and _node(a),
-     "not supported with --lioncub-voters node yet (the instance's reduce-scatter runs after backward)"),
     ("overlap_param_gather", _on("overlap_param_gather"), _NEEDS_DIST_OPT),
     ("overlap_param_gather_with_optimizer_step", _on("overlap_param_gather_with_optimizer_step"), _NEEDS_DIST_OPT),
     ("fp8_param_gather", _on("fp8_param_gather"), "the fp8 parameter all-gather " + _NEEDS_DIST_OPT_OR_FSDP),
