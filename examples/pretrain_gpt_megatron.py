@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer (with --lioncub-voters node: its instances vote)")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="K instances of the distributed optimizer (the voters with --lioncub-voters node)")
     g.add_argument("--cpu-shim", action="store_true",
                    help="CPU ranks: import the test-only lioncub_ds.testing.megatron_cpu_shim (never for GPU training)")
     g = p.add_argument_group("model")
@@ -168,7 +172,9 @@ def build_model(args, vocab, use_cuda, dtype):
     if dtype != torch.float32:
         model = Float16Module(cfg, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float32,
-                                               overlap_grad_reduce=False, use_distributed_optimizer=False)
+                                               overlap_grad_reduce=False,
+                                               use_distributed_optimizer=args.use_distributed_optimizer,
+                                               num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
     ddp = DistributedDataParallel(cfg, ddp_config, model)
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.no_sync_func = ddp.no_sync
@@ -180,7 +186,8 @@ def build_optimizer(args, ddp, dtype):
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_settings_from_args
     ocfg = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-                           bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype)
+                           bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+                           use_distributed_optimizer=args.use_distributed_optimizer)
     if args.optimizer == "adam":
         return get_megatron_optimizer(ocfg, [ddp])
     return get_megatron_lioncub_optimizer(ocfg, [ddp], lioncub=lioncub_settings_from_args(args),
@@ -313,7 +320,8 @@ def main(argv=None) -> int:
         dtype = torch.float16
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                 expert_model_parallel_size=args.expert_model_parallel_size)
+                                 expert_model_parallel_size=args.expert_model_parallel_size,
+                                 num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     dp_size = ps.get_data_parallel_world_size()

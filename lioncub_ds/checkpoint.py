@@ -180,6 +180,16 @@ def read(path: str) -> dict:
 
 
 def _check_fits(payload, optimizer, path):
+    # an integration's own layout first (Megatron's distributed-optimizer instances): the shards
+    # a file holds are this rank's only under the layout they were saved with, and the error
+    # should name the layouts, not the shapes that follow from them
+    check_layout = getattr(optimizer, "check_saved_layout", None)
+    if check_layout is not None:
+        lc = payload["optimizer"].get("lioncub") if isinstance(payload.get("optimizer"), dict) else None
+        try:
+            check_layout(lc if isinstance(lc, dict) else {})
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
     want = _shapes(optimizer)
     got = payload.get("param_shapes")
     if got is None or len(got) != len(want):

@@ -38,16 +38,30 @@ class Topology:
     # voters="rank" with node_size: every rank votes (``group``, ``world_size``, ``rank`` as flat),
     # and only the fp32 master of bf16/fp16 parameters is sharded over ``node_group``
     master_only: bool = False
+    # Shards stepped by a framework (Megatron's distributed optimizer with K instances): ``group``
+    # is this rank's shard peers (one rank per instance), voting flat on this rank's shard; the
+    # step's decisions (skip, refuse) are also summed over ``agree_group``, the ``agree_size``
+    # ranks of this rank's instance that step the other shards of the same parameters (this
+    # rank is ``agree_rank`` there), so every rank of the data-parallel group decides alike
+    agree_group: object = None
+    agree_size: int = 1
+    agree_rank: int = 0
+    # the link the votes cross (CommStats.by_scope): "inter_node" when the voters are instances
+    vote_scope: str = "vote_group"
 
     @property
     def ranks(self) -> int:
-        """Ranks taking part in a step: Nn·L (N with master-only sharding)."""
-        return self.world_size if self.master_only else self.world_size * self.node_size
+        """Ranks taking part in a step: Nn·L (N with master-only sharding; K·L with instances)."""
+        if self.master_only:
+            return self.world_size
+        return self.world_size * self.node_size * self.agree_size
 
     @property
     def global_rank(self) -> int:
-        """This rank's place among :attr:`ranks`."""
-        return self.rank if self.master_only else self.rank * self.node_size + self.local_rank
+        """This rank's place among :attr:`ranks` (instances are consecutive blocks of ranks)."""
+        if self.master_only:
+            return self.rank
+        return (self.rank * self.node_size + self.local_rank) * self.agree_size + self.agree_rank
 
 
 def node_size_for(voters: str, node_size: int | None, n: int) -> int:

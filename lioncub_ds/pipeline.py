@@ -143,7 +143,7 @@ class StepPlan:
         # the voters: N ranks, or with node voters Nn node groups (this rank votes for its group's shard)
         self.world_size, self.rank = topology.world_size, topology.rank
         self.ranks = topology.ranks   # every rank of the step (Nn·L)
-        self.nodes = self.masters = None
+        self.nodes = self.masters = self.agree_coll = None
         if topology.node_size > 1 and not topology.master_only:
             # The one place the topology enters: the layout is cut for Nn·L ranks, and the buckets
             # the pipeline votes on are this rank's shards of it (lioncub_ds.node_voters).
@@ -154,7 +154,11 @@ class StepPlan:
             self.nodes = NodeShards(full, topology, self.node_coll, opt.momenta)
             self.buckets = self.nodes.shards
         else:
-            self.coll = self.world_coll = Collectives(topology.group, opt.stats, cfg.timeout_s)
+            self.coll = self.world_coll = Collectives(topology.group, opt.stats, cfg.timeout_s,
+                                                      scope=topology.vote_scope)
+            if topology.agree_group is not None:  # framework-held shards: see _agree_everywhere
+                self.world_coll = Collectives(topology.full_group, opt.stats, cfg.timeout_s)
+                self.agree_coll = Collectives(topology.agree_group, opt.stats, cfg.timeout_s, scope="intra_node")
             self.buckets, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.world_size)
             if topology.master_only:
                 self.node_coll = Collectives(topology.node_group, opt.stats, cfg.timeout_s, scope="intra_node")
@@ -230,7 +234,13 @@ class StepPlan:
 
     def _agree_everywhere(self, flags: list) -> list:
         """Node voters: the flags summed over the shard peers, then over the node group (every
-        rank of the step decides from the same sums)."""
+        rank of the step decides from the same sums). Framework-held shards (``agree_group``):
+        only the step-wide head is summed over the instance; the per-bucket entries belong to
+        this rank's shard layout, which its shard peers share but its instance peers do not."""
+        if self.agree_coll is not None:
+            head = torch.tensor(flags[:FLAG_HEAD], dtype=torch.int32, device=self.device)
+            self.agree_coll.all_reduce_(head, "instance_flags")
+            return head.tolist() + list(flags[FLAG_HEAD:])
         if self.nodes is None:
             return flags
         t = torch.tensor(flags, dtype=torch.int32, device=self.device)

@@ -585,23 +585,23 @@ def test_groups_made_at_construction_on_all_ranks_with_uneven_experts():
 MEGATRON_LM_DIR = os.environ.get("LIONCUB_MEGATRON_LM_DIR")
 
 
-@pytest.mark.skipif(not (HAVE_MEGATRON and MEGATRON_LM_DIR and os.path.isfile(os.path.join(MEGATRON_LM_DIR or "",
-                                                                                          "pretrain_gpt.py"))),
-                    reason="set LIONCUB_MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1) to run "
-                           "Megatron-LM's own pretrain_gpt.py")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only launcher; on a GPU run pretrain_gpt.py through "
-                                                      "lioncub_ds.megatron.run directly (docs/megatron.md)")
-def test_real_megatron_lm_pretrain_gpt_on_cpu(tmp_path):
-    """Megatron-LM's unmodified pretrain_gpt.py through ``lioncub_ds.megatron.run`` on 2 CPU ranks (gloo):
-    train 4 of 6 iterations (--exit-interval 4) with checkpoints, then resume to 6 from the per-rank files;
-    and the one early error for a recipe's incompatible flags. Needs ``six`` importable (Megatron-LM)."""
+needs_megatron_lm = [
+    pytest.mark.skipif(not (HAVE_MEGATRON and MEGATRON_LM_DIR and os.path.isfile(os.path.join(MEGATRON_LM_DIR or "",
+                                                                                              "pretrain_gpt.py"))),
+                       reason="set LIONCUB_MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1) to run "
+                              "Megatron-LM's own pretrain_gpt.py"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only launcher; on a GPU run pretrain_gpt.py through "
+                                                         "lioncub_ds.megatron.run directly (docs/megatron.md)")]
+
+
+def _megatron_lm(ckpt):
+    """(base arguments, run(nproc, extra, port)) for Megatron-LM's pretrain_gpt.py on CPU ranks."""
     import subprocess
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(here)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [repo, MEGATRON_LM_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    ckpt = str(tmp_path / "ckpt")
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--train-iters", "6", "--lr", "1e-3", "--lr-decay-style", "constant", "--mock-data",
@@ -617,6 +617,17 @@ def test_real_megatron_lm_pretrain_gpt_on_cpu(tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(port), os.path.join(here, "megatron_lm_cpu_launcher.py"), "pretrain_gpt.py"] + base + extra
         return subprocess.run(cmd, cwd=MEGATRON_LM_DIR, env=env, capture_output=True, text=True, timeout=600)
+    return base, run
+
+
+@needs_megatron_lm[0]
+@needs_megatron_lm[1]
+def test_real_megatron_lm_pretrain_gpt_on_cpu(tmp_path):
+    """Megatron-LM's unmodified pretrain_gpt.py through ``lioncub_ds.megatron.run`` on 2 CPU ranks (gloo):
+    train 4 of 6 iterations (--exit-interval 4) with checkpoints, then resume to 6 from the per-rank files;
+    and the one early error for a recipe's incompatible flags. Needs ``six`` importable (Megatron-LM)."""
+    ckpt = str(tmp_path / "ckpt")
+    base, run = _megatron_lm(ckpt)
 
     from dist_helpers import free_port
     first = run(2, ["--exit-interval", "4"], free_port())
@@ -634,6 +645,35 @@ def test_real_megatron_lm_pretrain_gpt_on_cpu(tmp_path):
     out = bad.stdout + bad.stderr
     assert bad.returncode != 0 and "LionCubMegatronArgsError" in out
     assert all(f in out for f in ("--use-distributed-optimizer:", "--overlap-grad-reduce:", "--overlap-param-gather:"))
+    assert "building GPT model" not in out
+
+
+@needs_megatron_lm[0]
+@needs_megatron_lm[1]
+def test_real_megatron_lm_node_voters_on_cpu(tmp_path):
+    """pretrain_gpt.py with --use-distributed-optimizer --num-distributed-optimizer-instances 2
+    --lioncub-voters node on 4 CPU ranks (2 instances x 2): trains 4 of 6 iterations with checkpoints
+    (Megatron's legacy format: its parameter-state file plus the per-rank LionCub files), resumes to 6;
+    --lioncub-voters node without the distributed optimizer is the one early error."""
+    from dist_helpers import free_port
+    ckpt = str(tmp_path / "ckpt")
+    base, run = _megatron_lm(ckpt)
+    node = ["--global-batch-size", "8", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+            "--lioncub-voters", "node"]
+    first = run(4, node + ["--exit-interval", "4"], free_port())
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, out[-3000:]
+    assert "voters='node'): 2 instances x 2 ranks" in out
+    for r in range(4):
+        assert os.path.isfile(os.path.join(ckpt, "iter_0000004", "lioncub", "dense", "mp00000",
+                                           f"lioncub-rank{r:05d}-of-00004.pt"))
+    second = run(4, node + ["--load", ckpt], free_port())
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "restored every rank's momentum from" in out and "iteration        6/       6" in out
+    bad = run(1, ["--lioncub-voters", "node"], free_port())
+    out = bad.stdout + bad.stderr
+    assert bad.returncode != 0 and "LionCubMegatronArgsError" in out and "--lioncub-voters node:" in out
     assert "building GPT model" not in out
 
 

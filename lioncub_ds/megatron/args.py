@@ -39,6 +39,11 @@ _HELP = {
     "overlap": "NOT SUPPORTED under Megatron (refused with the reason): votes cannot start during backward, "
                "because Megatron hands the optimizer its gradients (main_grad) only inside step(); votes start "
                "in step()",
+    "voters": "rank (default): every data-parallel rank votes with its own full momentum; node: one voter per "
+              "distributed-optimizer instance, needs --use-distributed-optimizer --num-distributed-optimizer-instances "
+              "K (Megatron shards the parameters over each instance's DP/K ranks; see docs/megatron.md)",
+    "node_size": "with --lioncub-voters node: ranks per instance, which must be DP/K (default: taken from the "
+                 "instances); refused otherwise",
     "foreach": "single-process path: auto = the fused kernel of the device's backend (C++ / CUDA, one pass), "
                "true / false = torch foreach / single tensor (same bits)",
     "momentum_sync.every": "average momenta over the data-parallel group every K steps (enables momentum sync)",

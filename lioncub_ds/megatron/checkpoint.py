@@ -64,9 +64,16 @@ SUBDIR = "lioncub"
 # Where each LionCub was last saved (kept by this adapter, not on the optimizer)
 _SAVED_TO = weakref.WeakKeyDictionary()
 
-def _check_mode(mode):
+def _check_mode(mode, optimizer=None):
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"lioncub checkpoint mode={mode!r} is not allowed; allowed: {', '.join(CHECKPOINT_MODES)}")
+    # voters='node': Megatron's checkpoint keeps no optimizer tensors (its distributed optimizer's
+    # checkpoint reads Adam's state), so the shards live in the per-rank files only
+    if mode == "sync" and optimizer is not None and any(
+            getattr(o, "megatron_layout", None) is not None for o in lioncub_optimizers(optimizer)):
+        raise ValueError("lioncub checkpoint mode='sync' (--lioncub-checkpoint-mode sync) is not supported with "
+                         "--lioncub-voters node: the momentum and fp32 main shards are kept in the per-rank files "
+                         "only; allowed: per_rank (the default)")
 
 
 def rank_directory(checkpoint_dir: str, opt) -> str:
@@ -200,7 +207,7 @@ def before_checkpoint_save(optimizer, mode: str = "per_rank", checkpoint_dir: st
     (returns the paths). ``per_rank`` without a directory: nothing (call
     :func:`after_checkpoint_save` then).
     """
-    _check_mode(mode)
+    _check_mode(mode, optimizer)
     if mode == "sync":
         sync_momenta(optimizer)
         return []
@@ -240,7 +247,7 @@ def after_checkpoint_save(optimizer, checkpoint_dir: str, mode: str = "per_rank"
 def after_checkpoint_load(optimizer, checkpoint_dir: str, mode: str = "per_rank", reshard: str = "average",
                           iteration=None) -> None:
     """Every rank, after Megatron loaded ``checkpoint_dir`` into the optimizer (``sync``: nothing to do)."""
-    _check_mode(mode)
+    _check_mode(mode, optimizer)
     if mode == "per_rank":
         load_lioncub_states(optimizer, checkpoint_dir, reshard=reshard, iteration=iteration)
 

@@ -22,6 +22,10 @@ across DP ranks; Lion Cub keeps a full momentum per rank and never reduces gradi
 ``overlap_grad_reduce`` (there is no gradient reduction left to overlap; the flag also
 makes the backward hooks dispatch collectives), ``num_distributed_optimizer_instances > 1``
 and Megatron-FSDP / torch FSDP chunks (they shard parameters and gradients over DP).
+
+Node voters (``voters='node'``) are the exception: they run inside Megatron's distributed
+optimizer, and :func:`vote_across_instances` switches off only the all-reduce across its
+instances (the votes replace it), keeping the reduce-scatter inside each instance.
 """
 from __future__ import annotations
 
@@ -63,7 +67,8 @@ def check_local_momentum_ddp(model_chunk) -> None:
             "optimizer reduce-scatters gradients and shards optimizer state over data-parallel ranks, while "
             "Lion Cub keeps one full local momentum per rank (1 fp32 value per parameter, half of Adam's "
             "state) and exchanges only 1-bit votes. Set use_distributed_optimizer=False in both "
-            "DistributedDataParallelConfig and OptimizerConfig (--use-distributed-optimizer off).")
+            "DistributedDataParallelConfig and OptimizerConfig (--use-distributed-optimizer off), or use "
+            "voters='node' (--lioncub-voters node): the distributed optimizer's instances then vote.")
     if getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
         raise LocalMomentumConfigError(
             "lioncub_ds.megatron: num_distributed_optimizer_instances > 1 needs the distributed optimizer, "
@@ -129,6 +134,98 @@ def enable_dp_grad_reduction(model_chunks) -> list:
         if getattr(chunk, _FLAG, False):
             delattr(chunk, _FLAG)
     return chunks
+
+
+# ----------------------------------------------------------------------------- node voters
+# With --use-distributed-optimizer --num-distributed-optimizer-instances K, each bucket group's
+# start_grad_sync reduce-scatters the gradients inside the instance (L = DP/K ranks: each rank
+# gets its shard of the instance's gradient), then all-reduces that shard across the K
+# instances. Node voters keep the first and replace the second with the vote (the LionCub
+# inside the distributed optimizer votes over the inter-instance group). The seam: a bucket
+# group decides on the inter-instance all-reduce from its own ``ddp_config``
+# (``num_distributed_optimizer_instances > 1``), so each bucket group gets a copy that says one
+# instance; the model chunk's config (which the distributed optimizer compares across chunks)
+# stays as the user made it.
+_INSTANCES_FLAG = "_lioncub_instance_votes"
+
+
+def check_instance_ddp(model_chunk) -> int:
+    """Raise :class:`LocalMomentumConfigError` unless ``model_chunk`` can vote across distributed-
+    optimizer instances; returns K (``num_distributed_optimizer_instances``)."""
+    ddp_config = getattr(model_chunk, "ddp_config", None)
+    if ddp_config is None or not (hasattr(model_chunk, "bucket_groups")
+                                  and hasattr(model_chunk, "expert_parallel_bucket_groups")):
+        raise LocalMomentumConfigError(
+            f"lioncub_ds.megatron: voters='node' expects megatron.core.distributed.DistributedDataParallel model "
+            f"chunks (with bucket_groups), got {type(model_chunk).__name__}")
+    if getattr(ddp_config, "use_megatron_fsdp", False):
+        raise LocalMomentumConfigError(
+            "lioncub_ds.megatron: voters='node' runs on Megatron's distributed optimizer, not Megatron-FSDP; set "
+            "use_megatron_fsdp=False")
+    if not getattr(ddp_config, "use_distributed_optimizer", False):
+        raise LocalMomentumConfigError(
+            "lioncub_ds.megatron: voters='node' (--lioncub-voters node) needs the distributed optimizer: set "
+            "use_distributed_optimizer=True in DistributedDataParallelConfig and OptimizerConfig "
+            "(--use-distributed-optimizer --num-distributed-optimizer-instances K; K instances = K voters)")
+    if getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+        raise LocalMomentumConfigError(
+            "lioncub_ds.megatron: reduce_scatter_with_fp32_accumulation=True is not supported with voters='node'; "
+            "allowed: False")
+    return int(getattr(ddp_config, "num_distributed_optimizer_instances", 1) or 1)
+
+
+def vote_across_instances(model_chunks) -> int:
+    """Switch off the inter-instance gradient all-reduce of every bucket group of ``model_chunks``
+    (the votes replace it); the reduce-scatter inside each instance stays. Returns K.
+
+    The DDP pre-scales gradients for a mean over the whole data-parallel group (1/DP before a
+    SUM, or an AVG in the collective). Without the all-reduce across instances, a SUM would
+    leave each shard at 1/K of its instance's mean; the buckets' scaling factor is multiplied
+    by K so that every shard holds exactly the mean gradient of its instance's L ranks (the
+    gradient Megatron would have had if every rank had seen this instance's data). Idempotent;
+    undo with :func:`restore_instance_all_reduce`.
+    """
+    require_megatron("lioncub_ds.megatron.vote_across_instances")
+    import dataclasses
+    chunks = _chunks(model_chunks)
+    ks = {check_instance_ddp(chunk) for chunk in chunks}
+    if len(ks) != 1:
+        raise LocalMomentumConfigError(f"lioncub_ds.megatron: model chunks disagree on num_distributed_optimizer_"
+                                       f"instances ({sorted(ks)}); allowed: one value")
+    k = ks.pop()
+    for chunk in chunks:
+        for bg in _bucket_groups(chunk):
+            if k == 1 or getattr(bg, _INSTANCES_FLAG, None) is not None:
+                continue
+            cfg = bg.ddp_config
+            rescale = 1.0 if getattr(cfg, "average_in_collective", False) else float(k)
+            setattr(bg, _INSTANCES_FLAG, (cfg, rescale))
+            bg.ddp_config = dataclasses.replace(cfg, num_distributed_optimizer_instances=1)
+            for bucket in bg.buckets:
+                bucket.gradient_scaling_factor *= rescale
+        setattr(chunk, _INSTANCES_FLAG, k)
+    return k
+
+
+def restore_instance_all_reduce(model_chunks) -> list:
+    """Undo :func:`vote_across_instances` (Megatron's own all-reduce across instances again)."""
+    chunks = _chunks(model_chunks)
+    for chunk in chunks:
+        for bg in _bucket_groups(chunk):
+            saved = getattr(bg, _INSTANCES_FLAG, None)
+            if saved is not None:
+                cfg, rescale = saved
+                bg.ddp_config = cfg
+                for bucket in bg.buckets:
+                    bucket.gradient_scaling_factor /= rescale
+                delattr(bg, _INSTANCES_FLAG)
+        if hasattr(chunk, _INSTANCES_FLAG):
+            delattr(chunk, _INSTANCES_FLAG)
+    return chunks
+
+
+def instance_votes_enabled(model_chunk) -> bool:
+    return getattr(model_chunk, _INSTANCES_FLAG, None) is not None
 
 
 def dp_grad_reduction_disabled(model_chunk) -> bool:

@@ -33,6 +33,12 @@ inf/NaN: ONE extra 4-byte all-reduce over the world per step, issued by the
 number of sub-optimizers (a rank with no expert parameters has no expert optimizer, as in
 Megatron), and data-parallel peers never disagree about whether to vote.
 
+``voters='node'`` (with ``OptimizerConfig.use_distributed_optimizer`` and K
+``num_distributed_optimizer_instances``): Megatron's DistributedOptimizer steps a flat LionCub
+over this rank's fp32 main shards, voting across the K instances; the all-reduce across
+instances is switched off (:func:`lioncub_ds.megatron.ddp.vote_across_instances`); see
+:func:`_node_voters_optimizer` and docs/megatron.md.
+
 Process groups (the NCCL contract, docs/conventions.md): every group the LionCubs need (the vote groups with
 ``timeout_s``, the per-node momentum-sync subgroups, for dense AND expert parameters) is
 created here, at construction, in ONE call of :func:`lioncub_ds.groups.create_on_all_ranks`
@@ -62,7 +68,8 @@ log = logging.getLogger("lioncub_ds")
 # OptimizerConfig settings whose behaviour LionCub cannot honour.
 _UNSUPPORTED = (
     ("use_distributed_optimizer", "the distributed optimizer reduce-scatters gradients and shards optimizer state "
-                                  "over data-parallel ranks; Lion Cub keeps one full local momentum per rank"),
+                                  "over data-parallel ranks; Lion Cub keeps one full local momentum per rank "
+                                  "(or use voters='node': the distributed optimizer's instances then vote)"),
     ("optimizer_cpu_offload", "CPU offload wraps Adam/SGD in HybridDeviceOptimizer"),
     ("use_precision_aware_optimizer", "precision-aware state is a TransformerEngine FusedAdam feature; "
                                       "use lioncub momentum_dtype='bf16' for a bf16 momentum"),
@@ -70,15 +77,21 @@ _UNSUPPORTED = (
     ("overlap_param_gather_with_optimizer_step", "needs the distributed optimizer"),
     ("reuse_grad_buf_for_mxfp8_param_ag", "needs the distributed optimizer"),
 )
-# voters="node" needs the step to own the intra-node reduce-scatter; under Megatron that is
-# Megatron's distributed optimizer (instances), which this integration does not drive yet.
-NODE_VOTERS_UNSUPPORTED = (
-    "LionCub: voters='node' (--lioncub-voters node) and node_size (--lioncub-node-size) are not supported under "
-    "Megatron yet: there the node group's "
-    "gradient reduce-scatter and parameter all-gather belong to Megatron's distributed optimizer "
-    "(--use-distributed-optimizer --num-distributed-optimizer-instances K), and this integration does not drive it; "
-    "allowed: voters='rank' (the default) under Megatron, or voters='node' with DeepSpeed or plain torch "
-    "(docs/node_voters.md)")
+# voters="node" runs on Megatron's distributed optimizer (--use-distributed-optimizer
+# --num-distributed-optimizer-instances K): Megatron owns the instance's gradient reduce-scatter
+# and parameter all-gather, LionCub votes across the K instances (docs/megatron.md).
+NODE_VOTERS_NEED_DIST_OPT = (
+    "LionCub: voters='node' (--lioncub-voters node) under Megatron needs Megatron's distributed optimizer: "
+    "--use-distributed-optimizer (OptimizerConfig.use_distributed_optimizer=True and "
+    "DistributedDataParallelConfig.use_distributed_optimizer=True) with --num-distributed-optimizer-instances K "
+    "(K instances vote; each instance's L = DP/K ranks shard the parameters, Megatron reduce-scatters inside the "
+    "instance); allowed: voters='node' with --use-distributed-optimizer, or voters='rank' (the default) without it")
+# Master-only sharding (voters='rank' with node_size) is Megatron's own distributed optimizer's job.
+MASTER_ONLY_UNSUPPORTED = (
+    "LionCub: node_size (--lioncub-node-size) with voters='rank' (master-only sharding) is not supported under "
+    "Megatron: Megatron's fp32 main parameters are Megatron's own; allowed: leave node_size unset with "
+    "voters='rank', or use voters='node' with --use-distributed-optimizer (the main parameters are then "
+    "sharded 1/L by Megatron)")
 # overlap=True (votes started from gradient-ready hooks during backward) cannot be real here.
 OVERLAP_UNSUPPORTED = (
     "LionCub: overlap=True (--lioncub-overlap, lioncub={'overlap': True}) is not supported under Megatron: "
@@ -115,8 +128,11 @@ class MegatronLionCub(LionCub):
         given = vars(kwargs["config"]) if isinstance(kwargs.get("config"), LionCubConfig) else kwargs
         if given.get("overlap"):
             raise LionCubConfigError(OVERLAP_UNSUPPORTED)  # before any state exists
-        if given.get("voters", "rank") != "rank" or given.get("node_size") is not None:
-            raise LionCubConfigError(NODE_VOTERS_UNSUPPORTED)
+        # the inner LionCub always votes flat; voters='node' is the factory's layout (instances)
+        if given.get("voters", "rank") != "rank":
+            raise LionCubConfigError(NODE_VOTERS_NEED_DIST_OPT)
+        if given.get("node_size") is not None:
+            raise LionCubConfigError(MASTER_ONLY_UNSUPPORTED)
         self._premade = megatron_groups
         super().__init__(params, *args, **kwargs)
 
@@ -124,14 +140,61 @@ class MegatronLionCub(LionCub):
         premade = getattr(self, "_premade", None)
         if premade is None:
             return super().resolve_topology(group)
+        if premade.get("agree") is not None:  # voters='node': shard peers vote, the instance agrees
+            vote = premade["vote"]
+            return Topology(vote, dist.get_world_size(vote), dist.get_rank(vote), None, full_group=premade["full"],
+                            agree_group=premade["agree"], agree_size=dist.get_world_size(premade["agree"]),
+                            agree_rank=dist.get_rank(premade["agree"]), vote_scope="inter_node")
         return Topology(premade.get("vote") or group, dist.get_world_size(group), dist.get_rank(group),
                         premade.get("node"))
 
+    #: voters='node': {"instances": K, "instance_size": L} (set by the factory); the shards this
+    #: rank steps are its shards under that layout only
+    megatron_layout = None
+
     def state_dict(self):
         sd = super().state_dict()
+        if "lioncub" in sd and self.megatron_layout is not None:
+            sd["lioncub"]["megatron_layout"] = dict(self.megatron_layout)
+            if self._full:  # the fp32 main shards this rank steps (Megatron's checkpoint may hold bf16 only)
+                sd["lioncub"]["main_shards"] = [p.detach().clone() for g in self.param_groups for p in g["params"]]
         if not self._full and "lioncub" in sd:
             sd["lioncub"] = {k: v for k, v in sd["lioncub"].items() if k not in ("rank", "comm_stats")}
         return sd
+
+    def check_saved_layout(self, lioncub_state: dict) -> None:
+        """Refuse a per-rank file saved under another distributed-optimizer layout (before loading)."""
+        saved, mine = lioncub_state.get("megatron_layout"), self.megatron_layout
+        if saved == mine:
+            return
+        def text(layout):
+            if layout is None:
+                return "voters='rank' (no distributed-optimizer instances)"
+            return (f"--num-distributed-optimizer-instances {layout['instances']} x {layout['instance_size']} ranks "
+                    "per instance")
+        raise LionCubConfigError(
+            f"LionCub: this checkpoint was saved with {text(saved)}, this run has {text(mine)}; node-voter shards "
+            "follow the instance layout, so they cannot be resumed under another one; allowed: resume with the "
+            "same data-parallel size and --num-distributed-optimizer-instances (or start the optimizer fresh with "
+            "--no-load-optim)")
+
+    def load_state_dict(self, state_dict):
+        extra = state_dict.get("lioncub") if isinstance(state_dict, dict) else None
+        if isinstance(extra, dict) and ("megatron_layout" in extra or self.megatron_layout is not None):
+            self.check_saved_layout(extra)  # before anything changes
+        shards = extra.get("main_shards") if isinstance(extra, dict) else None
+        params = [p for g in self.param_groups for p in g["params"]]
+        if shards is not None and [tuple(t.shape) for t in shards] != [tuple(p.shape) for p in params]:
+            raise LionCubConfigError("LionCub: the saved main-parameter shards do not fit this rank's shards; "
+                                     "allowed: the same layout it was saved with")
+        if isinstance(extra, dict):
+            state_dict = dict(state_dict)
+            state_dict["lioncub"] = {k: v for k, v in extra.items() if k not in ("megatron_layout", "main_shards")}
+        super().load_state_dict(state_dict)
+        if shards is not None:
+            with torch.no_grad():
+                for p, t in zip(params, shards):
+                    p.copy_(t)
 
     @contextlib.contextmanager
     def full_state(self):
@@ -159,13 +222,28 @@ def lioncub_settings(lioncub=None, **kwargs) -> dict:
     LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, **settings)
     if settings.get("overlap"):
         raise LionCubConfigError(OVERLAP_UNSUPPORTED)
-    if settings.get("voters", "rank") != "rank" or settings.get("node_size") is not None:
-        raise LionCubConfigError(NODE_VOTERS_UNSUPPORTED)
+    if settings.get("voters", "rank") == "rank" and settings.get("node_size") is not None:
+        raise LionCubConfigError(MASTER_ONLY_UNSUPPORTED)
+    if settings.get("voters") == "node":
+        ms = settings.get("momentum_sync")
+        unsupported = {"momentum_sync.group='node'": isinstance(ms, dict) and ms.get("group") == "node",
+                       "drift_check_every": bool(settings.get("drift_check_every")),
+                       "momentum_double_buffer": bool(settings.get("momentum_double_buffer"))}
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise LionCubConfigError(
+                f"LionCub: {', '.join(bad)} not supported with voters='node' under Megatron (each rank holds a "
+                "shard of the parameters: a momentum sync averages over the voters, the instances; replicas are "
+                "Megatron's all-gather); allowed: momentum_sync={'every': K}, no drift check, no double buffer")
     return settings
 
 
-def check_optimizer_config(config) -> None:
+def check_optimizer_config(config, node_voters: bool = False) -> None:
+    if node_voters and not getattr(config, "use_distributed_optimizer", False):
+        raise LocalMomentumConfigError(NODE_VOTERS_NEED_DIST_OPT)
     for name, why in _UNSUPPORTED:
+        if node_voters and name == "use_distributed_optimizer":
+            continue  # the instances are the voters
         if getattr(config, name, False):
             raise LocalMomentumConfigError(f"lioncub_ds.megatron: OptimizerConfig.{name}=True is not supported with "
                                            f"LionCub ({why}); set it to False")
@@ -345,18 +423,23 @@ def agree_found_inf_once_per_step(chained, config) -> None:
     chained.prepare_grads = types.MethodType(prepare_grads, chained)
 
 
+def _grad_scaler(config):
+    """Megatron's loss scaler for ``config`` (None for bf16/fp32 without a loss scale), as Megatron makes it."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                                 growth_factor=2.0, backoff_factor=0.5,
+                                 growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+    return None
+
+
 def _wrap(config, inner, stats_group, tp_group, expert_tp_group):
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
-    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
     init_state_fn = _init_state_fn if inner is not None else None
     if config.fp16 or config.bf16:
-        grad_scaler = None
-        if config.loss_scale:
-            grad_scaler = ConstantGradScaler(config.loss_scale)
-        elif config.fp16:
-            grad_scaler = DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
-                                            growth_factor=2.0, backoff_factor=0.5,
-                                            growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+        grad_scaler = _grad_scaler(config)
         opt = Float16OptimizerWithFloat16Params(inner, config, grad_scaler, init_state_fn)
         # The wrapper's fp32 main params are detached copies (requires_grad=False); LionCub only
         # steps parameters that require grad, so mark them (they never enter an autograd graph).
@@ -390,7 +473,10 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
             momentum_dtype, bucket_size_mb, pbit_bits, network, nonfinite, drift_check_every,
             drift_action, timeout_s, foreach, comm_bucket_mb); keyword arguments are merged in.
             ``overlap=True`` is refused (:data:`OVERLAP_UNSUPPORTED` says why), before anything
-            is changed.
+            is changed. ``voters="node"`` (``node_size`` = DP/K or unset) needs
+            ``config.use_distributed_optimizer`` and DDP chunks with the distributed optimizer:
+            the K distributed-optimizer instances vote (returns a ChainedOptimizer over Megatron's
+            DistributedOptimizer around LionCub).
             ``momentum_sync={"group": "node", ...}`` without ``group_size`` uses the number of
             data-parallel peers on this node (from LOCAL_WORLD_SIZE).
         disable_grad_reduction: switch off DDP's data-parallel gradient reduction on
@@ -407,6 +493,10 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
 
     model_chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     settings = lioncub_settings(lioncub, **lioncub_kwargs)
+    if settings.get("voters") == "node":
+        check_optimizer_config(config, node_voters=True)
+        return _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_collection,
+                                      dump_param_to_param_group_map)
     check_optimizer_config(config)
     if disable_grad_reduction:
         disable_dp_grad_reduction(model_chunks)
@@ -448,6 +538,190 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
             f"{o.optimizer.megatron_kind}: {sum(p.numel() for p in o.get_parameters())} params voting over "
             f"{o.optimizer.world_size} ranks" for o in optimizers if o.optimizer is not None), betas, settings)
     chained = ChainedOptimizer(optimizers)
+    agree_found_inf_once_per_step(chained, config)
+    return chained
+
+
+def instance_layout(dp_size: int, instances: int, node_size=None) -> int:
+    """L, the ranks per distributed-optimizer instance (= node_size of voters='node'); a
+    ``node_size`` that disagrees with DP / K is refused with both settings and the allowed value."""
+    if instances < 1 or dp_size % instances:
+        raise LionCubConfigError(f"LionCub: --num-distributed-optimizer-instances {instances} does not divide the "
+                                 f"data-parallel size {dp_size}; allowed: a divisor of {dp_size}")
+    size = dp_size // instances
+    if node_size is not None and node_size != size:
+        raise LionCubConfigError(
+            f"LionCub: --lioncub-node-size {node_size} (node_size) does not match the distributed optimizer's "
+            f"instances: data-parallel size {dp_size} / --num-distributed-optimizer-instances {instances} = {size} "
+            f"ranks per instance; allowed: --lioncub-node-size {size}, or leave it unset (it is taken from the "
+            f"instances)")
+    return size
+
+
+def _leaf_shards(dopt):
+    """Megatron's fp32 parameter shards are views of the model parameters (non-leaf tensors, which
+    a torch optimizer refuses: Megatron assigns its inner optimizer's groups directly). Give
+    Megatron and LionCub one leaf per shard, on the same memory, with the model parameter's
+    tensor-parallel attributes (the grad norm reads them); Megatron then sets its ``.grad`` and
+    copies it back into the parameter buffer as before. The fp32 main copies of bf16/fp16
+    parameters are leaves already; they only need ``requires_grad`` (LionCub steps only those)."""
+    from megatron.core import tensor_parallel
+    for gi, rng in enumerate(dopt.opt_group_ranges):
+        shards = dopt.shard_fp32_groups[gi]
+        for j, (view, model_param) in enumerate(zip(list(shards), dopt.model_fp32_groups[gi])):
+            leaf = view.detach()
+            tensor_parallel.copy_tensor_model_parallel_attributes(leaf, model_param)
+            if hasattr(model_param, "shared"):
+                leaf.shared = model_param.shared
+            shards[j] = leaf.requires_grad_(True)
+        for main in dopt.shard_fp32_from_float16_groups[gi]:
+            main.requires_grad_(True)
+        rng["orig_group"]["params"] = [*shards, *dopt.shard_fp32_from_float16_groups[gi]]
+
+
+def _common_state_dict(self, *args, **kwargs):
+    """What Megatron's checkpoint keeps of a node-voter optimizer: the common part only (the
+    param groups' hyper-parameters and the loss scale), the same on every rank. The
+    DistributedOptimizer's own state_dict / sharded_state_dict read Adam's per-parameter state
+    (``exp_avg``, ``exp_avg_sq``, ``step``); LionCub's momentum shards and fp32 main shards go to
+    its per-rank files instead (lioncub_ds.megatron.checkpoint), written and read by every rank."""
+    inner = self.optimizer.state_dict()
+    out = {"lioncub_node_voters": True,
+           "param_groups": [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                            for g in inner["param_groups"]]}
+    if self.grad_scaler:
+        out["grad_scaler"] = self.grad_scaler.state_dict()
+    return out
+
+
+def _load_common_state_dict(self, state_dict):
+    """Inverse of :func:`_common_state_dict` (Megatron's load, before the per-rank files are read)."""
+    if not isinstance(state_dict, dict) or not state_dict.get("lioncub_node_voters"):
+        raise LionCubConfigError(
+            "LionCub: this optimizer checkpoint was not written by LionCub with voters='node' (the distributed "
+            "optimizer's state of another optimizer, e.g. Adam); allowed: a checkpoint saved with the same "
+            "--lioncub-voters node layout, or --no-load-optim to start the optimizer fresh")
+    saved = state_dict.get("param_groups", [])
+    if len(saved) != len(self.optimizer.param_groups):
+        raise LionCubConfigError(f"LionCub: the checkpoint has {len(saved)} parameter groups, this optimizer "
+                                 f"{len(self.optimizer.param_groups)}; allowed: the same model and settings")
+    for group, old in zip(self.optimizer.param_groups, saved):
+        group.update({k: v for k, v in old.items() if k not in ("params", "param_names")})
+    if self.grad_scaler and "grad_scaler" in state_dict:
+        self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+def _save_parameter_state(self, filename):
+    """Megatron-LM's legacy checkpoints (``--ckpt-format torch``) save the distributed optimizer's
+    parameter state to one more file, on the instance's rank 0. Under node voters that state
+    (momentum and fp32 main shards) is in LionCub's per-rank files; this file only says so."""
+    # one writer: every instance has a rank 0, and the file name is the same for all of them
+    if self.data_parallel_group.rank() == 0 and self.distributed_optimizer_instance_id == 0:
+        torch.save({"lioncub_node_voters": True, "state": "in the LionCub per-rank files (lioncub/)"}, filename)
+
+
+def _load_parameter_state(self, filename, *, update_legacy_format=False):
+    """Nothing to read here: the per-rank files are read after Megatron's load (see above)."""
+    return None
+
+
+def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_collection, dump_map):
+    """voters='node': LionCub inside Megatron's DistributedOptimizer, voting across its K instances.
+
+    Megatron does what it does with K instances (reduce-scatter of the gradients inside the
+    instance, fp32 main shards, clipping by the instance's gradient norm, all-gather of the
+    parameters inside the instance) except the all-reduce of the gradient shards across
+    instances: :func:`lioncub_ds.megatron.ddp.vote_across_instances` switches it off, and the
+    inner optimizer is a flat LionCub over this rank's shards whose vote group is the
+    inter-instance group (the K ranks at this rank's place in every instance). Its step's
+    decisions (skip, refuse) are also summed over the instance, so all DP ranks agree.
+    """
+    from megatron.core.optimizer import ChainedOptimizer, _get_param_groups
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from .ddp import check_instance_ddp, vote_across_instances
+
+    # --- every check first: nothing changes before they all pass
+    ks = {check_instance_ddp(chunk) for chunk in model_chunks}
+    if len(ks) != 1:
+        raise LocalMomentumConfigError(f"lioncub_ds.megatron: model chunks disagree on "
+                                       f"num_distributed_optimizer_instances ({sorted(ks)}); allowed: one value")
+    k = ks.pop()
+    pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(pg_collection, model_chunks, False)
+    dp_group, instance = pgs["dp_cp_group"], pgs["intra_dp_cp_group"]
+    dp = dist.get_world_size(dp_group)
+    size = instance_layout(dp, k, settings.get("node_size"))
+    if dist.get_world_size(instance) != size:
+        raise LionCubConfigError(f"LionCub: Megatron's instance group has {dist.get_world_size(instance)} ranks, "
+                                 f"expected {size} (data-parallel size {dp} / {k} instances)")
+    if config_overrides is None:
+        config_overrides = _compat.standard_overrides(config)
+    _compat.check_overrides(config, config_overrides)
+    groups = _compat.optimizer_process_groups(pg_collection, model_chunks)
+    betas = resolve_betas(config, settings)
+    inner_settings = {key: v for key, v in settings.items() if key not in ("betas", "voters", "node_size")}
+    all_groups = _get_param_groups(model_chunks, config, config_overrides)
+    if any(g["is_expert_parallel"] for g in all_groups):
+        raise LionCubConfigError("LionCub: voters='node' with expert (MoE) parameters is not supported under Megatron "
+                                 "yet; allowed: a dense model with voters='node', or voters='rank'")
+    names = _param_names(model_chunks)
+    dense = _prepare_groups(all_groups, names, config)
+    cfg = LionCubConfig.from_kwargs(where="lioncub setting", lr=config.lr, betas=betas,
+                                    weight_decay=config.weight_decay, **inner_settings)
+
+    # --- the vote group: Megatron's inter-instance group (a group of one rank when K = 1: no
+    # votes); with timeout_s LionCub makes its own copy. Every rank of the world takes part.
+    inter = pgs.get("inter_dist_opt_group") if k > 1 else None
+    me = dist.get_rank()
+    wanted = []
+    if inter is None:
+        wanted.append([me])
+    elif cfg.timeout_s is not None:
+        wanted.append(group_ranks(inter))
+    created = create_on_all_ranks(wanted, cfg.timeout_s)
+    vote = created[0] if created else inter
+
+    # --- Megatron's side: no all-reduce across instances, then its distributed optimizer
+    vote_across_instances(model_chunks)
+    # DistributedOptimizer accepts only Adam as the inner optimizer at construction (its
+    # checkpoint code); it is a placeholder without state, replaced by LionCub below, once
+    # Megatron has cut the groups into this rank's shards.
+    placeholder = torch.optim.AdamW([dict(g, params=list(g["params"])) for g in dense], lr=config.lr)
+    buffers = {i: list(chunk.buffers) for i, chunk in enumerate(model_chunks)}
+    dopt = DistributedOptimizer(placeholder, config, _grad_scaler(config), _init_state_fn, model_chunks=model_chunks,
+                                per_model_buffers=buffers, data_parallel_group=instance,
+                                data_parallel_group_gloo=None, data_parallel_group_idx=dist.get_rank(groups["mp"]),
+                                distributed_optimizer_instance_id=dist.get_rank(vote) if k > 1 else 0)
+    _leaf_shards(dopt)
+    shard_groups = []
+    for gi, rng in enumerate(dopt.opt_group_ranges):
+        models = [*dopt.model_fp32_groups[gi], *dopt.model_float16_groups[gi]]
+        g = {key: v for key, v in dense[gi].items() if key not in ("params", "param_names")}
+        g["params"] = list(rng["orig_group"]["params"])
+        g["param_names"] = [names.get(p) for p in models]
+        shard_groups.append(g)
+    premade = {"vote": vote, "agree": instance, "full": dp_group}
+    inner = MegatronLionCub(shard_groups, config=cfg, process_group=vote, megatron_groups=premade)
+    inner.megatron_kind = "dense"
+    inner.megatron_tag = _model_parallel_tag("dense", groups)
+    inner.megatron_layout = {"instances": k, "instance_size": size}
+    dopt.optimizer = inner
+    dopt.state_dict = types.MethodType(_common_state_dict, dopt)
+    dopt.sharded_state_dict = types.MethodType(_common_state_dict, dopt)
+    dopt.load_state_dict = types.MethodType(_load_common_state_dict, dopt)
+    dopt.save_parameter_state = types.MethodType(_save_parameter_state, dopt)
+    dopt.load_parameter_state = types.MethodType(_load_parameter_state, dopt)
+    # with K instances Megatron reduces gradient statistics (norm for clipping, zeros) inside the
+    # instance: the instance's shards are one gradient, the instance mean
+    dopt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+    dopt.tp_group = groups["tp"]
+    if dump_map is not None:
+        _dump_param_map(model_chunks, all_groups, dump_map)
+    if dist.get_rank() == 0:
+        log.info("LionCub (Megatron, voters='node'): %d instances x %d ranks; %d shard elements voting over %d "
+                 "instances; betas=%s; settings=%s", k, size, sum(p.numel() for g in shard_groups for p in g["params"]),
+                 k, betas, inner_settings)
+    chained = ChainedOptimizer([dopt])
     agree_found_inf_once_per_step(chained, config)
     return chained
 

@@ -59,23 +59,59 @@ def _on(name):
     return lambda a: bool(getattr(a, name, False))
 
 
-_NEEDS_DIST_OPT = "needs the distributed optimizer, which LionCub replaces"
+_NEEDS_DIST_OPT = "needs the distributed optimizer, which LionCub replaces (except with --lioncub-voters node)"
 _NEEDS_DIST_OPT_OR_FSDP = "needs the distributed optimizer (or FSDP)"
+
+
+def _node(a) -> bool:
+    """--lioncub-voters node: LionCub runs inside Megatron's distributed optimizer (instances vote)."""
+    return getattr(a, "lioncub_voters", None) == "node"
+
+
+def _node_size_problem(a) -> bool:
+    """--lioncub-node-size given and not DP / K (checked once Megatron has derived the DP size)."""
+    size, dp = getattr(a, "lioncub_node_size", None), getattr(a, "data_parallel_size", None)
+    if not _node(a) or size is None or not dp:
+        return False
+    k = getattr(a, "num_distributed_optimizer_instances", 1) or 1
+    dp_cp = dp * (getattr(a, "context_parallel_size", 1) or 1)
+    return dp_cp % k != 0 or size != dp_cp // k
+
+
+def _node_size_why(a) -> str:
+    dp = (getattr(a, "data_parallel_size", 0) or 0) * (getattr(a, "context_parallel_size", 1) or 1)
+    k = getattr(a, "num_distributed_optimizer_instances", 1) or 1
+    return (f"with --lioncub-voters node a voter is a distributed-optimizer instance of data-parallel size {dp} / "
+            f"--num-distributed-optimizer-instances {k} = {dp // k if k else '?'} ranks; allowed: "
+            f"--lioncub-node-size {dp // k if k else '?'} or leave it unset (it is taken from the instances)")
+
+
 INCOMPATIBLE_FLAGS = (
-    ("use_distributed_optimizer", _on("use_distributed_optimizer"),
+    ("use_distributed_optimizer", lambda a: bool(getattr(a, "use_distributed_optimizer", False)) and not _node(a),
      "the distributed optimizer reduce-scatters gradients and shards optimizer state over data-parallel ranks; "
-     "LionCub keeps one full local momentum per rank and exchanges only 1-bit votes"),
+     "LionCub keeps one full local momentum per rank and exchanges only 1-bit votes (or add --lioncub-voters node: "
+     "the distributed optimizer's instances then vote, see docs/megatron.md)"),
+    ("lioncub_voters", lambda a: _node(a) and not getattr(a, "use_distributed_optimizer", False),
+     "node voters run inside Megatron's distributed optimizer: add --use-distributed-optimizer "
+     "--num-distributed-optimizer-instances K (K instances vote; each instance's DP/K ranks shard the parameters)"),
+    ("lioncub_node_size", lambda a: getattr(a, "lioncub_node_size", None) is not None and not _node(a),
+     "node_size without --lioncub-voters node (master-only sharding) is Megatron's own distributed optimizer's "
+     "job; allowed: leave it unset, or --lioncub-voters node with --use-distributed-optimizer"),
+    ("lioncub_node_size", _node_size_problem, _node_size_why),
     ("overlap_grad_reduce", lambda a: bool(getattr(a, "overlap_grad_reduce", False))
-     and not getattr(a, "lioncub_keep_grad_allreduce", False),
+     and not getattr(a, "lioncub_keep_grad_allreduce", False) and not _node(a),
      "no data-parallel gradient reduction is left to overlap (LionCub votes after backward), and the flag makes "
      "DDP's backward hooks issue reduce collectives"),
+    ("lioncub_checkpoint_mode", lambda a: _node(a) and getattr(a, "lioncub_checkpoint_mode", None) == "sync",
+     "with --lioncub-voters node Megatron's checkpoint holds no optimizer tensors: the momentum and fp32 main "
+     "shards are in the per-rank files; allowed: --lioncub-checkpoint-mode per_rank (the default)"),
     ("overlap_param_gather", _on("overlap_param_gather"), _NEEDS_DIST_OPT),
     ("overlap_param_gather_with_optimizer_step", _on("overlap_param_gather_with_optimizer_step"), _NEEDS_DIST_OPT),
     ("fp8_param_gather", _on("fp8_param_gather"), "the fp8 parameter all-gather " + _NEEDS_DIST_OPT_OR_FSDP),
     ("fp4_param_gather", _on("fp4_param_gather"), "the fp4 parameter all-gather " + _NEEDS_DIST_OPT_OR_FSDP),
     ("reuse_grad_buf_for_mxfp8_param_ag", _on("reuse_grad_buf_for_mxfp8_param_ag"), _NEEDS_DIST_OPT),
-    ("num_distributed_optimizer_instances", lambda a: (getattr(a, "num_distributed_optimizer_instances", 1) or 1) > 1,
-     _NEEDS_DIST_OPT),
+    ("num_distributed_optimizer_instances", lambda a: (getattr(a, "num_distributed_optimizer_instances", 1) or 1) > 1
+     and not _node(a), _NEEDS_DIST_OPT),
     ("use_megatron_fsdp", _on("use_megatron_fsdp"),
      "FSDP shards parameters and gradients over data-parallel ranks; LionCub needs full local ones"),
     ("use_custom_fsdp", _on("use_custom_fsdp"),
@@ -153,7 +189,7 @@ def megatron_args_problems(args) -> list[str]:
         except Exception:  # an attribute of an unexpected type: not ours to judge
             bad = False
         if bad:
-            problems.append(f"{_flag_text(args, dest)}: {why}")
+            problems.append(f"{_flag_text(args, dest)}: {why(args) if callable(why) else why}")
     beta = beta_problem(args)
     if beta is not None:
         problems.append(f"betas: {beta}")
