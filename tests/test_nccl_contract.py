@@ -220,3 +220,37 @@ def test_spawner_reports_a_silent_rank_after_another_has_exited():
     assert time.monotonic() - t < 60
     msg = str(info.value)
     assert "rank 1" in msg and ("hung" in msg or "no report" in msg), msg
+
+
+def _world_sum(rank, n):
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return float(t)
+
+
+def test_spawner_launches_again_when_the_free_port_is_taken(monkeypatch):
+    """Between free_port() and rank 0's store listening on it, another process can take the port
+    (EADDRINUSE: the suite once failed that way on a busy machine). Forced here: the first port
+    handed out is one this test is listening on; the spawner must launch again on another port."""
+    import socket
+
+    from lioncub_ds.testing import spawn
+
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(8)
+    handed = []
+    real = spawn.free_port
+
+    def first_taken():
+        handed.append(busy.getsockname()[1] if not handed else real())
+        return handed[-1]
+
+    monkeypatch.setattr(spawn, "free_port", first_taken)
+    try:
+        t = time.monotonic()
+        assert run_ranks(_world_sum, 2, timeout=60) == [3.0, 3.0]
+        assert len(handed) == 2 and handed[1] != handed[0]
+        assert time.monotonic() - t < 60
+    finally:
+        busy.close()

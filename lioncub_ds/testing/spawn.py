@@ -26,6 +26,10 @@ class RankError(RuntimeError):
     """A spawned rank failed (the message carries its traceback)."""
 
 
+PORT_TAKEN = "port_taken"
+TCP_ATTEMPTS = 3
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -60,7 +64,15 @@ def _worker(rank, world_size, init_method, payload, q, env, threads, contract, d
             # time already point at the wrappers (install() also patches earlier ones).
             nccl_contract.install(device)
         fn, args = pickle.loads(payload)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        try:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        except Exception as exc:  # noqa: BLE001
+            if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+                # the free port was taken between free_port() and the store's listen (another
+                # job on the machine): nothing has run yet, the parent launches again elsewhere
+                q.put((rank, PORT_TAKEN, str(exc), None))
+                return
+            raise
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -98,14 +110,26 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
       :class:`~lioncub_ds.testing.nccl_contract.NCCLContractError`; after the ranks finish, their
       call logs are compared here and a mismatch raises it too, with the first difference.
     """
+    if init != "tcp":
+        return _run_once(fn, world_size, args, timeout, env, threads, daemon, init, contract, device, grace, ranks)
+    # "tcp": the port free_port() found may be taken by another process before rank 0's store
+    # listens on it (a race with every other job on the machine); then launch again on another
+    for attempt in range(TCP_ATTEMPTS):
+        out = _run_once(fn, world_size, args, timeout, env, threads, daemon,
+                        f"tcp://127.0.0.1:{free_port()}", contract, device, grace, ranks)
+        if out is not PORT_TAKEN:
+            return out
+    raise RankError(f"rank 0 could not listen on a free port in {TCP_ATTEMPTS} attempts (EADDRINUSE each time)")
+
+
+def _run_once(fn, world_size, args, timeout, env, threads, daemon, init, contract, device, grace, ranks):
+    """One launch of :func:`run_ranks`; returns PORT_TAKEN if the store's port was taken."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     tmpdir = None
-    if init == "tcp":
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-    elif init == "file":
+    if init == "file":
         tmpdir = tempfile.mkdtemp(prefix="lioncub-store-")
         init_method = "file://" + os.path.join(tmpdir, "store")
     elif "://" in init:
@@ -125,9 +149,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
     for p in procs.values():
         p.start()
     results, errors, snaps = {}, {}, {}
+    port_taken = False
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < len(ranks):
+        while len(results) + len(errors) < len(ranks) and not port_taken:
             try:
                 rank, status, data, snap = q.get(timeout=0.5)
             except _queue.Empty:
@@ -155,6 +180,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
                 continue
             if status == "hung":
                 continue  # a late answer to the dump request
+            if status == PORT_TAKEN:
+                port_taken = True  # the others wait for a store that is not there: stop them all
+                continue
             if snap is not None:
                 snaps[rank] = snap
             if status == "ok":
@@ -164,13 +192,15 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
                 deadline = min(deadline, time.monotonic() + grace)  # let the others report, briefly
     finally:
         for p in procs.values():
-            p.join(timeout=2 if errors else 30)
+            p.join(timeout=2 if errors or port_taken else 30)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
         if tmpdir is not None:
             import shutil
             shutil.rmtree(tmpdir, ignore_errors=True)
+    if port_taken:
+        return PORT_TAKEN
     contract_msgs = []
     if contract:
         for r in sorted(snaps):
