@@ -237,7 +237,8 @@ def test_node_voter_rows_in_the_table():
     """Records of node voters carry Nn × L, the momentum per rank (1/L) and the intra-node bytes;
     the bytes ratio is the inter-node link's against an fp32 all-reduce over all N ranks."""
     recs = []
-    for v, ratio, L, ls in (("lion", 1.0, None, (2.0, 3.0)), ("cub_1bit_node4", 120.0, 4, (2.04, 3.06))):
+    for v, ratio, L, ls in (("lion", 1.0, None, (2.0, 3.0)), ("cub_1bit_node4", 120.0, 4, (2.04, 3.06)),
+                            ("cub_1bit_sync20_int8_node2", 50.0, 2, (2.02, 3.03))):
         for s, loss in zip((0, 1), ls):
             r = dict(variant=v, world_size=16, seed=s, val_loss=loss, bytes_per_rank=1, bytes_ratio_vs_fp32=ratio,
                      lr=5e-4, steps=10)
@@ -252,8 +253,11 @@ def test_node_voter_rows_in_the_table():
     assert "voters (Nn × L)" in md and "| 4 × 4 | 1/4 |" in md and "| 1.000 |" in md and "inter-node" in md
     assert "voters" not in C.markdown_table([s for s in summary if s["variant"] == "lion"])
     goal = [m for m in C.check_goal(summary) if "node voters" in m]
-    assert goal == ["N=16: node voters (1bit, no sync): largest L with the upper 95% bound of the gap <= 2%: none; "
-                    "L=4: +2.00% (upper +2.00%)"]
+    # one line per configuration (the name without _nodeL), each with its own largest L within 2%
+    assert goal == ["N=16: node voters (cub_1bit): largest L with the upper 95% bound of the gap <= 2%: none; "
+                    "L=4: +2.00% (upper +2.00%, 2 seeds)",
+                    "N=16: node voters (cub_1bit_sync20_int8): largest L with the upper 95% bound of the gap <= 2%: "
+                    "L=2 (8 voters, +1.00% [+1.00, +1.00]); L=2: +1.00% (upper +1.00%, 2 seeds)"]
 
 
 def test_merge_keeps_the_first_copy_and_the_asked_runs(tmp_path):
