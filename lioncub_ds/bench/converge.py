@@ -856,7 +856,8 @@ def markdown_table(summary) -> str:
                  f"{s['mean_val_loss']:.4f}", f"{s['gap_pct']:+.2f}%", ci, f"{s['bytes_ratio_vs_fp32']:.1f}x",
                  f"{s['lr']:.1e}"]
         if nodes:
-            L = s.get("node_size")
+            # records of flat LionCub runs made before node voters existed carry no node_size: L = 1
+            L = None if spec_of(s["variant"])["family"] in ("lion", "adamw") else s.get("node_size") or 1
             cells[2:2] = [f"{s['world_size'] // L} × {L}" if L else "all-reduce", f"1/{L}" if L and L > 1 else "1"]
             steps = s.get("steps") or 0
             intra = s.get("intra_node_bytes_per_rank")
