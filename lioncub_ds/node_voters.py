@@ -45,6 +45,17 @@ def copy_pieces_from_params(pieces, flat) -> None:
         flat[at:at + length].copy_(p.detach().reshape(-1)[start:start + length])
 
 
+def keep_pieces(flat, pieces, ids) -> list:
+    """(flat, offset, copy) of the pieces of ``flat`` that belong to the parameters whose ``id``
+    is in ``ids``, for :func:`restore_pieces` after the step."""
+    return [(flat, at, flat[at:at + length].clone()) for q, _, length, at in pieces if id(q) in ids]
+
+
+def restore_pieces(kept) -> None:
+    for flat, at, values in kept:
+        flat[at:at + values.numel()].copy_(values)
+
+
 def gather_into_params(coll, buckets, shards) -> None:
     """All-gather every bucket's shard inside the group (in the parameters' dtype) and copy the
     whole bucket into its parameters."""
@@ -176,25 +187,17 @@ class NodeShards:
 
     def keep(self, idle) -> list:
         """Copies of the momentum and master pieces of the ``idle`` parameters in this rank's
-        shards, for :meth:`restore` after the step."""
+        shards (:func:`keep_pieces`)."""
         ids = {id(p) for p in idle}
         kept = []
         for i, pieces in enumerate(self.pieces):
-            mine = [q for q in pieces if id(q[0]) in ids]
-            if not mine:
+            if not any(id(q[0]) in ids for q in pieces):
                 continue
-            flats = [self.store.shard("momentum", i, self.shards[i].numel, self.store.dtype, self.device)]
+            kept += keep_pieces(self.store.shard("momentum", i, self.shards[i].numel, self.store.dtype, self.device),
+                                pieces, ids)
             if self.low_precision(i):
-                flats.append(self.work[i])  # the persistent master shard
-            for flat in flats:
-                for _, _, length, at in mine:
-                    kept.append((flat, at, flat[at:at + length].clone()))
+                kept += keep_pieces(self.work[i], pieces, ids)  # the persistent master shard
         return kept
-
-    @staticmethod
-    def restore(kept) -> None:
-        for flat, at, values in kept:
-            flat[at:at + values.numel()].copy_(values)
 
     # ------------------------------------------------------------------ after the vote
     def finish(self) -> None:

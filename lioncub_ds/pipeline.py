@@ -40,7 +40,7 @@ from .kernels.reference import dither_seed, int8_levels
 from .layout import assign_algorithms, build_buckets, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
 from .momentum_sync import MomentumSync, select_params
-from .node_voters import MasterShards, NodeShards
+from .node_voters import MasterShards, NodeShards, keep_pieces, restore_pieces
 from .telemetry import ring_bytes
 
 log = logging.getLogger("lioncub_ds")
@@ -307,13 +307,11 @@ class StepPlan:
         idle = pipe.idle_everywhere(flags)
         store = opt.momenta
         kept = [(p, p.detach().clone(), None if self.nodes is not None else store.get(p).clone()) for p in idle]
-        kept_state = self._keep_state(idle)
+        kept_pieces = self._keep_pieces(idle)
         pipe.complete(flags, step)
+        restore_pieces(kept_pieces)  # before the all-gathers: the shards carry the old values
         if self.nodes is not None:
-            self.nodes.restore(kept_state)  # before the all-gather: the shards carry the old values
             self.nodes.finish()  # the group all-gathers the updated shards into the parameters
-        else:
-            NodeShards.restore(kept_state)
         if self.masters is not None:
             self.masters.finish()
         for p, value, m in kept:
@@ -332,22 +330,20 @@ class StepPlan:
         opt.stats.end_step()
         return StepOutcome(True)
 
-    def _keep_state(self, idle) -> list:
-        """(flat, offset, values) copies of the optimizer state of the ``idle`` parameters: their
-        momenta, and their fp32 master pieces (exact: not re-made from the low-precision values)."""
+    def _keep_pieces(self, idle) -> list:
+        """Copies of the shard pieces of the ``idle`` parameters' state: node voters' momentum and
+        master shards, master-only sharding's master shards (exact: not re-made from the
+        low-precision values). Flat momenta are kept per parameter in run(): the step may replace
+        a parameter's momentum tensor (double buffering)."""
         if not idle:
             return []
         if self.nodes is not None:
             return self.nodes.keep(idle)
-        # a parameter's momentum tensor may be replaced by the step (double buffering): restored
-        # through the store, after the step, in run()
-        kept = []
-        if self.masters is not None:
-            ids = {id(p) for p in idle}
-            for i, pieces in self.masters.pieces.items():
-                flat = self.masters.master(i)
-                kept += [(flat, at, flat[at:at + length].clone()) for q, _, length, at in pieces if id(q) in ids]
-        return kept
+        if self.masters is None:
+            return []
+        ids = {id(p) for p in idle}
+        return [kept for i, pieces in self.masters.pieces.items()
+                for kept in keep_pieces(self.masters.master(i), pieces, ids)]
 
     def _all_momenta(self) -> list:
         """Every momentum this rank holds: one per voting parameter, or its shards (node voters)."""

@@ -174,6 +174,16 @@ def check_instance_ddp(model_chunk) -> int:
     return int(getattr(ddp_config, "num_distributed_optimizer_instances", 1) or 1)
 
 
+def instances_of(model_chunks) -> int:
+    """K, the distributed-optimizer instances of ``model_chunks`` (every chunk checked by
+    :func:`check_instance_ddp`, and all must agree)."""
+    ks = {check_instance_ddp(chunk) for chunk in model_chunks}
+    if len(ks) != 1:
+        raise LocalMomentumConfigError(f"lioncub_ds.megatron: model chunks disagree on num_distributed_optimizer_"
+                                       f"instances ({sorted(ks)}); allowed: one value")
+    return ks.pop()
+
+
 def vote_across_instances(model_chunks) -> int:
     """Switch off the inter-instance gradient all-reduce of every bucket group of ``model_chunks``
     (the votes replace it); the reduce-scatter inside each instance stays. Returns K.
@@ -188,11 +198,7 @@ def vote_across_instances(model_chunks) -> int:
     require_megatron("lioncub_ds.megatron.vote_across_instances")
     import dataclasses
     chunks = _chunks(model_chunks)
-    ks = {check_instance_ddp(chunk) for chunk in chunks}
-    if len(ks) != 1:
-        raise LocalMomentumConfigError(f"lioncub_ds.megatron: model chunks disagree on num_distributed_optimizer_"
-                                       f"instances ({sorted(ks)}); allowed: one value")
-    k = ks.pop()
+    k = instances_of(chunks)
     for chunk in chunks:
         for bg in _bucket_groups(chunk):
             if k == 1 or getattr(bg, _INSTANCES_FLAG, None) is not None:

@@ -639,14 +639,10 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     from megatron.core.optimizer import ChainedOptimizer, _get_param_groups
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from .ddp import check_instance_ddp, vote_across_instances
+    from .ddp import instances_of, vote_across_instances
 
     # --- every check first: nothing changes before they all pass
-    ks = {check_instance_ddp(chunk) for chunk in model_chunks}
-    if len(ks) != 1:
-        raise LocalMomentumConfigError(f"lioncub_ds.megatron: model chunks disagree on "
-                                       f"num_distributed_optimizer_instances ({sorted(ks)}); allowed: one value")
-    k = ks.pop()
+    k = instances_of(model_chunks)
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(pg_collection, model_chunks, False)
     dp_group, instance = pgs["dp_cp_group"], pgs["intra_dp_cp_group"]
     dp = dist.get_world_size(dp_group)

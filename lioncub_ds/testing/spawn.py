@@ -114,7 +114,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, env: dict | No
         return _run_once(fn, world_size, args, timeout, env, threads, daemon, init, contract, device, grace, ranks)
     # "tcp": the port free_port() found may be taken by another process before rank 0's store
     # listens on it (a race with every other job on the machine); then launch again on another
-    for attempt in range(TCP_ATTEMPTS):
+    for _ in range(TCP_ATTEMPTS):
         out = _run_once(fn, world_size, args, timeout, env, threads, daemon,
                         f"tcp://127.0.0.1:{free_port()}", contract, device, grace, ranks)
         if out is not PORT_TAKEN:
