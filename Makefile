@@ -43,7 +43,7 @@ $(KSTAMP): $(STAMP) $(KSRC)
 # The main job: GPT pretraining under the deepspeed launcher on 2 CPU ranks with LionCub,
 # side by side with Lion + DeepSpeed's gradient all-reduce (loss and bytes sent).
 demo: setup
-	$(VPY) -m lioncub_ds.deepspeed.demo
+	$(VPY) -m benchmarks.ds_demo
 
 test: setup
 	$(VPY) -m pytest -q tests
@@ -54,7 +54,7 @@ test-fast: setup
 	$(VPY) -m pytest -q -m unit tests
 
 bench: setup
-	$(VPY) -m lioncub_ds.bench all --out results
+	$(VPY) -m benchmarks all --out results
 
 # Not part of `make test` (a 2.7 GB venv outside the repository, ~2-5 min build); .ci/run runs it after the tests.
 check-cuda-build:

@@ -1,4 +1,4 @@
-"""Pretrain the small GPT with Lion Cub under torchrun (the same loop as ``python -m lioncub_ds.demo``).
+"""Pretrain the small GPT with Lion Cub under torchrun (the same loop as ``python -m benchmarks.demo``).
 
     torchrun --nproc_per_node 2 examples/pretrain_gpt.py --steps 200
     torchrun --nproc_per_node 2 examples/pretrain_gpt.py --steps 200 --comm 1bit --momentum-sync 50
@@ -8,7 +8,7 @@
 Reads RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT) from the
 environment that torchrun sets; run without torchrun it trains on one process.
 With ``--optim lioncub`` the gradients are never all-reduced: each rank keeps its own
-momentum and only the 1-bit votes travel. Exit status as in ``lioncub_ds.demo``.
+momentum and only the 1-bit votes travel. Exit status as in ``benchmarks.demo``.
 """
 from __future__ import annotations
 
@@ -19,12 +19,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-try:
-    import lioncub_ds  # noqa: F401
-except ImportError:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the checkout's root: the workshop (``benchmarks``: the GPT, the data, the training loops) is not in the wheel
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lioncub_ds.demo import build_parser, check_summary, train  # noqa: E402
+from benchmarks.demo import build_parser, check_summary, train  # noqa: E402
 
 
 def main(argv=None) -> int:

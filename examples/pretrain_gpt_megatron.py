@@ -31,7 +31,7 @@ all-reduced gradients on the same model and data (a baseline).
 
 Data: ``--data mock`` (synthetic but learnable byte sequences: x[t+1] = (5 x[t] + 3) mod 256
 from random starts), ``--data stdlib`` (the bundled real text: CPython's standard library
-source, byte level; see ``lioncub_ds.data.text``), ``--data-files`` or ``--token-file``.
+source, byte level; see ``benchmarks.data.text``), ``--data-files`` or ``--token-file``.
 Every data-parallel rank reads its own shard; tensor/pipeline peers read the same batch.
 
 Exit status: 0, or 1 if ``--min-drop`` is set and the validation loss fell by less.
@@ -50,10 +50,8 @@ import torch
 import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import lioncub_ds  # noqa: F401
-except ImportError:  # running from a checkout that is not pip-installed
-    sys.path.insert(0, REPO)
+# the checkout's root: the workshop (``benchmarks``: the GPT, the data) is not in the wheel
+sys.path.insert(0, REPO)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +132,7 @@ class MockData:
 def load_data(args):
     if args.data == "mock" and not args.data_files and not args.token_file:
         return MockData()
-    from lioncub_ds.data.text import load_dataset
+    from benchmarks.data.text import load_dataset
     return load_dataset("stdlib", max_bytes=args.max_bytes, files=args.data_files, token_file=args.token_file,
                         token_dtype=args.token_dtype)
 

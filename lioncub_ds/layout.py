@@ -3,7 +3,7 @@ each sits inside it, and which communication algorithm each bucket uses.
 
 Pure functions of the parameter groups and the settings (no process group, no optimizer), so
 the real step (:mod:`lioncub_ds.pipeline`) and the convergence simulation
-(:mod:`lioncub_ds.bench.converge`) build the very same layout: the hash tie rule (the element's
+(:mod:`benchmarks.converge`) build the very same layout: the hash tie rule (the element's
 index inside its parameter) and the abstention lists see the same buckets in both.
 """
 from __future__ import annotations

@@ -255,7 +255,7 @@ def test_error_feedback_sums_carry_c_over_steps():
     """The simulation's error-feedback screening variant: constant c below half a ternary level;
     without feedback every code is 0 (nothing is ever sent), with it the codes' running sum tracks
     the running sum of c."""
-    from lioncub_ds.bench.converge import bbit_feedback, bbit_residual
+    from benchmarks.converge import bbit_feedback, bbit_residual
 
     c = torch.full((1, 64), 0.2)
     c[0, 0] = 1.0

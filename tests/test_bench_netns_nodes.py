@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from lioncub_ds.bench import netns, netns_nodes
+from benchmarks import netns, netns_nodes
 
 pytestmark = pytest.mark.dist
 

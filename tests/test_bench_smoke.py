@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lioncub_ds.bench import BENCHMARKS, comm, converge, netns, netns_nodes, scaling
+from benchmarks import BENCHMARKS, comm, converge, netns, netns_nodes, scaling
 from lioncub_ds.comm.cost import CostModel
 
 pytestmark = pytest.mark.unit  # tests that spawn ranks or a child process: dist
@@ -74,7 +74,7 @@ def test_startup_skip_arm_really_skips_the_hook():
     import subprocess
     import sys
 
-    from lioncub_ds.bench import startup
+    from benchmarks import startup
 
     if startup.hook_installed() is None:
         pytest.skip("the .pth hook is not installed in this interpreter")
@@ -86,7 +86,7 @@ def test_startup_skip_arm_really_skips_the_hook():
 
 
 def test_zero_configs_are_stage1_with_the_sign_allgather():
-    from lioncub_ds.bench import zero
+    from benchmarks import zero
 
     for label, path in zero.CONFIGS.items():
         cfg = json.loads((Path(zero.ROOT) / path).read_text())
@@ -113,7 +113,7 @@ def test_comm_records_and_1bit_ratio(tmp_path):
     zero = next(r for r in recs if r["label"] == "1bit/majority/tie=zero")
     assert zero["bytes_per_rank"] > one["bytes_per_rank"]  # even N + tie zero: phase 2 carries 2 planes
     path = tmp_path / "comm.json"
-    from lioncub_ds.bench.common import write_json
+    from benchmarks.common import write_json
 
     write_json(path, recs)
     assert json.loads(path.read_text())[0]["bench"] == "comm"
@@ -234,7 +234,7 @@ def test_kernels_lion_step_table_smoke():
     """The single-process step table: every implementation timed, the fused step checked against foreach."""
     import torch
 
-    from lioncub_ds.bench import kernels as kb
+    from benchmarks import kernels as kb
 
     recs = kb.run_lion_step(4096, 1, [torch.float32, torch.bfloat16])
     impls = {r["impl"] for r in recs}

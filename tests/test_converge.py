@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from lioncub_ds.bench import converge as C
-from lioncub_ds.bench.common import run_ranks
-from lioncub_ds.data import (PINNED_BYTES, PINNED_CORPUS, PINNED_SHA256, CorpusMismatchError, pinned_dataset,
+from benchmarks import converge as C
+from benchmarks.common import run_ranks
+from benchmarks.data import (PINNED_BYTES, PINNED_CORPUS, PINNED_SHA256, CorpusMismatchError, pinned_dataset,
                              pinned_files)
 
 pytestmark = pytest.mark.unit
@@ -154,7 +154,7 @@ def test_even_n_ties_happen_and_sim_uses_the_hash():
 
 def test_variant_with_another_familys_lr():
     """``cub_1bit:lion`` is Lion Cub (simulated, 1-bit votes) with global Lion's tuned lr."""
-    from lioncub_ds.models import build_model
+    from benchmarks.models import build_model
 
     cfg = C.make_cfg(**TINY)
     model = build_model("tiny", seed=0, n_layer=1, d_model=32, n_head=2, seq_len=16)

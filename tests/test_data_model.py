@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from lioncub_ds.data import files_dataset, load_dataset, stdlib_dataset, stdlib_files, token_file_dataset
-from lioncub_ds.models import GPT, PRESETS, build_model, get_config
+from benchmarks.data import files_dataset, load_dataset, stdlib_dataset, stdlib_files, token_file_dataset
+from benchmarks.models import GPT, PRESETS, build_model, get_config
 
 pytestmark = pytest.mark.unit
 
@@ -217,7 +217,7 @@ def test_env_report_json():
 
 # ----------------------------------------------------------------------------- the training loop
 def _demo_args(*extra):
-    from lioncub_ds.demo import build_parser
+    from benchmarks.demo import build_parser
     return build_parser().parse_args(["--preset", "tiny", "--steps", "30", "--batch-size", "4", "--max-bytes",
                                       str(CAP), "--eval-interval", "30", "--eval-iters", "2", "--log-interval",
                                       "10", "--no-progress", "--lr", "3e-3", *extra])
@@ -226,7 +226,7 @@ def _demo_args(*extra):
 @pytest.mark.parametrize("optim", ["lion", "lioncub"])
 def test_train_one_process(optim, monkeypatch, tmp_path):
     import lioncub_ds
-    from lioncub_ds.demo import check_summary, train
+    from benchmarks.demo import check_summary, train
 
     if optim == "lioncub" and getattr(lioncub_ds, "LionCub", None) is None:
         pytest.skip("LionCub not available yet")
@@ -240,7 +240,7 @@ def test_train_one_process(optim, monkeypatch, tmp_path):
 def test_demo_two_ranks(monkeypatch, tmp_path):
     """The demo's own launcher: 2 gloo ranks, LionCub when it exists (no gradient all-reduce)."""
     import lioncub_ds
-    from lioncub_ds.demo import check_summary, launch
+    from benchmarks.demo import check_summary, launch
 
     optim = "lioncub" if getattr(lioncub_ds, "LionCub", None) is not None else "lion"
     monkeypatch.setenv("LIONCUB_CACHE_DIR", str(tmp_path))

@@ -121,23 +121,20 @@ def test_integration_sources_assert_no_torch_api_names_or_versions():
         assert not re.search(r"all_gather_(single|into_tensor)|_all_gather_base", src), path
 
 
-# ----------------------------------------------------------------------------- demo is self-contained
+# ----------------------------------------------------------------------------- the demo lives in the workshop
 @pytest.mark.unit
-def test_demo_ships_what_it_needs_inside_the_package():
-    from lioncub_ds.deepspeed import demo
+def test_demo_runs_the_training_loop_beside_it_with_the_repository_config():
+    from benchmarks import ds_demo as demo
     script = demo.train_script()
-    assert script.is_file() and ROOT / "examples" not in script.parents
-    assert Path(demo.__file__).resolve().parent in script.resolve().parents or \
-        script.resolve().parent == Path(demo.__file__).resolve().parent
-    src = Path(demo.__file__).read_text()
-    assert '"examples"' not in src and '"configs"' not in src  # no path into the repository
-    # the repository's config is the same as the one shipped in the package
+    assert script.is_file() and script.resolve().parent == Path(demo.__file__).resolve().parent
+    assert script.resolve().parent == ROOT / "benchmarks"  # the workshop, not the wheel's lioncub_ds/
+    # the demo's config is the repository's
     assert json.loads((ROOT / "configs" / "ds_cpu_demo.json").read_text()) == demo.DEMO_CONFIG
 
 
 def test_demo_reports_builds_apart_from_the_wall_times():
     """A first run's kernel build is reported on its own, never read as LionCub being slow (issue 23)."""
-    from lioncub_ds.deepspeed import demo
+    from benchmarks import ds_demo as demo
     run = {"launch_s": 20.0, "first_val_loss": 5.0, "last_val_loss": 3.0, "bytes_sent_per_step": 10,
            "tokens_per_s": 1000.0, "params_in_sync": True, "preset": "tiny", "params": 100, "world_size": 2,
            "steps": 5, "tokens_per_step": 64}

@@ -1,9 +1,9 @@
 """Lion Cub vs. plain Lion under DeepSpeed on 2 CPU ranks, side by side.
 
-    python -m lioncub_ds.deepspeed.demo                 # ~3-6 min on 2 cores
-    python -m lioncub_ds.deepspeed.demo --steps 300 --preset demo
+    python -m benchmarks.ds_demo                 # ~3-6 min on 2 cores
+    python -m benchmarks.ds_demo --steps 300 --preset demo
 
-Runs :mod:`lioncub_ds.deepspeed.pretrain_gpt` (shipped in the package) twice with the ``deepspeed`` launcher
+Runs :mod:`benchmarks.ds_pretrain` (the workshop beside the package, outside the wheel) twice with the ``deepspeed`` launcher
 (``deepspeed --num_accelerators 2``, ``DS_ACCELERATOR=cpu``, ``OMP_NUM_THREADS=1``,
 gloo) on the bundled real text with the same seed, data order and steps:
 
@@ -16,7 +16,7 @@ then prints validation loss, throughput and bytes sent per step for both. Before
 loads what the first launch would otherwise build inside its wall time: LionCub's C++ kernels (prebuilt by
 ``make setup``; JIT-built here if not) and DeepSpeed's CPU shared-memory comm op (JIT-built by DeepSpeed, cached).
 Their times are printed on their own line, so the two wall times compare the runs, not a one-time build.
-:func:`run_comparison` is the function ``python -m lioncub_ds.demo`` can call.
+:func:`run_comparison` is the function ``python -m benchmarks.demo`` can call.
 Exit status: 0 when both runs lowered the validation loss and kept the replicas identical.
 """
 from __future__ import annotations
@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..ds_shm import removing_new_shm_workspaces
-from ..telemetry import format_bytes
-from ..testing.spawn import free_port
+from lioncub_ds.ds_shm import removing_new_shm_workspaces
+from lioncub_ds.telemetry import format_bytes
+from lioncub_ds.testing.spawn import free_port
 
 __all__ = ["run_comparison", "format_comparison", "main", "DEMO_CONFIG"]
 
@@ -53,13 +53,13 @@ DEMO_CONFIG = {
 
 
 def train_script() -> Path:
-    """The training script the demo launches: shipped inside the package (works once installed)."""
-    return Path(__file__).resolve().with_name("pretrain_gpt.py")
+    """The training script the demo launches (beside this file, in the source checkout's workshop)."""
+    return Path(__file__).resolve().with_name("ds_pretrain.py")
 
 
 def _package_parent() -> str:
-    import lioncub_ds
-    return str(Path(lioncub_ds.__file__).resolve().parents[1])
+    """The checkout's root: on every rank's PYTHONPATH, so that ``benchmarks`` (not in the wheel) imports."""
+    return str(Path(__file__).resolve().parents[1])
 
 
 def _config() -> dict:
@@ -80,7 +80,7 @@ _EXT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
 
 def _run_env() -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    root = _package_parent()  # the lioncub_ds the demo itself runs (a checkout or site-packages)
+    root = _package_parent()  # the checkout the demo runs from
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCH_EXTENSIONS_DIR", _EXT_DIR)
     return env
@@ -95,8 +95,8 @@ def prebuild(verbose: bool = True, timeout: float = 1200.0) -> dict:
 
     Returns ``{"kernels": how, "kernels_s": s, "deepspeed_op_s": s}``; ``how`` is ``"prebuilt"`` (the module
     ``make setup`` built), ``"jit"`` (JIT-built now or taken from the JIT cache) or the backend used instead."""
-    from .. import kernels
-    from ..kernels import loader
+    from lioncub_ds import kernels
+    from lioncub_ds.kernels import loader
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", _EXT_DIR)  # a JIT build here must land where the ranks look
     t0 = time.perf_counter()
@@ -113,7 +113,7 @@ def prebuild(verbose: bool = True, timeout: float = 1200.0) -> dict:
         out["deepspeed_op_error"] = [f"timed out after {timeout:.0f} s"]
     out["deepspeed_op_s"] = time.perf_counter() - t0
     if verbose:
-        print(f"[lioncub_ds.deepspeed.demo] {format_prebuild(out)}", flush=True)
+        print(f"[benchmarks.ds_demo] {format_prebuild(out)}", flush=True)
     return out
 
 
@@ -205,8 +205,8 @@ def run_comparison(steps: int = 150, preset: str = "tiny", world_size: int = 2, 
     results["prebuild"] = prebuild(verbose=verbose, timeout=timeout)
     for mode in ("lioncub", "baseline"):
         if verbose:
-            print(f"[lioncub_ds.deepspeed.demo] {mode}: deepspeed --num_accelerators {world_size} "
-                  f"lioncub_ds/deepspeed/pretrain_gpt.py --deepspeed_config {cfg_path.name}"
+            print(f"[benchmarks.ds_demo] {mode}: deepspeed --num_accelerators {world_size} "
+                  f"benchmarks/ds_pretrain.py --deepspeed_config {cfg_path.name}"
                   f"{' --baseline' if mode == 'baseline' else ''} --steps {steps} --preset {preset}", flush=True)
         results[mode] = _run_one(mode, cfg_path, tmp / f"{mode}.json", steps=steps, preset=preset,
                                  world_size=world_size, extra=extra, timeout=timeout, verbose=verbose)
@@ -215,14 +215,14 @@ def run_comparison(steps: int = 150, preset: str = "tiny", world_size: int = 2, 
         format_prebuild(results["prebuild"])
     if verbose:
         print(results["table"], flush=True)
-        print(f"[lioncub_ds.deepspeed.demo] total {results['total_s']:.0f} s; summaries in {tmp}", flush=True)
+        print(f"[benchmarks.ds_demo] total {results['total_s']:.0f} s; summaries in {tmp}", flush=True)
     with open(tmp / "comparison.json", "w") as f:
         json.dump({k: v for k, v in results.items() if k != "table"}, f, indent=1)
     return results
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lioncub_ds.deepspeed.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ds_demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--preset", default="tiny", help="GPT preset (tiny / demo / bench20m)")
     p.add_argument("--world-size", type=int, default=2)

@@ -1,4 +1,4 @@
-"""``python -m lioncub_ds.bench netns``: step time on a slow network (docs/results.md), as root.
+"""``python -m benchmarks netns``: step time on a slow network (docs/results.md), as root.
 
 The benchmark creates its own network namespace (unique name), brings its loopback up,
 puts a token bucket on it (``tc qdisc add dev lo root tbf rate 1gbit burst 512kb latency
@@ -235,8 +235,8 @@ def setup_rank(rank, n, cfg, kw_for=None, make_opt=_make_opt, optional=()):
     from torch.nn.parallel import DistributedDataParallel
 
     from lioncub_ds.config import LionCubConfigError
-    from lioncub_ds.data import load_dataset
-    from lioncub_ds.models import build_model
+    from benchmarks.data import load_dataset
+    from benchmarks.models import build_model
     from lioncub_ds.telemetry import ring_bytes
 
     kw_for = kw_for or lioncub_kw
@@ -354,8 +354,8 @@ def count_zeros(world_size=4, steps=20, seq_len=32, batch_size=1, model_override
     parameter with any zero: how many coordinates of g_i and of c_i are exactly 0 (a rank
     abstains where c_i == 0, and a 1-bit bucket holding such a coordinate also sends its nonzero
     plane)."""
-    from lioncub_ds.data import load_dataset
-    from lioncub_ds.models import build_model
+    from benchmarks.data import load_dataset
+    from benchmarks.models import build_model
 
     cfg = dict(MODEL, **(model_overrides or {}))
     model = build_model(cfg["preset"], seed=0, n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"],
@@ -510,7 +510,7 @@ def preflight(name: str = NAME, what: str = "a network namespace (ip netns add) 
     """None when the benchmark can run; otherwise why not."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return (f"bench {name} needs root: it creates {what} with tc. Run it as root (e.g. sudo -E "
-                f".venv/bin/python -m lioncub_ds.bench {name}).")
+                f".venv/bin/python -m benchmarks {name}).")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return (f"bench {name} needs the '{tool}' command (package iproute2: apt-get update && "
@@ -523,7 +523,7 @@ def child_env() -> dict:
     PYTHONPATH, c10d's "hostname cannot be retrieved" warning (inside a netns) silenced."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -572,7 +572,7 @@ def run(bandwidths=(1.0, 10.0), world_size=4, steps=4, warmup=1, seq_len=32, bat
                 if verbose:
                     print(f"[bench netns] namespace {ns}: {qdisc}", flush=True)
                 result = os.path.join(tmp, f"raw_{bw:g}.json")
-                cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "lioncub_ds.bench.netns", "--inner",
+                cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.netns", "--inner",
                        "--result", result, "--world-size", str(world_size), "--steps", str(steps),
                        "--warmup", str(warmup), "--seq-len", str(seq_len), "--batch-size", str(batch_size),
                        "--timeout", str(timeout), "--baseline-update", baseline_update, "--variants", *variants]
@@ -662,7 +662,7 @@ def check_goal(records) -> list[str]:
 
 
 def plot(records, out):
-    plt = __import__("lioncub_ds.bench.common", fromlist=["pyplot"]).pyplot()
+    plt = __import__("benchmarks.common", fromlist=["pyplot"]).pyplot()
     bws = sorted({r["bandwidth_gbit"] for r in records})
     fig, axes = plt.subplots(1, len(bws), figsize=(7.5 * len(bws), 5.0), dpi=110, squeeze=False)
     for ax, bw in zip(axes[0], bws):
@@ -741,7 +741,7 @@ def run_guarded(name: str, why: str | None, fn):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench netns", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks netns", description=__doc__.split("\n\n")[0])
     p.add_argument("--bandwidths", type=float, nargs="+", default=[1.0, 10.0], help="tbf rates in Gbit/s")
     p.add_argument("--world-size", type=int, default=4)
     add_run_args(p)

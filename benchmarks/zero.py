@@ -1,4 +1,4 @@
-"""``python -m lioncub_ds.bench zero``: ZeRO-1 sign all-gather vs DeepSpeed's parameter all-gather.
+"""``python -m benchmarks zero``: ZeRO-1 sign all-gather vs DeepSpeed's parameter all-gather.
 
 Runs ``examples/pretrain_gpt_deepspeed.py`` on 2 CPU ranks (``torch.distributed.run``,
 ``DS_ACCELERATOR=cpu``, gloo) once per config and reads ``lioncub_ds.deepspeed.comm_stats(engine)``
@@ -22,11 +22,11 @@ import sys
 import tempfile
 import time
 
-from ..ds_shm import removing_new_shm_workspaces
+from lioncub_ds.ds_shm import removing_new_shm_workspaces
 from .common import add_output_args, finish, print_table
 
 NAME = "zero"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"fp32": "configs/ds_cpu_zero1.json", "bf16 + zero_fp32_replica": "configs/ds_cpu_zero1_bf16.json"}
 
 
@@ -69,7 +69,7 @@ def run_one(label: str, config: str, steps: int, preset: str, world_size: int, t
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench zero", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks zero", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--world-size", type=int, default=2)

@@ -1,4 +1,4 @@
-"""``python -m lioncub_ds.bench comm``: wire bytes per rank per optimizer step (docs/results.md).
+"""``python -m benchmarks comm``: wire bytes per rank per optimizer step (docs/results.md).
 
 For N gloo ranks and P parameters, every algorithm and vote rule runs real optimizer
 steps; the bytes are those the telemetry counts inside the collectives (``comm_stats()``,
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..telemetry import format_bytes
+from lioncub_ds.telemetry import format_bytes
 from .common import add_output_args, finish, line_plot, print_table, run_ranks
 
 NAME = "comm"
@@ -165,7 +165,7 @@ def plot(records, out):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench comm", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks comm", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--numel", type=int, default=25_000_000, help="parameters (split into tensors of <= --chunk)")
     p.add_argument("--chunk", type=int, default=4_000_000)

@@ -1,6 +1,6 @@
 """Kernel benchmark: fused C++ CPU kernels vs unfused torch vs the machine's copy floor (docs/results.md).
 
-    python -m lioncub_ds.bench kernels [--json PATH] [--out DIR] [--numel N] [--threads T]
+    python -m benchmarks kernels [--json PATH] [--out DIR] [--numel N] [--threads T]
 
 For fp32 and bf16 (gradients, momenta and parameters of that dtype) it times, per 1M params:
 
@@ -189,8 +189,8 @@ class TorchPrealloc:
 
 # ----------------------------------------------------------------------------- runner
 def run(numel: int, repeat: int, codec_numel: int, dtypes) -> list[dict]:
-    from ..kernels import reference
-    from ..kernels.loader import load
+    from lioncub_ds.kernels import reference
+    from lioncub_ds.kernels.loader import load
 
     be = load("cpp")
     threads = torch.get_num_threads()
@@ -313,8 +313,8 @@ def _lion_set(numel: int, dt, gen):
 
 def run_lion_step(numel: int, repeat: int, dtypes) -> list[dict]:
     """The single-process step: fused vs the pure-torch paths vs lion-pytorch, against the copy floor."""
-    from ..kernels.loader import load
-    from ..lion import _foreach_lion, _single_tensor_lion
+    from lioncub_ds.kernels.loader import load
+    from lioncub_ds.lion import _foreach_lion, _single_tensor_lion
 
     try:
         from lion_pytorch.foreach import Lion as LPForeach
@@ -410,11 +410,11 @@ def format_table(records: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lioncub_ds.bench kernels", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None, help="write the records (a JSON list of flat dicts) here")
     ap.add_argument("--out", type=Path, default=None, help="output directory (<out>/kernels.json if no --json)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                    help="cpu: the C++ kernels (this table); cuda: lioncub_ds.bench.kernels_cuda.run_cuda (needs a GPU)")
+                    help="cpu: the C++ kernels (this table); cuda: benchmarks.kernels_cuda.run_cuda (needs a GPU)")
     ap.add_argument("--numel", type=int, default=None, help="parameters per kernel call (default 16M; cuda 64M)")
     ap.add_argument("--codec-numel", type=int, default=16 << 20, help="parameters for the slow codec baseline")
     ap.add_argument("--repeat", type=int, default=7, help="timed runs per measurement (median)")

@@ -1,4 +1,4 @@
-"""``python -m lioncub_ds.bench converge``: does Lion Cub train as well as Lion? (docs/results.md)
+"""``python -m benchmarks converge``: does Lion Cub train as well as Lion? (docs/results.md)
 
 A small byte-level GPT trained on the **pinned corpus** (the Python sources of
 ``deepspeed==0.19.8`` + ``megatron-core==0.16.1``, checked by SHA-256; ``--data stdlib``
@@ -618,8 +618,8 @@ def evaluate(model, ds, cfg, device):
 
 def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
     """One paired run: returns {curve: [(step, val loss, bytes)], bytes, digest, ...}."""
-    from lioncub_ds.models import build_model
-    from lioncub_ds.models.gpt import param_digest
+    from benchmarks.models import build_model
+    from benchmarks.models.gpt import param_digest
     from lioncub_ds.telemetry import ring_bytes
 
     model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg)).to(device)
@@ -675,9 +675,9 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
     Returns [(param digest, bytes sent, bytes by scope)] per variant (node voters: scopes
     "inter_node" and "intra_node", else "vote_group")."""
     from lioncub_ds import LionCub
-    from lioncub_ds.data import load_dataset
-    from lioncub_ds.models import build_model
-    from lioncub_ds.models.gpt import param_digest
+    from benchmarks.data import load_dataset
+    from benchmarks.models import build_model
+    from benchmarks.models.gpt import param_digest
 
     ds = load_dataset(cfg["data"])
     out = []
@@ -719,7 +719,7 @@ def make_cfg(**kw):
 
 
 def _load(cfg):
-    from lioncub_ds.data import load_dataset
+    from benchmarks.data import load_dataset
 
     return load_dataset(cfg["data"])
 
@@ -980,7 +980,7 @@ def _parse_lr(items):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench converge", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks converge", description=__doc__.split("\n\n")[0])
     p.add_argument("--protocol", choices=sorted(PROTOCOLS), default=None,
                    help="a named study (steps, betas, N, seeds, lrs, variants; docs/convergence.md): short = 300 "
                         "steps, beta (0.8, 0.9); long = 1,200 steps, beta (0.95, 0.98), N = 8 and 16; long99 = "

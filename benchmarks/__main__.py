@@ -1,7 +1,7 @@
-"""``python -m lioncub_ds.bench <name> [args]`` -- dispatch to a registered benchmark.
+"""``python -m benchmarks <name> [args]`` -- dispatch to a registered benchmark.
 
-``python -m lioncub_ds.bench all [--out DIR]`` runs every benchmark of
-:data:`lioncub_ds.bench.BENCHMARKS` in turn with its default settings, each writing
+``python -m benchmarks all [--out DIR]`` runs every benchmark of
+:data:`benchmarks.BENCHMARKS` in turn with its default settings, each writing
 ``DIR/<name>.json`` (and its plots) into ``DIR`` (default ``results``).
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from . import BENCHMARKS
 
 def _usage() -> str:
     names = ", ".join(sorted(BENCHMARKS))
-    return (f"usage: python -m lioncub_ds.bench <name> [args]   (name: {names}, or all)\n"
-            f"       python -m lioncub_ds.bench <name> --help")
+    return (f"usage: python -m benchmarks <name> [args]   (name: {names}, or all)\n"
+            f"       python -m benchmarks <name> --help")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
             rest = ["--out", "results"] + rest
         status = 0
         for bench in BENCHMARKS:
-            print(f"==> python -m lioncub_ds.bench {bench} {' '.join(rest)}", flush=True)
+            print(f"==> python -m benchmarks {bench} {' '.join(rest)}", flush=True)
             try:
                 rc = importlib.import_module(BENCHMARKS[bench]).main(list(rest))
             except Exception as exc:  # noqa: BLE001 - one failing benchmark must not hide the others

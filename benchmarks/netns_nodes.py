@@ -1,4 +1,4 @@
-"""``python -m lioncub_ds.bench netns_nodes``: two nodes joined by a slow link (SPEC §7), as root.
+"""``python -m benchmarks netns_nodes``: two nodes joined by a slow link (SPEC §7), as root.
 
 Topology (two "nodes" on one machine). Each node is its own network namespace (unique names,
 ``lioncub-nodes-<pid>-<hex>-a`` / ``-b``) holding L ranks (``--ranks-per-node``, default 2); the
@@ -315,7 +315,7 @@ def run(bandwidths=(1.0, 10.0), ranks_per_node=2, steps=8, warmup=1, seq_len=32,
                 before = [ns_counter(ns, ifname) for ns, ifname in zip(nss, IFNAMES)]
                 t0 = time.perf_counter()
                 for j, (ns, ifname) in enumerate(zip(nss, IFNAMES)):
-                    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "lioncub_ds.bench.netns_nodes", "--inner",
+                    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.netns_nodes", "--inner",
                            "--node", str(j), "--ifname", ifname, "--init", init, "--result", results[j],
                            "--ranks-per-node", str(ranks_per_node), "--steps", str(steps), "--warmup", str(warmup),
                            "--seq-len", str(seq_len), "--batch-size", str(batch_size), "--timeout", str(timeout),
@@ -444,7 +444,7 @@ def plot(records, out):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog=f"python -m lioncub_ds.bench {NAME}", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n\n")[0])
     p.add_argument("--bandwidths", type=float, nargs="+", default=[1.0, 10.0],
                    help="tbf rate of the veth between the nodes, Gbit/s (each direction)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="L: ranks in each of the 2 namespaces")

@@ -1,4 +1,4 @@
-"""``python -m lioncub_ds.bench scaling``: predicted communication time per optimizer step
+"""``python -m benchmarks scaling``: predicted communication time per optimizer step
 for N = 2 … 1024 ranks, from the α-β model that ``comm="auto"`` uses
 (:class:`lioncub_ds.comm.cost.CostModel`, the one implementation).
 
@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from ..comm import make_algorithm
-from ..comm.cost import CostModel
+from lioncub_ds.comm import make_algorithm
+from lioncub_ds.comm.cost import CostModel
 from .common import add_output_args, finish, line_plot, median, print_table, pyplot, run_ranks
 
 NAME = "scaling"
@@ -299,7 +299,7 @@ def plot(records, out):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench scaling", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks scaling", description=__doc__.split("\n\n")[0])
     p.add_argument("--numels", type=int, nargs="+", default=[25_000_000, 1_000_000_000],
                    help="model sizes (parameters) to predict for")
     p.add_argument("--max-world-size", type=int, default=1024)

@@ -1,6 +1,6 @@
 """Pretrain the small GPT with DeepSpeed and Lion Cub, driven by the ``deepspeed`` launcher.
 
-Shipped inside the package (``python -m lioncub_ds.deepspeed.demo`` launches this file by
+In the workshop beside the package, not in the wheel (``python -m benchmarks.ds_demo`` launches this file by
 path); ``examples/pretrain_gpt_deepspeed.py`` runs the same ``main``.
 
     # 2 CPU ranks (gloo), the bundled real text (CPython's standard library source, byte level):
@@ -37,19 +37,17 @@ import time
 import torch
 import torch.distributed as dist
 
-try:
-    import lioncub_ds  # noqa: F401
-except ImportError:  # run by path from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# run by path (the deepspeed launcher): the checkout's root, for ``benchmarks`` (the workshop is not in the wheel)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
 
 import lioncub_ds.deepspeed as lds  # noqa: E402  (registers "type": "LionCub"; also done lazily by the .pth hook)
 from lioncub_ds import Lion  # noqa: E402
-from lioncub_ds.data import DEFAULT_MAX_BYTES, load_dataset  # noqa: E402
+from benchmarks.data import DEFAULT_MAX_BYTES, load_dataset  # noqa: E402
 from lioncub_ds.groups import exit_cleanly  # noqa: E402,F401  (also the examples' exit)
-from lioncub_ds.models import PRESETS, build_model  # noqa: E402
-from lioncub_ds.models.gpt import param_digest  # noqa: E402
+from benchmarks.models import PRESETS, build_model  # noqa: E402
+from benchmarks.models.gpt import param_digest  # noqa: E402
 from lioncub_ds.telemetry import format_bytes  # noqa: E402
 
 PREFIX = "[pretrain]"

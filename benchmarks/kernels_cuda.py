@@ -11,7 +11,7 @@ kernel must move per parameter divided by the device-to-device copy bandwidth me
 in the same run. Timings: warm-up calls, then CUDA events around each call, median of
 ``repeats`` calls.
 
-    from lioncub_ds.bench.kernels_cuda import run_cuda
+    from benchmarks.kernels_cuda import run_cuda
     records = run_cuda("results/kernels_cuda.json")
 
 Called by the kernels benchmark when CUDA is available; needs a GPU.
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .. import kernels
-from ..kernels import reference
+from lioncub_ds import kernels
+from lioncub_ds.kernels import reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

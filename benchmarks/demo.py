@@ -1,10 +1,10 @@
 """Pretrain the small GPT on CPython's own source with Lion Cub on N CPU ranks.
 
-    python -m lioncub_ds.demo                       # 2 gloo ranks, "demo" preset, ~2-3 min on 2 idle cores
-    python -m lioncub_ds.demo --steps 100 --comm 1bit
-    python -m lioncub_ds.demo --optim lion          # baseline: global Lion on all-reduced gradients
+    python -m benchmarks.demo                       # 2 gloo ranks, "demo" preset, ~2-3 min on 2 idle cores
+    python -m benchmarks.demo --steps 100 --comm 1bit
+    python -m benchmarks.demo --optim lion          # baseline: global Lion on all-reduced gradients
 
-Every rank trains on its own shard of the byte-level corpus (lioncub_ds.data) with its
+Every rank trains on its own shard of the byte-level corpus (benchmarks.data) with its
 own random window stream; with ``--optim lioncub`` the gradients are NEVER all-reduced:
 each rank keeps its own momentum and only 1-bit votes travel (docs/conventions.md). Baselines
 ``lion`` and ``adamw`` all-reduce (average) the gradients first, as plain DDP would.
@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 
 from .data import DEFAULT_MAX_BYTES, load_dataset
-from .groups import exit_cleanly
+from lioncub_ds.groups import exit_cleanly
 from .models import PRESETS, build_model
 from .models.gpt import param_digest
-from .telemetry import format_bytes
-from .testing.spawn import free_port
+from lioncub_ds.telemetry import format_bytes
+from lioncub_ds.testing.spawn import free_port
 
 __all__ = ["build_parser", "train", "make_optimizer", "main", "launch"]
 
@@ -123,7 +123,7 @@ def make_optimizer(model, args):
     if args.optim == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, betas=betas, weight_decay=args.weight_decay), True
     if args.optim == "lion":
-        from .lion import Lion
+        from lioncub_ds.lion import Lion
         return Lion(groups, lr=args.lr, betas=betas, weight_decay=args.weight_decay), True
     kwargs: dict[str, Any] = {}
     for key in ("comm", "vote", "quant", "tie_break"):
@@ -217,7 +217,7 @@ def train(args, rank: int = 0, world_size: int = 1, device: str | torch.device =
             tqdm.write(msg, file=sys.stdout)
             sys.stdout.flush()
 
-    log(f"[lioncub_ds.demo] optim={args.optim} preset={args.preset} params={nparams / 1e6:.2f}M "
+    log(f"[benchmarks.demo] optim={args.optim} preset={args.preset} params={nparams / 1e6:.2f}M "
         f"world_size={world_size} device={device} data={ds.name} "
         f"(train {len(ds.train) / 1e6:.2f}M / val {len(ds.val) / 1e6:.2f}M tokens) "
         f"batch={args.batch_size}x{seq_len}/rank lr={args.lr:g} steps={args.steps}")
@@ -308,7 +308,7 @@ def train(args, rank: int = 0, world_size: int = 1, device: str | torch.device =
         "comm_stats": _jsonable(stats) if stats is not None else None,
     }
     if is_main:
-        print(f"[lioncub_ds.demo] done in {wall:.1f} s | val loss {summary['first_val_loss']:.4f} -> "
+        print(f"[benchmarks.demo] done in {wall:.1f} s | val loss {summary['first_val_loss']:.4f} -> "
               f"{summary['last_val_loss']:.4f} | {summary['tokens_per_s']:,.0f} tok/s | "
               f"{summary['step_s']:.3f} s/step (rank 0 CPU {summary['cpu_s_per_step_rank0']:.3f} s/step) | "
               f"sent {format_bytes(summary['bytes_sent_per_step'])}/step/rank "
@@ -335,11 +335,11 @@ def _jsonable(obj):
 def check_summary(summary: dict, min_drop: float) -> int:
     """Exit status for a finished run (see module doc)."""
     if not summary.get("params_in_sync", True):
-        print("[lioncub_ds.demo] FAIL: parameters differ across ranks", file=sys.stderr)
+        print("[benchmarks.demo] FAIL: parameters differ across ranks", file=sys.stderr)
         return 2
     first, last = summary["first_val_loss"], summary["last_val_loss"]
     if not (math.isfinite(last) and last <= first - min_drop):
-        print(f"[lioncub_ds.demo] FAIL: val loss did not go down by {min_drop} nats "
+        print(f"[benchmarks.demo] FAIL: val loss did not go down by {min_drop} nats "
               f"({first:.4f} -> {last:.4f})", file=sys.stderr)
         return 1
     return 0
@@ -372,15 +372,15 @@ def _worker(rank: int, world_size: int, port: int, args, out_path: str) -> None:
 def _prepare_kernels(quiet: bool = False) -> None:
     """Load (JIT-building once, then cached) the CPU kernels before the ranks start, so they don't race."""
     try:
-        from . import kernels
+        from lioncub_ds import kernels
         t = time.perf_counter()
         name = kernels.active_backend_name("cpu")
         dt = time.perf_counter() - t
         if dt > 2.0 and not quiet:
-            print(f"[lioncub_ds.demo] prepared the '{name}' CPU kernels in {dt:.0f} s (cached for later runs)",
+            print(f"[benchmarks.demo] prepared the '{name}' CPU kernels in {dt:.0f} s (cached for later runs)",
                   flush=True)
     except Exception as exc:  # noqa: BLE001 - the ranks will report it themselves
-        print(f"[lioncub_ds.demo] kernel loader: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"[benchmarks.demo] kernel loader: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def launch(args) -> dict:
@@ -411,9 +411,9 @@ def launch(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser("python -m lioncub_ds.demo").parse_args(argv)
+    args = build_parser("python -m benchmarks.demo").parse_args(argv)
     if args.device != "cpu":
-        print("[lioncub_ds.demo] the demo spawns CPU ranks; use examples/pretrain_gpt.py (torchrun) for CUDA",
+        print("[benchmarks.demo] the demo spawns CPU ranks; use examples/pretrain_gpt.py (torchrun) for CUDA",
               file=sys.stderr)
         return 2
     summary = launch(args)

@@ -1,4 +1,4 @@
-"""``python -m lioncub_ds.bench startup``: what the DeepSpeed auto-registration hook costs at start-up.
+"""``python -m benchmarks startup``: what the DeepSpeed auto-registration hook costs at start-up.
 
 ``pip install`` puts ``lioncub_ds_autohook.pth`` in site-packages; at interpreter start-up it
 imports a stdlib-only module that puts one finder on ``sys.meta_path``. This bench measures:
@@ -108,7 +108,7 @@ def run(reps: int = 20, deepspeed: bool = False, verbose=True) -> list[dict]:
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m lioncub_ds.bench startup", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks startup", description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=20, help="interpreter starts per arm and payload")
     p.add_argument("--deepspeed", action="store_true", help="also time 'import deepspeed' (seconds per run)")
     add_output_args(p)
