@@ -66,6 +66,20 @@ lc::ApplyArgs apply_args(double lr, double wd, int64_t step, int64_t tie, int64_
                             static_cast<int32_t>(world), tt.first, tt.second);
 }
 
+// The optional second momentum buffers of a local step: one per momentum, its dtype, in its place.
+std::vector<lc::Slot> momenta_out_slots(const std::vector<at::Tensor>& momenta, const std::vector<lc::Slot>& m,
+                                        const c10::optional<std::vector<at::Tensor>>& momenta_out,
+                                        const std::vector<int64_t>& offsets, int64_t total) {
+  std::vector<lc::Slot> mo;
+  if (!momenta_out.has_value()) return mo;
+  check_pairs(momenta, "momenta", *momenta_out, "momenta_out", kCpu);
+  mo = make_slots(*momenta_out, offsets, "momenta_out", false, total);
+  for (size_t i = 0; i < mo.size(); ++i)
+    TORCH_CHECK(mo[i].dtype == m[i].dtype, "lioncub cpp kernels: ", arg_name("momenta_out", i),
+                " must have the dtype of ", arg_name("momenta", i));
+  return mo;
+}
+
 // ------------------------------------------------------------------------------------ kernels
 std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> local_step(const std::vector<at::Tensor>& grads,
                                                                const std::vector<at::Tensor>& momenta,
@@ -76,14 +90,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> local_step(const std::vecto
   check_pairs(grads, "grads", momenta, "momenta", kCpu);
   auto g = make_slots(grads, offsets, "grads", true, total);
   auto m = make_slots(momenta, offsets, "momenta", false, total);
-  std::vector<lc::Slot> mo;
-  if (momenta_out.has_value()) {
-    check_pairs(momenta, "momenta", *momenta_out, "momenta_out", kCpu);
-    mo = make_slots(*momenta_out, offsets, "momenta_out", false, total);
-    for (size_t i = 0; i < mo.size(); ++i)
-      TORCH_CHECK(mo[i].dtype == m[i].dtype, "lioncub cpp kernels: ", arg_name("momenta_out", i),
-                  " must have the dtype of ", arg_name("momenta", i));
-  }
+  const std::vector<lc::Slot> mo = momenta_out_slots(momenta, m, momenta_out, offsets, total);
   auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
   at::Tensor sign = at::zeros({total / 8}, opts);
   at::Tensor nz = at::zeros({total / 8}, opts);
@@ -269,14 +276,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> bbit_local_step(
   check_pairs(grads, "grads", momenta, "momenta", kCpu);
   auto g = make_slots(grads, offsets, "grads", true, total);
   auto m = make_slots(momenta, offsets, "momenta", false, total);
-  std::vector<lc::Slot> mo;
-  if (momenta_out.has_value()) {
-    check_pairs(momenta, "momenta", *momenta_out, "momenta_out", kCpu);
-    mo = make_slots(*momenta_out, offsets, "momenta_out", false, total);
-    for (size_t i = 0; i < mo.size(); ++i)
-      TORCH_CHECK(mo[i].dtype == m[i].dtype, "lioncub cpp kernels: ", arg_name("momenta_out", i),
-                  " must have the dtype of ", arg_name("momenta", i));
-  }
+  const std::vector<lc::Slot> mo = momenta_out_slots(momenta, m, momenta_out, offsets, total);
   const auto tt = tie_table(segments);
   const lc_bbit_args bb{static_cast<int32_t>(bits), static_cast<int32_t>(rounding), static_cast<int32_t>(kind),
                         static_cast<uint32_t>(seed), tt.first, tt.second};

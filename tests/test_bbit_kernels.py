@@ -234,3 +234,36 @@ def test_bad_input_is_refused_in_python_with_the_setting_named(make):
         call = dict(planes=planes, nonzero=None, bits=2, step=1, tie_break="hash", segments=0) | kw
         with pytest.raises(ValueError, match=words):
             be.bbit_shard_vote(**call)
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_GPU)
+def test_bbit_never_synchronizes(monkeypatch):
+    """comm="bbit" on CUDA: the local step (every scale; device counts, the momentum update) and the shard
+    vote issue no host synchronization (torch's sync debug mode "error"), and give the reference's bits."""
+    monkeypatch.setenv("LIONCUB_KERNELS", "cuda")
+    be = kernels.backend_for("cuda")
+    grads, moms, offsets, total = bucket([9, 4097, 1], BF16, F32, 11)
+    segs = reference.tie_segments(offsets, [5, 0, 2**32 - 3, 0])
+    g = torch.Generator().manual_seed(12)
+    planes, nz = code_planes(4, 2, 40, g).contiguous(), torch.randint(0, 256, (4, 40), generator=g).to(torch.uint8)
+    d_g, d_m, d_planes, d_nz = [t.cuda() for t in grads], [m.cuda() for m in moms], planes.cuda(), nz.cuda()
+    got = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for kind in reference.SCALE_KINDS:
+            got.append(be.bbit_local_step(d_g, d_m, offsets, total, 0.9, 0.99, kind, 2, "dither", 7, segs, True,
+                                          device_counts=True))
+        shard = be.bbit_shard_vote(d_planes, d_nz, 2, 3, "hash", 8)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for kind, out in zip(reference.SCALE_KINDS, got):
+        ref = REF.bbit_local_step(grads, moms, offsets, total, 0.9, 0.99, kind, 2, "dither", 7, segs, True)
+        same(out[0], ref[0], f"code planes ({kind})")
+        same(out[1], ref[1], f"nonzero plane ({kind})")
+        assert (int(out[2]), int(out[3])) == (ref[2], ref[3])
+    for a, b in zip(d_m, moms):
+        same(a, b, "momentum after three updates")
+    for a, b in zip(shard, REF.bbit_shard_vote(planes, nz, 2, 3, "hash", 8)):
+        same(a, b, "shard vote planes")

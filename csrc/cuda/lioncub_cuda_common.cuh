@@ -303,6 +303,31 @@ LC_HD int search_chunk(const lc_tensor_meta* __restrict__ meta, int n, int64_t c
 LC_HD float lion_c(float m, float g, const lc_lion_args& la) { return fadd(fmul(m, la.b1), fmul(g, la.omb1)); }
 LC_HD float lion_m(float m, float g, const lc_lion_args& la) { return fadd(fmul(m, la.b2), fmul(g, la.omb2)); }
 
+// The unit of 8 bucket elements at e0 inside tensor t of a local step's bucket: its place in the
+// tensor (j: the index of its first element, n <= 8 elements) and its g and m as fp32.
+struct Unit {
+  Tensor T;
+  int64_t j;
+  int n;
+  float g[8], m[8];
+};
+
+LC_HD void load_unit(const lc_tensor_meta* __restrict__ meta, int t, int64_t e0, Unit& u) {
+  u.T = read_meta(meta, t);
+  u.j = e0 - u.T.offset;
+  const int64_t rem = u.T.numel - u.j;
+  u.n = rem < 8 ? static_cast<int>(rem) : 8;
+  load8(u.T.a, u.T.dta, u.j, u.n, u.g);
+  load8(u.T.b, u.T.dtb, u.j, u.n, u.m);
+}
+
+// The unit's momentum update, rounded once to m's dtype and stored.
+LC_HD void update_unit_momentum(Unit& u, const lc_lion_args& la) {
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) u.m[i] = lion_m(u.m[i], u.g[i], la);
+  store8(u.T.b, u.T.dtb, u.j, u.n, u.m);
+}
+
 // One unit (8 bucket elements, e0 = 8*u) of the local step. Returns the sign and nonzero
 // bytes; adds to the non-finite / zero counters; updates the momentum when asked.
 LC_HD void local_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const lc_lion_args& la,
@@ -311,17 +336,12 @@ LC_HD void local_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e
   zbyte = 0;
   const int t = locate(meta, nt, e0, hint);
   if (t < 0) return;
-  const Tensor T = read_meta(meta, t);
-  const int64_t j = e0 - T.offset;
-  const int64_t rem = T.numel - j;
-  const int n = rem < 8 ? static_cast<int>(rem) : 8;
-  float g[8], m[8];
-  load8(T.a, T.dta, j, n, g);
-  load8(T.b, T.dtb, j, n, m);
+  Unit u;
+  load_unit(meta, t, e0, u);
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
-    if (i < n) {
-      const float c = lion_c(m[i], g[i], la);
+    if (i < u.n) {
+      const float c = lion_c(u.m[i], u.g[i], la);
       const bool fin = is_finite(c);
       if (fin && c > 0.0f) sbyte |= 1u << i;
       if (fin && c != 0.0f) zbyte |= 1u << i;
@@ -329,11 +349,7 @@ LC_HD void local_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e
       nzero += c == 0.0f ? 1 : 0;
     }
   }
-  if (update_momentum) {
-    LC_UNROLL
-    for (int i = 0; i < 8; ++i) m[i] = lion_m(m[i], g[i], la);
-    store8(T.b, T.dtb, j, n, m);
-  }
+  if (update_momentum) update_unit_momentum(u, la);
 }
 
 // Elements [j, j+n) of one tensor: m <- fl(fl(m*b2) + fl(g*omb2)).
@@ -514,18 +530,14 @@ LC_HD void int8_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0
   if (t < 0) return;
   const float a = scales[t];
   if (!(a > 0.0f) || !is_finite(a)) return;
-  const Tensor T = read_meta(meta, t);
-  const int64_t j = e0 - T.offset, rem = T.numel - j;
-  const int n = rem < 8 ? static_cast<int>(rem) : 8;
-  float g[8], m[8];
-  load8(T.a, T.dta, j, n, g);
-  load8(T.b, T.dtb, j, n, m);
+  Unit u;
+  load_unit(meta, t, e0, u);
   const float hs = static_cast<float>(levels) * 0.5f;  // exact
   const float lim = static_cast<float>(levels);
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
-    if (i < n) {
-      float c = lion_c(m[i], g[i], la);
+    if (i < u.n) {
+      float c = lion_c(u.m[i], u.g[i], la);
       if (!is_finite(c)) c = 0.0f;
       float x = rint_even(fdiv(fmul(c, hs), a));
       x = fmin_(fmax_(x, -lim), lim);
@@ -546,29 +558,21 @@ LC_HD void bbit_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0
   zbyte = 0;
   const int t = locate(meta, nt, e0, hint);
   if (t < 0) return;
-  const Tensor T = read_meta(meta, t);
-  const int64_t j0 = e0 - T.offset, rem = T.numel - j0;
-  const int n = rem < 8 ? static_cast<int>(rem) : 8;
-  float g[8], m[8];
-  load8(T.a, T.dta, j0, n, g);
-  load8(T.b, T.dtb, j0, n, m);
+  Unit u;
+  load_unit(meta, t, e0, u);
   const float ratio = ratios[t];
-  for (int i = 0; i < n; ++i) {
-    const float c = lion_c(m[i], g[i], la);
+  for (int i = 0; i < u.n; ++i) {
+    const float c = lion_c(u.m[i], u.g[i], la);
     const bool fin = is_finite(c);
     if (fin && c != 0.0f) zbyte |= 1u << i;
     nzero += c == 0.0f ? 1 : 0;
-    const float u =
+    const float d =
         bb.rounding == LC_ROUND_DITHER ? lcc::dither_u(bb.seed, lcc::tie_index(bb.tie_rows, bb.tie_nrows, e0 + i)) : 0.0f;
-    const uint32_t k = lcc::bbit_code(fin ? c : 0.0f, ratio, bb.bits, bb.rounding, u);
+    const uint32_t k = lcc::bbit_code(fin ? c : 0.0f, ratio, bb.bits, bb.rounding, d);
     LC_UNROLL
     for (int j = 0; j < 4; ++j) codes[j] |= ((k >> j) & 1u) << i;
   }
-  if (update_momentum) {
-    LC_UNROLL
-    for (int i = 0; i < 8; ++i) m[i] = lion_m(m[i], g[i], la);
-    store8(T.b, T.dtb, j0, n, m);
-  }
+  if (update_momentum) update_unit_momentum(u, la);
 }
 
 LC_HD void store_q8(int8_t* __restrict__ out, int64_t e0, const int8_t q[8]) {
