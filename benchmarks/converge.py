@@ -341,18 +341,12 @@ class SimLionCub:
         return out
 
     def _node_bytes(self):
-        """Intra-node bytes one rank sends per step (node voters): per bucket the reduce-scatter
-        (an all_to_all of the fp32 flat bucket) and the all-gather of the updated shards (in the
-        parameters' dtype), plus the all-reduce of the flags inside the node."""
-        from lioncub_ds.pipeline import FLAG_HEAD
-        from lioncub_ds.telemetry import ring_bytes
+        """Intra-node bytes one rank sends per step (node voters): the real step's
+        (:func:`lioncub_ds.pipeline.node_group_bytes`; gradients and parameters in the parameters' dtype)."""
+        from lioncub_ds.pipeline import node_group_bytes
 
-        L = self.node_size
-        out = ring_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(self.buckets)), L)
-        for b in self.buckets:
-            out += ring_bytes("all_to_all", 4 * b.numel, L)
-            out += ring_bytes("all_gather", b.params[0].element_size() * b.numel, L)
-        return out
+        return node_group_bytes([(b.numel, b.params[0].element_size(), b.params[0].element_size())
+                                 for b in self.buckets], self.node_size)
 
     @torch.no_grad()
     def step(self, grads):
