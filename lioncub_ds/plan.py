@@ -321,18 +321,18 @@ class Topology:
 # ----------------------------------------------------------------------------- traffic
 @dataclass
 class Traffic:
-    """One collective (or a set of the same kind) of a step: ``sent`` bytes per rank (telemetry's
-    ring model), ``messages`` latency terms, on a group ``geo``; ``every``: once per that many steps;
-    ``scope``: the comm_stats scope it is counted under; ``overlappable``: may run during backward."""
+    """``count`` collectives of one kind in a step (buckets, comm batches, sync chunks): ``sent``
+    bytes per rank in all (telemetry's ring model), on a group ``geo``; ``every``: once per that many
+    steps; ``scope``: the comm_stats scope it is counted under; ``overlappable``: may run during
+    backward."""
     purpose: str
     kind: str
     sent: float
-    messages: int
     geo: Geometry
     scope: str = "vote_group"
     every: int = 1
     overlappable: bool = False
-    count: int = 1  # collectives of this item per occurrence (buckets / comm batches / chunks)
+    count: int = 1
     # a gloo reduce-scatter sends all-reduce bytes on the wire (measured in bench netns_nodes), the
     # telemetry still counts the ring's
     wire_factor: float = 1.0
@@ -351,10 +351,25 @@ class Traffic:
         # ring: one rank's stream crosses each node boundary per group
         return groups_per_node * sent, sent * (g.per_node - 1) / g.per_node
 
+    def latency_s(self, cluster: ClusterSpec) -> float:
+        """The latency terms: per collective one pass of (an all-reduce: two) over the group's steps,
+        a hierarchical ring for NCCL (L−1 steps inside a node at the intra-node latency, Nn−1 across
+        nodes at the inter-node one), a flat ring of N−1 steps for gloo."""
+        g = self.geo
+        if g.size <= 1:
+            return 0.0
+        rounds = 2 if self.kind == "all_reduce" else 1
+        a_in, a_out = cluster.intra_latency_us * 1e-6, cluster.inter_latency_us * 1e-6
+        if cluster.backend == "gloo":
+            per = (g.size - 1) * (a_out if g.nodes > 1 else a_in)
+        else:
+            per = (g.per_node - 1) * a_in + (g.nodes - 1) * a_out
+        return self.count * rounds * per
+
 
 def collective_time(t: Traffic, top: Topology, cluster: ClusterSpec) -> dict:
     """Seconds of one occurrence: the slowest link (inter-node per node, intra-node per GPU, the
-    host's copies) plus its latency terms (the inter-node latency once the group spans nodes)."""
+    host's copies) plus the latency terms (:meth:`Traffic.latency_s`)."""
     inter, intra = t.links(top)
     inter_s = inter * 8 / (cluster.inter_gbit_s * 1e9)
     intra_s = intra / (cluster.intra_gbyte_s * 1e9)
@@ -362,9 +377,8 @@ def collective_time(t: Traffic, top: Topology, cluster: ClusterSpec) -> dict:
     if cluster.host_gbyte_s is not None and t.geo.size > 1:
         sharing = cluster.gpus if cluster.host_scope == "machine" else top.gpus_per_node
         host_s = t.sent * t.wire_factor * sharing / (cluster.host_gbyte_s * 1e9)
-    alpha = (cluster.inter_latency_us if t.geo.nodes > 1 else cluster.intra_latency_us) * 1e-6
     wire = max(inter_s, intra_s, host_s)
-    return {"time_s": wire + t.messages * alpha, "inter_bytes_per_node": inter, "intra_bytes_per_gpu": intra,
+    return {"time_s": wire + t.latency_s(cluster), "inter_bytes_per_node": inter, "intra_bytes_per_gpu": intra,
             "bound": "inter-node link" if wire == inter_s and inter_s > 0 else
             "host copies" if wire == host_s and host_s > 0 else "intra-node bus" if intra_s > 0 else "none"}
 
@@ -417,10 +431,8 @@ def _vote_traffic(numels, voters: int, geo: Geometry, scope: str, bucket_mb: flo
         total += algo.wire_bytes(numel, voters, mode="list")
         phase2 += ring_bytes("all_gather", numel // 8, voters)  # the shard results, 1 bit per element
     flags = flag_bytes(len(buckets), voters, algo.carries_flags)
-    rounds = algo.messages(voters) // 2
-    return [Traffic("votes (phase 1) + flags", "all_to_all", total - phase2 + flags, rounds * len(batches), geo,
-                    scope, count=len(batches)),
-            Traffic("votes (phase 2)", "all_gather", phase2, rounds * len(batches), geo, scope, count=len(batches))]
+    return [Traffic("votes (phase 1) + flags", "all_to_all", total - phase2 + flags, geo, scope, count=len(batches)),
+            Traffic("votes (phase 2)", "all_gather", phase2, geo, scope, count=len(batches))]
 
 
 def _family(kind: str, sync_every) -> str:
@@ -438,16 +450,14 @@ def _sync_traffic(numels, voters, geo, scope, every, bucket_mb: float) -> list[T
     sent = sync_bytes(list(numels), voters, SYNC_DTYPE, chunk)
     n_chunks = len(sync_chunks(list(numels), chunk))
     # each chunk: an all_to_all of the encoded shards, then an all_gather of the mean shards (half the bytes each)
-    return [Traffic(f"momentum sync ({SYNC_DTYPE}, every {every}): {phase}", kind, sent / 2, (voters - 1) * n_chunks,
-                    geo, scope, every=every, count=n_chunks)
+    return [Traffic(f"momentum sync ({SYNC_DTYPE}, every {every}): {phase}", kind, sent / 2, geo, scope,
+                    every=every, count=n_chunks)
             for phase, kind in (("shards to their owners", "all_to_all"), ("means gathered", "all_gather"))]
 
 
 def _ring_traffic(purpose, kind, nbytes, geo, scope, buckets=1, overlappable=False, wire_factor=1.0):
     sent = ring_bytes(kind, int(nbytes), geo.size)
-    msgs = (2 if kind == "all_reduce" else 1) * (geo.size - 1) * buckets
-    return Traffic(purpose, kind, sent, msgs, geo, scope, overlappable=overlappable, count=buckets,
-                   wire_factor=wire_factor)
+    return Traffic(purpose, kind, sent, geo, scope, overlappable=overlappable, count=buckets, wire_factor=wire_factor)
 
 
 def _buckets_of(nbytes: float, cap: float = DDP_BUCKET_BYTES) -> int:
@@ -539,7 +549,7 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
             total = sum(b.numel for b in buckets)
             traffic.append(Traffic("master shards all-gather in the node", "all_gather",
                                    sum(ring_bytes("all_gather", wp * b.numel, L) for b in buckets),
-                                   len(buckets) * (L - 1), top.group("node"), "intra_node", count=len(buckets)))
+                                   top.group("node"), "intra_node", count=len(buckets)))
             state["master"] = 4 * total // L
             master_holder = "LionCub (1/L shard)"
         elif not mixed:
@@ -551,8 +561,8 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         total = sum(b.numel for b in buckets)
         if L > 1:
             traffic.append(Traffic("node group: gradient reduce-scatter, parameter all-gather, flags", "all_to_all",
-                                   _node_group_sent(buckets, wg, wp, L), len(buckets) * 2 * (L - 1) + 2 * (L - 1),
-                                   top.group("node"), "intra_node", count=2 * len(buckets) + 1))
+                                   _node_group_sent(buckets, wg, wp, L), top.group("node"), "intra_node",
+                                   count=2 * len(buckets) + 1))
         cross = top.group("cross")
         traffic += _vote_traffic(numels, nn, cross, "inter_node", mb, shard=L)
         traffic += _sync_traffic([b.numel // L for b in buckets], nn, cross, "inter_node", sync_every, mb)
