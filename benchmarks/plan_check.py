@@ -418,6 +418,20 @@ def cluster_grid() -> list[dict]:
                 out.append(rec)
     return out
 
+def check_markdown(recs: list[dict]) -> str:
+    """The error table of docs/planner.md."""
+    lines = ["| measured in | Gbit/s | variant | planner strategy | measured step s | predicted s | error | "
+             "predicted comm s (measured) | predicted update s (measured) |", "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in recs:
+        if r.get("bench") != NAME:
+            continue
+        lines.append(f"| `{r['measured_in']}` | {r['bandwidth_gbit']:g} | `{r['variant']}` | `{r['strategy']}` | "
+                     f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {r['error_pct']:+.1f}% | "
+                     f"{r['predicted_comm_s']:.3f} ({r['measured_comm_s']:.3f}) | "
+                     f"{r['predicted_update_s']:.3f} ({r['measured_kernel_s']:.3f}) |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- main
 COLUMNS = [("measured_in", "bench"), ("bandwidth_gbit", "Gbit/s", "g"), ("variant", "variant"),
            ("strategy", "planner strategy"), ("measured_step_s", "measured s", ".3f"),
@@ -483,7 +497,7 @@ def main(argv=None) -> int:
     if args.rerun:
         with tempfile.TemporaryDirectory(prefix="lioncub_plan_check_") as tmp:
             measured = rerun(args.steps, tmp)
-        where = "measured now"
+        where = "measured now (bench netns, bench netns_nodes; their records are in this file)"
     else:
         measured = {"netns": json.loads(Path(args.netns).read_text()),
                     "netns_nodes": json.loads(Path(args.netns_nodes).read_text())}
@@ -499,6 +513,7 @@ def main(argv=None) -> int:
                  measurements=where)
     print_table(recs, COLUMNS, title=f"[bench {NAME}] predicted (lioncub_ds.plan) vs measured step time "
                                      f"(measurements: {where}); band ±{BAND_PCT:g}%")
+    print(check_markdown(recs))
     worst = max(recs, key=lambda r: abs(r["error_pct"])) if recs else None
     inside = sum(r["within_band"] for r in recs)
     if worst:
@@ -509,7 +524,9 @@ def main(argv=None) -> int:
                "max_abs_error_pct": abs(worst["error_pct"]) if worst else None, **link, "calibration": source,
                "measurements": where}
     summary["veth_rate"] = "measured (link probe)" if probes else "nominal (the qdisc rate)"
-    finish(NAME, args, recs + (probes or []) + [summary])
+    raw = [dict(r, bench=f"{NAME}_measured_{r.get('bench', '')}") for recs_ in measured.values() for r in recs_] \
+        if args.rerun else []
+    finish(NAME, args, recs + (probes or []) + raw + [summary])
     return 0
 
 

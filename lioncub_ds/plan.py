@@ -65,6 +65,27 @@ UPDATE_BYTES_LION = 20
 UPDATE_BYTES_VOTE = 28
 
 
+def node_voter_update_bytes(wg: int, wp: int, node_size: int, mixed: bool) -> float:
+    """Memory traffic per element of the full bucket of a node-voter step besides its collectives
+    (lioncub_ds/node_voters.py, ``NodeShards.begin`` / ``finish``): the flat gradient buffer zeroed and
+    filled (3·wg), the fp32 row sum of the L received rows ((wg + 4) for the first, 12 per further
+    row plus its fp32 copy when the gradients are not fp32, the division 8; per shard element), fp32
+    parameters copied into a work shard (12 per shard element; bf16/fp16 keep a persistent master),
+    the vote step on the shard (28), the master cast back for the all-gather (4 + wp, mixed only) and
+    the gathered bucket copied into the parameters (2·wp)."""
+    L = node_size
+    rows = (wg + 4) + (L - 1) * (12 + (wg + 4 if wg != 4 else 0)) + 8
+    shard = rows + (0 if mixed else 12) + UPDATE_BYTES_VOTE + ((4 + wp) if mixed else 0)
+    return 3 * wg + shard / L + 2 * wp
+
+
+def master_only_update_bytes(wp: int, node_size: int) -> float:
+    """Per element, master-only sharding (``node_voters.MasterShards``): the vote step's local pass and
+    momentum update on every element (20), the apply on this rank's master shard (8), the shard cast
+    to the parameters' dtype for the all-gather (4 + wp) and the gathered bucket copied in (2·wp)."""
+    return 20 + (8 + 4 + wp) / node_size + 2 * wp
+
+
 class PlanInputError(ValueError):
     """A planner input is out of range: the message names the flag and the allowed values."""
 
@@ -545,6 +566,7 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         update = UPDATE_BYTES_VOTE * p
         conv = (_family("flat", sync_every), n, 1)
         if mixed and L > 1:
+            update = master_only_update_bytes(wp, L) * p
             buckets, _ = _lioncub_layout(tuple(numels), n, mb)
             total = sum(b.numel for b in buckets)
             traffic.append(Traffic("master shards all-gather in the node", "all_gather",
@@ -568,8 +590,7 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         traffic += _sync_traffic([b.numel // L for b in buckets], nn, cross, "inter_node", sync_every, mb)
         state.update(momentum=4 * total // L, master=(4 * total // L) if mixed else 0)
         master_holder = "LionCub (1/L shard)" if mixed else "none"
-        # the group's gradient copy and sum, the vote step on the shard, the gather's copy into the parameters
-        update = (2 * wg + wg + 2 * wp) * p + (UPDATE_BYTES_VOTE + 4) * total // L
+        update = node_voter_update_bytes(wg, wp, L, mixed) * total
         conv = (_family("node" if L > 1 else "flat", sync_every), n, L)
         config = _lioncub_config(work, {"voters": "node"}, sync_every, node_voters=(nn, L))
         if L == 1:
