@@ -575,6 +575,75 @@ class SimLionCub:
         return sent
 
 
+# ----------------------------------------------------------------------------- the N workers' gradients
+GRADS = ("loop", "vmap", "vmap_compiled")
+_TEMPLATES = {}  # (model shape, compiled?) -> the vectorized gradient function (built once per process)
+
+
+class WorkerGrads:
+    """Each worker's own gradient of its own mean loss on the shared parameters, {param: [N, *shape]}.
+
+    ``cfg["grads"]`` picks how:
+
+    * ``loop``: one forward/backward per worker on the model itself: exactly what rank i of a real
+      run computes (the bit-exact path; tests/test_converge.py compares it with real ranks).
+    * ``vmap``: one vectorized pass for all N workers: ``torch.func.grad`` of the loss, ``vmap``-ed over
+      the workers' batches with the parameters shared, so the forward and input-gradient matmuls
+      become one GEMM over every worker's tokens and the weight gradients one batched GEMM. It runs a
+      template of the same model with the attention written out (``GPTConfig.attn="math"``: vmap
+      batches it natively; ``sdpa`` would fall back to a per-worker loop). Another summation order
+      than ``loop``'s, so not bit-identical: tests/test_converge.py checks that the votes agree on
+      >= 99.9% of coordinates and that the losses agree within float noise.
+    * ``vmap_compiled``: the same function through ``torch.compile`` (compiled once per process and
+      model shape: the template, not the run's model, is what the compiled graph holds).
+    """
+
+    def __init__(self, model, cfg):
+        self.model, self.mode = model, cfg.get("grads", "loop")
+        if self.mode not in GRADS:
+            raise ValueError(f"converge setting grads={self.mode!r} is not allowed; allowed: {', '.join(GRADS)}")
+        self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if self.mode != "loop":
+            self.fn = self._vectorized(model.cfg, self.mode == "vmap_compiled")
+            self.shared = {name: p.detach() for name, p in model.named_parameters()}  # live views of the run's params
+
+    @staticmethod
+    def _vectorized(model_cfg, compiled):
+        from dataclasses import replace
+
+        from torch.func import functional_call, grad, vmap
+
+        from .models.gpt import GPT
+
+        key = (tuple(sorted(replace(model_cfg, attn="math").to_dict().items())), compiled)
+        if key not in _TEMPLATES:
+            template = GPT(replace(model_cfg, attn="math"))  # its own values are never used: functional_call
+
+            def loss(params, x, y):
+                return functional_call(template, params, (x, y))[1]
+
+            fn = vmap(grad(loss), in_dims=(None, 0, 0))
+            _TEMPLATES[key] = torch.compile(fn, dynamic=False) if compiled else fn
+        return _TEMPLATES[key]
+
+    def __call__(self, batches):
+        """``batches``: the N workers' (x, y), in worker order."""
+        n = len(batches)
+        if self.mode != "loop":
+            g = self.fn(self.shared, torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]))
+            return {p: g[name] for name, p in self.named}
+        grads = {p: torch.empty((n,) + tuple(p.shape), dtype=p.dtype, device=p.device) for _, p in self.named}
+        for i, (x, y) in enumerate(batches):  # each worker's own gradient, exactly as on rank i
+            for _, p in self.named:
+                p.grad = None
+            self.model(x, y)[1].backward()
+            for _, p in self.named:
+                grads[p][i].copy_(p.grad)
+        for _, p in self.named:
+            p.grad = None
+        return grads
+
+
 # ----------------------------------------------------------------------------- one training run
 def _model_kw(cfg):
     return {k: cfg[k] for k in ("n_layer", "n_head", "d_model") if cfg.get(k) is not None}
@@ -616,16 +685,23 @@ def evaluate(model, ds, cfg, device):
     return tot / cfg["eval_iters"]
 
 
+def build_model_for(cfg, seed, device="cpu"):
+    """The study's GPT for ``cfg`` (preset + shape overrides), initialized from ``seed``."""
+    from .models import build_model
+
+    return build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg)).to(device)
+
+
 def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
     """One paired run: returns {curve: [(step, val loss, bytes)], bytes, digest, ...}."""
-    from benchmarks.models import build_model
     from benchmarks.models.gpt import param_digest
     from lioncub_ds.telemetry import ring_bytes
 
-    model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg)).to(device)
+    model = build_model_for(cfg, seed, device)
     params = [p for p in model.parameters() if p.requires_grad]
     nparams = sum(p.numel() for p in params)
     opt, fam, allreduce = build_variant(variant, model, n, cfg, lrs)
+    worker_grads = None if allreduce else WorkerGrads(model, cfg)
     peak = lrs[fam]
     ar_bytes = ring_bytes("all_reduce", 4 * nparams, n)
     curve = [(0, evaluate(model, ds, cfg, device), 0)]
@@ -648,16 +724,7 @@ def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
             opt.step()
             sent += ar_bytes
         else:
-            grads = {p: torch.empty((n,) + tuple(p.shape), dtype=p.dtype, device=p.device) for p in params}
-            for i, (x, y) in enumerate(batches):  # each worker's own gradient, exactly as on rank i
-                for p in params:
-                    p.grad = None
-                model(x, y)[1].backward()
-                for p in params:
-                    grads[p][i].copy_(p.grad)
-            for p in params:
-                p.grad = None
-            opt.step(grads)
+            opt.step(worker_grads(batches))
             sent, sync_sent, intra = opt.bytes_sent, opt.sync_bytes, opt.intra_bytes
         if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
             curve.append((step + 1, evaluate(model, ds, cfg, device), sent))
@@ -676,7 +743,6 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
     "inter_node" and "intra_node", else "vote_group")."""
     from lioncub_ds import LionCub
     from benchmarks.data import load_dataset
-    from benchmarks.models import build_model
     from benchmarks.models.gpt import param_digest
 
     ds = load_dataset(cfg["data"])
@@ -685,7 +751,7 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
         spec = spec_of(variant)
         if variant in ("adamw", "lion"):
             raise ValueError(f"{variant}: not a LionCub configuration")
-        model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg))
+        model = build_model_for(cfg, seed)
         lr = lrs[spec["family"]]
         wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
         opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
@@ -710,7 +776,7 @@ def make_cfg(**kw):
     cfg = dict(steps=300, preset="tiny", n_layer=2, n_head=2, d_model=64, seq_len=64, batch_size=4, warmup=30,
                min_lr_ratio=0.1,
                eval_every=50, eval_iters=8, eval_batch=32, betas=[0.9, 0.99], adamw_betas=[0.9, 0.95], adamw_wd=0.1,
-               lion_wd=None, tie_break="hash", threads=1, data="deps")
+               lion_wd=None, tie_break="hash", threads=1, data="deps", grads="loop")
     for k, v in kw.items():
         if k not in cfg:
             raise ValueError(f"unknown converge setting {k!r}")
@@ -1011,6 +1077,10 @@ def build_parser():
                    help="Lion-family decoupled wd (default: adamw_wd * lr_adamw / lr_lion, the same lr*wd)")
     p.add_argument("--tie-break", default="hash")
     p.add_argument("--data", default="deps", choices=["deps", "stdlib"])
+    p.add_argument("--grads", default=None, choices=GRADS,
+                   help="how the N workers' gradients are computed (WorkerGrads): loop = one pass per worker, "
+                        "bit-identical to real ranks; vmap = one vectorized pass (votes agree on >= 99.9%% of "
+                        "coordinates); vmap_compiled = vmap through torch.compile (default: the protocol's, else loop)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch threads (fixed: part of what makes runs repeatable)")
     p.add_argument("--lr", nargs="*", default=[], metavar="FAMILY=LR",
