@@ -3,6 +3,7 @@ determinism, and the simulated N-worker LionCub against the real multi-rank Lion
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
 import pytest
@@ -185,9 +186,9 @@ def test_recommended_config_is_valid_and_is_the_studied_one():
     proto = C.PROTOCOLS["long"]
     assert (cfg.comm, cfg.vote, cfg.tie_break) == (spec["comm"], "majority", "hash")
     assert cfg.momentum_sync == MomentumSyncConfig.from_value(spec["sync"])
-    assert list(cfg.betas) == proto["betas"] and cfg.lr == proto["lr"]["cub"]
+    assert list(cfg.betas) == proto["settings"]["betas"] and cfg.lr == proto["lr"]["cub"]
     assert cfg.weight_decay == pytest.approx(0.1 * proto["lr"]["adamw"] / proto["lr"]["cub"])
-    assert ds_cfg["scheduler"]["params"]["total_num_steps"] == proto["steps"]
+    assert ds_cfg["scheduler"]["params"]["total_num_steps"] == proto["settings"]["steps"]
 
 
 # ----------------------------------------------------------------------------- node voters in the simulation
@@ -317,3 +318,21 @@ def test_vectorized_worker_gradients_agree_with_the_exact_loop(ds, mode):
 def test_grads_setting_is_checked():
     with pytest.raises(ValueError, match="grads='fast'.*loop, vmap"):
         C.WorkerGrads(C.build_model_for(C.make_cfg(**TINY), seed=0), C.make_cfg(**dict(TINY, grads="fast")))
+
+
+def test_a_record_reruns_from_itself(tmp_path):
+    """Every record names its protocol and the settings that define the preset; command_for(record)
+    re-runs it (changed settings included) to the same parameters."""
+    argv = ["--protocol", "long", "--world-sizes", "2", "--seeds", "3", "--variants", "cub_1bit", "--steps", "3",
+            "--n-layer", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "2", "--no-bias",
+            "--eval-every", "3", "--eval-iters", "1", "--eval-batch", "2", "--lr", "cub=2e-3",
+            "--json", str(tmp_path / "a.json")]
+    assert C.main(argv) == 0
+    (rec,) = [r for r in json.loads((tmp_path / "a.json").read_text()) if r["bench"] == "converge"]
+    assert rec["protocol"].startswith("long (with ") and "bias" in rec["protocol"]
+    assert rec["betas"] == [0.95, 0.98] and rec["bias"] is False and rec["batch_size"] == 2
+    again = C.command_for(rec) + ["--eval-every", "3", "--eval-iters", "1", "--eval-batch", "2",
+                                   "--json", str(tmp_path / "b.json")]
+    assert C.main(again) == 0
+    (rec2,) = [r for r in json.loads((tmp_path / "b.json").read_text()) if r["bench"] == "converge"]
+    assert rec2["digest"] == rec["digest"] and rec2["protocol"] == rec["protocol"]
