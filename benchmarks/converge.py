@@ -1047,6 +1047,71 @@ def plot(records, out):
     return files
 
 
+# ----------------------------------------------------------------------------- the batch / width trend
+def trend(records):
+    """Paired gaps to global Lion per preset: records are grouped by every preset setting (records of
+    several studies, each at one per-worker batch and width), and each group is summarized on its own
+    (a gap pairs runs of the same preset and seed only). -> converge_trend rows with the preset's
+    batch_size, d_model, n_layer, seq_len and protocol."""
+    groups = {}
+    for r in records:
+        key = tuple(json.dumps(r.get(k)) for k in PRESET_KEYS) + (r.get("protocol", "").split(" (")[0],)
+        groups.setdefault(key, []).append(r)
+    out = []
+    for rs in groups.values():
+        r0 = rs[0]
+        for s in summarize(rs):
+            out.append(dict(s, bench="converge_trend", protocol=r0.get("protocol", ""),
+                            **{k: r0.get(k) for k in ("batch_size", "d_model", "n_layer", "n_head", "seq_len", "steps")}))
+    return sorted(out, key=lambda s: (s["world_size"], s["variant"], s["d_model"] or 0, s["batch_size"] or 0))
+
+
+def trend_table(rows) -> str:
+    head = ["N", "variant", "width (d_model)", "sequences per worker", "tokens per step", "seeds",
+            "paired gap to global Lion", "95% CI", "x fewer bytes than fp32 all-reduce"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h == "variant" else "---:" for h in head) + "|"]
+    for s in rows:
+        if s["variant"] == "lion":
+            continue
+        ci = f"[{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}]" if s["ci95_pct"] == s["ci95_pct"] else "n/a"
+        lines.append("| " + " | ".join([str(s["world_size"]), f"`{s['variant']}`", str(s["d_model"]), str(s["batch_size"]),
+                                        f"{s['world_size'] * s['batch_size'] * s['seq_len']:,}", str(len(s["seeds"])),
+                                        f"{s['gap_pct']:+.2f}%", ci, f"{s['bytes_ratio_vs_fp32']:.1f}x"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_trend(records, out):
+    """Gap to global Lion (mean, 95% CI) against the per-worker batch, one line per variant and width."""
+    from .common import pyplot
+
+    plt = pyplot()
+    rows = [r for r in records if r.get("bench") == "converge_trend" and r["variant"] != "lion"]
+    files = []
+    for n in sorted({r["world_size"] for r in rows}):
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+        lines = sorted({(r["variant"], r["d_model"]) for r in rows if r["world_size"] == n})
+        for i, (v, d) in enumerate(lines):
+            pts = sorted((r["batch_size"], r["gap_pct"], r["ci95_pct"]) for r in rows
+                         if r["world_size"] == n and r["variant"] == v and r["d_model"] == d)
+            xs = [p[0] * (1 + 0.03 * (i - len(lines) / 2)) for p in pts]  # a small offset: the bars do not overlap
+            ax.errorbar(xs, [p[1] for p in pts], yerr=[p[2] if p[2] == p[2] else 0 for p in pts], marker="o",
+                        capsize=3, label=f"{v}, d_model {d}", linestyle="-" if d == min(x[1] for x in lines) else "--")
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.axhline(2.0, color="green", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequences per worker per step")
+        ax.set_ylabel("paired gap to global Lion, % (mean ± 95% CI)")
+        ax.set_title(f"N={n}: LionCub's gap to global Lion against batch and width", fontsize=10)
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out, f"converge_trend_n{n}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
 def _parse_lr(items):
     out = {}
     for it in items or []:
@@ -1112,6 +1177,9 @@ def build_parser():
     p.add_argument("--partial", default=None, metavar="JSONL",
                    help="append each finished run's records here as it completes (a stopped study keeps them; "
                         "--merge reads .jsonl)")
+    p.add_argument("--trend", nargs="+", default=None, metavar="JSON",
+                   help="no training: the paired gap per preset from several studies' JSON / JSONL files (each at "
+                        "one per-worker batch and width), as a table and a plot against the batch (--out)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no training: merge the records of earlier runs' JSON files (e.g. one per N or per variant "
                         "group, same settings; a run found in several files is taken from the first), then "
@@ -1212,6 +1280,14 @@ def main(argv=None) -> int:
     explicit = {"variants": args.variants, "world_sizes": args.world_sizes}  # before the protocol fills them
     args = apply_protocol(args)
     t0 = time.perf_counter()
+    if args.trend:
+        records = []
+        for path in args.trend:
+            records += merge([path], **explicit)[1]
+        rows = trend(records)
+        print(trend_table(rows))
+        finish(NAME, args, rows + records, plot_trend, extra_md=trend_table(rows))
+        return 0
     if args.merge:
         meta, records, tune_recs, curves = merge(args.merge, **explicit)
         summary = summarize(records)

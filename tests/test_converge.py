@@ -336,3 +336,26 @@ def test_a_record_reruns_from_itself(tmp_path):
     assert C.main(again) == 0
     (rec2,) = [r for r in json.loads((tmp_path / "b.json").read_text()) if r["bench"] == "converge"]
     assert rec2["digest"] == rec["digest"] and rec2["protocol"] == rec["protocol"]
+
+
+def test_trend_pairs_within_each_preset(tmp_path):
+    """--trend: gaps are summarized per preset (a run is paired with global Lion of the same batch,
+    width and seed only), one row per (preset, N, variant), and the plot is written."""
+    kw = dict(TINY, steps=2, eval_every=2)
+    files = []
+    for b in (1, 2):
+        recs, _, _ = C.run(("lion", "cub_1bit"), seeds=(0, 1), world_sizes=(2,), lrs=LRS, verbose=False, ds=None,
+                           **dict(kw, batch_size=b))
+        path = tmp_path / f"b{b}.json"
+        path.write_text(json.dumps(recs))
+        files.append(str(path))
+    rows = C.trend(sum((json.loads(open(f).read()) for f in files), []))
+    cub = [r for r in rows if r["variant"] == "cub_1bit"]
+    assert sorted(r["batch_size"] for r in cub) == [1, 2] and all(len(r["seeds"]) == 2 for r in cub)
+    for r in cub:
+        mine = [x for x in json.loads(open(files[r["batch_size"] - 1]).read())]
+        lion = {x["seed"]: x["val_loss"] for x in mine if x["variant"] == "lion"}
+        gaps = [100 * (x["val_loss"] / lion[x["seed"]] - 1) for x in mine if x["variant"] == "cub_1bit"]
+        assert r["gap_pct"] == pytest.approx(sum(gaps) / 2)
+    assert C.main(["--trend", *files, "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "converge_trend_n2.png").exists()
