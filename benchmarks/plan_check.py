@@ -45,8 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLE_PATH = ROOT / "lioncub_ds" / "plan_convergence.json"
 BAND_PCT = 25.0
 
-# The convergence studies the planner quotes, in order of preference when two hold the same
-# (configuration, N) with the same number of seeds.
+# The convergence studies the planner quotes, most preferred first: a (configuration, N, L) takes the
+# row of the first study that has it (put a new study, e.g. another preset, at the top and run
+# --write-convergence-table).
 STUDIES = (("docs/long_n8_10seeds/converge.json", "long_n8_10seeds"),
            ("docs/node_voters_converge/converge.json", "node_voters_converge"),
            ("docs/long/converge.json", "long"))
@@ -76,7 +77,7 @@ def family_of(variant: str):
 
 def convergence_rows(root: Path = ROOT) -> dict:
     """The planner's convergence table from the committed study summaries: per (family, N, L) the
-    row with the most seeds (ties: the earlier study in :data:`STUDIES`)."""
+    row of the first study in :data:`STUDIES` that has it."""
     best, sources = {}, []
     for rel, study in STUDIES:
         recs = json.loads((root / rel).read_text())
@@ -95,8 +96,7 @@ def convergence_rows(root: Path = ROOT) -> dict:
                    "gap_pct": round(r["gap_pct"], 3), "ci_lo_pct": round(r["ci_lo_pct"], 3),
                    "ci_hi_pct": round(r["ci_hi_pct"], 3), "seeds": len(r["seeds"]), "study": study,
                    "bytes_ratio_vs_fp32": round(r["bytes_ratio_vs_fp32"], 2)}
-            if key not in best or row["seeds"] > best[key]["seeds"]:
-                best[key] = row
+            best.setdefault(key, row)
     rows = sorted(best.values(), key=lambda r: (r["family"], r["node_size"], r["world_size"]))
     return {"generated_by": "python -m benchmarks plan_check --write-convergence-table",
             "what": "paired gap of the final validation loss to global Lion (all-reduced gradients), % with a 95% "
