@@ -26,13 +26,15 @@ The model (docs/planner.md, "The model"):
   sends its share to every other rank). The time of a collective is the slowest of: the bytes that
   leave a node over the node's inter-node bandwidth, the bytes each GPU sends over its intra-node
   bus bandwidth, and (where the host CPUs move the bytes: gloo over TCP) every byte over the host's
-  copy rate; plus one latency per message (the α-β model of :class:`lioncub_ds.comm.cost.CostModel`).
+  copy rate; plus a latency per step of a hierarchical ring (L−1 inside a node, Nn−1 across nodes):
+  the α-β model of :class:`lioncub_ds.comm.cost.CostModel` with the link each byte crosses.
 * **Overlap**: the gradient reduction of DDP, ZeRO-2 and Megatron (``--overlap-grad-reduce``) runs
   during backward (2/3 of the compute); ``overlap`` (0–1) says how much of backward can hide it; the
   last bucket is never hidden. LionCub's votes overlap only where the integration allows it (fp32,
   ``overlap=True``; not with bf16 under DeepSpeed, not under Megatron).
 * **Update**: the optimizer's memory traffic per parameter (fused Lion 20 B, a LionCub vote step
-  28 B, ...) over the GPU's memory bandwidth.
+  28 B, node voters' and master-only sharding's from their code paths) over the GPU's memory
+  bandwidth.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from importlib import resources
 

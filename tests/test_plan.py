@@ -49,8 +49,6 @@ def _scoped_bytes(row, steps):
 
 # ----------------------------------------------------------------------------- real ranks
 def _train(rank, n, numels, dtype, kw, steps):
-    import torch.distributed as dist  # noqa: F401
-
     from lioncub_ds import LionCub
 
     torch.manual_seed(0)
@@ -107,9 +105,6 @@ def test_bytes_and_state_equal_real_ranks(name):
 
 
 # ----------------------------------------------------------------------------- formulas
-pytestmark_unit = pytest.mark.unit
-
-
 @pytest.mark.unit
 def test_baselines_are_their_collectives():
     numels = (1_000_003, 4099)
