@@ -648,6 +648,32 @@ class WorkerGrads:
         return grads
 
 
+def grads_speed(cfg, n, ds, modes=GRADS, repeats=3, steps=20, seed=0):
+    """Seconds per step of each gradient mode on the same model and batches, the modes interleaved
+    (``repeats`` rounds of ``steps`` steps each; a compiled mode's first call, the compilation, is
+    timed apart). -> records {mode, s_per_step (median of the rounds), compile_s, speedup_vs_loop}."""
+    model = build_model_for(cfg, seed)
+    fns = {m: WorkerGrads(model, dict(cfg, grads=m)) for m in modes}
+    batches = [[ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], i, n, step=t, seed=seed) for i in range(n)]
+               for t in range(steps)]
+    first = {}
+    for m, fn in fns.items():  # warm-up (and compilation) outside the timed rounds
+        t0 = time.perf_counter()
+        fn(batches[0])
+        first[m] = time.perf_counter() - t0
+    times = {m: [] for m in modes}
+    for _ in range(repeats):
+        for m, fn in fns.items():
+            t0 = time.perf_counter()
+            for b in batches:
+                fn(b)
+            times[m].append((time.perf_counter() - t0) / steps)
+    med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+    return [{"bench": "converge_grads_speed", "mode": m, "world_size": n, "batch_size": cfg["batch_size"],
+             "d_model": cfg["d_model"], "s_per_step": med[m], "rounds_s": times[m], "first_call_s": first[m],
+             "speedup_vs_loop": med.get("loop", float("nan")) / med[m]} for m in modes]
+
+
 # ----------------------------------------------------------------------------- one training run
 def _model_kw(cfg):
     return {k: cfg[k] for k in ("n_layer", "n_head", "d_model", "bias", "tie_weights") if cfg.get(k) is not None}
@@ -1171,6 +1197,9 @@ def build_parser():
     p.add_argument("--partial", default=None, metavar="JSONL",
                    help="append each finished run's records here as it completes (a stopped study keeps them; "
                         "--merge reads .jsonl)")
+    p.add_argument("--grads-speed", action="store_true",
+                   help="no training: time each --grads mode side by side (interleaved rounds) on the preset's model "
+                        "and batches at each --world-sizes N, and report the speed-up over the exact loop")
     p.add_argument("--trend", nargs="+", default=None, metavar="JSON",
                    help="no training: the paired gap per preset from several studies' JSON / JSONL files (each at "
                         "one per-worker batch and width), as a table and a plot against the batch (--out)")
@@ -1293,6 +1322,15 @@ def main(argv=None) -> int:
                extra_md=markdown_table(summary) + "\n" + "\n".join("- " + m for m in check_goal(summary)) + "\n")
         return 0
     kw = dict(args.settings)
+    if args.grads_speed:
+        cfg = make_cfg(**kw)
+        torch.set_num_threads(cfg["threads"])
+        recs = [r for n in args.world_sizes for r in grads_speed(cfg, n, _load(cfg))]
+        print_table(recs, [("world_size", "N"), ("mode", "grads"), ("s_per_step", "s / step", ".4f"),
+                           ("first_call_s", "first call s", ".1f"), ("speedup_vs_loop", "speed-up vs loop", ".2f")],
+                    title=f"[bench converge] the N workers' gradients, {cfg['batch_size']} sequences per worker")
+        finish(NAME, args, recs)
+        return 0
     cfg = make_cfg(**kw)
     torch.set_num_threads(cfg["threads"])
     ds = _load(cfg)
