@@ -80,6 +80,12 @@ std::vector<lc::Slot> momenta_out_slots(const std::vector<at::Tensor>& momenta, 
   return mo;
 }
 
+// The (sign, nonzero) result planes of a shard vote: s bytes each, zeroed.
+std::pair<at::Tensor, at::Tensor> result_planes(int64_t s) {
+  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
+  return {at::zeros({s}, opts), at::zeros({s}, opts)};
+}
+
 // ------------------------------------------------------------------------------------ kernels
 std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> local_step(const std::vector<at::Tensor>& grads,
                                                                const std::vector<at::Tensor>& momenta,
@@ -155,9 +161,7 @@ std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const c10:
   check_nonzero(nonzero, {n, s}, false, kCpu);
   check_tie(tie, kCpu);
   const auto tt = tie_table(segments);
-  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
-  at::Tensor out_sign = at::zeros({s}, opts);
-  at::Tensor out_nz = at::zeros({s}, opts);
+  auto [out_sign, out_nz] = result_planes(s);
   {
     pybind11::gil_scoped_release nogil;
     lc::shard_vote(sign.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n, s,
@@ -301,9 +305,7 @@ std::tuple<at::Tensor, at::Tensor> bbit_shard_vote(const at::Tensor& planes, con
   check_nonzero(nonzero, {n, s}, false, kCpu);
   check_tie(tie, kCpu);
   const auto tt = tie_table(segments);
-  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
-  at::Tensor out_sign = at::zeros({s}, opts);
-  at::Tensor out_nz = at::zeros({s}, opts);
+  auto [out_sign, out_nz] = result_planes(s);
   {
     pybind11::gil_scoped_release nogil;
     lc::bbit_shard_vote(planes.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n,

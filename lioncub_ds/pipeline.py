@@ -113,13 +113,13 @@ def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
     return (world_size - 1) * words if carried else ring_bytes("all_reduce", words, world_size)
 
 
-def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int) -> int:
+def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int, ranks: int = 2) -> int:
     """Bytes one rank sends per step inside its node group with node voters (the ``intra_node``
     scope of ``comm_stats``): per full bucket of ``(padded numel, gradient itemsize, parameter
     itemsize)`` the reduce-scatter (an all_to_all of the gradients in their dtype) and the
     all-gather of the updated shards (in the parameters' dtype), plus the all-reduce of the step's
-    unpacked int32 flags (:meth:`StepPlan._agree_everywhere`)."""
-    out = ring_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(buckets)), node_size)
+    packed flag words as int64 (:meth:`StepPlan.agree_flags`; ``ranks``: every rank of the step)."""
+    out = ring_bytes("all_reduce", 8 * flag_words(len(buckets), ranks), node_size)
     for numel, grad_size, param_size in buckets:
         out += ring_bytes("all_to_all", grad_size * numel, node_size)
         out += ring_bytes("all_gather", param_size * numel, node_size)
@@ -257,6 +257,8 @@ class StepPlan:
         decides from the same sums). Framework-held shards (``agree_group``): only the step-wide head is
         summed over the instance; the per-bucket entries belong to this rank's shard layout, which its
         shard peers share but its instance peers do not."""
+        if self.agree_coll is not None or self.nodes is not None:
+            words = words.to(torch.int64)  # the sums go on over more ranks (the non-finite count: 2**20 each)
         if self.agree_coll is not None:
             head = words[:flag_head_words(self.ranks)]  # a prefix: reduced in place
             self.agree_coll.all_reduce_(head, "instance_flags")
