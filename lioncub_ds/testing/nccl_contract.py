@@ -287,8 +287,16 @@ def _shape(t):
     return tuple(t.shape) if t is not None else None
 
 
+def _resolved(device: torch.device) -> torch.device:
+    # torch.device("cuda") names the current device: parameters declared as "cuda" and a tensor on
+    # "cuda:0" are the same place when device 0 is current.
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _check_tensor(name, i, t, device):
-    if t.device != device:
+    if _resolved(t.device) != _resolved(device):
         hint = (" (a tensor created without device=: under NCCL it would be a CPU tensor next to CUDA "
                 "parameters)" if t.device.type == "meta" else "")
         _violation(name, f"tensor argument #{i} ({t.dtype}, shape {tuple(t.shape)}) is on {t.device}; the "
