@@ -329,7 +329,7 @@ class SimLionCub:
     def node_means(self, grads):
         """The Nn voters' gradients from the N workers': per group of L consecutive workers,
         (g_0 + g_1 + ... + g_{L−1}) / L in fp32, one add at a time in worker order, as the real
-        step's intra-node reduce-scatter (node_voters.NodeShards.begin)."""
+        step's intra-node reduce-scatter (sharding.NodeVoters.begin)."""
         L = self.node_size
         out = {}
         for p, g in grads.items():

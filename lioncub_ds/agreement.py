@@ -105,11 +105,27 @@ def _param_desc(p):
     return (tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad))
 
 
-def agreed_values(cfg: LionCubConfig, groups) -> dict:
+# Sizes each rank resolves from its settings and its environment (LionCub passes them, the same
+# keys on every rank): compared as resolved, each rank's value or its reason it has none.
+RESOLVED_LABELS = {
+    "node_size": "node_size (ranks per node group as resolved on each rank: the setting, else LOCAL_WORLD_SIZE, "
+                 "then LOCAL_SIZE)",
+    "momentum_sync.group_size": "momentum_sync.group_size (as resolved on each rank: the setting, else "
+                                "LOCAL_WORLD_SIZE, then LOCAL_SIZE)",
+}
+
+
+def agreed_values(cfg: LionCubConfig, groups, resolved: dict | None = None) -> dict:
     """{setting: canonical value} of everything that must match across ranks, in a fixed order
-    (the same keys on every rank, whatever the settings: the all-gathered tensor has one length)."""
+    (the same keys on every rank, whatever the settings: the all-gathered tensor has one length).
+    ``resolved``: {key of RESOLVED_LABELS: this rank's resolved size, or its error text}, compared
+    instead of the raw setting (``node_size=None`` means different sizes on different machines)."""
+    resolved = dict(resolved or {})
     values = {}
     for name in AGREED_FIELDS:
+        if name in resolved:
+            values[name] = resolved.pop(name)
+            continue
         value = getattr(cfg, name)
         if name == "network":
             value = tuple(sorted(value.items())) if cfg.comm == "auto" else "unused (comm is not 'auto')"
@@ -125,6 +141,7 @@ def agreed_values(cfg: LionCubConfig, groups) -> dict:
     ms = cfg.momentum_sync
     values["param_names"] = (tuple(tuple(g.get("param_names") or ()) for g in groups)
                              if ms is not None and ms.layers else "unused (no momentum_sync.layers)")
+    values.update(sorted(resolved.items()))
     return values
 
 
@@ -136,14 +153,15 @@ def _device(groups) -> torch.device:
     return torch.device("cpu")
 
 
-def agree_settings(cfg: LionCubConfig, groups, group=None, device=None) -> None:
+def agree_settings(cfg: LionCubConfig, groups, group=None, device=None, resolved: dict | None = None) -> None:
     """Compare the settings that must match across the ranks of ``group`` (collective: every rank
-    of the group calls it). Raises :class:`LionCubConfigError` on every rank on a mismatch."""
+    of the group calls it), with the ``resolved`` sizes (see :func:`agreed_values`). Raises
+    :class:`LionCubConfigError` on every rank on a mismatch."""
     n = dist.get_world_size(group)
     if n <= 1:
         return
     groups = list(groups)
-    values = agreed_values(cfg, groups)
+    values = agreed_values(cfg, groups, resolved)
     if device is None:
         device = _device(groups)
     mine = torch.tensor([digest(v) for v in values.values()], dtype=torch.int64, device=device)
@@ -199,6 +217,8 @@ def _describe(name: str, per_rank: list) -> str:
     if name in GROUP_SETTINGS and any(isinstance(v, tuple) and (name != "betas" or (v and isinstance(v[0], tuple)))
                                       for v in per_rank):
         label = f"{name} (one value per param group)"
+    elif name in RESOLVED_LABELS:
+        label = RESOLVED_LABELS[name]
     elif name == "timeout_s":
         label = "timeout_s (set on some ranks only)"
     elif name == "network":

@@ -30,6 +30,12 @@ SYNC_DTYPES = ("fp32", "bf16", "int8")
 SYNC_SCHEDULES = ("every", "geometric")
 SYNC_GROUPS = ("world", "node")
 VOTERS = ("rank", "node")
+
+
+def is_node_voters(voters) -> bool:
+    """``voters`` asks for one voter per node group (the one comparison with "node"; integrations
+    that see the raw setting, a ds_config entry or a command-line flag, ask this)."""
+    return voters == "node"
 NETWORK_KEYS = ("bandwidth_gbit", "latency_us")
 # The network comm="auto" plans for when none is given: 10 Gbit/s Ethernet, 50 µs per message.
 DEFAULT_NETWORK = {"bandwidth_gbit": 10.0, "latency_us": 50.0}
@@ -119,7 +125,8 @@ class MomentumSyncConfig:
     group: str = setting("world", type=str, choices=SYNC_GROUPS,
                          help="`world`: the whole vote group; `node`: subgroups of `group_size` consecutive ranks")
     group_size: int | None = setting(None, type=int, allowed="int ≥ 1",
-                                     help="ranks per node for group `node` (default: LOCAL_WORLD_SIZE)")
+                                     help="ranks per node for group `node` (default: `LOCAL_WORLD_SIZE`, else "
+                                          "`LOCAL_SIZE`)")
     inter_every: int | None = setting(None, type=int, allowed="int ≥ 1",
                                       help="with group `node`: every K'-th step average across the whole group instead")
     dtype: str = setting("fp32", type=str, choices=SYNC_DTYPES,
@@ -167,6 +174,11 @@ class MomentumSyncConfig:
         if dtype not in SYNC_DTYPES:
             raise _err("momentum_sync.dtype", dtype, " | ".join(repr(d) for d in SYNC_DTYPES))
         return cls(schedule, int(every), float(k), until, tuple(layers), group, group_size, inter_every, dtype)
+
+    @property
+    def per_node(self) -> bool:
+        """Averages run inside node subgroups (``group="node"``), with rarer ones across them."""
+        return self.group == "node"
 
 
 @dataclass(frozen=True)
@@ -234,8 +246,8 @@ class LionCubConfig:
                                "bf16/fp16 parameters) for 1/L of them and votes with the same shard of the other "
                                "groups ([node voters](docs/node_voters.md))")
     node_size: int | None = setting(None, type=int, allowed="`None` or an int ≥ 1 dividing N",
-                                    help="ranks per group L. `voters=\"node\"`: `None` = `LOCAL_WORLD_SIZE` (a group "
-                                         "is a node), 1 = flat voting. `voters=\"rank\"`: shards only the fp32 master "
+                                    help="ranks per group L. `voters=\"node\"`: `None` = the ranks per node "
+                                         "(`LOCAL_WORLD_SIZE`, else `LOCAL_SIZE`: a group is a node), 1 = flat voting. `voters=\"rank\"`: shards only the fp32 master "
                                          "of bf16/fp16 parameters over the group (`None`: no master)")
 
     def __post_init__(self):
@@ -316,10 +328,15 @@ class LionCubConfig:
                                      "group='world'")
 
     @property
+    def node_voters(self) -> bool:
+        """One voter per node group (``voters="node"``): the groups shard momentum and masters."""
+        return is_node_voters(self.voters)
+
+    @property
     def shards_in_node(self) -> bool:
         """State sharded inside node groups: node voters, or master-only sharding (voters="rank"
         with node_size > 1: every rank votes, the fp32 master of 16-bit parameters is sharded)."""
-        return self.voters == "node" or (self.node_size or 1) > 1
+        return self.node_voters or (self.node_size or 1) > 1
 
     @property
     def bbit(self) -> tuple[int, str]:

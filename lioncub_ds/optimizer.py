@@ -28,7 +28,7 @@ from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F
 from .lion import check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
 from .groups import Topology, node_size_for, consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
-from .momentum_sync import node_group_size
+from .momentum_sync import sync_group_size
 from .pipeline import StepPlan
 from .telemetry import CommStats
 
@@ -286,10 +286,10 @@ class LionCub(Optimizer):
                                          "than once; allowed: each parameter once (it would be stepped twice)")
             seen.add(id(p))
         if getattr(self, "_plan", None) is not None:
-            if self._topology.node_size > 1:
+            if self._plan.sharding.holds_shards:
                 raise LionCubConfigError("LionCub.add_param_group after the first step is not supported with "
-                                         "node_size > 1 (the shards follow the bucket layout); allowed: add every "
-                                         "group before the first step; nothing was changed")
+                                         f"{self._plan.sharding.describe()} (the shards follow the bucket layout); "
+                                         "allowed: add every group before the first step; nothing was changed")
             if self._plan.pipe.busy:
                 self._plan.pipe.drain()
             self._drop_plan()
@@ -351,49 +351,56 @@ class LionCub(Optimizer):
                 raise RuntimeError("LionCub: this optimizer was unpickled from one that voted over a process group of "
                                    "its own (process groups do not pickle); call set_process_group(group) on every "
                                    "rank before its first step")
+            cfg = self.config
             n = dist.get_world_size(self._process_group)
-            try:
-                size = node_size_for(self.config.voters, self.config.node_size, n)
-            except ValueError as exc:
-                raise LionCubConfigError(str(exc)) from None
+            # The group sizes this rank resolves (from the settings, else the launcher's environment):
+            # each, or this rank's reason it cannot, is agreed with the settings below, so a size that
+            # differs across ranks, or fails on one rank only, gives every rank the same error
+            # naming the setting (never one rank raising alone while the others wait).
+            node_size, node_problem = _resolved(node_size_for, cfg, n)
+            sync_size, sync_problem = _resolved(sync_group_size, cfg, n)
             # one all-gather: the settings that must match do (else LionCubConfigError on every
             # rank); before the N-dependent checks, which would otherwise fail on some ranks only
-            agree_settings(self.config, getattr(self, "param_groups", None) or self._construction_groups,
-                           self._process_group)
-            voters = n // size if self.config.voters == "node" else n
-            check_world_size(self.config, voters)  # N := the voters; before creating anything (the groups below)
-            self._topology = self.resolve_topology(self._process_group)
+            agree_settings(cfg, getattr(self, "param_groups", None) or self._construction_groups,
+                           self._process_group, resolved={"node_size": node_problem or node_size,
+                                                          "momentum_sync.group_size": sync_problem or sync_size})
+            if node_problem or sync_problem:  # the same on every rank (agreed)
+                raise LionCubConfigError(node_problem or sync_problem)
+            voters = n // node_size if cfg.node_voters else n
+            check_world_size(cfg, voters)  # N := the voters; before creating anything (the groups below)
+            self._topology = self.resolve_topology(self._process_group, node_size, sync_size)
         return self._topology
 
-    def resolve_topology(self, group) -> Topology:
+    def resolve_topology(self, group, node_size: int = 1, sync_size: int | None = None) -> Topology:
         """The :class:`~lioncub_ds.groups.Topology` this optimizer votes over: ``group`` (None:
         the world), plus the groups its settings need (a timeout group, a momentum-sync node
-        subgroup), created here collectively: every rank of the world takes part in every group
-        creation, in the same order. An integration that makes its groups elsewhere (Megatron's
-        factory, on every rank) overrides this to return them and create none."""
+        subgroup of ``sync_size`` ranks, the node groups of ``node_size`` ranks), created here
+        collectively: every rank of the world takes part in every group creation, in the same
+        order. The sizes are resolved and agreed once, before (:func:`lioncub_ds.groups.node_size_for`,
+        :func:`lioncub_ds.momentum_sync.sync_group_size`). An integration that makes its groups
+        elsewhere (Megatron's factory, on every rank) overrides this to return them and create none."""
         cfg = self.config
         n = dist.get_world_size(group)
-        size = node_size_for(cfg.voters, cfg.node_size, n)
+        size = node_size
         settle_at_exit()  # a distributed run: let c10d's workers finish before the interpreter's teardown
         ranks = group_ranks(group)
         ms = cfg.momentum_sync
         wanted = []
         if cfg.timeout_s is not None and n > 1:
             wanted.append(ranks)  # the vote group again, with LionCub's timeout
-        if ms is not None and ms.group == "node" and n > 1:
-            pair = node_group_size(ms.group_size, n)
+        if sync_size is not None and n > 1:
             me = dist.get_rank(group)
-            wanted.append(consecutive_blocks(ranks, pair)[me // pair])
+            wanted.append(consecutive_blocks(ranks, sync_size)[me // sync_size])
         if size > 1:  # this rank's node group (consecutive ranks), and for node voters its shard peers
             me = dist.get_rank(group)
             wanted.append(consecutive_blocks(ranks, size)[me // size])
-            if cfg.voters == "node":
+            if cfg.node_voters:
                 wanted.append(ranks[me % size::size])
         created = create_on_all_ranks(wanted, cfg.timeout_s) if wanted else []
         self._created_groups = list(created)
         if cfg.timeout_s is not None and n > 1:
             group = created.pop(0)
-        if size > 1 and cfg.voters == "node":
+        if size > 1 and cfg.node_voters:
             node, peers = created[-2:]
             return Topology(peers, n // size, dist.get_rank(group) // size, None, node, size,
                             dist.get_rank(group) % size, group)
@@ -435,7 +442,7 @@ class LionCub(Optimizer):
         if not self.distributed:
             return None
         t = self._topology
-        return t.full_group if t.node_size > 1 and not t.master_only else t.group
+        return t.full_group if t.node_voters else t.group
 
     @property
     def rank(self) -> int:
@@ -494,19 +501,17 @@ class LionCub(Optimizer):
         out["params"] = sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
         return out
 
-    def _node_layout(self) -> dict | None:
-        """voters="node": what this rank's shards are (saved with them; a load must match it)."""
-        if not self.distributed or self._topology.node_size == 1:
-            return None  # (and no plan is built here: saving or loading must not install hooks)
-        plan = self.plan
-        if plan.nodes is None and plan.masters is None:
+    def _sharding(self):
+        """The step's sharding strategy (lioncub_ds.sharding), or None when not distributed or when
+        no state is sharded (no plan is built then: saving or loading must not install hooks)."""
+        if not self.distributed or not self.config.shards_in_node or self._topology.node_size == 1:
             return None
-        t = self._topology
-        if plan.masters is not None:  # master-only sharding: fp32 master shards only
-            return {"voters": "rank", "node_size": t.node_size, "local_rank": t.local_rank,
-                    "numels": [plan.buckets[i].numel // t.node_size for i in plan.masters.sharded]}
-        return {"voters": t.world_size, "node_size": t.node_size, "local_rank": t.local_rank,
-                "numels": [b.numel for b in plan.buckets]}
+        return self.plan.sharding
+
+    def _node_layout(self) -> dict | None:
+        """Sharded state: what this rank's shards are (saved with them; a load must match it)."""
+        sharding = self._sharding()
+        return sharding.layout() if sharding is not None else None
 
     def state_dict(self):
         sd = super().state_dict()
@@ -684,6 +689,14 @@ class LionCub(Optimizer):
         if not self.distributed:
             return True
         return self.plan.check_replicas(action or self.config.drift_action, self._step_count)
+
+
+def _resolved(resolve, cfg, n):
+    """(value, None) or (None, this rank's error text) of ``resolve(cfg, n)``."""
+    try:
+        return resolve(cfg, n), None
+    except ValueError as exc:
+        return None, str(exc)
 
 
 # The constructor's setting keywords and their defaults: with config=..., none may be given.
