@@ -26,41 +26,16 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from .config import LionCubConfig, LionCubConfigError
+from .config import AGREE_GROUPS, AGREE_LOCAL, AGREE_RANKS, LionCubConfig, LionCubConfigError
 from .lion import lr_value
 
-# What must match, field by field of LionCubConfig (and why). A new field must be added to
-# one of the two tuples: the test of this module checks that they cover every field.
-AGREED_FIELDS = (
-    "vote",            # which vote is computed (and, with 1bit, what its messages carry)
-    "comm",            # which collectives run
-    "quant",           # int8 / b-bit scale: message layout and the scale all-reduce
-    "tie_break",       # what an even-N tie does (and the 1bit/pbit paths it selects)
-    "momentum_sync",   # when and over which groups momenta are averaged (collectives), which layers
-    "momentum_dtype",  # the dtype of the momenta the momentum sync all-reduces; the vote's c
-    "bucket_size_mb",  # the bucket layout: message sizes and which algorithm comm="auto" picks
-    "pbit_bits",       # pbit lane width: message size
-    "vote_bits",       # bbit code width: message size
-    "rounding",        # bbit dither / nearest: what is voted
-    "network",         # comm="auto" picks each bucket's algorithm from it (compared only then)
-    "nonfinite",       # skip on every rank, or raise: one rank raising leaves the others waiting
-    "drift_check_every",  # the drift check is a collective every K steps
-    "drift_action",    # raise, or resync (a broadcast)
-    "timeout_s",       # set or not: a timeout group is created (a world collective); the value
-                       # itself is each rank's own deadline and may differ
-    "comm_bucket_mb",  # communication batches: one collective per phase per batch
-    "overlap",         # the flags ride in a vote message or travel in their own all-reduce
-    "voters",          # flat votes, or node groups that shard and vote across groups (other groups)
-    "node_size",       # the groups' size L: the shard layout and who votes with whom
-)
-# Purely local, not compared:
-LOCAL_FIELDS = (
-    "foreach",                 # the single-process path only (N = 1); same bits either way
-    "momentum_double_buffer",  # where the local pass writes the next momentum; bit-identical
-    "lr", "betas", "weight_decay",  # compared per param group instead (below): groups override them
-)
-# Per param group (torch fills each group's lr / betas / weight_decay from the defaults):
-GROUP_SETTINGS = ("lr", "betas", "weight_decay")  # lr, λ: applied by every rank; β: every rank's vote
+# What must match, field by field of LionCubConfig: each field declares it (``agree=`` and ``why=``
+# in config.py, next to its type, choices and help).
+AGREED_FIELDS = LionCubConfig.agreement(AGREE_RANKS)
+# Compared per param group (torch fills each group's lr / betas / weight_decay from the defaults).
+GROUP_SETTINGS = LionCubConfig.agreement(AGREE_GROUPS)
+# Not compared as settings: purely local ones, and the per-group ones (compared per group instead).
+LOCAL_FIELDS = LionCubConfig.agreement(AGREE_LOCAL) + GROUP_SETTINGS
 # Then the layout ("parameters"): the number of groups, and per parameter its shape, dtype and
 # requires_grad (the buckets, their sizes and their order); "param_names" only where
 # momentum_sync.layers selects parameters by name (elsewhere names are labels, e.g. in errors).
@@ -132,7 +107,7 @@ def agreed_values(cfg: LionCubConfig, groups, resolved: dict | None = None) -> d
         elif name == "timeout_s":
             value = "set" if value is not None else None
         values[name] = value
-    defaults = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
+    defaults = {key: getattr(cfg, key) for key in GROUP_SETTINGS}
     groups = list(groups)
     for key in GROUP_SETTINGS:
         per_group = tuple(_group_value(g, key, defaults[key]) for g in groups)

@@ -23,7 +23,8 @@ from torch.optim import Optimizer
 
 from .agreement import agree_settings
 from .comm.pbit import check_lane_bits
-from .config import LionCubConfig, LionCubConfigError
+from .config import CONSTRUCTOR_ONLY, LionCubConfig, LionCubConfigError
+from .config_text import constructor_doc
 from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
 from .lion import check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
@@ -159,6 +160,11 @@ def _split_named(params):
     return [{"params": ps, "param_names": names}] if names is not None else [{"params": ps}]
 
 
+# The settings' defaults (from LionCubConfig), and those torch.optim takes positionally, in its order.
+_DEFAULTS = LionCubConfig.defaults()
+POSITIONAL = ("lr", "betas", "weight_decay")
+
+
 def _given_config(config, given: set) -> LionCubConfig:
     """``LionCub(params, config=...)``: a validated LionCubConfig, and no setting keyword beside it."""
     if not isinstance(config, LionCubConfig):
@@ -172,68 +178,30 @@ def _given_config(config, given: set) -> LionCubConfig:
 class LionCub(Optimizer):
     """Lion Cub: communication-efficient distributed Lion.
 
-    Args (see README "LionCub arguments" for allowed values and wire bytes):
-        params: tensors, ``named_parameters()`` or param groups (with optional 'param_names').
-        lr, betas, weight_decay: as :class:`lioncub_ds.Lion`.
-        vote: "majority" (Δ = sign of the vote sum) or "average" (Δ = mean of votes).
-        comm: "auto" | "allgather" | "1bit" | "pbit" | "int8" | "bbit".
-        quant: "sign" (1-bit votes) or "l1" | "l0" | "linf" (int8 or b-bit scaled votes).
-        vote_bits, rounding: comm="bbit" only: bits per vote code (1-4, default 2) and "dither"
-            (default: unbiased, a reproducible per-rank stream) or "nearest".
-        tie_break: "hash" (default) | "alternate" | "zero": what an even-N tie does.
-        momentum_sync: None or a dict (every, until, schedule, k, layers, group, group_size, inter_every).
-        process_group: the data-parallel group that votes (default: the world).
-        config: a validated :class:`LionCubConfig` carrying every setting (then no setting keyword
-            may be given): integrations validate once, early, and hand the result over.
-        momentum_dtype: torch.float32 (default) or torch.bfloat16.
-        bucket_size_mb: MB of fp32 parameters per flat bucket (default 25).
-        pbit_bits: force the pbit lane width (1/2/4/8; must satisfy 2**p − 1 >= N).
-        network: {"bandwidth_gbit", "latency_us"} for comm="auto"'s cost model.
-        nonfinite: "skip" (default: every rank skips the step) or "raise".
-        drift_check_every: every K steps compare parameter checksums across ranks (0 = off).
-        drift_action: "raise" or "resync" (broadcast from rank 0, with a warning).
-        timeout_s: collective timeout; a dead rank makes the others fail after this long.
-        foreach: single-process path: None (auto: the fused kernel of the device's backend), True (torch
-            foreach) or False (single tensor); all give the same bits.
-        comm_bucket_mb: MB of packed votes per communication batch: one collective per phase for a
-            whole batch of parameter buckets (default 4).
-        overlap: start each bucket's vote from gradient-ready hooks during backward (like DDP);
-            ``no_sync()`` for gradient accumulation. Bit-identical to overlap=False.
-        voters, node_size: "rank" (every rank votes) or "node": groups of node_size ranks (None:
-            LOCAL_WORLD_SIZE) reduce-scatter their gradients, shard momentum and fp32 masters, and
-            vote across groups (docs/node_voters.md).
-        momentum_double_buffer: +4 bytes per parameter: the local pass writes the next momentum into a
-            second buffer, saving the momentum pass after the vote (sign votes; bit-identical).
+    The settings are the fields of :class:`LionCubConfig` (declared once there, with their
+    types, choices, help and whether they must agree across ranks): ``lr``, ``betas`` and
+    ``weight_decay`` positional or keyword as in torch.optim, every other one a keyword; or
+    ``config=`` a validated LionCubConfig carrying them all (integrations validate once, early).
+    A mistyped keyword is refused with a suggestion. The Args below are made from the fields.
 
     Process groups (the timeout group, node subgroups) are created here, on every rank of the
     world in the same order, when torch.distributed is initialized (else at the first step),
     and again by :meth:`set_process_group`. So every rank must construct its LionCub.
     """
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, vote="majority", comm="auto",
-                 quant="sign", tie_break="hash", momentum_sync=None, process_group=None,
-                 momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
-                 nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
-                 comm_bucket_mb=4.0, overlap=False, momentum_double_buffer=False, vote_bits=None, rounding=None,
-                 voters="rank", node_size=None, config=None, **unknown):
-        # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
-        # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
+    def __init__(self, params, lr=_DEFAULTS["lr"], betas=_DEFAULTS["betas"], weight_decay=_DEFAULTS["weight_decay"], *,
+                 process_group=None, config=None, **settings):
+        # Validate everything before any state exists (LionCubConfig names a mistyped setting).
+        given = {k for k, v in zip(POSITIONAL, (lr, betas, weight_decay)) if v is not _DEFAULTS[k]}
         if config is not None:
-            given = {k for k, v in locals().items() if k in _SETTING_DEFAULTS and v is not _SETTING_DEFAULTS[k]}
-            self.config = _given_config(config, given | set(unknown))
+            self.config = _given_config(config, given | set(settings))
             self._setup(params, config.lr, process_group)
             return
+        if "network" in settings and settings["network"] is None:
+            del settings["network"]  # None: the default network
         lr_given = lr  # a 1-element tensor lr stays in the param groups (schedulers fill it in place)
-        settings = dict(lr=lr_value(lr, "LionCub"), betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
-                        tie_break=tie_break, momentum_sync=momentum_sync, momentum_dtype=momentum_dtype,
-                        bucket_size_mb=bucket_size_mb, pbit_bits=pbit_bits, nonfinite=nonfinite,
-                        drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
-                        foreach=foreach, comm_bucket_mb=comm_bucket_mb, overlap=overlap,
-                        momentum_double_buffer=momentum_double_buffer, vote_bits=vote_bits, rounding=rounding,
-                        voters=voters, node_size=node_size, **unknown)
-        if network is not None:
-            settings["network"] = network
-        self.config = LionCubConfig.from_kwargs(**settings)
+        self.config = LionCubConfig.from_kwargs(lr=lr_value(lr, "LionCub"), betas=betas, weight_decay=weight_decay,
+                                                **settings)
         self._setup(params, lr_given, process_group)
 
     def _setup(self, params, lr_given, process_group):
@@ -699,6 +667,16 @@ def _resolved(resolve, cfg, n):
         return None, str(exc)
 
 
-# The constructor's setting keywords and their defaults: with config=..., none may be given.
-_SETTING_DEFAULTS = {k: p.default for k, p in inspect.signature(LionCub.__init__).parameters.items()
-                     if k in LionCubConfig.keys()}
+def _constructor_signature() -> inspect.Signature:
+    """LionCub.__init__'s signature as help() and inspect show it: made from the settings, so the
+    constructor's keywords cannot drift from LionCubConfig."""
+    P = inspect.Parameter
+    out = [P("self", P.POSITIONAL_OR_KEYWORD), P("params", P.POSITIONAL_OR_KEYWORD)]
+    out += [P(k, P.POSITIONAL_OR_KEYWORD, default=_DEFAULTS[k]) for k in POSITIONAL]
+    out += [P(k, P.KEYWORD_ONLY, default=_DEFAULTS[k]) for k in LionCubConfig.keys() if k not in POSITIONAL]
+    out += [P(k, P.KEYWORD_ONLY, default=None) for k in CONSTRUCTOR_ONLY]
+    return inspect.Signature(out)
+
+
+LionCub.__init__.__signature__ = _constructor_signature()
+LionCub.__doc__ = LionCub.__doc__.rstrip() + "\n\n" + constructor_doc(POSITIONAL)
