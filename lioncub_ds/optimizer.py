@@ -26,7 +26,7 @@ from .comm.pbit import check_lane_bits
 from .config import CONSTRUCTOR_ONLY, LionCubConfig, LionCubConfigError
 from .config_text import constructor_doc
 from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
-from .lion import check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
+from .lion import call_closure, check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
 from .groups import Topology, node_size_for, consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
 from .momentum_sync import sync_group_size
@@ -544,10 +544,7 @@ class LionCub(Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = call_closure(closure)
         if not self.distributed:
             self._local_lion_step()
             return loss
