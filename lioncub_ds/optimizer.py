@@ -524,10 +524,12 @@ class LionCub(Optimizer):
         if node is None and mine is None:
             return None
         if node is None or mine is None:
+            sharding = self._sharding()
+            here = sharding.describe() if sharding is not None else _saved_description(None)
             raise LionCubConfigError(
-                "LionCub.load_state_dict: the state was saved with voters=" + ("'rank'" if node is None else "'node'") +
-                " but this optimizer has voters=" + ("'node'" if mine is not None else "'rank'") + "; allowed: load "
-                "with the voters setting it was saved with; no state was changed")
+                f"LionCub.load_state_dict: the state was saved with {_saved_description(node)} but this optimizer "
+                f"has {here}; allowed: load with the voters and node_size settings it was saved with; no state was "
+                "changed")
         saved = {k: node.get(k) for k in mine}
         if saved != mine:
             raise LionCubConfigError(
@@ -662,6 +664,16 @@ def _resolved(resolve, cfg, n):
         return resolve(cfg, n), None
     except ValueError as exc:
         return None, str(exc)
+
+
+def _saved_description(node: dict | None) -> str:
+    """The sharding a saved state dict's ``lioncub.node`` entry was written by, in settings' words."""
+    if node is None:
+        return "no sharded state (flat voting: voters='rank' without node_size, or node_size=1)"
+    if node.get("voters") == "rank":
+        return (f"voters='rank' with node_size={node.get('node_size')} (master-only sharding: fp32 master shards of "
+                f"16-bit parameters)")
+    return f"voters='node' with node_size={node.get('node_size')} ({node.get('voters')} node groups voting)"
 
 
 def _constructor_signature() -> inspect.Signature:

@@ -79,6 +79,18 @@ def keep_pieces(flat, pieces, ids) -> list:
     return [(flat, at, flat[at:at + length].clone()) for q, _, length, at in pieces if id(q) in ids]
 
 
+def reconcile_master(flat, pieces) -> None:
+    """After the parameters were re-synchronized (``check_replicas(action="resync")``): each
+    element of the fp32 master shard ``flat`` that still rounds to its (re-synchronized) 16-bit
+    parameter keeps its exact fp32 value; an element that does not (this rank's parameter was
+    overwritten) takes the parameter's value. A rank whose parameters were perturbed and resynced
+    thus continues exactly like a rank that never drifted."""
+    for p, start, length, at in pieces:
+        value = p.detach().reshape(-1)[start:start + length]
+        master = flat[at:at + length]
+        master.copy_(torch.where(master.to(value.dtype) == value, master, value.to(master.dtype)))
+
+
 def gather_into_params(coll, buckets, shards) -> None:
     """All-gather every bucket's shard inside the group (in the parameters' dtype) and copy the
     whole bucket into its parameters."""
@@ -228,10 +240,11 @@ class _MasterShardsMixin:
         raise NotImplementedError
 
     def after_resync(self) -> None:
-        """The parameters were broadcast from rank 0: the master shards hold this rank's old
-        values; the next step makes them again from the re-synchronized parameters (else it would
-        undo the resync)."""
-        self.store.drop_masters()
+        """The parameters were broadcast from rank 0: every master element that no longer rounds
+        to its parameter takes the parameter's value; the others stay exact (never re-made from
+        the 16-bit values, which would make a resynced run depart from one that never drifted)."""
+        for flat, pieces in self.master_pieces():
+            reconcile_master(flat, pieces)
 
 
 class MasterOnly(_MasterShardsMixin, Flat):
