@@ -344,7 +344,7 @@ class SimLionCub:
         """Intra-node bytes one rank sends per step (node voters): per bucket the reduce-scatter
         (an all_to_all of the fp32 flat bucket) and the all-gather of the updated shards (in the
         parameters' dtype), plus the all-reduce of the flags inside the node."""
-        from lioncub_ds.pipeline import FLAG_HEAD
+        from lioncub_ds.flags import FLAG_HEAD
         from lioncub_ds.telemetry import ring_bytes
 
         L = self.node_size
@@ -367,11 +367,11 @@ class SimLionCub:
         from lioncub_ds.comm import make_algorithm
         from lioncub_ds.comm.abstain import list_capacity, real_mask
         from lioncub_ds.layout import next_abstain_mode
-        from lioncub_ds.pipeline import flag_bytes
+        from lioncub_ds.flags import flag_bytes
 
         cfg, n = self.cfg, self.n
         step = self.step_count + 1
-        # the control flags (int32, pipeline.flag_bytes): carried in the first phase of 1bit /
+        # the control flags (int32, flags.flag_bytes): carried in the first phase of 1bit /
         # allgather (LionCub without overlap), else their own all-reduce
         control = {name: flag_bytes(len(self.buckets), n, not cfg.overlap and make_algorithm(name).carries_flags)
                    for name in ("allgather", "pbit", "1bit", "int8", "bbit")}
