@@ -31,6 +31,7 @@ from .lion import lion as lion_functional
 from .groups import Topology, node_size_for, consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
 from .momentum_sync import sync_group_size
 from .pipeline import StepPlan
+from .sharding import describe_layout
 from .telemetry import CommStats
 
 log = logging.getLogger("lioncub_ds")
@@ -256,8 +257,9 @@ class LionCub(Optimizer):
         if getattr(self, "_plan", None) is not None:
             if self._plan.sharding.holds_shards:
                 raise LionCubConfigError("LionCub.add_param_group after the first step is not supported with "
-                                         f"{self._plan.sharding.describe()} (the shards follow the bucket layout); "
-                                         "allowed: add every group before the first step; nothing was changed")
+                                         f"{describe_layout(self._plan.sharding.layout())} (the shards follow "
+                                         "the bucket layout); allowed: add every group before the first step; "
+                                         "nothing was changed")
             if self._plan.pipe.busy:
                 self._plan.pipe.drain()
             self._drop_plan()
@@ -524,11 +526,9 @@ class LionCub(Optimizer):
         if node is None and mine is None:
             return None
         if node is None or mine is None:
-            sharding = self._sharding()
-            here = sharding.describe() if sharding is not None else _saved_description(None)
             raise LionCubConfigError(
-                f"LionCub.load_state_dict: the state was saved with {_saved_description(node)} but this optimizer "
-                f"has {here}; allowed: load with the voters and node_size settings it was saved with; no state was "
+                f"LionCub.load_state_dict: the state was saved with {describe_layout(node)} but this optimizer "
+                f"has {describe_layout(mine)}; allowed: load with the voters and node_size settings it was saved with; no state was "
                 "changed")
         saved = {k: node.get(k) for k in mine}
         if saved != mine:
@@ -664,16 +664,6 @@ def _resolved(resolve, cfg, n):
         return resolve(cfg, n), None
     except ValueError as exc:
         return None, str(exc)
-
-
-def _saved_description(node: dict | None) -> str:
-    """The sharding a saved state dict's ``lioncub.node`` entry was written by, in settings' words."""
-    if node is None:
-        return "no sharded state (flat voting: voters='rank' without node_size, or node_size=1)"
-    if node.get("voters") == "rank":
-        return (f"voters='rank' with node_size={node.get('node_size')} (master-only sharding: fp32 master shards of "
-                f"16-bit parameters)")
-    return f"voters='node' with node_size={node.get('node_size')} ({node.get('voters')} node groups voting)"
 
 
 def _constructor_signature() -> inspect.Signature:

@@ -191,11 +191,9 @@ class Flat:
         return [self.store.get(p) for p in selected]
 
     def layout(self) -> dict | None:
-        """What this rank's saved shards are (a load must match it); None: no shards."""
+        """What this rank's saved shards are (a load must match it; :func:`describe_layout` says it
+        in words); None: no shards."""
         return None
-
-    def describe(self) -> str:
-        return "voters='rank' without node_size (flat: every rank holds every momentum and parameter)"
 
     def after_resync(self) -> None:
         """The parameters were just broadcast from rank 0 (nothing else derives from them here)."""
@@ -283,10 +281,6 @@ class MasterOnly(_MasterShardsMixin, Flat):
     def layout(self) -> dict:
         return {"voters": "rank", "node_size": self.size, "local_rank": self.local_rank,
                 "numels": [self.buckets[i].numel // self.size for i in self.sharded]}
-
-    def describe(self) -> str:
-        return (f"voters='rank' with node_size={self.size} (master-only sharding: the fp32 master of 16-bit "
-                f"parameters sharded over node groups of {self.size} ranks)")
 
     def redirect(self, i: int, job) -> None:
         """Point bucket ``i``'s apply at this rank's master shard (after the vote is counted)."""
@@ -443,10 +437,6 @@ class NodeVoters(_MasterShardsMixin):
         return {"voters": self.topology.world_size, "node_size": self.size, "local_rank": self.local_rank,
                 "numels": [b.numel for b in self.buckets]}
 
-    def describe(self) -> str:
-        return (f"voters='node' with node_size={self.size} ({self.topology.world_size} node groups voting; "
-                "momentum and fp32 master sharded)")
-
     # ------------------------------------------------------------------ how it finishes
     def redirect(self, i: int, job) -> None:
         """The shard bucket's parameters are the work buffer already."""
@@ -462,6 +452,16 @@ class NodeVoters(_MasterShardsMixin):
         self.grads, self.work = [], []
         for sb in self.buckets:
             sb.params = []
+
+
+def describe_layout(layout: dict | None) -> str:
+    """A strategy's :meth:`layout` (as saved with its shards, or None: no shards) in the settings' words."""
+    if layout is None:
+        return "no sharded state (flat voting: voters='rank' without node_size, or node_size=1)"
+    if layout.get("voters") == "rank":
+        return (f"voters='rank' with node_size={layout.get('node_size')} (master-only sharding: fp32 master shards "
+                "of 16-bit parameters)")
+    return f"voters='node' with node_size={layout.get('node_size')} ({layout.get('voters')} node groups voting)"
 
 
 def make_sharding(opt, topology):
