@@ -351,18 +351,12 @@ class SimLionCub:
         return out
 
     def _node_bytes(self):
-        """Intra-node bytes one rank sends per step (node voters): per bucket the reduce-scatter
-        (an all_to_all of the fp32 flat bucket) and the all-gather of the updated shards (in the
-        parameters' dtype), plus the all-reduce of the flags inside the node."""
-        from lioncub_ds.flags import FLAG_HEAD
-        from lioncub_ds.telemetry import ring_bytes
+        """Intra-node bytes one rank sends per step (node voters): the real step's
+        (:func:`lioncub_ds.sharding.node_group_bytes`; gradients and parameters in the parameters' dtype)."""
+        from lioncub_ds.sharding import node_group_bytes
 
-        L = self.node_size
-        out = ring_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(self.buckets)), L)
-        for b in self.buckets:
-            out += ring_bytes("all_to_all", 4 * b.numel, L)
-            out += ring_bytes("all_gather", b.params[0].element_size() * b.numel, L)
-        return out
+        return node_group_bytes([(b.numel, b.params[0].element_size(), b.params[0].element_size())
+                                 for b in self.buckets], self.node_size)
 
     @torch.no_grad()
     def step(self, grads):
@@ -652,6 +646,32 @@ class WorkerGrads:
         for _, p in self.named:
             p.grad = None
         return grads
+
+
+def grads_speed(cfg, n, ds, modes=GRADS, repeats=3, steps=20, seed=0):
+    """Seconds per step of each gradient mode on the same model and batches, the modes interleaved
+    (``repeats`` rounds of ``steps`` steps each; a compiled mode's first call, the compilation, is
+    timed apart). -> records {mode, s_per_step (median of the rounds), compile_s, speedup_vs_loop}."""
+    model = build_model_for(cfg, seed)
+    fns = {m: WorkerGrads(model, dict(cfg, grads=m)) for m in modes}
+    batches = [[ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], i, n, step=t, seed=seed) for i in range(n)]
+               for t in range(steps)]
+    first = {}
+    for m, fn in fns.items():  # warm-up (and compilation) outside the timed rounds
+        t0 = time.perf_counter()
+        fn(batches[0])
+        first[m] = time.perf_counter() - t0
+    times = {m: [] for m in modes}
+    for _ in range(repeats):
+        for m, fn in fns.items():
+            t0 = time.perf_counter()
+            for b in batches:
+                fn(b)
+            times[m].append((time.perf_counter() - t0) / steps)
+    med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+    return [{"bench": "converge_grads_speed", "mode": m, "world_size": n, "batch_size": cfg["batch_size"],
+             "d_model": cfg["d_model"], "s_per_step": med[m], "rounds_s": times[m], "first_call_s": first[m],
+             "speedup_vs_loop": med.get("loop", float("nan")) / med[m]} for m in modes]
 
 
 # ----------------------------------------------------------------------------- one training run
@@ -1177,6 +1197,9 @@ def build_parser():
     p.add_argument("--partial", default=None, metavar="JSONL",
                    help="append each finished run's records here as it completes (a stopped study keeps them; "
                         "--merge reads .jsonl)")
+    p.add_argument("--grads-speed", action="store_true",
+                   help="no training: time each --grads mode side by side (interleaved rounds) on the preset's model "
+                        "and batches at each --world-sizes N, and report the speed-up over the exact loop")
     p.add_argument("--trend", nargs="+", default=None, metavar="JSON",
                    help="no training: the paired gap per preset from several studies' JSON / JSONL files (each at "
                         "one per-worker batch and width), as a table and a plot against the batch (--out)")
@@ -1299,6 +1322,15 @@ def main(argv=None) -> int:
                extra_md=markdown_table(summary) + "\n" + "\n".join("- " + m for m in check_goal(summary)) + "\n")
         return 0
     kw = dict(args.settings)
+    if args.grads_speed:
+        cfg = make_cfg(**kw)
+        torch.set_num_threads(cfg["threads"])
+        recs = [r for n in args.world_sizes for r in grads_speed(cfg, n, _load(cfg))]
+        print_table(recs, [("world_size", "N"), ("mode", "grads"), ("s_per_step", "s / step", ".4f"),
+                           ("first_call_s", "first call s", ".1f"), ("speedup_vs_loop", "speed-up vs loop", ".2f")],
+                    title=f"[bench converge] the N workers' gradients, {cfg['batch_size']} sequences per worker")
+        finish(NAME, args, recs)
+        return 0
     cfg = make_cfg(**kw)
     torch.set_num_threads(cfg["threads"])
     ds = _load(cfg)

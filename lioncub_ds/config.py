@@ -208,7 +208,8 @@ class LionCubConfig:
                         agree=AGREE_RANKS, why="which vote is computed (and, with 1bit, what its messages carry)")
     comm: str = setting("auto", type=str, choices=COMM_ALGORITHMS,
                         help="vote collective ([below](#communication-algorithms-and-wire-bytes)); `auto`: per bucket the "
-                             "cheapest exact sign algorithm by the α-β model (`int8` with a scaled `quant`)",
+                             "cheapest exact sign algorithm by the α-β model (`int8` with a scaled `quant`); `int8` and "
+                             "`bbit` need quant `l1`, `l0` or `linf`",
                         agree=AGREE_RANKS, why="which collectives run")
     quant: str = setting("sign", type=str, choices=QUANTS,
                          help="1-bit signs, or scaled votes with that per-tensor scale (`int8` and `bbit` only)",

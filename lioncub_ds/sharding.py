@@ -52,6 +52,7 @@ import torch
 from .comm import Collectives
 from .flags import FLAG_HEAD
 from .layout import Bucket, build_buckets
+from .telemetry import ring_bytes
 
 
 # ----------------------------------------------------------------------------- shard pieces
@@ -100,6 +101,19 @@ def gather_into_params(coll, buckets, shards) -> None:
         full = pend.wait().reshape(-1)
         for p, off in zip(b.params, b.offsets):
             p.detach().copy_(full[off:off + p.numel()].view_as(p))
+
+
+def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int) -> int:
+    """Bytes one rank sends per step inside its node group with node voters (the ``intra_node``
+    scope of ``comm_stats``): per full bucket of ``(padded numel, gradient itemsize, parameter
+    itemsize)`` the reduce-scatter (an all_to_all of the gradients in their dtype) and the
+    all-gather of the updated shards (in the parameters' dtype), plus the all-reduce of the step's
+    unpacked int32 flags (:meth:`NodeVoters.agree`)."""
+    out = ring_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(buckets)), node_size)
+    for numel, grad_size, param_size in buckets:
+        out += ring_bytes("all_to_all", grad_size * numel, node_size)
+        out += ring_bytes("all_gather", param_size * numel, node_size)
+    return out
 
 
 def grad_problem(b) -> str | None:
