@@ -1,7 +1,8 @@
-"""The step's flag vector: what each rank reports, how it is packed for the wire, and the hash
-of the step's hyper-parameters. Summed over every rank of the step, it is what every decision
-that must be the same everywhere is taken from (:mod:`lioncub_ds.pipeline`), and the step's one
-host read (after the sharding strategy has summed it over every rank: :mod:`lioncub_ds.sharding`).
+"""The step's flag vector: what each rank reports, how it is packed for the wire (for every rank
+of the step), and the hash of the step's hyper-parameters. Summed over every rank of the step
+(the vote group's sum, then the sharding strategy's, on the device: :mod:`lioncub_ds.sharding`),
+it is the step's one host read, and every decision that must be the same everywhere is taken
+from it (:mod:`lioncub_ds.pipeline`).
 """
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def flag_words(n_buckets: int, world_size: int) -> int:
     return 1 + (FLAG_HEAD - 1 + 2 * n_buckets + lanes - 1) // lanes
 
 
+def flag_head_words(world_size: int) -> int:
+    """The packed words that hold the step-wide head (the per-bucket entries follow, word-aligned:
+    FLAG_HEAD - 1 is even)."""
+    return 1 + (FLAG_HEAD - 1) // (2 if world_size < PACKED_BELOW else 1)
+
+
 def pack_flags(logical: torch.Tensor, world_size: int) -> torch.Tensor:
     """The flag vector as sent: the non-finite value count, then the rank counts two per word."""
     count = logical[NONFINITE_VALUES:NONFINITE_VALUES + 1]
@@ -54,19 +61,13 @@ def pack_flags(logical: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.cat([count, pairs[:, 0] + pairs[:, 1] * 65536])
 
 
-def unpack_flag_tensor(words: torch.Tensor, n_buckets: int, world_size: int) -> torch.Tensor:
-    """The summed packed words -> the logical flag vector (indices as named above), on the words'
-    device (no host read)."""
-    count, rest = words[:1], words[1:]
-    if world_size < PACKED_BELOW:
-        rest = torch.stack([rest & 0xFFFF, rest >> 16], dim=1).reshape(-1)
-    rest = rest[:FLAG_HEAD - 1 + 2 * n_buckets]
-    return torch.cat([rest[:NONFINITE_VALUES], count, rest[NONFINITE_VALUES:]])
-
-
 def unpack_flags(words: list, n_buckets: int, world_size: int) -> list:
-    """:func:`unpack_flag_tensor` of host values."""
-    return unpack_flag_tensor(torch.tensor(words, dtype=torch.int64), n_buckets, world_size).tolist()
+    """The summed packed words -> the logical flag list (indices as named above)."""
+    count, rest = words[0], words[1:]
+    if world_size < PACKED_BELOW:
+        rest = [x for w in rest for x in (w & 0xFFFF, w >> 16)]
+    rest = rest[:FLAG_HEAD - 1 + 2 * n_buckets]
+    return rest[:NONFINITE_VALUES] + [count] + rest[NONFINITE_VALUES:]
 
 
 def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:

@@ -42,7 +42,7 @@ from .comm import Collectives, VoteJob
 from .errors import ReplicaDriftError, StepInputError
 from .flags import (CHANGED_RANKS, FLAG_HEAD, MISSING_RANKS, NONFINITE_RANKS, NONFINITE_VALUES, UNUSABLE_RANKS,
                     flag_words, host_values_on, hyper_bits, hyper_disagree, hyper_values, pack_flags,
-                    unpack_flag_tensor)
+                    unpack_flags)
 from .kernels.reference import dither_seed, int8_levels
 from .layout import assign_algorithms, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
@@ -139,8 +139,9 @@ class StepPlan:
     def _agreed_flags(self, frozen_error: str | None, changed: bool):
         """The step's flags summed over every rank of the step, as a host list (the step's one host
         read), and this rank's input error."""
-        flags, input_error = self.pipe.finish(frozen_error, changed)
-        return self.sharding.agree(flags).tolist(), input_error
+        words, input_error = self.pipe.finish(frozen_error, changed)
+        words = self.sharding.agree(words).tolist()  # the one host read of the step
+        return unpack_flags(words, len(self.buckets), self.ranks), input_error
 
     # ------------------------------------------------------------------ the step
     def _frozen_param_error(self) -> str | None:
@@ -453,7 +454,8 @@ class VotePipeline:
         """Launch what is left and sum the flags over the vote group (carried by the last batch's
         phase 1, or their own all-reduce).
 
-        Returns (the logical flag vector on the device, this rank's input error or None); raises
+        Returns (the summed flag words on the device, packed for every rank of the step: with node
+        voters or instances the sums go on over them; this rank's input error or None); raises
         nothing itself: the caller agrees on them over every rank of the step (the sharding) and
         reads them (the step's one host read)."""
         plan = self.plan
@@ -461,14 +463,13 @@ class VotePipeline:
         if self.flags_carried:  # they came with the last batch's phase 1
             last = len(plan.batches) - 1
             algorithm = plan.buckets[plan.batches[last][0]].algorithm
-            width = flag_words(len(self.local), plan.world_size)
+            width = flag_words(len(self.local), plan.ranks)
             rows = algorithm.flag_rows(self.launched[last], width)
-            words = rows.sum(0, dtype=torch.int64)
-            return unpack_flag_tensor(words, len(self.local), plan.world_size), self.carried_error
+            return rows.sum(0, dtype=torch.int64), self.carried_error
         error = frozen_error or self.error
         flags = self._own_flags(error, changed)
         plan.coll.all_reduce_(flags, "control")
-        return unpack_flag_tensor(flags, len(self.local), plan.world_size), error
+        return flags, error
 
     def _own_flags(self, error, changed: bool) -> torch.Tensor:
         """This rank's flag vector (int32, on the device; summed over ranks it is the step's flags)."""
@@ -483,7 +484,8 @@ class VotePipeline:
         host = host_values_on(host, dev)
         head = torch.cat([(nonfinite > 0).to(torch.int32).reshape(1), host[:1], nonfinite.to(torch.int32).reshape(1),
                           host[1:]])
-        return pack_flags(torch.cat([head] + [loc.flags.to(dev) for loc in self.local]), plan.world_size)
+        # packed for every rank of the step: with node voters or instances the sums go on over them
+        return pack_flags(torch.cat([head] + [loc.flags.to(dev) for loc in self.local]), plan.ranks)
 
     def idle_everywhere(self, flags) -> list:
         """The voting parameters that have no gradient on ANY rank this step (Lion leaves such a

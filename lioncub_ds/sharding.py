@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Collectives
-from .flags import FLAG_HEAD
+from .flags import flag_head_words, flag_words
 from .layout import Bucket, build_buckets
 from .telemetry import ring_bytes
 
@@ -103,13 +103,13 @@ def gather_into_params(coll, buckets, shards) -> None:
             p.detach().copy_(full[off:off + p.numel()].view_as(p))
 
 
-def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int) -> int:
+def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int, ranks: int = 2) -> int:
     """Bytes one rank sends per step inside its node group with node voters (the ``intra_node``
     scope of ``comm_stats``): per full bucket of ``(padded numel, gradient itemsize, parameter
     itemsize)`` the reduce-scatter (an all_to_all of the gradients in their dtype) and the
     all-gather of the updated shards (in the parameters' dtype), plus the all-reduce of the step's
-    unpacked int32 flags (:meth:`NodeVoters.agree`)."""
-    out = ring_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(buckets)), node_size)
+    packed flag words as int64 (:meth:`NodeVoters.agree`; ``ranks``: every rank of the step)."""
+    out = ring_bytes("all_reduce", 8 * flag_words(len(buckets), ranks), node_size)
     for numel, grad_size, param_size in buckets:
         out += ring_bytes("all_to_all", grad_size * numel, node_size)
         out += ring_bytes("all_gather", param_size * numel, node_size)
@@ -180,11 +180,11 @@ class Flat:
         return self.full[i].real_numel, self.topology.world_size
 
     # ------------------------------------------------------------------ agreement
-    def agree(self, flags: torch.Tensor) -> torch.Tensor:
-        """The step's flags (logical int32 vector on the device, already summed over the vote
-        group) summed over every rank of the step. On the device: the step's one host read
-        comes after."""
-        return flags
+    def agree(self, words: torch.Tensor) -> torch.Tensor:
+        """The step's flag words (packed for every rank of the step, on the device, already summed
+        over the vote group) summed over every rank of the step, still on the device: the step's
+        one host read comes after."""
+        return words
 
     def count_everywhere(self, counts: torch.Tensor) -> None:
         """Sum per-parameter counts (of :attr:`full`'s parameters) over every rank that holds them."""
@@ -236,12 +236,14 @@ class Instances(Flat):
         self.world_coll = Collectives(topology.full_group, opt.stats, cfg.timeout_s)
         self.agree_coll = Collectives(topology.agree_group, opt.stats, cfg.timeout_s, scope="intra_node")
 
-    def agree(self, flags: torch.Tensor) -> torch.Tensor:
+    def agree(self, words: torch.Tensor) -> torch.Tensor:
         """Only the step-wide head is summed over the instance: the per-bucket entries belong to
-        this rank's shard layout, which its shard peers share but its instance peers do not."""
-        head = flags[:FLAG_HEAD].to(torch.int32, copy=True)
+        this rank's shard layout, which its shard peers share but its instance peers do not. In
+        int64: the non-finite count (2**20 per rank at most) grows with every rank summed."""
+        words = words.to(torch.int64)
+        head = words[:flag_head_words(self.topology.ranks)]  # a prefix: reduced in place
         self.agree_coll.all_reduce_(head, "instance_flags")
-        return torch.cat([head, flags[FLAG_HEAD:].to(torch.int32)])
+        return words
 
 
 class _MasterShardsMixin:
@@ -410,12 +412,12 @@ class NodeVoters(_MasterShardsMixin):
         return self.full[i].real_numel, self.topology.ranks
 
     # ------------------------------------------------------------------ agreement
-    def agree(self, flags: torch.Tensor) -> torch.Tensor:
-        """The flags summed over the shard peers, then over the node group: every rank of the step
-        decides from the same sums."""
-        flags = flags.to(torch.int32)
-        self.node_coll.all_reduce_(flags, "node_flags")
-        return flags
+    def agree(self, words: torch.Tensor) -> torch.Tensor:
+        """The flag words summed over the shard peers, then over the node group (every rank of the
+        step decides from the same sums), in int64: the non-finite count grows with every rank."""
+        words = words.to(torch.int64)
+        self.node_coll.all_reduce_(words, "node_flags")
+        return words
 
     def count_everywhere(self, counts: torch.Tensor) -> None:
         self.coll.all_reduce_(counts, "missing_grads")  # the shard peers' sum, then the node group's

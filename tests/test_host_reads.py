@@ -62,12 +62,12 @@ def test_every_sharding_mode_reads_the_host_once_per_step():
 def test_the_counter_sees_reads_from_lioncub_code_only():
     """The counter is only as good as what it sees: a read in lioncub_ds code is counted, with its
     place; a read in the test itself or in the kernels is not."""
-    from lioncub_ds.flags import unpack_flags
     from lioncub_ds.kernels import reference
+    from lioncub_ds.lion import lr_value
     with host_reads.counting() as reads:
-        unpack_flags([0] * 8, 1, 4)        # lioncub_ds/flags.py reads its own tensor: counted
+        lr_value(torch.tensor([0.5]))      # lioncub_ds/lion.py reads a tensor lr: counted
         torch.ones(3).tolist()             # this test: not counted
         bool(torch.ones(1))
-        reference.tie_hash_sign(1, torch.arange(5)).tolist()  # (the call's own read is the test's)
-    assert [(m, w.split(":")[0]) for m, w, _ in reads] == [("tolist", "flags.py")], reads
+        reference.scale_rows(torch.ones(2, 3), "linf")  # the kernels read: not counted
+    assert [(m, w.split(":")[0]) for m, w, _ in reads] == [("__float__", "lion.py")], reads
     assert not any(name in torch.Tensor.__dict__ for name in host_reads.READS)  # restored as they were
