@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from .agreement import agree_settings
+from .checkpoint import layout_text, same_layout
 from .comm.pbit import check_lane_bits
 from .config import LionCubConfig, LionCubConfigError
 from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
@@ -502,17 +503,37 @@ class LionCub(Optimizer):
         if plan.nodes is None and plan.masters is None:
             return None
         t = self._topology
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+        def members(bucket):  # [parameter index, offset] of every parameter in the full bucket
+            return [[index[id(p)], off] for p, off in zip(bucket.params, bucket.offsets)]
+
         if plan.masters is not None:  # master-only sharding: fp32 master shards only
             return {"voters": "rank", "node_size": t.node_size, "local_rank": t.local_rank,
-                    "numels": [plan.buckets[i].numel // t.node_size for i in plan.masters.sharded]}
+                    "numels": [plan.buckets[i].numel // t.node_size for i in plan.masters.sharded],
+                    "map": {i: members(plan.buckets[i]) for i in plan.masters.sharded},
+                    "masters": list(plan.masters.sharded)}
+        full = plan.nodes.full
         return {"voters": t.world_size, "node_size": t.node_size, "local_rank": t.local_rank,
-                "numels": [b.numel for b in plan.buckets]}
+                "numels": [b.numel for b in plan.buckets], "map": {i: members(b) for i, b in enumerate(full)},
+                "masters": [i for i in range(len(full)) if plan.nodes.low_precision(i)]}
+
+    def state_layout(self) -> dict:
+        """What this rank's optimizer state is a piece of, without its tensors (what
+        :mod:`lioncub_ds.checkpoint` reshards by; ``state_dict()["lioncub"]`` carries the same keys).
+        ``{"node": None}`` when every rank holds a momentum per parameter (flat voting); with
+        voters="node" or master-only sharding ``"node"`` is the layout of its shards: ``voters``
+        (Nn, or "rank" for master-only sharding), ``node_size`` L, ``local_rank``, ``numels`` (the
+        shard sizes), ``map`` (per bucket index, the [parameter index, offset] of each parameter in
+        the full bucket, whose shard ``local_rank`` of L equal shards this rank holds) and
+        ``masters`` (the buckets with fp32 master shards)."""
+        return {"node": self._node_layout()}
 
     def state_dict(self):
         sd = super().state_dict()
         sd["lioncub"] = {"format": STATE_FORMAT, "step": self._step_count, "skipped_steps": self._skipped_steps,
                          "world_size": self.world_size, "rank": self.rank, "comm_stats": self.stats.state_dict()}
-        layout = self._node_layout()
+        layout = self.state_layout()["node"]
         if layout is not None:  # this rank's shards (a per-rank checkpoint file holds them)
             sh = self.momenta.shards
             sd["lioncub"]["node"] = dict(layout, momentum={i: t.clone() for i, t in sh["momentum"].items()},
@@ -534,10 +555,12 @@ class LionCub(Optimizer):
                     "changed")
         super().load_state_dict(state_dict)
         restore_momenta(self, saved, self.config.momentum_dtype)
-        if node is not None:
-            self.momenta.shards = {"momentum": {int(i): t.to(self.config.momentum_dtype).clone()
-                                                for i, t in node["momentum"].items()},
-                                   "master": {int(i): t.float().clone() for i, t in node["master"].items()}}
+        if node is not None:  # on the parameters' device (a file is read to the CPU)
+            device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+            self.momenta.shards = {
+                "momentum": {int(i): t.to(device=device, dtype=self.config.momentum_dtype).clone()
+                             for i, t in node["momentum"].items()},
+                "master": {int(i): t.to(device=device, dtype=torch.float32).clone() for i, t in node["master"].items()}}
         if extra is not None:
             self._step_count = int(extra.get("step", 0))
             self._skipped_steps = int(extra.get("skipped_steps", 0))
@@ -545,23 +568,21 @@ class LionCub(Optimizer):
                 self.stats.load_state_dict(extra["comm_stats"])
 
     def _check_node_state(self, node):
-        """The saved shards must be this rank's shards of this layout (same Nn, L, local rank and
-        bucket sizes): resharding is not supported. Raises before anything is loaded."""
+        """The saved shards must be this rank's shards of this layout (same Nn or master-only
+        sharding, L, local rank, bucket sizes and parameters in them). Raises before anything is
+        loaded; :func:`lioncub_ds.checkpoint.load` reshards per-rank files of another layout."""
         mine = self._node_layout()
-        if node is None and mine is None:
-            return None
-        if node is None or mine is None:
-            raise LionCubConfigError(
-                "LionCub.load_state_dict: the state was saved with voters=" + ("'rank'" if node is None else "'node'") +
-                " but this optimizer has voters=" + ("'node'" if mine is not None else "'rank'") + "; allowed: load "
-                "with the voters setting it was saved with; no state was changed")
-        saved = {k: node.get(k) for k in mine}
-        if saved != mine:
-            raise LionCubConfigError(
-                f"LionCub.load_state_dict: the momentum shards were saved for {saved}, this rank has {mine}; "
-                "allowed: resume with the same node_size, number of node groups and ranks (resharding node-voter "
-                "state is not supported); no state was changed")
-        return node
+        if same_layout({"node": node}, {"node": mine}):
+            return node
+        where = ""
+        if node is not None and mine is not None and all(node.get(k) == mine.get(k) for k in ("voters", "node_size")):
+            where = f" (local rank {node.get('local_rank')}, shards of {node.get('numels')} elements; this rank: " \
+                    f"local rank {mine.get('local_rank')}, {mine.get('numels')})"
+        raise LionCubConfigError(
+            f"LionCub.load_state_dict: the state was saved with {layout_text({'node': node})}{where}, this "
+            f"optimizer has {layout_text({'node': mine})}; allowed: the layout it was saved with (voters, node_size, "
+            "ranks, bucket_size_mb); to change the layout, load the per-rank files with "
+            "lioncub_ds.checkpoint.load(opt, directory, reshard='average'), which reshards them; no state was changed")
 
     @property
     def step_count(self) -> int:

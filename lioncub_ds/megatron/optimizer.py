@@ -151,6 +151,19 @@ class MegatronLionCub(LionCub):
     #: voters='node': {"instances": K, "instance_size": L} (set by the factory); the shards this
     #: rank steps are its shards under that layout only
     megatron_layout = None
+    #: voters='node': per parameter of this optimizer (a shard), the model parameter it is a piece
+    #: of: (name, first element inside the flattened parameter, elements); set by the factory
+    megatron_param_pieces = None
+
+    def state_layout(self) -> dict:
+        """LionCub's, plus the instance layout and which piece of which model parameter each shard
+        is: what :mod:`lioncub_ds.checkpoint` reshards the per-rank files by (another
+        ``--num-distributed-optimizer-instances`` or data-parallel size)."""
+        out = super().state_layout()
+        if self.megatron_layout is not None:
+            out["megatron_layout"] = dict(self.megatron_layout)
+            out["param_pieces"] = [list(x) for x in self.megatron_param_pieces or ()]
+        return out
 
     def state_dict(self):
         sd = super().state_dict()
@@ -158,6 +171,7 @@ class MegatronLionCub(LionCub):
             sd["lioncub"]["megatron_layout"] = dict(self.megatron_layout)
             if self._full:  # the fp32 main shards this rank steps (Megatron's checkpoint may hold bf16 only)
                 sd["lioncub"]["main_shards"] = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+                sd["lioncub"]["param_pieces"] = self.state_layout()["param_pieces"]
         if not self._full and "lioncub" in sd:
             sd["lioncub"] = {k: v for k, v in sd["lioncub"].items() if k not in ("rank", "comm_stats")}
         return sd
@@ -174,9 +188,9 @@ class MegatronLionCub(LionCub):
                     "per instance")
         raise LionCubConfigError(
             f"LionCub: this checkpoint was saved with {text(saved)}, this run has {text(mine)}; node-voter shards "
-            "follow the instance layout, so they cannot be resumed under another one; allowed: resume with the "
-            "same data-parallel size and --num-distributed-optimizer-instances (or start the optimizer fresh with "
-            "--no-load-optim)")
+            "follow the instance layout; allowed: load the same layout here, or the per-rank files through "
+            "lioncub_ds.megatron's checkpoint hooks (after_checkpoint_load, --lioncub-reshard average), which "
+            "reshard them, or start the optimizer fresh with --no-load-optim")
 
     def load_state_dict(self, state_dict):
         extra = state_dict.get("lioncub") if isinstance(state_dict, dict) else None
@@ -189,7 +203,8 @@ class MegatronLionCub(LionCub):
                                      "allowed: the same layout it was saved with")
         if isinstance(extra, dict):
             state_dict = dict(state_dict)
-            state_dict["lioncub"] = {k: v for k, v in extra.items() if k not in ("megatron_layout", "main_shards")}
+            state_dict["lioncub"] = {k: v for k, v in extra.items()
+                                     if k not in ("megatron_layout", "main_shards", "param_pieces")}
         super().load_state_dict(state_dict)
         if shards is not None:
             with torch.no_grad():
@@ -689,18 +704,22 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
                                 data_parallel_group_gloo=None, data_parallel_group_idx=dist.get_rank(groups["mp"]),
                                 distributed_optimizer_instance_id=dist.get_rank(vote) if k > 1 else 0)
     _leaf_shards(dopt)
-    shard_groups = []
+    shard_groups, pieces = [], []
     for gi, rng in enumerate(dopt.opt_group_ranges):
         models = [*dopt.model_fp32_groups[gi], *dopt.model_float16_groups[gi]]
         g = {key: v for key, v in dense[gi].items() if key not in ("params", "param_names")}
         g["params"] = list(rng["orig_group"]["params"])
         g["param_names"] = [names.get(p) for p in models]
         shard_groups.append(g)
+        for model_param, shard in zip(models, g["params"]):  # which piece of which parameter each shard is
+            start = _compat.shard_range(dopt, model_param).start
+            pieces.append((names.get(model_param), int(start), shard.numel()))
     premade = {"vote": vote, "agree": instance, "full": dp_group}
     inner = MegatronLionCub(shard_groups, config=cfg, process_group=vote, megatron_groups=premade)
     inner.megatron_kind = "dense"
     inner.megatron_tag = _model_parallel_tag("dense", groups)
     inner.megatron_layout = {"instances": k, "instance_size": size}
+    inner.megatron_param_pieces = pieces
     dopt.optimizer = inner
     dopt.state_dict = types.MethodType(_common_state_dict, dopt)
     dopt.sharded_state_dict = types.MethodType(_common_state_dict, dopt)
