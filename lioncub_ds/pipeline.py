@@ -414,23 +414,34 @@ class StepPlan:
         names = [nm for b in (self.nodes.full if self.nodes else self.buckets) for nm in b.names]
         fp = self._fingerprints(params)
         both = torch.cat([fp, -fp])
-        self.world_coll.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
+        # the ranks that hold the same values: every rank of the step; with framework-held shards
+        # (``agree_coll``: Megatron's instances) the shard peers, each holding this rank's shard
+        replicas = self.world_coll if self.agree_coll is None else self.coll
+        replicas.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
         hi, neg_lo = both[:fp.numel()], both[fp.numel():]
         differs = (hi != -neg_lo).reshape(-1, 2).any(dim=1)
-        if not bool(differs.any()):
+        found = bool(differs.any())
+        if self.agree_coll is not None:  # every rank of the instance decides alike (raise or resync together)
+            flag = torch.tensor([int(found)], dtype=torch.int32, device=self.device)
+            self.agree_coll.all_reduce_(flag, "drift_flag")
+            found = flag.item() > 0
+        if not found:
             return True
         idx = differs.nonzero().reshape(-1).tolist()
         labels = [names[i] or f"param #{i} (shape {tuple(params[i].shape)})" for i in idx[:5]]
-        msg = (f"LionCub: parameters differ across the {self.ranks} ranks at step {step}: "
-               f"{', '.join(labels)}" + (f" and {len(idx) - 5} more" if len(idx) > 5 else ""))
+        where = (f"parameters differ across the {self.ranks} ranks at step {step}: " if self.agree_coll is None else
+                 f"parameter shards differ across the {self.world_size} ranks that hold them (one per instance) at "
+                 f"step {step}: ")
+        msg = (f"LionCub: {where}{', '.join(labels) or 'on another rank of this instance'}" +
+               (f" and {len(idx) - 5} more" if len(idx) > 5 else ""))
         if action == "resync":
             log.warning("%s; re-synchronizing every parameter from rank 0", msg)
             for p in params:
                 if p.is_contiguous():
-                    self.world_coll.broadcast_(p.data, 0, "drift_resync")
+                    replicas.broadcast_(p.data, 0, "drift_resync")
                 else:  # a broadcast sends raw memory: go through a contiguous copy of the view
                     buf = p.detach().contiguous()
-                    self.world_coll.broadcast_(buf, 0, "drift_resync")
+                    replicas.broadcast_(buf, 0, "drift_resync")
                     p.data.copy_(buf)
             # fp32 master shards (bf16/fp16 with node_size) hold this rank's old values: the next
             # step makes them again from the re-synchronized parameters (else it would undo the resync)
