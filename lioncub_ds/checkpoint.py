@@ -255,10 +255,11 @@ def layout_text(lc: dict | None, world: int | None = None) -> str:
     node = lc.get("node")
     ranks = f" on {world} ranks" if world else ""
     if node is None:
-        return f"flat voting (voters='rank', no node_size{ranks})"
+        return f"flat voting{ranks} (voters='rank')"
+    size = node.get("node_size")
     if node.get("voters") == "rank":
-        return f"master-only sharding (voters='rank', node_size={node.get('node_size')}{ranks})"
-    return f"node voters {node.get('voters')} x {node.get('node_size')} (voters='node', node_size={node.get('node_size')})"
+        return f"master-only sharding{ranks} (voters='rank', node_size={size})"
+    return f"node voters {node.get('voters')} x {size} (voters='node', node_size={size})"
 
 
 _NODE_IDENTITY = ("voters", "node_size", "local_rank", "numels")

@@ -511,34 +511,41 @@ def _resume_run(k, tmpdir, dtype=torch.float32):
             "files": sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)}
 
 
-def _nan_run(k):
-    """One rank (3) has a NaN in one gradient element at step 1: the element lands in one rank's
-    shard only (its instance's reduce-scatter), yet every rank of the data-parallel group must skip
-    that step (LionCub's flags: over the shard peers by the vote, over the instance by the
-    agreement), and train on together afterwards."""
+def _nan_run(k, dtype=torch.float32, bad=float("nan"), scale=None):
+    """One rank (3) has a NaN (or ``bad``) in one gradient element at step 1: the element lands in
+    one rank's shard only (its instance's reduce-scatter), yet every rank of the data-parallel group
+    must skip that step (LionCub's flags: over the shard peers by the vote, over the instance by the
+    agreement; with fp16's loss ``scale``: Megatron's found-inf, agreed once over the world), and
+    train on together afterwards."""
     import torch.distributed as dist
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
-    cfg, ddp = _build(k)
-    opt = get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"voters": "node"})
+    cfg, ddp = _build(k, dtype=dtype)
+    half = dict(fp16=True, params_dtype=dtype, loss_scale=scale) if dtype == torch.float16 else {}
+    opt = get_megatron_lioncub_optimizer(_opt_config(**half), [ddp], lioncub={"voters": "node"})
+    if scale is not None:
+        cfg.grad_scale_func = opt.scale_loss  # as Megatron-LM's training loop does
     lc = lioncub_optimizers(opt)[0]
-    weight = dict(ddp.named_parameters())["module.decoder.layers.0.mlp.linear_fc1.weight"]
+    weight = next(p for n, p in ddp.named_parameters() if n.endswith("decoder.layers.0.mlp.linear_fc1.weight"))
     poison = {"on": False}
 
     def hook(grad):
         if poison["on"] and dist.get_rank() == 3:
             grad = grad.clone()
-            grad.view(-1)[7] = float("nan")
+            grad.view(-1)[7] = bad
         return grad
 
     weight.register_hook(hook)
     _train_step(ddp, opt, 0)
     before = _fingerprints(ddp)
     poison["on"] = True
-    _train_step(ddp, opt, 1)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    _fwd_bwd(ddp, _batch(1))
+    ok, _, _ = opt.step()
     poison["on"] = False
     after_nan = _fingerprints(ddp)
     _train_step(ddp, opt, 2)
-    return {"unchanged": after_nan == before, "skipped": lc.comm_stats()["skipped_steps"],
+    return {"ok": ok, "unchanged": after_nan == before, "skipped": lc.comm_stats()["skipped_steps"],
             "trained_after": _fingerprints(ddp) != after_nan, "fp": _fingerprints(ddp)}
 
 

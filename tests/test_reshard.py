@@ -28,29 +28,18 @@ import pytest
 import torch
 
 from lioncub_ds import LionCub, checkpoint
-from lioncub_ds.kernels import reference
 from dist_helpers import SmallNet as Net, run_ranks
+from test_node_voters import BETAS, LR, WD, _grads, _simulate  # the node-voter oracle: Nn voters on node means
 
 pytestmark = pytest.mark.dist
 
 ENV = {"LIONCUB_KERNELS": "torch"}
-LR, WD, BETAS = 0.01, 0.1, (0.9, 0.99)
 S, T = 3, 2          # steps before the save, steps after the resharded load
 SMALL = 0.0002       # bucket_size_mb: one bucket per parameter (the old layouts use it: shards cut
                      # across several buckets); the new layouts use the default (one bucket)
 
 # a layout: (kind, node_size) with kind "node" (voters="node"), "flat" or "master" (master-only)
 F32, B16 = torch.float32, torch.bfloat16
-
-
-def _grads(model, rank, step):
-    """Rank ``rank``'s gradients at ``step`` (deterministic; computed by any process)."""
-    gen = torch.Generator().manual_seed(1000 * rank + step)
-    idx = torch.randint(0, 6, (4, 3), generator=gen)
-    y = torch.randn(4, 3, generator=gen)
-    model.zero_grad()
-    torch.nn.functional.mse_loss(model(idx), y).backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
 
 
 def _optimizer(model, layout, bucket_mb=25.0):
@@ -175,43 +164,6 @@ def _scenario(rank, world, plan, scratch):
 
 
 # ----------------------------------------------------------------------------- the oracle
-def _simulate(n_groups, size, dtype, first, last, momenta, master):
-    """Steps first..last of Nn = ``n_groups`` voters of ``size`` ranks from voter momenta
-    ``momenta[j][k]`` (fp32, changed in place) and fp32 ``master`` values; returns the parameters
-    (in ``dtype``) after each step and the final masters."""
-    ref = Net().to(dtype)
-    out = []
-    for step in range(first, last + 1):
-        with torch.no_grad():
-            for p, m in zip(ref.parameters(), master):
-                p.copy_(m.to(dtype))  # the forward sees the parameters in their dtype
-        per_rank = [_grads(ref, r, step) for r in range(n_groups * size)]
-        new = []
-        for k, theta in enumerate(master):
-            gbar = []
-            for j in range(n_groups):
-                acc = per_rank[j * size][k].float().clone()
-                for rank_in_group in range(1, size):
-                    acc.add_(per_rank[j * size + rank_in_group][k].float())
-                gbar.append(acc.div_(size))
-            votes = torch.sign(torch.stack([reference.lion_direction(momenta[j][k].reshape(-1),
-                                                                     gbar[j].reshape(-1), BETAS[0])
-                                            for j in range(n_groups)]))
-            plus, cnt = (votes > 0).sum(0), (votes != 0).sum(0)
-            diff = 2 * plus - cnt
-            tie = reference.tie_hash_sign(step, torch.arange(theta.numel(), dtype=torch.int64)).float()
-            delta = torch.where((diff == 0) & (cnt > 0), tie, torch.sign(diff).float())
-            e = theta.clone()
-            e.mul_(1.0 - LR * WD)
-            e.add_(delta.view_as(e).mul(-LR))
-            new.append(e)
-            for j in range(n_groups):
-                reference.momentum_update(momenta[j][k], gbar[j], BETAS[1])
-        master = new
-        out.append([m.to(dtype) for m in master])
-    return out, master
-
-
 def _voters(layout, world):
     kind, size = layout
     return (world // size, size) if kind == "node" else (world, 1)
