@@ -48,7 +48,7 @@ demo: setup
 test: setup
 	$(VPY) -m pytest -q tests
 
-# The unit tier only (one process, about 2 minutes; tiers in pytest.ini).
+# The unit tier only (one process; about 20 s on 2 idle cores, up to ~2 min on a loaded machine; tiers in pytest.ini).
 .PHONY: test-fast
 test-fast: setup
 	$(VPY) -m pytest -q -m unit tests

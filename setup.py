@@ -79,9 +79,11 @@ setup(
     version="0.1.0",
     description="Distributed Lion / Lion Cub optimizer with 1-bit vote collectives, for DeepSpeed and Megatron",
     packages=find_packages(include=["lioncub_ds", "lioncub_ds.*"]),
+    package_data={"lioncub_ds": ["plan_convergence.json"]},  # the planner's measured convergence costs
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
-    extras_require={"deepspeed": ["deepspeed"], "megatron": ["megatron-core"]},
+    # the supported ranges (lioncub_ds/deepspeed/_compat.py, lioncub_ds/megatron/_compat.py; tests/test_front_door.py)
+    extras_require={"deepspeed": ["deepspeed>=0.19,<0.20"], "megatron": ["megatron-core>=0.16,<0.20"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

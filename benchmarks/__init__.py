@@ -16,4 +16,5 @@ BENCHMARKS: dict[str, str] = {
     "scaling": "benchmarks.scaling",    # alpha-beta model: predicted comm time vs world size
     "zero": "benchmarks.zero",          # ZeRO-1 sign all-gather vs DeepSpeed's parameter all-gather
     "startup": "benchmarks.startup",    # interpreter start-up with / without the DeepSpeed .pth hook
+    "plan_check": "benchmarks.plan_check",  # lioncub_ds.plan's predicted step times vs netns / netns_nodes
 }

@@ -22,7 +22,7 @@ from lioncub_ds.testing.spawn import RankError, free_port
 from lioncub_ds.testing.spawn import run_ranks as _run_ranks
 
 __all__ = ["free_port", "run_ranks", "print_table", "write_json", "machine_info", "add_output_args",
-           "finish", "line_plot", "median", "RankError"]
+           "finish", "line_plot", "median", "RankError", "quiet_progress_lock"]
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -38,6 +38,22 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 1800.0, env: dict | N
     """
     return _run_ranks(fn, world_size, *args, timeout=timeout, env=env, threads=threads, daemon=True, init=init,
                       ranks=ranks)
+
+
+# ----------------------------------------------------------------------------- progress bars
+def quiet_progress_lock() -> None:
+    """Give tqdm a thread lock before its first bar, instead of the multiprocessing RLock it makes itself.
+
+    In a rank started with the spawn method (``python -m benchmarks.demo``) that RLock is a named
+    semaphore registered with the parent's resource tracker; a rank that ends through
+    ``lioncub_ds.groups.exit_cleanly`` (``os._exit``, see there why) never unregisters it, and the
+    tracker then warns at the end of the run that semaphores leaked. Each process here draws at most
+    one bar, from one thread, so a thread lock is all tqdm needs."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 # ----------------------------------------------------------------------------- output

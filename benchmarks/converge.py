@@ -165,23 +165,33 @@ DEFAULT_LR_GRID = {"adamw": (2e-3, 4e-3, 8e-3), "lion": (2.5e-4, 5e-4, 1e-3), "c
                    "avg": (1e-3, 2e-3, 4e-3), "bbit": (2.5e-4, 5e-4, 1e-3)}
 DEFAULT_LR = {"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3, "bbit": 5e-4}
 
+# The settings that define a preset (what a record names, so it can be re-run from itself).
+PRESET_KEYS = ("steps", "betas", "warmup", "batch_size", "seq_len", "n_layer", "n_head", "d_model", "bias",
+               "tie_weights", "adamw_betas", "adamw_wd", "lion_wd", "grads", "data")
+# The small GPT and batch of every study before the "lion-regime" screen (docs/convergence.md).
+_SMALL = dict(warmup=30, batch_size=4, seq_len=64, n_layer=2, n_head=2, d_model=64, bias=True, tie_weights=True,
+              grads="loop")
+
 # Named protocols (docs/convergence.md): one command reproduces each study; flags given explicitly
 # override a protocol's values. "lr" is the per-family lr the study used (tuned on seed 1000 at that
-# horizon, --tune); "tune_with" the variant each family's sweep trains.
+# horizon, --tune); "settings" every make_cfg setting that defines the preset.
 PROTOCOLS = {
-    "short": dict(steps=300, betas=[0.8, 0.9], world_sizes=[8], seeds=[0, 1, 2, 3, 4],
+    "short": dict(world_sizes=[8], seeds=[0, 1, 2, 3, 4],
                   lr={"adamw": 8e-3, "lion": 5e-4, "cub": 1e-3, "avg": 1e-3, "bbit": 1e-3},
-                  variants=["adamw", "lion", "cub_1bit", "cub_int8", "cub_b2"]),
-    "long": dict(steps=1200, betas=[0.95, 0.98], world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
+                  variants=["adamw", "lion", "cub_1bit", "cub_int8", "cub_b2"],
+                  settings=dict(_SMALL, steps=300, betas=[0.8, 0.9])),
+    "long": dict(world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
                  lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3, "bbit": 5e-4},
-                 variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_b2", "cub_b3", "cub_int8"]),
-    "long99": dict(steps=1200, betas=[0.9, 0.99], world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
+                 variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_b2", "cub_b3", "cub_int8"],
+                 settings=dict(_SMALL, steps=1200, betas=[0.95, 0.98])),
+    "long99": dict(world_sizes=[8, 16], seeds=[0, 1, 2, 3, 4],
                    lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3, "bbit": 5e-4},
-                   variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_b3"]),
+                   variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_b3"],
+                   settings=dict(_SMALL, steps=1200, betas=[0.9, 0.99])),
 }
 # Used when neither a flag nor --protocol sets them.
-BASE_SETTINGS = dict(steps=300, betas=[0.9, 0.99], world_sizes=[8], seeds=[0, 1, 2, 3, 4], lr={},
-                     variants=list(DEFAULT_VARIANTS))
+BASE_SETTINGS = dict(world_sizes=[8], seeds=[0, 1, 2, 3, 4], lr={}, variants=list(DEFAULT_VARIANTS),
+                     settings=dict(steps=300, betas=[0.9, 0.99]))
 
 # two-sided 95% Student t quantiles t_{0.975, df}
 _T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 7: 2.3646, 8: 2.3060, 9: 2.2622,
@@ -341,18 +351,12 @@ class SimLionCub:
         return out
 
     def _node_bytes(self):
-        """Intra-node bytes one rank sends per step (node voters): per bucket the reduce-scatter
-        (an all_to_all of the fp32 flat bucket) and the all-gather of the updated shards (in the
-        parameters' dtype), plus the all-reduce of the flags inside the node."""
-        from lioncub_ds.pipeline import FLAG_HEAD
-        from lioncub_ds.telemetry import ring_bytes
+        """Intra-node bytes one rank sends per step (node voters): the real step's
+        (:func:`lioncub_ds.pipeline.node_group_bytes`; gradients and parameters in the parameters' dtype)."""
+        from lioncub_ds.pipeline import node_group_bytes
 
-        L = self.node_size
-        out = ring_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(self.buckets)), L)
-        for b in self.buckets:
-            out += ring_bytes("all_to_all", 4 * b.numel, L)
-            out += ring_bytes("all_gather", b.params[0].element_size() * b.numel, L)
-        return out
+        return node_group_bytes([(b.numel, b.params[0].element_size(), b.params[0].element_size())
+                                 for b in self.buckets], self.node_size)
 
     @torch.no_grad()
     def step(self, grads):
@@ -575,9 +579,104 @@ class SimLionCub:
         return sent
 
 
+# ----------------------------------------------------------------------------- the N workers' gradients
+GRADS = ("loop", "vmap", "vmap_compiled")
+_TEMPLATES = {}  # (model shape, compiled?) -> the vectorized gradient function (built once per process)
+
+
+class WorkerGrads:
+    """Each worker's own gradient of its own mean loss on the shared parameters, {param: [N, *shape]}.
+
+    ``cfg["grads"]`` picks how:
+
+    * ``loop``: one forward/backward per worker on the model itself: exactly what rank i of a real
+      run computes (the bit-exact path; tests/test_converge.py compares it with real ranks).
+    * ``vmap``: one vectorized pass for all N workers: ``torch.func.grad`` of the loss, ``vmap``-ed over
+      the workers' batches with the parameters shared, so the forward and input-gradient matmuls
+      become one GEMM over every worker's tokens and the weight gradients one batched GEMM. It runs a
+      template of the same model with the attention written out (``GPTConfig.attn="math"``: vmap
+      batches it natively; ``sdpa`` would fall back to a per-worker loop). Another summation order
+      than ``loop``'s, so not bit-identical: tests/test_converge.py checks that the votes agree on
+      >= 99.9% of coordinates and that the losses agree within float noise.
+    * ``vmap_compiled``: the same function through ``torch.compile`` (compiled once per process and
+      model shape: the template, not the run's model, is what the compiled graph holds).
+    """
+
+    def __init__(self, model, cfg):
+        self.model, self.mode = model, cfg.get("grads", "loop")
+        if self.mode not in GRADS:
+            raise ValueError(f"converge setting grads={self.mode!r} is not allowed; allowed: {', '.join(GRADS)}")
+        self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if self.mode != "loop":
+            self.fn = self._vectorized(model.cfg, self.mode == "vmap_compiled")
+            self.shared = {name: p.detach() for name, p in model.named_parameters()}  # live views of the run's params
+
+    @staticmethod
+    def _vectorized(model_cfg, compiled):
+        from dataclasses import replace
+
+        from torch.func import functional_call, grad, vmap
+
+        from .models.gpt import GPT
+
+        key = (tuple(sorted(replace(model_cfg, attn="math").to_dict().items())), compiled)
+        if key not in _TEMPLATES:
+            template = GPT(replace(model_cfg, attn="math"))  # its own values are never used: functional_call
+
+            def loss(params, x, y):
+                return functional_call(template, params, (x, y))[1]
+
+            fn = vmap(grad(loss), in_dims=(None, 0, 0))
+            _TEMPLATES[key] = torch.compile(fn, dynamic=False) if compiled else fn
+        return _TEMPLATES[key]
+
+    def __call__(self, batches):
+        """``batches``: the N workers' (x, y), in worker order."""
+        n = len(batches)
+        if self.mode != "loop":
+            g = self.fn(self.shared, torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]))
+            return {p: g[name] for name, p in self.named}
+        grads = {p: torch.empty((n,) + tuple(p.shape), dtype=p.dtype, device=p.device) for _, p in self.named}
+        for i, (x, y) in enumerate(batches):  # each worker's own gradient, exactly as on rank i
+            for _, p in self.named:
+                p.grad = None
+            self.model(x, y)[1].backward()
+            for _, p in self.named:
+                grads[p][i].copy_(p.grad)
+        for _, p in self.named:
+            p.grad = None
+        return grads
+
+
+def grads_speed(cfg, n, ds, modes=GRADS, repeats=3, steps=20, seed=0):
+    """Seconds per step of each gradient mode on the same model and batches, the modes interleaved
+    (``repeats`` rounds of ``steps`` steps each; a compiled mode's first call, the compilation, is
+    timed apart). -> records {mode, s_per_step (median of the rounds), compile_s, speedup_vs_loop}."""
+    model = build_model_for(cfg, seed)
+    fns = {m: WorkerGrads(model, dict(cfg, grads=m)) for m in modes}
+    batches = [[ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], i, n, step=t, seed=seed) for i in range(n)]
+               for t in range(steps)]
+    first = {}
+    for m, fn in fns.items():  # warm-up (and compilation) outside the timed rounds
+        t0 = time.perf_counter()
+        fn(batches[0])
+        first[m] = time.perf_counter() - t0
+    times = {m: [] for m in modes}
+    for _ in range(repeats):
+        for m, fn in fns.items():
+            t0 = time.perf_counter()
+            for b in batches:
+                fn(b)
+            times[m].append((time.perf_counter() - t0) / steps)
+    med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+    return [{"bench": "converge_grads_speed", "mode": m, "world_size": n, "batch_size": cfg["batch_size"],
+             "d_model": cfg["d_model"], "s_per_step": med[m], "rounds_s": times[m], "first_call_s": first[m],
+             "speedup_vs_loop": med.get("loop", float("nan")) / med[m]} for m in modes]
+
+
 # ----------------------------------------------------------------------------- one training run
 def _model_kw(cfg):
-    return {k: cfg[k] for k in ("n_layer", "n_head", "d_model") if cfg.get(k) is not None}
+    return {k: cfg[k] for k in ("n_layer", "n_head", "d_model", "bias", "tie_weights") if cfg.get(k) is not None}
 
 
 def build_variant(name, model, n, cfg, lrs):
@@ -616,16 +715,23 @@ def evaluate(model, ds, cfg, device):
     return tot / cfg["eval_iters"]
 
 
+def build_model_for(cfg, seed, device="cpu"):
+    """The study's GPT for ``cfg`` (preset + shape overrides), initialized from ``seed``."""
+    from .models import build_model
+
+    return build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg)).to(device)
+
+
 def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
     """One paired run: returns {curve: [(step, val loss, bytes)], bytes, digest, ...}."""
-    from benchmarks.models import build_model
     from benchmarks.models.gpt import param_digest
     from lioncub_ds.telemetry import ring_bytes
 
-    model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg)).to(device)
+    model = build_model_for(cfg, seed, device)
     params = [p for p in model.parameters() if p.requires_grad]
     nparams = sum(p.numel() for p in params)
     opt, fam, allreduce = build_variant(variant, model, n, cfg, lrs)
+    worker_grads = None if allreduce else WorkerGrads(model, cfg)
     peak = lrs[fam]
     ar_bytes = ring_bytes("all_reduce", 4 * nparams, n)
     curve = [(0, evaluate(model, ds, cfg, device), 0)]
@@ -648,16 +754,7 @@ def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
             opt.step()
             sent += ar_bytes
         else:
-            grads = {p: torch.empty((n,) + tuple(p.shape), dtype=p.dtype, device=p.device) for p in params}
-            for i, (x, y) in enumerate(batches):  # each worker's own gradient, exactly as on rank i
-                for p in params:
-                    p.grad = None
-                model(x, y)[1].backward()
-                for p in params:
-                    grads[p][i].copy_(p.grad)
-            for p in params:
-                p.grad = None
-            opt.step(grads)
+            opt.step(worker_grads(batches))
             sent, sync_sent, intra = opt.bytes_sent, opt.sync_bytes, opt.intra_bytes
         if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
             curve.append((step + 1, evaluate(model, ds, cfg, device), sent))
@@ -676,7 +773,6 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
     "inter_node" and "intra_node", else "vote_group")."""
     from lioncub_ds import LionCub
     from benchmarks.data import load_dataset
-    from benchmarks.models import build_model
     from benchmarks.models.gpt import param_digest
 
     ds = load_dataset(cfg["data"])
@@ -685,7 +781,7 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
         spec = spec_of(variant)
         if variant in ("adamw", "lion"):
             raise ValueError(f"{variant}: not a LionCub configuration")
-        model = build_model(cfg["preset"], seed=seed, seq_len=cfg["seq_len"], **_model_kw(cfg))
+        model = build_model_for(cfg, seed)
         lr = lrs[spec["family"]]
         wd = cfg["adamw_wd"] * lrs["adamw"] / lr if cfg["lion_wd"] is None else cfg["lion_wd"]
         opt = LionCub(model.optim_groups(wd), lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
@@ -710,7 +806,7 @@ def make_cfg(**kw):
     cfg = dict(steps=300, preset="tiny", n_layer=2, n_head=2, d_model=64, seq_len=64, batch_size=4, warmup=30,
                min_lr_ratio=0.1,
                eval_every=50, eval_iters=8, eval_batch=32, betas=[0.9, 0.99], adamw_betas=[0.9, 0.95], adamw_wd=0.1,
-               lion_wd=None, tie_break="hash", threads=1, data="deps")
+               lion_wd=None, tie_break="hash", threads=1, data="deps", grads="loop", bias=True, tie_weights=True)
     for k, v in kw.items():
         if k not in cfg:
             raise ValueError(f"unknown converge setting {k!r}")
@@ -761,7 +857,7 @@ def _dlion_from_1bit(r):
 
 
 def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=None, device="cpu", verbose=True,
-        ds=None, partial=None, **kw):
+        ds=None, partial=None, protocol="custom", **kw):
     """Paired runs. ``lrs``: {N: {family: lr}} (or one {family: lr} for every N). Returns records, curves."""
     cfg = make_cfg(**kw)
     torch.set_num_threads(cfg["threads"])
@@ -788,7 +884,9 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
                        "fp32_allreduce_bytes": int(r["fp32_allreduce_bytes_per_step"] * cfg["steps"]),
                        "params": r["params"], "digest": r["digest"], "wall_s": round(r["wall_s"], 1),
                        "sync": json.dumps(spec.get("sync")) if spec.get("sync") else "",
-                       "sync_dtype": spec["sync"].get("dtype", "fp32") if spec.get("sync") else ""}
+                       "sync_dtype": spec["sync"].get("dtype", "fp32") if spec.get("sync") else "",
+                       # the preset: re-run with --protocol NAME --world-sizes N --seeds S --variants V
+                       "protocol": protocol, **{k: cfg[k] for k in PRESET_KEYS}}
                 if spec["kind"] not in ("adamw", "lion"):  # voters Nn x L; bytes_per_rank: the inter-node link's
                     L = r["node_size"]
                     rec.update(node_size=L, voters=n // L, intra_node_bytes_per_rank=int(r["intra_bytes"]),
@@ -969,6 +1067,71 @@ def plot(records, out):
     return files
 
 
+# ----------------------------------------------------------------------------- the batch / width trend
+def trend(records):
+    """Paired gaps to global Lion per preset: records are grouped by every preset setting (records of
+    several studies, each at one per-worker batch and width), and each group is summarized on its own
+    (a gap pairs runs of the same preset and seed only). -> converge_trend rows with the preset's
+    batch_size, d_model, n_layer, seq_len and protocol."""
+    groups = {}
+    for r in records:
+        key = tuple(json.dumps(r.get(k)) for k in PRESET_KEYS) + (r.get("protocol", "").split(" (")[0],)
+        groups.setdefault(key, []).append(r)
+    out = []
+    for rs in groups.values():
+        r0 = rs[0]
+        for s in summarize(rs):
+            out.append(dict(s, bench="converge_trend", protocol=r0.get("protocol", ""),
+                            **{k: r0.get(k) for k in ("batch_size", "d_model", "n_layer", "n_head", "seq_len", "steps")}))
+    return sorted(out, key=lambda s: (s["world_size"], s["variant"], s["d_model"] or 0, s["batch_size"] or 0))
+
+
+def trend_table(rows) -> str:
+    head = ["N", "variant", "width (d_model)", "sequences per worker", "tokens per step", "seeds",
+            "paired gap to global Lion", "95% CI", "x fewer bytes than fp32 all-reduce"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h == "variant" else "---:" for h in head) + "|"]
+    for s in rows:
+        if s["variant"] == "lion":
+            continue
+        ci = f"[{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}]" if s["ci95_pct"] == s["ci95_pct"] else "n/a"
+        lines.append("| " + " | ".join([str(s["world_size"]), f"`{s['variant']}`", str(s["d_model"]), str(s["batch_size"]),
+                                        f"{s['world_size'] * s['batch_size'] * s['seq_len']:,}", str(len(s["seeds"])),
+                                        f"{s['gap_pct']:+.2f}%", ci, f"{s['bytes_ratio_vs_fp32']:.1f}x"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_trend(records, out):
+    """Gap to global Lion (mean, 95% CI) against the per-worker batch, one line per variant and width."""
+    from .common import pyplot
+
+    plt = pyplot()
+    rows = [r for r in records if r.get("bench") == "converge_trend" and r["variant"] != "lion"]
+    files = []
+    for n in sorted({r["world_size"] for r in rows}):
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+        lines = sorted({(r["variant"], r["d_model"]) for r in rows if r["world_size"] == n})
+        for i, (v, d) in enumerate(lines):
+            pts = sorted((r["batch_size"], r["gap_pct"], r["ci95_pct"]) for r in rows
+                         if r["world_size"] == n and r["variant"] == v and r["d_model"] == d)
+            xs = [p[0] * (1 + 0.03 * (i - len(lines) / 2)) for p in pts]  # a small offset: the bars do not overlap
+            ax.errorbar(xs, [p[1] for p in pts], yerr=[p[2] if p[2] == p[2] else 0 for p in pts], marker="o",
+                        capsize=3, label=f"{v}, d_model {d}", linestyle="-" if d == min(x[1] for x in lines) else "--")
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.axhline(2.0, color="green", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequences per worker per step")
+        ax.set_ylabel("paired gap to global Lion, % (mean ± 95% CI)")
+        ax.set_title(f"N={n}: LionCub's gap to global Lion against batch and width", fontsize=10)
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out, f"converge_trend_n{n}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
 def _parse_lr(items):
     out = {}
     for it in items or []:
@@ -994,25 +1157,36 @@ def build_parser():
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="paired seeds (default 0 1 2 3 4)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=None, help="simulated workers N (default 8)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300)")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per worker per step")
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of the peak lr")
+    p.add_argument("--preset", default=None, help="the GPT preset the shape flags override (default tiny)")
+    p.add_argument("--n-layer", type=int, default=None, help="(default 2)")
+    p.add_argument("--n-head", type=int, default=None, help="(default 2)")
+    p.add_argument("--d-model", type=int, default=None, help="(default 64)")
+    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="biases in the Linear layers and LayerNorms (default: on)")
+    p.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="the output head is the token embedding (default: on)")
+    p.add_argument("--seq-len", type=int, default=None, help="(default 64)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per worker per step (default 4)")
+    p.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default 30)")
+    p.add_argument("--min-lr-ratio", type=float, default=None,
+                   help="cosine decay ends at this fraction of the peak lr (default 0.1)")
     p.add_argument("--betas", type=float, nargs=2, default=None, help="Lion-family (beta1, beta2) (default 0.9 0.99)")
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-iters", type=int, default=8, help="fixed val batches per evaluation")
-    p.add_argument("--eval-batch", type=int, default=32)
-    p.add_argument("--adamw-wd", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=None, help="(default 50)")
+    p.add_argument("--eval-iters", type=int, default=None, help="fixed val batches per evaluation (default 8)")
+    p.add_argument("--eval-batch", type=int, default=None, help="(default 32)")
+    p.add_argument("--adamw-betas", type=float, nargs=2, default=None, help="(default 0.9 0.95)")
+    p.add_argument("--adamw-wd", type=float, default=None, help="(default 0.1)")
     p.add_argument("--lion-wd", type=float, default=None,
                    help="Lion-family decoupled wd (default: adamw_wd * lr_adamw / lr_lion, the same lr*wd)")
-    p.add_argument("--tie-break", default="hash")
-    p.add_argument("--data", default="deps", choices=["deps", "stdlib"])
+    p.add_argument("--tie-break", default=None, help="(default hash)")
+    p.add_argument("--data", default=None, choices=["deps", "stdlib"], help="(default deps: the pinned corpus)")
+    p.add_argument("--grads", default=None, choices=GRADS,
+                   help="how the N workers' gradients are computed (WorkerGrads): loop = one pass per worker, "
+                        "bit-identical to real ranks; vmap = one vectorized pass (votes agree on >= 99.9%% of "
+                        "coordinates); vmap_compiled = vmap through torch.compile (default: the protocol's, else loop)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (fixed: part of what makes runs repeatable)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default 1; fixed: part of what makes runs repeatable)")
     p.add_argument("--lr", nargs="*", default=[], metavar="FAMILY=LR",
                    help=f"fixed lr per family ({', '.join(FAMILIES)}); skips tuning that family")
     p.add_argument("--tune", action="store_true", help="sweep the lr of each family not fixed by --lr, per N")
@@ -1023,6 +1197,12 @@ def build_parser():
     p.add_argument("--partial", default=None, metavar="JSONL",
                    help="append each finished run's records here as it completes (a stopped study keeps them; "
                         "--merge reads .jsonl)")
+    p.add_argument("--grads-speed", action="store_true",
+                   help="no training: time each --grads mode side by side (interleaved rounds) on the preset's model "
+                        "and batches at each --world-sizes N, and report the speed-up over the exact loop")
+    p.add_argument("--trend", nargs="+", default=None, metavar="JSON",
+                   help="no training: the paired gap per preset from several studies' JSON / JSONL files (each at "
+                        "one per-worker batch and width), as a table and a plot against the batch (--out)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no training: merge the records of earlier runs' JSON files (e.g. one per N or per variant "
                         "group, same settings; a run found in several files is taken from the first), then "
@@ -1070,14 +1250,51 @@ def merge(paths, variants=None, world_sizes=None):
     return meta, records, tune_recs, uniq
 
 
+def command_for(record) -> list[str]:
+    """The ``bench converge`` arguments that re-run ``record`` (one run: its protocol, N, seed and
+    variant, plus every preset setting in which it differs from its protocol, and its lr)."""
+    name = record["protocol"].split(" (")[0]
+    base = PROTOCOLS[name]["settings"] if name in PROTOCOLS else {}
+    argv = (["--protocol", name] if name in PROTOCOLS else []) + [
+        "--world-sizes", str(record["world_size"]), "--seeds", str(record["seed"]), "--variants", record["variant"],
+        "--lr", f"{record['family']}={record['lr']!r}"]
+    for k in PRESET_KEYS:
+        v = record[k]
+        if k in base and base[k] == v or (k not in base and make_cfg()[k] == v):
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            argv.append(flag if v else "--no-" + k.replace("_", "-"))
+        elif v is None:
+            continue
+        else:
+            argv += [flag, *map(str, v)] if isinstance(v, list) else [flag, str(v)]
+    return argv
+
+
+SETTING_FLAGS = ("steps", "preset", "n_layer", "n_head", "d_model", "bias", "tie_weights", "seq_len", "batch_size",
+                 "warmup", "min_lr_ratio", "betas", "eval_every", "eval_iters", "eval_batch", "adamw_betas",
+                 "adamw_wd", "lion_wd", "tie_break", "data", "grads", "threads")
+
+
 def apply_protocol(args):
-    """Fill the settings no flag gave from ``--protocol`` (or the base defaults); --lr values
-    override the protocol's per family."""
+    """The run's settings: make_cfg's defaults, then ``--protocol``'s (or the base defaults), then the
+    flags given explicitly. Sets ``args.settings`` (make_cfg's keywords), ``args.protocol_name``,
+    N / seeds / variants, and ``args.base_lr`` (below --lr, which also stops --tune from sweeping
+    that family)."""
     proto = PROTOCOLS[args.protocol] if args.protocol else BASE_SETTINGS
-    for key in ("steps", "betas", "world_sizes", "seeds", "variants"):
+    for key in ("world_sizes", "seeds", "variants"):
         if getattr(args, key) is None:
-            setattr(args, key, list(proto[key]) if isinstance(proto[key], list) else proto[key])
-    args.base_lr = dict(proto["lr"])  # below --lr (which also stops --tune from sweeping that family)
+            setattr(args, key, list(proto[key]))
+    given = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k) is not None}
+    args.settings = {**proto["settings"], **given}
+    for k in ("betas", "adamw_betas"):
+        if k in args.settings:
+            args.settings[k] = list(args.settings[k])
+    # a protocol with explicit changes to its preset is another preset: the records say which keys changed
+    changed = sorted(k for k in given if k in PRESET_KEYS and proto["settings"].get(k) != args.settings[k])
+    args.protocol_name = (args.protocol or "custom") + (f" (with {', '.join(changed)} changed)" if changed and args.protocol else "")
+    args.base_lr = dict(proto["lr"])
     return args
 
 
@@ -1086,6 +1303,14 @@ def main(argv=None) -> int:
     explicit = {"variants": args.variants, "world_sizes": args.world_sizes}  # before the protocol fills them
     args = apply_protocol(args)
     t0 = time.perf_counter()
+    if args.trend:
+        records = []
+        for path in args.trend:
+            records += merge([path], **explicit)[1]
+        rows = trend(records)
+        print(trend_table(rows))
+        finish(NAME, args, rows + records, plot_trend, extra_md=trend_table(rows))
+        return 0
     if args.merge:
         meta, records, tune_recs, curves = merge(args.merge, **explicit)
         summary = summarize(records)
@@ -1096,13 +1321,18 @@ def main(argv=None) -> int:
         finish(NAME, args, meta + summary + records + tune_recs + curves, plot,
                extra_md=markdown_table(summary) + "\n" + "\n".join("- " + m for m in check_goal(summary)) + "\n")
         return 0
-    kw = dict(steps=args.steps, preset=args.preset, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-              seq_len=args.seq_len, batch_size=args.batch_size, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
-              betas=list(args.betas), eval_every=args.eval_every,
-              eval_iters=args.eval_iters, eval_batch=args.eval_batch, adamw_wd=args.adamw_wd, lion_wd=args.lion_wd,
-              tie_break=args.tie_break, threads=args.threads, data=args.data)
+    kw = dict(args.settings)
+    if args.grads_speed:
+        cfg = make_cfg(**kw)
+        torch.set_num_threads(cfg["threads"])
+        recs = [r for n in args.world_sizes for r in grads_speed(cfg, n, _load(cfg))]
+        print_table(recs, [("world_size", "N"), ("mode", "grads"), ("s_per_step", "s / step", ".4f"),
+                           ("first_call_s", "first call s", ".1f"), ("speedup_vs_loop", "speed-up vs loop", ".2f")],
+                    title=f"[bench converge] the N workers' gradients, {cfg['batch_size']} sequences per worker")
+        finish(NAME, args, recs)
+        return 0
     cfg = make_cfg(**kw)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(cfg["threads"])
     ds = _load(cfg)
     fixed = _parse_lr(args.lr)
     tune_recs = []
@@ -1135,18 +1365,19 @@ def main(argv=None) -> int:
             return 0
     if args.partial:
         with open(args.partial, "a") as f:
-            f.write(json.dumps({"bench": "converge_config", "argv": list(sys.argv[1:] if argv is None else argv),
+            f.write(json.dumps({"bench": "converge_config", "protocol": args.protocol_name, "argv": list(sys.argv[1:] if argv is None else argv),
                                 "corpus": ds.name, "lrs": {str(n): v for n, v in lrs.items()}, **cfg}) + "\n")
             for r in tune_recs:
                 f.write(json.dumps(r) + "\n")
     records, curves, cfg = run(tuple(args.variants), tuple(args.seeds), tuple(args.world_sizes), lrs, args.device,
+                               protocol=args.protocol_name,
                                ds=ds, partial=args.partial, **kw)
     summary = summarize(records)
     print_table(summary, SUMMARY_TABLE, title=f"[bench converge] {records[0]['params']:,}-param GPT on {ds.name}, "
-                                              f"{args.steps} steps, seeds {args.seeds}: paired gap to global Lion")
+                                              f"{cfg['steps']} steps, seeds {args.seeds}: paired gap to global Lion")
     for m in check_goal(summary):
         print("[bench converge] " + m)
-    meta = {"bench": "converge_config", "argv": list(sys.argv[1:] if argv is None else argv), "corpus": ds.name,
+    meta = {"bench": "converge_config", "protocol": args.protocol_name, "argv": list(sys.argv[1:] if argv is None else argv), "corpus": ds.name,
             "lrs": {str(n): v for n, v in lrs.items()}, "wall_s": round(time.perf_counter() - t0, 1), **cfg}
     finish(NAME, args, [meta] + summary + records + tune_recs + curves, plot,
            extra_md=markdown_table(summary) + "\n" + "\n".join("- " + m for m in check_goal(summary)) + "\n")

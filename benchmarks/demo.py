@@ -24,26 +24,39 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .common import quiet_progress_lock
 from .data import DEFAULT_MAX_BYTES, load_dataset
+from lioncub_ds.config import LionCubConfig, LionCubConfigError
 from lioncub_ds.groups import exit_cleanly
 from .models import PRESETS, build_model
 from .models.gpt import param_digest
 from lioncub_ds.telemetry import format_bytes
 from lioncub_ds.testing.spawn import free_port
 
-__all__ = ["build_parser", "train", "make_optimizer", "main", "launch"]
+__all__ = ["build_parser", "check_lioncub_flags", "train", "make_optimizer", "main", "launch"]
 
 OPTIMIZERS = ("lioncub", "lion", "adamw")
 
 
+def setting_choices(name: str) -> tuple:
+    """The values LionCubConfig allows for setting ``name`` (its field's choices): the flags' argparse choices."""
+    for f in fields(LionCubConfig):
+        if f.name == name:
+            return tuple(f.metadata["choices"])
+    raise KeyError(name)
+
+
 # ----------------------------------------------------------------------------- options
 def build_parser(prog: str | None = None, *, world_size_flag: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+    # a one-line usage: a mistyped flag (every rank of a torchrun launch prints it) stays two lines
+    p = argparse.ArgumentParser(prog=prog, usage="%(prog)s [options] (--help lists them)",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("run")
     if world_size_flag:
@@ -79,10 +92,13 @@ def build_parser(prog: str | None = None, *, world_size_flag: bool = True) -> ar
     g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     g.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99))
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled; not on biases/norms/embeddings")
-    g.add_argument("--comm", default=None, help="LionCub comm: auto | allgather | 1bit | pbit | int8")
-    g.add_argument("--vote", default=None, help="LionCub vote: majority | average")
-    g.add_argument("--quant", default=None, help="LionCub quant: sign | l1 | l0 | linf")
-    g.add_argument("--tie-break", default=None, help="LionCub even-N tie rule")
+    g.add_argument("--comm", default=None, choices=setting_choices("comm"),
+                   help="LionCub vote collective (default: LionCub's, auto); int8 and bbit need --quant l1|l0|linf")
+    g.add_argument("--vote", default=None, choices=setting_choices("vote"), help="LionCub vote (default: majority)")
+    g.add_argument("--quant", default=None, choices=setting_choices("quant"),
+                   help="LionCub quantizer (default: sign; l1/l0/linf are scaled votes for --comm int8 or bbit)")
+    g.add_argument("--tie-break", default=None, choices=setting_choices("tie_break"),
+                   help="LionCub even-N tie rule (default: hash)")
     g.add_argument("--momentum-sync", default=None,
                    help='LionCub momentum sync: JSON, e.g. \'{"every": 50}\', or an integer K (= every K steps)')
     g.add_argument("--optim-kwargs", default=None, help="extra LionCub keyword settings as JSON")
@@ -104,16 +120,37 @@ def _lr_at(step: int, args) -> float:
 
 
 
-def _lioncub_class():
+def lioncub_settings(args) -> dict:
+    """The LionCub settings the flags give (lr, betas and weight decay included)."""
+    kwargs: dict[str, Any] = {"lr": args.lr, "betas": tuple(args.betas), "weight_decay": args.weight_decay}
+    for key in ("comm", "vote", "quant", "tie_break"):
+        if getattr(args, key, None) is not None:
+            kwargs[key] = getattr(args, key)
+    ms = getattr(args, "momentum_sync", None)
+    if ms is not None:
+        kwargs["momentum_sync"] = {"every": int(ms)} if str(ms).strip().isdigit() else json.loads(ms)
+    if getattr(args, "optim_kwargs", None):
+        kwargs.update(json.loads(args.optim_kwargs))
+    return kwargs
+
+
+# What to add on the command line when LionCubConfig refuses a combination of the flags.
+_FLAG_FIXES = {"needs a scaled quantizer": "add --quant l1 (or l0, linf)",
+               "needs quant='sign'": "drop --quant, or use --comm int8 or bbit"}
+
+
+def check_lioncub_flags(parser: argparse.ArgumentParser, args) -> None:
+    """Validate the LionCub flags in the launching process (parser.error, exit 2), before any rank starts:
+    a bad combination is one message naming the fix, not a traceback from every rank."""
+    if args.optim != "lioncub":
+        return
     try:
-        import lioncub_ds
-        cls = getattr(lioncub_ds, "LionCub", None)
-        if cls is None:
-            from .optimizer import LionCub as cls  # noqa: N813
-        return cls
-    except Exception as exc:  # noqa: BLE001
-        raise RuntimeError(f"lioncub_ds.LionCub is not available ({type(exc).__name__}: {exc}); "
-                           "run with --optim lion or --optim adamw") from exc
+        LionCubConfig.from_kwargs(where="--optim-kwargs", **lioncub_settings(args))
+    except json.JSONDecodeError as exc:
+        parser.error(f"--momentum-sync / --optim-kwargs: not valid JSON ({exc})")
+    except LionCubConfigError as exc:
+        fix = next((f"; {fix}" for key, fix in _FLAG_FIXES.items() if key in str(exc)), "")
+        parser.error(f"{exc}{fix}")
 
 
 def make_optimizer(model, args):
@@ -125,17 +162,8 @@ def make_optimizer(model, args):
     if args.optim == "lion":
         from lioncub_ds.lion import Lion
         return Lion(groups, lr=args.lr, betas=betas, weight_decay=args.weight_decay), True
-    kwargs: dict[str, Any] = {}
-    for key in ("comm", "vote", "quant", "tie_break"):
-        if getattr(args, key, None) is not None:
-            kwargs[key] = getattr(args, key)
-    ms = getattr(args, "momentum_sync", None)
-    if ms is not None:
-        kwargs["momentum_sync"] = {"every": int(ms)} if str(ms).strip().isdigit() else json.loads(ms)
-    if getattr(args, "optim_kwargs", None):
-        kwargs.update(json.loads(args.optim_kwargs))
-    cls = _lioncub_class()
-    return cls(groups, lr=args.lr, betas=betas, weight_decay=args.weight_decay, **kwargs), False
+    from lioncub_ds import LionCub
+    return LionCub(groups, **lioncub_settings(args)), False
 
 
 def _allreduce_grads(model, world_size: int) -> None:
@@ -189,6 +217,7 @@ def train(args, rank: int = 0, world_size: int = 1, device: str | torch.device =
     Returns the run summary (identical keys on every rank; rank 0's is the one to report)."""
     from tqdm import tqdm
 
+    quiet_progress_lock()  # before the first bar: no multiprocessing semaphore to leak at exit_cleanly
     device = torch.device(device)
     is_main = rank == 0
     ds = load_dataset(max_bytes=args.max_bytes, files=args.data_files, token_file=args.token_file,
@@ -271,7 +300,7 @@ def train(args, rank: int = 0, world_size: int = 1, device: str | torch.device =
                 ratio += f" | comm {1e3 * float(last['comm_time_s']):.1f} ms"
             tps = tokens_per_step * (step + 1) / train_time
             log(f"step {step + 1:5d} | train loss {last_train:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | "
-                f"sent {format_bytes(sent)}/step{ratio}")
+                f"sent in the last step {format_bytes(sent)}/rank{ratio}")
             bar.set_postfix_str(f"loss {last_train:.3f} {tps:,.0f} tok/s tx {format_bytes(sent)}/step{ratio}",
                                 refresh=False)
         bar.update(1)
@@ -311,8 +340,9 @@ def train(args, rank: int = 0, world_size: int = 1, device: str | torch.device =
         print(f"[benchmarks.demo] done in {wall:.1f} s | val loss {summary['first_val_loss']:.4f} -> "
               f"{summary['last_val_loss']:.4f} | {summary['tokens_per_s']:,.0f} tok/s | "
               f"{summary['step_s']:.3f} s/step (rank 0 CPU {summary['cpu_s_per_step_rank0']:.3f} s/step) | "
-              f"sent {format_bytes(summary['bytes_sent_per_step'])}/step/rank "
-              f"(fp32 all-reduce: {format_bytes(ar_fp32)}) | params in sync across ranks: "
+              f"sent, mean of {args.steps} steps incl. momentum syncs: "
+              f"{format_bytes(summary['bytes_sent_per_step'])}/step/rank (fp32 gradient all-reduce: "
+              f"{format_bytes(ar_fp32)}) | params in sync across ranks: "
               f"{'yes' if in_sync else 'NO'}", flush=True)
         if args.json_out:
             with open(args.json_out, "w") as f:
@@ -411,7 +441,9 @@ def launch(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser("python -m benchmarks.demo").parse_args(argv)
+    parser = build_parser("python -m benchmarks.demo")
+    args = parser.parse_args(argv)
+    check_lioncub_flags(parser, args)
     if args.device != "cpu":
         print("[benchmarks.demo] the demo spawns CPU ranks; use examples/pretrain_gpt.py (torchrun) for CUDA",
               file=sys.stderr)

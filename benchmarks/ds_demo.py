@@ -169,7 +169,7 @@ def format_comparison(lc: dict, base: dict) -> str:
         ("optimizer", "LionCub (ZeRO-0, local momentum)", "Lion + gradient all-reduce"),
         ("val loss: start", f"{lc['first_val_loss']:.4f}", f"{base['first_val_loss']:.4f}"),
         ("val loss: end", f"{lc['last_val_loss']:.4f}", f"{base['last_val_loss']:.4f}"),
-        ("bytes sent / step / rank", format_bytes(lc["bytes_sent_per_step"]), format_bytes(base["bytes_sent_per_step"])),
+        ("mean bytes / step / rank", format_bytes(lc["bytes_sent_per_step"]), format_bytes(base["bytes_sent_per_step"])),
         ("tokens / s", f"{lc['tokens_per_s']:,.0f}", f"{base['tokens_per_s']:,.0f}"),
         ("replicas identical", "yes" if lc["params_in_sync"] else "NO", "yes" if base["params_in_sync"] else "NO"),
         ("wall time (launch)", f"{lc['launch_s']:.0f} s", f"{base['launch_s']:.0f} s"),
@@ -183,7 +183,8 @@ def format_comparison(lc: dict, base: dict) -> str:
     head = (f"DeepSpeed demo: GPT '{lc['preset']}' ({lc['params'] / 1e6:.2f}M params), {lc['world_size']} CPU ranks, "
             f"{lc['steps']} steps, {lc['tokens_per_step']:,} tokens/step")
     foot = (f"Speed is tokens/s over the timed training steps; the wall time adds process start-up, DeepSpeed "
-            f"set-up and evaluation.\nLion Cub sent {ratio:.0f}x fewer bytes per step than the fp32 gradient all-reduce "
+            f"set-up and evaluation.\nLion Cub sent {ratio:.0f}x fewer bytes per step (mean) than the fp32 gradient "
+            f"all-reduce "
             f"(ring: 2(N-1)/N x {lc['params']:,} x 4 B); val loss {lc['last_val_loss']:.3f} vs "
             f"{base['last_val_loss']:.3f}.")
     return "\n".join([sep, head, sep] + lines + [sep, foot])

@@ -22,7 +22,7 @@ import torch.distributed as dist
 # the checkout's root: the workshop (``benchmarks``: the GPT, the data, the training loops) is not in the wheel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.demo import build_parser, check_summary, train  # noqa: E402
+from benchmarks.demo import build_parser, check_lioncub_flags, check_summary, train  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.set_defaults(device="auto")
     args = parser.parse_args(argv)
+    check_lioncub_flags(parser, args)  # every rank checks; a bad combination is one line, not a traceback
 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

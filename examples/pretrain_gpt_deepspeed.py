@@ -1,12 +1,12 @@
 """Pretrain the small GPT with DeepSpeed and Lion Cub (the ``deepspeed`` launcher).
 
-The training loop ships inside the package (:mod:`benchmarks.ds_pretrain`, which
-``python -m benchmarks.ds_demo`` runs); this file is the same entry point:
+The training loop lives in the workshop beside the package, outside the wheel
+(:mod:`benchmarks.ds_pretrain`, which ``python -m benchmarks.ds_demo`` runs); this file is the same entry point:
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_accelerators 2 examples/pretrain_gpt_deepspeed.py \\
-        --deepspeed_config configs/ds_cpu_demo.json --steps 200
+        --deepspeed_config configs/ds_lioncub_recommended.json --preset tiny --steps 30
 
-Run it with ``--help`` for every flag.
+Run it with ``--help`` for every flag (``--steps`` fits the config's lr schedule to the run).
 """
 import os
 import sys

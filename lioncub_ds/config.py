@@ -181,7 +181,8 @@ class LionCubConfig:
                         help="Δ = sign(Σδ_i) or (1/N)·Σδ_i. `average` only with `quant=\"sign\"`")
     comm: str = setting("auto", type=str, choices=COMM_ALGORITHMS,
                         help="vote collective ([below](#communication-algorithms-and-wire-bytes)); `auto`: per bucket the "
-                             "cheapest exact sign algorithm by the α-β model (`int8` with a scaled `quant`)")
+                             "cheapest exact sign algorithm by the α-β model (`int8` with a scaled `quant`); `int8` and "
+                             "`bbit` need quant `l1`, `l0` or `linf`")
     quant: str = setting("sign", type=str, choices=QUANTS,
                          help="1-bit signs, or scaled votes with that per-tensor scale (`int8` and `bbit` only)")
     tie_break: str = setting("hash", type=str, choices=TIE_RULES,

@@ -98,16 +98,12 @@ class MomentumSync:
 
     @staticmethod
     def average_over(coll, momenta: list[torch.Tensor], chunk_numel: int, dtype: str = "fp32") -> None:
-        """Average momenta over ``coll``'s group, a few big collectives: fp32 all-reduces, or the
-        two-phase bf16 / int8 average (module docstring)."""
+        """Average momenta over ``coll``'s group, a few big collectives (one per :func:`sync_chunks`
+        chunk): fp32 all-reduces, or the two-phase bf16 / int8 average (module docstring)."""
         if not momenta or coll.world_size <= 1:
             return
-        chunk, size = [], 0
-        for m in momenta + [None]:
-            if m is not None and (size + m.numel() <= chunk_numel or not chunk):
-                chunk.append(m)
-                size += m.numel()
-                continue
+        for idx in sync_chunks([m.numel() for m in momenta], chunk_numel):
+            chunk = [momenta[i] for i in idx]
             flat = torch.cat([t.reshape(-1).float() for t in chunk])
             if dtype == "fp32":
                 coll.all_reduce_(flat, "momentum_sync")
@@ -118,7 +114,6 @@ class MomentumSync:
             for t in chunk:
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
-            chunk, size = ([m], m.numel()) if m is not None else ([], 0)
 
     @staticmethod
     def _two_phase(coll, flat: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -175,6 +170,29 @@ def quantized_average(rows: torch.Tensor, dtype: str) -> torch.Tensor:
         mean = shard_mean(sent, dtype)
         out.append(sync_decode(sync_encode(mean.view(1, -1), dtype), dtype)[0])
     return torch.cat(out)[:length]
+
+
+def sync_chunks(numels: list[int], chunk_numel: int) -> list[list[int]]:
+    """How a sync groups the momenta into collectives: indices of consecutive momenta while their
+    elements fit ``chunk_numel`` (a larger one alone). The real sync, the simulation and the
+    planner's bytes all chunk this way."""
+    chunks, cur, size = [], [], 0
+    for i, numel in enumerate(numels):
+        if cur and size + numel > chunk_numel:
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += numel
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def sync_bytes(numels: list[int], world_size: int, dtype: str, chunk_numel: int) -> int:
+    """Bytes one rank sends for one sync of momenta of ``numels`` elements (chunked as
+    :func:`sync_chunks`, each chunk :func:`sync_wire_bytes`)."""
+    return sum(sync_wire_bytes(sum(numels[i] for i in idx), world_size, dtype)
+               for idx in sync_chunks(numels, chunk_numel))
 
 
 def sync_wire_bytes(numel: int, world_size: int, dtype: str) -> int:

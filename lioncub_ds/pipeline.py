@@ -107,6 +107,19 @@ def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
     return (world_size - 1) * words if carried else ring_bytes("all_reduce", words, world_size)
 
 
+def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int) -> int:
+    """Bytes one rank sends per step inside its node group with node voters (the ``intra_node``
+    scope of ``comm_stats``): per full bucket of ``(padded numel, gradient itemsize, parameter
+    itemsize)`` the reduce-scatter (an all_to_all of the gradients in their dtype) and the
+    all-gather of the updated shards (in the parameters' dtype), plus the all-reduce of the step's
+    unpacked int32 flags (:meth:`StepPlan._agree_everywhere`)."""
+    out = ring_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(buckets)), node_size)
+    for numel, grad_size, param_size in buckets:
+        out += ring_bytes("all_to_all", grad_size * numel, node_size)
+        out += ring_bytes("all_gather", param_size * numel, node_size)
+    return out
+
+
 def hyper_values(param_groups) -> list[tuple]:
     """Per param group, the hyper-parameters every rank must apply alike this step."""
     return [(lr_value(g["lr"]), float(g["weight_decay"]), tuple(float(b) for b in g["betas"])) for g in param_groups]

@@ -45,17 +45,21 @@ def main():
     p.add_argument("--node-size", type=int, default=None,
                    help='adds "voters": "node", "node_size": N to the ds_config optimizer params')
     p.add_argument("--no-resume", action="store_true", help="only the full run")
+    p.add_argument("--eps-auto", action="store_true",
+                   help='adds "eps": "auto" to the ds_config optimizer params, as HF\'s own templates have it')
     args = p.parse_args()
     assert "lioncub_ds" not in sys.modules
     example = load_example()
     from accelerate.state import AcceleratorState
 
     config = args.config
-    if args.overlap or args.node_size:  # the same template plus what a user adds to its optimizer params
+    if args.overlap or args.node_size or args.eps_auto:  # the template plus what a user adds to its params
         with open(args.config) as f:
             cfg = json.load(f)
         if args.overlap:
             cfg["optimizer"]["params"]["overlap"] = True
+        if args.eps_auto:
+            cfg["optimizer"]["params"]["eps"] = "auto"
         if args.node_size:
             cfg["optimizer"]["params"].update(voters="node", node_size=args.node_size)
         os.makedirs(args.out, exist_ok=True)

@@ -22,6 +22,7 @@ def test_the_wheel_lists_only_runtime_modules(tmp_path):
     modules = [n for n in names if n.endswith(".py")]
     assert any(n == "lioncub_ds/optimizer.py" for n in modules)  # the runtime is there
     assert any(n.startswith("lioncub_ds/deepspeed/") for n in modules)
+    assert "lioncub_ds/plan_convergence.json" in names  # the planner's measured convergence costs (package data)
     outside = [n for n in modules if not n.startswith("lioncub_ds/") and not n.endswith("lioncub_ds_autohook.py")]
     assert not outside, f"modules outside the package in the wheel: {outside}"
     ours = [Path(n) for n in modules if n.startswith("lioncub_ds/")]

@@ -32,6 +32,10 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True
+    # "sdpa": torch's fused scaled_dot_product_attention; "math": the same causal attention written out
+    # (softmax(q k^T / sqrt(d)) v), which torch.func.vmap batches natively (sdpa has no batching rule on
+    # CPU and falls back to a loop): the convergence simulation's vectorized gradients use it.
+    attn: str = "sdpa"
 
     def __post_init__(self):
         for key in ("n_layer", "n_head", "d_model", "seq_len", "vocab", "mlp_ratio"):
@@ -39,6 +43,8 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{key}={getattr(self, key)} must be >= 1")
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.attn not in ("sdpa", "math"):
+            raise ValueError(f"GPTConfig.attn={self.attn!r} is not allowed; allowed: sdpa, math")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
 
@@ -65,6 +71,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.math = cfg.attn == "math"
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
@@ -73,8 +80,14 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.math:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            att = F.dropout(att.masked_fill(~causal, float("-inf")).softmax(-1), self.dropout, self.training)
+            y = att @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 

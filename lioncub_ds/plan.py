@@ -1,0 +1,959 @@
+"""``python -m lioncub_ds.plan``: what each data-parallel strategy costs on your cluster.
+
+For a model (a parameter count, or a GPT shape), a precision, tokens per GPU per step (with a
+measured compute time, or an MFU and a peak FLOP/s) and a cluster (nodes × GPUs, GPU memory, the
+intra-node bus bandwidth and the inter-node bandwidth per node, with their latencies), it predicts
+per strategy: the optimizer and model state per GPU and whether it fits, the bytes each GPU sends
+per step (inside a node, and across nodes per node), the communication time, the exposed
+communication with and without overlap, the step time and tokens/s, and the convergence cost our
+studies measured for that configuration and N (or "not measured"). It ends with a recommendation
+and the exact ds_config block or Megatron flags.
+
+Everything is a **prediction** from the model below; docs/planner.md says how far it is from our
+own measurements (``python -m benchmarks plan_check``) and from published link figures.
+
+The model (docs/planner.md, "The model"):
+
+* **Bytes** are what ``comm_stats()`` counts: the telemetry ring model
+  (:func:`lioncub_ds.telemetry.ring_bytes`), each vote algorithm's own ``wire_bytes`` over the real
+  bucket layout (:func:`lioncub_ds.layout.build_buckets`), the step's flags
+  (:func:`lioncub_ds.pipeline.flag_bytes`), the node group's traffic
+  (:func:`lioncub_ds.pipeline.node_group_bytes`) and the momentum sync
+  (:func:`lioncub_ds.momentum_sync.sync_bytes`). DDP's and ZeRO's / Megatron's bytes are their
+  collectives (all-reduce; reduce-scatter + all-gather) in the same ring model.
+* **Links**: a collective over a group that spans several nodes is a ring (all-reduce, all-gather,
+  reduce-scatter: every node boundary carries one rank's stream) or direct (all-to-all: each rank
+  sends its share to every other rank). The time of a collective is the slowest of: the bytes that
+  leave a node over the node's inter-node bandwidth, the bytes each GPU sends over its intra-node
+  bus bandwidth, and (where the host CPUs move the bytes: gloo over TCP) every byte over the host's
+  copy rate; plus a latency per step of a hierarchical ring (L−1 inside a node, Nn−1 across nodes):
+  the α-β model of :class:`lioncub_ds.comm.cost.CostModel` with the link each byte crosses.
+* **Overlap**: the gradient reduction of DDP, ZeRO-2 and Megatron (``--overlap-grad-reduce``) runs
+  during backward (2/3 of the compute); ``overlap`` (0–1) says how much of backward can hide it; the
+  last bucket is never hidden. LionCub's votes overlap only where the integration allows it (fp32,
+  ``overlap=True``; not with bf16 under DeepSpeed, not under Megatron).
+* **Update**: the optimizer's memory traffic per parameter (fused Lion 20 B, a LionCub vote step
+  28 B, node voters' and master-only sharding's from their code paths) over the GPU's memory
+  bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from importlib import resources
+
+from .telemetry import format_bytes, ring_bytes
+
+__all__ = ["ModelSpec", "ClusterSpec", "WorkloadSpec", "PlanInputError", "plan", "main", "STRATEGIES",
+           "convergence_table", "parse_count"]
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+BACKENDS = ("nccl", "gloo")
+HOST_SCOPES = ("node", "machine")
+SYNC_DTYPE = "int8"          # the recommended momentum sync (docs/convergence.md): int8 every 20 steps
+SYNC_EVERY = 20
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb, and LionCub's bucket_size_mb default
+DS_REDUCE_BUCKET_NUMEL = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements)
+BACKWARD_SHARE = 2.0 / 3.0   # backward's share of forward + backward (2 of the 3 matmul passes)
+# Memory traffic per updated parameter of the optimizer step (bytes; read + write):
+#   fused Lion: read g, m, master/param, write m, master/param (+ the bf16 copy): 20;
+#   a LionCub vote step: the local pass reads g and m (8), the momentum update reads g, m and writes m (12),
+#   the apply reads and writes the master/param (8): 28.
+UPDATE_BYTES_LION = 20
+UPDATE_BYTES_VOTE = 28
+
+
+def node_voter_update_bytes(wg: int, wp: int, node_size: int, mixed: bool) -> float:
+    """Memory traffic per element of the full bucket of a node-voter step besides its collectives
+    (lioncub_ds/node_voters.py, ``NodeShards.begin`` / ``finish``): the flat gradient buffer zeroed and
+    filled (3·wg), the fp32 row sum of the L received rows ((wg + 4) for the first, 12 per further
+    row plus its fp32 copy when the gradients are not fp32, the division 8; per shard element), fp32
+    parameters copied into a work shard (12 per shard element; bf16/fp16 keep a persistent master),
+    the vote step on the shard (28), the master cast back for the all-gather (4 + wp, mixed only) and
+    the gathered bucket copied into the parameters (2·wp)."""
+    L = node_size
+    rows = (wg + 4) + (L - 1) * (12 + (wg + 4 if wg != 4 else 0)) + 8
+    shard = rows + (0 if mixed else 12) + UPDATE_BYTES_VOTE + ((4 + wp) if mixed else 0)
+    return 3 * wg + shard / L + 2 * wp
+
+
+def master_only_update_bytes(wp: int, node_size: int) -> float:
+    """Per element, master-only sharding (``node_voters.MasterShards``): the vote step's local pass and
+    momentum update on every element (20), the apply on this rank's master shard (8), the shard cast
+    to the parameters' dtype for the all-gather (4 + wp) and the gathered bucket copied in (2·wp)."""
+    return 20 + (8 + 4 + wp) / node_size + 2 * wp
+
+
+class PlanInputError(ValueError):
+    """A planner input is out of range: the message names the flag and the allowed values."""
+
+
+def _err(flag, value, allowed):
+    return PlanInputError(f"lioncub_ds.plan: invalid {flag} {value!r}; allowed: {allowed}")
+
+
+def parse_count(text) -> int:
+    """A parameter count: an int, or a number with a K/M/B/T suffix ("1.3B", "7e9")."""
+    if isinstance(text, bool):
+        raise ValueError(text)
+    if isinstance(text, int):
+        return text
+    if isinstance(text, float):
+        if not math.isfinite(text) or text != int(text):
+            raise ValueError(text)
+        return int(text)
+    s = str(text).strip().upper().replace("_", "")
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(s[-1:], None)
+    value = float(s[:-1]) * scale if scale else float(s)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return int(round(value))
+
+
+def _positive_int(flag, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _err(flag, value, f"an integer >= {minimum}")
+    return value
+
+
+def _positive(flag, value, zero_ok=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero_ok):
+        raise _err(flag, value, "a number >= 0" if zero_ok else "a number > 0")
+    return float(value)
+
+
+# ----------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model: ``params`` (total), or a GPT shape (``layers``, ``hidden``, ``vocab``, ``seq``) from
+    which the count is derived (12·h² + 13·h per layer, tied (V + S)·h embeddings). ``param_numels``:
+    the exact trainable tensors of one GPU (tests; the layout then matches the real one)."""
+    params: int | None = None
+    layers: int | None = None
+    hidden: int | None = None
+    vocab: int | None = None
+    seq: int | None = None
+    param_numels: tuple | None = None
+
+    def __post_init__(self):
+        shape = (self.layers, self.hidden, self.vocab, self.seq)
+        if self.param_numels is not None:
+            if not self.param_numels or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                            for n in self.param_numels):
+                raise _err("param_numels", self.param_numels, "a non-empty list of integers >= 1")
+        elif all(x is None for x in shape):
+            if self.params is None:
+                raise PlanInputError("lioncub_ds.plan: give the model as --params N, or as a GPT shape "
+                                     "--layers --hidden --vocab --seq")
+        elif any(x is None for x in shape):
+            missing = [f"--{k}" for k, x in zip(("layers", "hidden", "vocab", "seq"), shape) if x is None]
+            raise PlanInputError(f"lioncub_ds.plan: a GPT shape needs --layers, --hidden, --vocab and --seq; "
+                                 f"missing: {', '.join(missing)}")
+        for k, x in zip(("--layers", "--hidden", "--vocab", "--seq"), shape):
+            if x is not None:
+                _positive_int(k, x)
+        if self.params is not None:
+            _positive_int("--params", self.params)
+
+    @property
+    def total(self) -> int:
+        if self.param_numels is not None and self.params is None:
+            return sum(self.param_numels)
+        if self.params is not None:
+            return self.params
+        h = self.hidden
+        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.seq) * h + 2 * h
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6·P, plus attention's 12·layers·hidden·seq when the shape is known."""
+        attn = 12 * self.layers * self.hidden * self.seq if self.layers else 0
+        return 6.0 * self.total + attn
+
+    def gpu_numels(self, tp: int, pp: int) -> list[int]:
+        """The trainable tensors one GPU holds (its TP slice of its PP stage's layers; the first stage,
+        with the embeddings). Without a shape: the total / (tp·pp), cut into 4M-element tensors."""
+        if self.param_numels is not None:
+            return list(self.param_numels)
+        if self.layers and self.params is None:
+            h = self.hidden
+            per_layer = [3 * h * h // tp, 3 * h // tp, h * h // tp, h, 2 * h, 4 * h * h // tp, 4 * h // tp,
+                         4 * h * h // tp, h, 2 * h]
+            layers = -(-self.layers // pp)
+            out = [-(-self.vocab * h // tp), self.seq * h] + per_layer * layers + [2 * h]
+            return [n for n in out if n > 0]
+        per_gpu = -(-self.total // (tp * pp))
+        chunk = 4 * 2**20
+        return [chunk] * (per_gpu // chunk) + ([per_gpu % chunk] if per_gpu % chunk else [])
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The cluster. ``intra_gbyte_s``: each GPU's bus bandwidth inside a node (GB/s, nccl-tests'
+    busbw: H100 NVLink ~450); ``inter_gbit_s``: the inter-node bandwidth per node (Gbit/s, all its
+    NICs); latencies per message (µs). ``hbm_gbyte_s``: the memory bandwidth the optimizer kernels
+    get. ``host_gbyte_s``: where the host CPUs copy every byte (gloo / TCP; None for NCCL over
+    NVLink and RDMA), the rate at which the ranks sharing a host (``host_scope``: a node, or the
+    whole machine) move their bytes. ``overlap``: the share of backward that can hide overlapped
+    communication (1 on GPUs; 0 where compute and communication share the same cores)."""
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem_gib: float = 80.0
+    intra_gbyte_s: float = 450.0
+    inter_gbit_s: float = 100.0
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0
+    hbm_gbyte_s: float = 3000.0
+    host_gbyte_s: float | None = None
+    host_scope: str = "node"
+    overlap: float = 1.0
+    backend: str = "nccl"
+
+    def __post_init__(self):
+        _positive_int("--nodes", self.nodes)
+        _positive_int("--gpus-per-node", self.gpus_per_node)
+        _positive("--gpu-mem-gib", self.gpu_mem_gib)
+        _positive("--intra-node-gbyte", self.intra_gbyte_s)
+        _positive("--inter-node-gbit", self.inter_gbit_s)
+        _positive("--intra-latency-us", self.intra_latency_us, zero_ok=True)
+        _positive("--inter-latency-us", self.inter_latency_us, zero_ok=True)
+        _positive("--hbm-gbyte", self.hbm_gbyte_s)
+        if self.host_gbyte_s is not None:
+            _positive("--host-gbyte", self.host_gbyte_s)
+        if self.host_scope not in HOST_SCOPES:
+            raise _err("--host-scope", self.host_scope, " | ".join(HOST_SCOPES))
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
+            raise _err("--overlap", self.overlap, "a number in [0, 1]")
+        if self.backend not in BACKENDS:
+            raise _err("--backend", self.backend, " | ".join(BACKENDS))
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Precision, tokens per GPU per step, and the compute time (measured, or from ``mfu`` ×
+    ``peak_tflops``); ``tp`` / ``pp``: tensor- and pipeline-parallel sizes (TP inside a node);
+    ``instances``: K of Megatron's distributed optimizer (default: one per node);
+    ``activation_gib``: memory per GPU reserved for activations when judging the fit."""
+    precision: str = "bf16"
+    tokens_per_gpu: int = 8192
+    compute_time_s: float | None = None
+    mfu: float = 0.4
+    peak_tflops: float = 989.0
+    tp: int = 1
+    pp: int = 1
+    instances: int | None = None
+    activation_gib: float = 0.0
+    update_time_s: float | None = None  # measured fused-Lion update of one GPU's parameters (overrides hbm)
+    bucket_size_mb: float = 25.0        # LionCub's bucket_size_mb (its layout and the momentum sync's chunks)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise _err("--precision", self.precision, " | ".join(PRECISIONS))
+        _positive_int("--tokens-per-gpu", self.tokens_per_gpu)
+        if self.compute_time_s is not None:
+            _positive("--compute-time-s", self.compute_time_s)
+        if isinstance(self.mfu, bool) or not isinstance(self.mfu, (int, float)) or not 0 < self.mfu <= 1:
+            raise _err("--mfu", self.mfu, "a number in (0, 1]")
+        _positive("--peak-tflops", self.peak_tflops)
+        _positive_int("--tp", self.tp)
+        _positive_int("--pp", self.pp)
+        if self.instances is not None:
+            _positive_int("--instances", self.instances)
+        _positive("--activation-gib", self.activation_gib, zero_ok=True)
+        if self.update_time_s is not None:
+            _positive("--update-time-s", self.update_time_s, zero_ok=True)
+        _positive("--bucket-size-mb", self.bucket_size_mb)
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision != "fp32"
+
+
+# ----------------------------------------------------------------------------- topology
+@dataclass(frozen=True)
+class Geometry:
+    """A kind of process group: ``size`` ranks, ``per_node`` of them in each node it spans."""
+    size: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.size // max(1, self.per_node))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Data-parallel layout (Megatron's order: TP innermost, then DP, then PP): N data-parallel
+    ranks, L of each DP group in a node, so Nn = N / L nodes per DP group and G / L DP groups per node."""
+    n: int
+    local: int
+    gpus_per_node: int
+    nodes: int
+
+    @classmethod
+    def of(cls, cluster: ClusterSpec, work: WorkloadSpec) -> "Topology":
+        g, total = cluster.gpus_per_node, cluster.gpus
+        mp = work.tp * work.pp
+        if g % work.tp:
+            raise PlanInputError(f"lioncub_ds.plan: invalid --tp {work.tp}: tensor parallelism stays inside a node; "
+                                 f"allowed: a divisor of --gpus-per-node {g}")
+        if total % mp:
+            raise PlanInputError(f"lioncub_ds.plan: invalid --tp {work.tp} x --pp {work.pp} = {mp}; allowed: a "
+                                 f"divisor of the {total} GPUs (--nodes {cluster.nodes} x --gpus-per-node {g})")
+        n = total // mp
+        local = min(n, g // work.tp)
+        if n % local:
+            raise PlanInputError(f"lioncub_ds.plan: {n} data-parallel ranks do not split into nodes of {local}; "
+                                 "allowed: --tp / --pp that leave whole nodes per data-parallel group")
+        return cls(n, local, g, cluster.nodes)
+
+    @property
+    def dp_nodes(self) -> int:
+        return self.n // self.local
+
+    def group(self, kind: str, size: int | None = None) -> Geometry:
+        """"dp": all N; "node": the L DP ranks of a node; "cross": one per node group (Nn);
+        "instance" / "peers": Megatron's K instances of ``size`` consecutive DP ranks, and the K
+        ranks at one place of every instance."""
+        if kind == "dp":
+            return Geometry(self.n, self.local)
+        if kind == "node":
+            return Geometry(self.local, self.local)
+        if kind == "cross":
+            return Geometry(self.dp_nodes, 1)
+        if kind == "instance":
+            return Geometry(size, min(size, self.local))
+        if kind == "peers":  # size = K; one rank per instance of n/K consecutive ranks
+            inst = self.n // size
+            return Geometry(size, max(1, self.local // inst))
+        raise ValueError(kind)
+
+
+# ----------------------------------------------------------------------------- traffic
+@dataclass
+class Traffic:
+    """``count`` collectives of one kind in a step (buckets, comm batches, sync chunks): ``sent``
+    bytes per rank in all (telemetry's ring model), on a group ``geo``; ``every``: once per that many
+    steps; ``scope``: the comm_stats scope it is counted under; ``overlappable``: may run during
+    backward."""
+    purpose: str
+    kind: str
+    sent: float
+    geo: Geometry
+    scope: str = "vote_group"
+    every: int = 1
+    overlappable: bool = False
+    count: int = 1
+    # a gloo reduce-scatter sends all-reduce bytes on the wire (measured in bench netns_nodes), the
+    # telemetry still counts the ring's
+    wire_factor: float = 1.0
+
+    def links(self, top: Topology) -> tuple[float, float]:
+        """(bytes leaving a node over the inter-node link, bytes each GPU sends on its node's bus)."""
+        g, sent = self.geo, self.sent * self.wire_factor
+        if g.size <= 1:
+            return 0.0, 0.0
+        groups_per_node = top.gpus_per_node / g.per_node if g.nodes > 1 else 0
+        if g.nodes <= 1:
+            return 0.0, sent
+        if self.kind == "all_to_all":  # direct: each rank's share for ranks of other nodes leaves the node
+            off = (g.size - g.per_node) / (g.size - 1)
+            return top.gpus_per_node * sent * off, sent * (g.per_node - 1) / (g.size - 1)
+        # ring: one rank's stream crosses each node boundary per group
+        return groups_per_node * sent, sent * (g.per_node - 1) / g.per_node
+
+    def latency_s(self, cluster: ClusterSpec) -> float:
+        """The latency terms: per collective one pass of (an all-reduce: two) over the group's steps,
+        a hierarchical ring for NCCL (L−1 steps inside a node at the intra-node latency, Nn−1 across
+        nodes at the inter-node one), a flat ring of N−1 steps for gloo."""
+        g = self.geo
+        if g.size <= 1:
+            return 0.0
+        rounds = 2 if self.kind == "all_reduce" else 1
+        a_in, a_out = cluster.intra_latency_us * 1e-6, cluster.inter_latency_us * 1e-6
+        if cluster.backend == "gloo":
+            per = (g.size - 1) * (a_out if g.nodes > 1 else a_in)
+        else:
+            per = (g.per_node - 1) * a_in + (g.nodes - 1) * a_out
+        return self.count * rounds * per
+
+
+def collective_time(t: Traffic, top: Topology, cluster: ClusterSpec) -> dict:
+    """Seconds of one occurrence: the slowest link (inter-node per node, intra-node per GPU, the
+    host's copies) plus the latency terms (:meth:`Traffic.latency_s`)."""
+    inter, intra = t.links(top)
+    inter_s = inter * 8 / (cluster.inter_gbit_s * 1e9)
+    intra_s = intra / (cluster.intra_gbyte_s * 1e9)
+    host_s = 0.0
+    if cluster.host_gbyte_s is not None and t.geo.size > 1:
+        sharing = cluster.gpus if cluster.host_scope == "machine" else top.gpus_per_node
+        host_s = t.sent * t.wire_factor * sharing / (cluster.host_gbyte_s * 1e9)
+    wire = max(inter_s, intra_s, host_s)
+    return {"time_s": wire + t.latency_s(cluster), "inter_bytes_per_node": inter, "intra_bytes_per_gpu": intra,
+            "bound": "inter-node link" if wire == inter_s and inter_s > 0 else
+            "host copies" if wire == host_s and host_s > 0 else "intra-node bus" if intra_s > 0 else "none"}
+
+
+# ----------------------------------------------------------------------------- strategies
+STRATEGIES = ("ddp_bf16", "zero1", "zero2", "megatron_distopt_k1", "megatron_distopt_kN",
+              "lioncub_1bit_sync20", "lioncub_master_only", "lioncub_node_voters_sync20")
+LABELS = {
+    "ddp_bf16": "DDP, bf16 gradients all-reduced (overlapped), Lion",
+    "zero1": "DeepSpeed ZeRO-1, Lion (reduce-scatter after backward + parameter all-gather)",
+    "zero2": "DeepSpeed ZeRO-2, Lion (overlap_comm reduce-scatter + parameter all-gather)",
+    "megatron_distopt_k1": "Megatron distributed optimizer, 1 instance, Lion",
+    "megatron_distopt_kN": "Megatron distributed optimizer, K instances (one per node), Lion",
+    "lioncub_1bit_sync20": "LionCub flat 1bit{sync}",
+    "lioncub_master_only": "LionCub flat 1bit{sync}, fp32 master sharded in the node (master-only)",
+    "lioncub_node_voters_sync20": "LionCub node voters (1bit across nodes){sync}",
+}
+EXACT = ("ddp_bf16", "zero1", "zero2", "megatron_distopt_k1", "megatron_distopt_kN")  # = global Lion
+
+
+@lru_cache(maxsize=64)
+def _lioncub_layout(numels: tuple, voters: int, bucket_size_mb: float = 25.0):
+    """(buckets, batches) of LionCub's real layout for these tensors and ``voters`` ranks (meta
+    tensors: no memory), with each bucket's algorithm (:func:`lioncub_ds.layout.assign_algorithms`)."""
+    import torch
+
+    from .config import LionCubConfig
+    from .layout import assign_algorithms, build_buckets, comm_batches
+
+    cfg = LionCubConfig(comm="1bit", bucket_size_mb=bucket_size_mb)
+    params = [torch.empty(n, device="meta", requires_grad=True) for n in numels]
+    buckets, _ = build_buckets([{"params": params}], cfg.bucket_numel, voters)
+    assign_algorithms(buckets, cfg, max(1, voters))
+    return tuple(buckets), tuple(tuple(b) for b in comm_batches(buckets, cfg.comm_bucket_mb, max(1, voters)))
+
+
+def _vote_traffic(numels, voters: int, geo: Geometry, scope: str, bucket_mb: float, shard: int = 1) -> list[Traffic]:
+    """LionCub's 1bit votes of a step (votes + the step's flags, which ride in the last batch):
+    phase 1 all_to_all and phase 2 all_gather of every comm batch. ``shard`` = L for node voters
+    (each full bucket of the Nn·L layout cut into L shards: the buckets the vote runs on)."""
+    from .pipeline import flag_bytes
+
+    if voters <= 1:
+        return []
+    buckets, batches = _lioncub_layout(tuple(numels), voters * shard, bucket_mb)
+    algo = buckets[0].algorithm
+    total = phase2 = 0
+    for b in buckets:
+        numel = b.numel // shard
+        total += algo.wire_bytes(numel, voters, mode="list")
+        phase2 += ring_bytes("all_gather", numel // 8, voters)  # the shard results, 1 bit per element
+    flags = flag_bytes(len(buckets), voters, algo.carries_flags)
+    return [Traffic("votes (phase 1) + flags", "all_to_all", total - phase2 + flags, geo, scope, count=len(batches)),
+            Traffic("votes (phase 2)", "all_gather", phase2, geo, scope, count=len(batches))]
+
+
+def _family(kind: str, sync_every) -> str:
+    """The convergence table's family of a LionCub configuration."""
+    return f"{kind}_1bit" + (f"_sync{sync_every}_{SYNC_DTYPE}" if sync_every else "")
+
+
+def _sync_traffic(numels, voters, geo, scope, every, bucket_mb: float) -> list[Traffic]:
+    from .config import LionCubConfig
+    from .momentum_sync import sync_bytes, sync_chunks
+
+    if voters <= 1 or not every:
+        return []
+    chunk = LionCubConfig(bucket_size_mb=bucket_mb).bucket_numel
+    sent = sync_bytes(list(numels), voters, SYNC_DTYPE, chunk)
+    n_chunks = len(sync_chunks(list(numels), chunk))
+    # each chunk: an all_to_all of the encoded shards, then an all_gather of the mean shards (half the bytes each)
+    return [Traffic(f"momentum sync ({SYNC_DTYPE}, every {every}): {phase}", kind, sent / 2, geo, scope,
+                    every=every, count=n_chunks)
+            for phase, kind in (("shards to their owners", "all_to_all"), ("means gathered", "all_gather"))]
+
+
+def _ring_traffic(purpose, kind, nbytes, geo, scope, buckets=1, overlappable=False, wire_factor=1.0):
+    sent = ring_bytes(kind, int(nbytes), geo.size)
+    return Traffic(purpose, kind, sent, geo, scope, overlappable=overlappable, count=buckets, wire_factor=wire_factor)
+
+
+def _buckets_of(nbytes: float, cap: float = DDP_BUCKET_BYTES) -> int:
+    return max(1, math.ceil(nbytes / cap))
+
+
+def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSpec, top: Topology,
+             sync_every: int | None = SYNC_EVERY) -> dict:
+    """One strategy's traffic, state and update bytes (before timing). ``sync_every``: the LionCub
+    strategies' int8 momentum sync period (None: no sync)."""
+    numels = model.gpu_numels(work.tp, work.pp)
+    p = sum(numels)
+    wp = work.param_bytes
+    wg = wp
+    n, L = top.n, top.local
+    mixed = work.mixed
+    mb = work.bucket_size_mb
+    rs_factor = 2.0 if cluster.backend == "gloo" else 1.0  # gloo's reduce-scatter sends as an all-reduce
+    traffic: list[Traffic] = []
+    state = {"params": wp * p, "grads": wg * p, "momentum": 4 * p, "master": 4 * p if mixed else 0,
+             "grad_partition": 0}
+    master_holder = "framework" if mixed else "none"
+    update = UPDATE_BYTES_LION * p
+    overlap_ok = False
+    notes = []
+    conv = ("global", n, 1)
+    config = {}
+    if name == "ddp_bf16":
+        gb = 2 * p
+        traffic.append(_ring_traffic("gradient all-reduce (bf16)", "all_reduce", gb, top.group("dp"), "dp",
+                                     _buckets_of(gb), overlappable=True))
+        overlap_ok = True
+        config = _ddp_config(work)
+    elif name in ("zero1", "zero2"):
+        stage = int(name[-1])
+        pad = -(-p // n) * n
+        traffic.append(_ring_traffic("gradient reduce-scatter (bf16)" if mixed else "gradient reduce-scatter",
+                                     "reduce_scatter", wg * pad, top.group("dp"), "dp",
+                                     _buckets_of(wg * pad, 2 * DS_REDUCE_BUCKET_NUMEL), overlappable=stage == 2,
+                                     wire_factor=rs_factor))
+        traffic.append(_ring_traffic("parameter all-gather", "all_gather", wp * pad, top.group("dp"), "dp",
+                                     _buckets_of(wp * pad, 2 * DS_REDUCE_BUCKET_NUMEL)))
+        state.update(momentum=4 * pad // n, master=(4 * pad // n) if mixed else 0,
+                     grad_partition=4 * pad // n if mixed else 0)
+        if stage == 2:
+            state["grads"] = wg * (pad // n + min(p, DS_REDUCE_BUCKET_NUMEL))
+        master_holder = "optimizer partition" if mixed else "none"
+        update = UPDATE_BYTES_LION * pad // n
+        overlap_ok = stage == 2
+        config = _zero_config(stage, work)
+    elif name.startswith("megatron_distopt"):
+        k = 1 if name.endswith("k1") else (work.instances or top.dp_nodes)
+        if n % k:
+            raise PlanInputError(f"lioncub_ds.plan: --instances {k} must divide the {n} data-parallel ranks")
+        s = n // k
+        pad = -(-p // s) * s
+        inst, peers = top.group("instance", s), top.group("peers", k)
+        # --grad-reduce-in-bf16: the gradient buffer and its reduction in bf16 (2 B), whatever the parameters
+        nb = _buckets_of(2 * pad, 40 * 2**20 * 2)  # Megatron's DDP buckets: ~40M elements
+        traffic.append(_ring_traffic("gradient reduce-scatter in the instance (bf16)", "reduce_scatter", 2 * pad,
+                                     inst, "instance", nb, overlappable=True, wire_factor=rs_factor))
+        if k > 1:
+            traffic.append(_ring_traffic("shard all-reduce across instances (bf16)", "all_reduce", 2 * pad // s,
+                                         peers, "across instances", nb, overlappable=True))
+        traffic.append(_ring_traffic("parameter all-gather in the instance", "all_gather", wp * pad, inst,
+                                     "instance", nb))
+        state.update(momentum=4 * pad // s, master=(4 * pad // s) if mixed else 0, grads=2 * p)
+        master_holder = "optimizer shard" if mixed else "none"
+        update = UPDATE_BYTES_LION * pad // s
+        overlap_ok = True
+        config = _megatron_distopt_config(k, work)
+        notes.append(f"K = {k} instance(s) of {s} data-parallel ranks")
+    elif name == "lioncub_1bit_sync20":
+        geo = top.group("dp")
+        traffic += _vote_traffic(numels, n, geo, "vote_group", mb)
+        traffic += _sync_traffic(numels, n, geo, "vote_group", sync_every, mb)
+        update = UPDATE_BYTES_VOTE * p
+        overlap_ok = work.precision == "fp32"
+        conv = (_family("flat", sync_every), n, 1)
+        config = _lioncub_config(work, {}, sync_every)
+    elif name == "lioncub_master_only":
+        geo = top.group("dp")
+        traffic += _vote_traffic(numels, n, geo, "vote_group", mb)
+        traffic += _sync_traffic(numels, n, geo, "vote_group", sync_every, mb)
+        update = UPDATE_BYTES_VOTE * p
+        conv = (_family("flat", sync_every), n, 1)
+        if mixed and L > 1:
+            update = master_only_update_bytes(wp, L) * p
+            buckets, _ = _lioncub_layout(tuple(numels), n, mb)
+            total = sum(b.numel for b in buckets)
+            traffic.append(Traffic("master shards all-gather in the node", "all_gather",
+                                   sum(ring_bytes("all_gather", wp * b.numel, L) for b in buckets),
+                                   top.group("node"), "intra_node", count=len(buckets)))
+            state["master"] = 4 * total // L
+            master_holder = "LionCub (1/L shard)"
+        elif not mixed:
+            notes.append("fp32 parameters have no master: the same as flat")
+        config = _lioncub_config(work, {"node_size": L}, sync_every)
+    elif name == "lioncub_node_voters_sync20":
+        nn = top.dp_nodes
+        buckets, _ = _lioncub_layout(tuple(numels), n, mb)
+        total = sum(b.numel for b in buckets)
+        if L > 1:
+            traffic.append(Traffic("node group: gradient reduce-scatter, parameter all-gather, flags", "all_to_all",
+                                   _node_group_sent(buckets, wg, wp, L), top.group("node"), "intra_node",
+                                   count=2 * len(buckets) + 1))
+        cross = top.group("cross")
+        traffic += _vote_traffic(numels, nn, cross, "inter_node", mb, shard=L)
+        traffic += _sync_traffic([b.numel // L for b in buckets], nn, cross, "inter_node", sync_every, mb)
+        state.update(momentum=4 * total // L, master=(4 * total // L) if mixed else 0)
+        master_holder = "LionCub (1/L shard)" if mixed else "none"
+        update = node_voter_update_bytes(wg, wp, L, mixed) * total
+        conv = (_family("node" if L > 1 else "flat", sync_every), n, L)
+        config = _lioncub_config(work, {"voters": "node"}, sync_every, node_voters=(nn, L))
+        if L == 1:
+            notes.append("one data-parallel rank per node: node voters are flat voting")
+    else:
+        raise _err("strategy", name, ", ".join(STRATEGIES))
+    sync = f" + {SYNC_DTYPE} momentum sync every {sync_every}" if sync_every else ", no momentum sync"
+    return {"name": name, "label": LABELS[name].format(sync=sync), "traffic": traffic, "state": state, "master_holder": master_holder,
+            "update_bytes": update, "overlap_ok": overlap_ok, "conv_key": conv, "config": config, "notes": notes}
+
+
+def _node_group_sent(buckets, wg, wp, L) -> int:
+    from .pipeline import node_group_bytes
+
+    return node_group_bytes([(b.numel, wg, wp) for b in buckets], L)
+
+
+# ----------------------------------------------------------------------------- configs
+def _ds_precision(work: WorkloadSpec) -> dict:
+    return {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}, "fp32": {}}[work.precision]
+
+
+def _lioncub_params(extra: dict, sync_every, bucket_mb: float = 25.0) -> dict:
+    base = {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1, "comm": "1bit", "vote": "majority",
+            "tie_break": "hash", "momentum_dtype": "fp32", "nonfinite": "skip"}
+    if bucket_mb != 25.0:
+        base["bucket_size_mb"] = bucket_mb
+    if sync_every:
+        base["momentum_sync"] = {"every": sync_every, "dtype": SYNC_DTYPE}
+    base.update(extra)
+    return base
+
+
+def _lioncub_config(work: WorkloadSpec, extra: dict, sync_every, node_voters=None) -> dict:
+    ds = dict(_ds_precision(work), zero_optimization={"stage": 0},
+              optimizer={"type": "LionCub", "params": _lioncub_params(extra, sync_every, work.bucket_size_mb)})
+    flags = ["--lioncub-comm 1bit", "--lioncub-beta1 0.95", "--lioncub-beta2 0.98"]
+    if work.bucket_size_mb != 25.0:
+        flags.append(f"--lioncub-bucket-size-mb {work.bucket_size_mb:g}")
+    if sync_every:
+        flags += [f"--lioncub-momentum-sync-every {sync_every}", f"--lioncub-momentum-sync-dtype {SYNC_DTYPE}"]
+    if node_voters is not None:
+        nn, _ = node_voters
+        flags = ["--use-distributed-optimizer", f"--num-distributed-optimizer-instances {nn}",
+                 "--lioncub-voters node"] + flags
+    megatron = flags
+    if "node_size" in extra:
+        megatron = None  # Megatron refuses master-only sharding: its distributed optimizer shards the master
+    return {"deepspeed": ds, "megatron_flags": megatron}
+
+
+def _ddp_config(work: WorkloadSpec) -> dict:
+    return {"torch": "DistributedDataParallel(model); model.register_comm_hook(None, bf16_compress_hook); "
+                     "lioncub_ds.Lion(model.parameters(), lr=1e-4, betas=(0.95, 0.98), weight_decay=0.1)"}
+
+
+def _zero_config(stage: int, work: WorkloadSpec) -> dict:
+    zero = {"stage": stage}
+    if stage == 2:
+        zero.update(overlap_comm=True, contiguous_gradients=True, reduce_scatter=True)
+    ds = dict(_ds_precision(work), zero_optimization=zero,
+              optimizer={"type": "LionCub", "params": {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1,
+                                                       "momentum_dtype": "fp32", "zero_allgather": "params"}})
+    return {"deepspeed": ds}
+
+
+def _megatron_distopt_config(k: int, work: WorkloadSpec) -> dict:
+    flags = ["--optimizer lion", "--lion-beta1 0.95", "--lion-beta2 0.98", "--use-distributed-optimizer",
+             "--overlap-grad-reduce", "--grad-reduce-in-bf16"]
+    if k > 1:
+        flags.append(f"--num-distributed-optimizer-instances {k}")
+    return {"megatron_flags": flags, "note": "Megatron-LM >= 0.18 (its own --optimizer lion); no LionCub"}
+
+
+# ----------------------------------------------------------------------------- convergence
+@lru_cache(maxsize=1)
+def convergence_table() -> dict:
+    """The measured convergence costs (lioncub_ds/plan_convergence.json, generated from the committed
+    study summaries by ``python -m benchmarks plan_check --write-convergence-table``)."""
+    with resources.files(__package__).joinpath("plan_convergence.json").open("r", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def convergence_cost(key: tuple) -> dict:
+    family, n, local = key
+    if family == "global":
+        return {"gap_pct": 0.0, "ci95": [0.0, 0.0], "seeds": None, "study": "reference",
+                "text": "none: global Lion (all-reduced gradients), the studies' reference"}
+    rows = [r for r in convergence_table()["rows"] if r["family"] == family and r["node_size"] == local]
+    hit = [r for r in rows if r["world_size"] == n]
+    if hit:
+        r = hit[0]
+        return {"gap_pct": r["gap_pct"], "ci95": [r["ci_lo_pct"], r["ci_hi_pct"]], "seeds": r["seeds"],
+                "study": r["study"],
+                "text": f"{r['gap_pct']:+.1f}% val loss vs global Lion [95% CI {r['ci_lo_pct']:+.1f}, "
+                        f"{r['ci_hi_pct']:+.1f}], {r['seeds']} seeds, N={n} ({r['study']})"}
+    near = sorted(rows, key=lambda r: abs(math.log(r["world_size"] / n)))
+    hint = (f"; nearest measured: N={near[0]['world_size']} {near[0]['gap_pct']:+.1f}% ({near[0]['study']})"
+            if near else "")
+    return {"gap_pct": None, "ci95": None, "seeds": None, "study": None, "text": f"not measured at N={n}{hint}"}
+
+
+# ----------------------------------------------------------------------------- the plan
+def _compute_time(model: ModelSpec, work: WorkloadSpec) -> float:
+    if work.compute_time_s is not None:
+        return work.compute_time_s
+    return work.tokens_per_gpu * model.flops_per_token() / (work.mfu * work.peak_tflops * 1e12)
+
+
+def evaluate(name, model, cluster, work, top, sync_every=SYNC_EVERY) -> dict:
+    s = strategy(name, model, cluster, work, top, sync_every)
+    compute = _compute_time(model, work)
+    if work.update_time_s is not None:  # measured fused Lion on this GPU's parameters: scales the bytes
+        p = sum(model.gpu_numels(work.tp, work.pp))
+        update = work.update_time_s * s["update_bytes"] / (UPDATE_BYTES_LION * p)
+    else:
+        update = s["update_bytes"] / (cluster.hbm_gbyte_s * 1e9)
+    comm = overlappable = 0.0
+    inter = intra = sent = 0.0
+    by_scope: dict = {}
+    parts = []
+    for t in s["traffic"]:
+        ct = collective_time(t, top, cluster)
+        per_step = ct["time_s"] / t.every
+        comm += per_step
+        if t.overlappable and s["overlap_ok"]:
+            overlappable += per_step
+        inter += ct["inter_bytes_per_node"] / t.every
+        intra += ct["intra_bytes_per_gpu"] / t.every
+        sent += t.sent / t.every
+        by_scope[t.scope] = by_scope.get(t.scope, 0.0) + t.sent / t.every
+        parts.append({"purpose": t.purpose, "collective": t.kind, "scope": t.scope, "bytes_per_gpu": t.sent,
+                      "every_steps": t.every, "time_s": ct["time_s"], "bound": ct["bound"]})
+    backward = BACKWARD_SHARE * compute
+    # the last bucket of an overlapped reduction starts when backward ends: never hidden
+    last = sum(p_["time_s"] / t.count for p_, t in zip(parts, s["traffic"]) if t.overlappable and s["overlap_ok"])
+    exposed_overlap = comm - overlappable + max(overlappable - cluster.overlap * backward, min(last, overlappable))
+    step = compute + update + exposed_overlap
+    st = s["state"]
+    optimizer_state = st["momentum"] + st["master"] + st["grad_partition"]
+    model_state = st["params"] + st["grads"] + optimizer_state
+    budget = cluster.gpu_mem_gib * 2**30 - work.activation_gib * 2**30
+    conv = convergence_cost(s["conv_key"])
+    return {"name": name, "label": s["label"],
+            "bytes_per_gpu": sent, "bytes_per_gpu_by_scope": by_scope,
+            "inter_node_bytes_per_node": inter, "intra_node_bytes_per_gpu": intra,
+            "state_bytes_per_gpu": optimizer_state,
+            "state_breakdown": dict(st, master_holder=s["master_holder"]),
+            "model_state_bytes_per_gpu": model_state, "fits": model_state <= budget,
+            "comm_time_s": comm, "exposed_comm_no_overlap_s": comm, "exposed_comm_overlap_s": exposed_overlap,
+            "overlap_used": bool(s["overlap_ok"] and overlappable > 0),
+            "compute_time_s": compute, "update_time_s": update, "step_time_s": step,
+            "tokens_per_s": work.tokens_per_gpu * cluster.gpus / step,
+            "convergence": conv, "collectives": parts, "config": s["config"], "notes": s["notes"]}
+
+
+def plan(model: ModelSpec, cluster: ClusterSpec, work: WorkloadSpec, strategies=STRATEGIES,
+         min_speedup: float = 1.1, sync_every: int | None = SYNC_EVERY) -> dict:
+    """Predictions for every strategy, and the recommendation (a dict; ``main`` prints it).
+    ``sync_every``: the LionCub strategies' int8 momentum sync period (None or 0: none)."""
+    top = Topology.of(cluster, work)
+    for name in strategies:
+        if name not in STRATEGIES:
+            raise _err("--strategies", name, ", ".join(STRATEGIES))
+    _positive("--min-speedup", min_speedup)
+    if sync_every is not None:
+        _positive_int("--sync-every", sync_every, minimum=0)
+    rows = [evaluate(name, model, cluster, work, top, sync_every or None) for name in strategies]
+    return {"inputs": {"model": {k: v for k, v in asdict(model).items() if k != "param_numels"},
+                       "params": model.total, "cluster": asdict(cluster), "workload": asdict(work),
+                       "data_parallel": top.n, "dp_ranks_per_node": top.local, "dp_nodes": top.dp_nodes},
+            "strategies": rows, "recommendation": recommend(rows, min_speedup),
+            "note": "predictions from lioncub_ds.plan's model (docs/planner.md), not measurements"}
+
+
+def recommend(rows: list[dict], min_speedup: float) -> dict:
+    """The fastest strategy that fits; a LionCub strategy only when it beats the fastest exact one
+    (global Lion) by ``min_speedup``, since its convergence cost is measured only on small models."""
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting:
+        least = min(rows, key=lambda r: r["model_state_bytes_per_gpu"])
+        return {"name": None, "why": f"nothing fits; the least memory is {least['name']} "
+                                     f"({format_bytes(least['model_state_bytes_per_gpu'])} per GPU): add tensor "
+                                     "or pipeline parallelism (--tp, --pp) or GPUs", "config": None}
+    exact = [r for r in fitting if r["name"] in EXACT]
+    best_exact = min(exact, key=lambda r: r["step_time_s"]) if exact else None
+    cubs = [r for r in fitting if r["name"] not in EXACT]
+    best_cub = min(cubs, key=lambda r: r["step_time_s"]) if cubs else None
+    if best_cub is not None and (best_exact is None
+                                 or best_exact["step_time_s"] >= min_speedup * best_cub["step_time_s"]):
+        pick = best_cub
+        speed = best_exact["step_time_s"] / best_cub["step_time_s"] if best_exact else None
+        why = (f"{speed:.2f}x the step rate of the fastest exact strategy ({best_exact['name']})"
+               if best_exact else "the only strategies that fit are LionCub's") + \
+              f"; convergence cost: {best_cub['convergence']['text']}"
+    else:
+        pick = best_exact
+        why = "the fastest exact strategy (global Lion: no convergence cost)"
+        if best_cub is not None:
+            why += (f"; the fastest LionCub strategy ({best_cub['name']}) would be "
+                    f"{best_exact['step_time_s'] / best_cub['step_time_s']:.2f}x, below the {min_speedup:g}x worth "
+                    "a convergence risk")
+    return {"name": pick["name"], "label": pick["label"], "why": why, "config": pick["config"],
+            "step_time_s": pick["step_time_s"], "tokens_per_s": pick["tokens_per_s"]}
+
+
+# ----------------------------------------------------------------------------- CLI
+def _int_arg(flag):
+    def parse(text):
+        try:
+            value = int(str(text), 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}")
+        return value
+    return parse
+
+
+def _float_arg(flag, zero_ok=False, upper=None):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        ok = math.isfinite(value) and (value >= 0 if zero_ok else value > 0) and (upper is None or value <= upper)
+        if not ok:
+            rng = ("a number >= 0" if zero_ok else "a number > 0") + (f" and <= {upper:g}" if upper else "")
+            raise argparse.ArgumentTypeError(f"{flag} must be {rng}, got {text!r}")
+        return value
+    return parse
+
+
+def _count_arg(text):
+    try:
+        value = parse_count(text)
+    except (ValueError, IndexError):
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--params must be a positive count (e.g. 1300000000, 1.3B, 7e9), got "
+                                         f"{text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lioncub_ds.plan",
+                                description="Predicted memory, bytes and step time per data-parallel strategy "
+                                            "(DDP, ZeRO, Megatron's distributed optimizer, LionCub), with the "
+                                            "measured convergence cost and a recommended config. Predictions: "
+                                            "see docs/planner.md for how far they are from measurements.")
+    m = p.add_argument_group("model (--params, or the GPT shape)")
+    m.add_argument("--params", type=_count_arg, help="parameter count (1300000000, 1.3B, 7e9)")
+    for flag in ("layers", "hidden", "vocab", "seq"):
+        m.add_argument(f"--{flag}", type=_int_arg(f"--{flag}"))
+    w = p.add_argument_group("workload")
+    w.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    w.add_argument("--tokens-per-gpu", type=_int_arg("--tokens-per-gpu"), default=8192,
+                   help="tokens per GPU per optimizer step (micro-batches x sequence length x accumulation)")
+    w.add_argument("--compute-time-s", type=_float_arg("--compute-time-s"),
+                   help="measured forward+backward time of one step (else from --mfu and --peak-tflops)")
+    w.add_argument("--mfu", type=_float_arg("--mfu", upper=1.0), default=0.4)
+    w.add_argument("--peak-tflops", type=_float_arg("--peak-tflops"), default=989.0,
+                   help="peak dense bf16 TFLOP/s per GPU (H100 SXM: 989)")
+    w.add_argument("--tp", type=_int_arg("--tp"), default=1, help="tensor-parallel size (inside a node)")
+    w.add_argument("--pp", type=_int_arg("--pp"), default=1, help="pipeline-parallel size")
+    w.add_argument("--instances", type=_int_arg("--instances"),
+                   help="K of Megatron's distributed optimizer (default: one instance per node)")
+    w.add_argument("--bucket-size-mb", type=_float_arg("--bucket-size-mb"), default=25.0,
+                   help="LionCub's bucket_size_mb (its vote buckets and momentum-sync chunks)")
+    w.add_argument("--activation-gib", type=_float_arg("--activation-gib", zero_ok=True), default=0.0,
+                   help="GPU memory reserved for activations when judging the fit (default 0: model states only)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=_int_arg("--nodes"), default=1)
+    c.add_argument("--gpus-per-node", type=_int_arg("--gpus-per-node"), default=8)
+    c.add_argument("--gpu-mem-gib", type=_float_arg("--gpu-mem-gib"), default=80.0)
+    c.add_argument("--intra-node-gbyte", type=_float_arg("--intra-node-gbyte"), default=450.0,
+                   help="per-GPU bus bandwidth inside a node, GB/s (nccl-tests busbw; H100 NVLink ~450)")
+    c.add_argument("--inter-node-gbit", type=_float_arg("--inter-node-gbit"), default=100.0,
+                   help="inter-node bandwidth per node, Gbit/s (all its NICs)")
+    c.add_argument("--intra-latency-us", type=_float_arg("--intra-latency-us", zero_ok=True), default=5.0)
+    c.add_argument("--inter-latency-us", type=_float_arg("--inter-latency-us", zero_ok=True), default=10.0)
+    c.add_argument("--hbm-gbyte", type=_float_arg("--hbm-gbyte"), default=3000.0,
+                   help="memory bandwidth of the optimizer kernels, GB/s (H100 SXM HBM3: 3350 peak)")
+    c.add_argument("--overlap", type=_float_arg("--overlap", zero_ok=True, upper=1.0), default=1.0,
+                   help="share of backward that hides overlapped communication (0-1)")
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="NAME",
+                   help=f"which strategies (default all): {', '.join(STRATEGIES)}")
+    p.add_argument("--sync-every", type=int, default=SYNC_EVERY, metavar="K",
+                   help="LionCub's int8 momentum sync every K steps (the recommended 20; 0: none)")
+    p.add_argument("--min-speedup", type=_float_arg("--min-speedup"), default=1.1,
+                   help="recommend a LionCub strategy only when this much faster than the best exact one")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _specs(args) -> tuple[ModelSpec, ClusterSpec, WorkloadSpec]:
+    model = ModelSpec(params=args.params, layers=args.layers, hidden=args.hidden, vocab=args.vocab, seq=args.seq)
+    cluster = ClusterSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem_gib,
+                          intra_gbyte_s=args.intra_node_gbyte, inter_gbit_s=args.inter_node_gbit,
+                          intra_latency_us=args.intra_latency_us, inter_latency_us=args.inter_latency_us,
+                          hbm_gbyte_s=args.hbm_gbyte, overlap=args.overlap)
+    work = WorkloadSpec(precision=args.precision, tokens_per_gpu=args.tokens_per_gpu,
+                        compute_time_s=args.compute_time_s, mfu=args.mfu, peak_tflops=args.peak_tflops,
+                        tp=args.tp, pp=args.pp, instances=args.instances, activation_gib=args.activation_gib,
+                        bucket_size_mb=args.bucket_size_mb)
+    return model, cluster, work
+
+
+def format_plan(result: dict) -> str:
+    inp = result["inputs"]
+    c, w = inp["cluster"], inp["workload"]
+    lines = [f"PREDICTIONS (lioncub_ds.plan's model; docs/planner.md) for {inp['params'] / 1e9:.2f}B parameters, "
+             f"{w['precision']}, {c['nodes']} x {c['gpus_per_node']} GPUs (DP {inp['data_parallel']}, "
+             f"TP {w['tp']}, PP {w['pp']}), {c['inter_gbit_s']:g} Gbit/s per node, "
+             f"{c['intra_gbyte_s']:g} GB/s per GPU inside a node, {w['tokens_per_gpu']} tokens/GPU/step",
+             ""]
+    hdr = ("strategy", "state/GPU", "fits", "sent/GPU", "inter/node", "comm s", "exposed s (no ovl / ovl)",
+           "step s", "tokens/s", "convergence cost (measured)")
+    rows = []
+    for r in result["strategies"]:
+        rows.append((r["name"], format_bytes(r["model_state_bytes_per_gpu"]), "yes" if r["fits"] else "NO",
+                     format_bytes(r["bytes_per_gpu"]), format_bytes(r["inter_node_bytes_per_node"]),
+                     f"{r['comm_time_s']:.3f}",
+                     f"{r['exposed_comm_no_overlap_s']:.3f} / {r['exposed_comm_overlap_s']:.3f}",
+                     f"{r['step_time_s']:.3f}", f"{r['tokens_per_s']:,.0f}", r["convergence"]["text"]))
+    widths = [max(len(str(x[i])) for x in rows + [hdr]) for i in range(len(hdr))]
+    for row in [hdr] + rows:
+        lines.append("  ".join(str(x).ljust(wd) for x, wd in zip(row, widths)).rstrip())
+    rec = result["recommendation"]
+    lines += ["", f"Recommendation: {rec['name'] or 'none'}" + (f" ({rec['label']})" if rec.get("label") else ""),
+              f"  why: {rec['why']}"]
+    cfg = rec.get("config") or {}
+    if cfg.get("deepspeed"):
+        lines += ["  ds_config.json:", "    " + json.dumps(cfg["deepspeed"], indent=2).replace("\n", "\n    ")]
+    if cfg.get("megatron_flags"):
+        lines += ["  Megatron-LM (python -m lioncub_ds.megatron.run pretrain_gpt.py ...):",
+                  "    " + " ".join(cfg["megatron_flags"])]
+    elif cfg.get("deepspeed") and "megatron_flags" in cfg:
+        lines.append("  Megatron-LM: not available for this strategy (use node voters there)")
+    if cfg.get("torch"):
+        lines += ["  torch:", "    " + cfg["torch"]]
+    if cfg.get("note"):
+        lines.append(f"  note: {cfg['note']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        model, cluster, work = _specs(args)
+        result = plan(model, cluster, work, strategies=tuple(args.strategies), min_speedup=args.min_speedup,
+                      sync_every=args.sync_every)
+    except PlanInputError as exc:
+        parser.error(str(exc).replace("lioncub_ds.plan: ", ""))
+    if args.json:
+        print(json.dumps(result, indent=1, default=float))
+    else:
+        print(format_plan(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
