@@ -1,5 +1,7 @@
 # User-facing targets: setup, demo, test (see README). bench runs every benchmark.
 # check-cuda-build builds and imports the CUDA extension against a CUDA torch, no GPU needed (docs/kernels.md).
+# gpu-check runs the whole GPU checklist in one call of <= 8 minutes on a lent GPU machine (its own python3,
+# no package index); gpu-wheels prepares here the wheels it installs there (.whl/, carried along).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -10,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 # Keep DeepSpeed's JIT-built ops in one cache for the whole run.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: setup demo test bench clean check-cuda-build
+.PHONY: setup demo test bench clean check-cuda-build gpu-check gpu-wheels
 
 setup: $(STAMP) $(KSTAMP)
 
@@ -59,6 +61,13 @@ bench: setup
 # Not part of `make test` (a 2.7 GB venv outside the repository, ~2-5 min build); .ci/run runs it after the tests.
 check-cuda-build:
 	PY=$(PY) bash .ci/check_cuda_build.sh
+
+# On the GPU machine: the device call is in docs/kernels.md ("GPU checklist"). GPU_CHECK_DRY=1: the dry run.
+gpu-check:
+	$(PY) -m benchmarks.gpu_check
+
+gpu-wheels: setup
+	$(VPY) -m benchmarks.gpu_check wheels
 
 clean:
 	rm -rf $(VENV) build *.egg-info lioncub_ds/_lioncub_*.so

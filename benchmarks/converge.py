@@ -59,6 +59,12 @@ def _bbit(**spec):
 VARIANTS = {
     "adamw": dict(family="adamw", label="AdamW (all-reduced fp32 grads)"),
     "lion": dict(family="lion", label="global Lion (all-reduced fp32 grads)"),
+    # screening (docs/convergence.md, where Lion trails AdamW): global Lion on one class of parameters,
+    # AdamW (its own lr, betas and wd) on the other; "small" = embeddings, norms and biases
+    "hybrid_adamw_matrices": dict(family="lion", kind="hybrid", adamw_on="matrices",
+                                  label="global: AdamW on the weight matrices, Lion on embeddings/norms/biases"),
+    "hybrid_adamw_small": dict(family="lion", kind="hybrid", adamw_on="small",
+                               label="global: Lion on the weight matrices, AdamW on embeddings/norms/biases"),
     "dlion": dict(family="cub", comm="allgather", label="D-Lion majority, no sync (all-gather)"),
     "cub_1bit": dict(family="cub", comm="1bit", label="Lion Cub 1bit"),
     "cub_1bit_sync5": dict(family="cub", comm="1bit", sync={"every": 5}, label="1bit + sync/5"),
@@ -150,7 +156,7 @@ def spec_of(name):
     if base not in VARIANTS or (fam and fam not in ("lion", "cub", "avg", "bbit")):
         raise ValueError(f"unknown converge variant {name!r}")
     spec = dict(VARIANTS[base])
-    spec["kind"] = spec["family"]  # which optimizer; "family" = whose tuned lr it uses
+    spec.setdefault("kind", spec["family"])  # which optimizer; "family" = whose tuned lr it uses
     if fam:
         if spec["family"] in ("adamw", "lion"):
             raise ValueError(f"{name!r}: only Lion Cub variants take another family's lr")
@@ -188,6 +194,14 @@ PROTOCOLS = {
                    lr={"adamw": 4e-3, "lion": 5e-4, "cub": 5e-4, "avg": 2e-3, "bbit": 5e-4},
                    variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_b3"],
                    settings=dict(_SMALL, steps=1200, betas=[0.9, 0.99])),
+    # The preset of the Lion-vs-AdamW screen (docs/convergence.md "Where Lion is competitive"): the same
+    # model, batch and horizon as `long`, with the momentum that makes tuned global Lion match tuned
+    # AdamW here (beta2 = 0.9; beta2 >= 0.98 trails by 16-35%); gradients by the vectorized pass.
+    "lion": dict(world_sizes=[8, 16, 32], seeds=list(range(10)),
+                 lr={"adamw": 4e-3, "lion": 1e-3, "cub": 1e-3, "avg": 2e-3, "bbit": 1e-3},
+                 variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_1bit_sync10_int8",
+                           "cub_1bit_sync20_int8_node2", "cub_1bit_sync20_int8_node4", "cub_b3", "cub_int8"],
+                 settings=dict(_SMALL, steps=1200, betas=[0.8, 0.9], grads="vmap")),
 }
 # Used when neither a flag nor --protocol sets them.
 BASE_SETTINGS = dict(world_sizes=[8], seeds=[0, 1, 2, 3, 4], lr={}, variants=list(DEFAULT_VARIANTS),
@@ -674,6 +688,43 @@ def grads_speed(cfg, n, ds, modes=GRADS, repeats=3, steps=20, seed=0):
              "speedup_vs_loop": med.get("loop", float("nan")) / med[m]} for m in modes]
 
 
+class HybridLionAdamW:
+    """Screening only: global Lion on one class of parameters and AdamW on the other, to find which
+    parameters make Lion trail AdamW. ``adamw_on``: "matrices" (the Linear weights) or "small"
+    (embeddings, norms, biases). Each part keeps its own lr schedule's peak, betas and wd (Lion:
+    the study's Lion wd on the matrices; AdamW: ``adamw_wd`` on the matrices; no wd elsewhere)."""
+
+    def __init__(self, model, adamw_on, cfg, lr, lion_wd, adamw_lr):
+        from lioncub_ds import Lion
+
+        if adamw_on not in ("matrices", "small"):
+            raise ValueError(f"hybrid adamw_on={adamw_on!r} is not allowed; allowed: matrices, small")
+        lion, adamw = [], []
+        for g in model.optim_groups(1.0):  # weight_decay 1.0 marks the matrices' group
+            matrices = g["weight_decay"] > 0
+            on_adamw = matrices == (adamw_on == "matrices")
+            (adamw if on_adamw else lion).append(
+                {"params": g["params"], "weight_decay": (cfg["adamw_wd"] if on_adamw else lion_wd) if matrices else 0.0,
+                 "peak": adamw_lr if on_adamw else lr})
+        self.parts = [Lion(lion, lr=lr, betas=tuple(cfg["betas"])) if lion else None,
+                      torch.optim.AdamW(adamw, lr=adamw_lr, betas=tuple(cfg["adamw_betas"])) if adamw else None]
+        self.parts = [p for p in self.parts if p is not None]
+        self.peak = lr
+
+    @property
+    def param_groups(self):
+        return [g for p in self.parts for g in p.param_groups]
+
+    def set_lr(self, lr):
+        """The schedule's lr for the Lion part; the AdamW part follows the same schedule at its own peak."""
+        for g in self.param_groups:
+            g["lr"] = lr * g["peak"] / self.peak
+
+    def step(self):
+        for p in self.parts:
+            p.step()
+
+
 # ----------------------------------------------------------------------------- one training run
 def _model_kw(cfg):
     return {k: cfg[k] for k in ("n_layer", "n_head", "d_model", "bias", "tie_weights") if cfg.get(k) is not None}
@@ -694,6 +745,8 @@ def build_variant(name, model, n, cfg, lrs):
     if kind == "lion":
         groups = [{k: v for k, v in g.items() if k != "names"} for g in groups]
         return Lion(groups, lr=lr, betas=tuple(cfg["betas"])), fam, True
+    if kind == "hybrid":
+        return HybridLionAdamW(model, spec["adamw_on"], cfg, lr, wd, lrs["adamw"]), fam, True
     opt = SimLionCub(groups, n, lr=lr, betas=tuple(cfg["betas"]), vote=spec.get("vote", "majority"),
                      comm=spec["comm"], quant=spec.get("quant", "sign"), tie_break=spec.get("tie_break", cfg["tie_break"]),
                      momentum_sync=spec.get("sync"),
@@ -740,8 +793,11 @@ def train_one(variant, seed, n, cfg, lrs, ds, device="cpu"):
     t0 = time.perf_counter()
     for step in range(cfg["steps"]):
         lr = lr_at(step, cfg["steps"], peak, cfg["warmup"], cfg["min_lr_ratio"])
-        for g in opt.param_groups:
-            g["lr"] = lr
+        if isinstance(opt, HybridLionAdamW):
+            opt.set_lr(lr)
+        else:
+            for g in opt.param_groups:
+                g["lr"] = lr
         batches = [ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], i, n, step=step, seed=seed,
                                 device=device) for i in range(n)]
         if allreduce:
@@ -887,7 +943,7 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
                        "sync_dtype": spec["sync"].get("dtype", "fp32") if spec.get("sync") else "",
                        # the preset: re-run with --protocol NAME --world-sizes N --seeds S --variants V
                        "protocol": protocol, **{k: cfg[k] for k in PRESET_KEYS}}
-                if spec["kind"] not in ("adamw", "lion"):  # voters Nn x L; bytes_per_rank: the inter-node link's
+                if spec["kind"] not in ("adamw", "lion", "hybrid"):  # voters Nn x L; bytes_per_rank: the inter-node link's
                     L = r["node_size"]
                     rec.update(node_size=L, voters=n // L, intra_node_bytes_per_rank=int(r["intra_bytes"]),
                                momentum_per_rank_ratio=1.0 / L)

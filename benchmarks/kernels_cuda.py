@@ -96,6 +96,10 @@ def _cases(be, dtype, numel, world, device, gen):
     plus_l = torch.randint(0, 256, (total * p // 8,), device=device, dtype=torch.int32, generator=gen).to(torch.uint8)
     plus_l &= {1: 0xFF, 2: 0x55, 4: 0x33, 8: 0x03}[p]  # counts <= 3 <= world in every lane
     levels = reference.int8_levels(world)
+    bits = 2  # comm="bbit": the default 2-bit codes (ternary levels); its shard vote reads every rank's code planes
+    bsegs = reference.tie_segments(offsets)
+    bplanes = torch.randint(0, 256, (world, bits, nbytes), device=device, dtype=torch.int32,
+                            generator=gen).to(torch.uint8)
     qsum = torch.randint(-127, 128, (total,), device=device, dtype=torch.int32, generator=gen).to(torch.int8)
     apply_kw = dict(lr=1e-6, weight_decay=0.1, step=3, tie_break="hash")
     pb = 1.0 / 8.0  # one bit plane, bytes per parameter
@@ -128,15 +132,23 @@ def _cases(be, dtype, numel, world, device, gen):
         ("int8_local_step_l1", 2 * esz + 1,
          lambda: be.int8_local_step(grads, moms, offsets, total, 0.9, "l1", levels)),
         ("int8_apply", 1 + 2 * esz, lambda: _call(be.int8_apply, qsum, params, offsets, 1e-6, 0.1)),
+        # g and m read twice (the per-tensor scale needs the whole tensor before the first code), m written
+        # once, the b code planes and the nonzero plane written
+        (f"bbit_local_step_l1_b{bits}", 5 * esz + (bits + 1) * pb,
+         lambda: be.bbit_local_step(grads, moms, offsets, total, 0.9, 0.99, "l1", bits, "dither", 12345, bsegs, True,
+                                    device_counts=True)),
+        (f"bbit_shard_vote_N{world}_b{bits}", world * (bits + 1) * pb + 2 * pb,
+         lambda: be.bbit_shard_vote(bplanes, nz, bits, 3, "hash", 0)),
     ]
 
 
 def run_cuda(json_path=None, numel: int = 1 << 26, world_size: int = 8, repeats: int = 25, warmup: int = 5,
-             dtypes=("fp32", "bf16")):
+             dtypes=("fp32", "bf16"), with_torch: bool = True):
     """Time every fused CUDA kernel and its unfused torch path; print a table, return flat records.
 
     ``numel``: elements per timed call (results are scaled to 1B parameters); ``world_size``:
-    the N of the vote kernels. Writes the records as a JSON list to ``json_path`` if given.
+    the N of the vote kernels; ``with_torch=False``: the fused kernels only (the torch path is slow:
+    ``make gpu-check`` leaves it out). Writes the records as a JSON list to ``json_path`` if given.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("run_cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -149,7 +161,7 @@ def run_cuda(json_path=None, numel: int = 1 << 26, world_size: int = 8, repeats:
     records = []
     for dt_name in dtypes:
         dtype = DTYPES[dt_name]
-        impls = [("torch", torch_be)] + ([("fused", fused)] if fused is not None else [])
+        impls = ([("torch", torch_be)] if with_torch else []) + ([("fused", fused)] if fused is not None else [])
         times = {}
         for impl, be in impls:
             gen = torch.Generator(device=device).manual_seed(0)
@@ -158,12 +170,12 @@ def run_cuda(json_path=None, numel: int = 1 << 26, world_size: int = 8, repeats:
             torch.cuda.empty_cache()
         for (impl, kernel), (ms, bpp) in times.items():
             floor_ms = bpp * 1e9 / bw * 1e3
-            torch_ms = times[("torch", kernel)][0]
+            torch_ms = times[("torch", kernel)][0] if ("torch", kernel) in times else None
             records.append({
                 "bench": "kernels_cuda", "kernel": kernel, "dtype": dt_name, "impl": impl, "device": name,
                 "world_size": world_size, "numel": numel, "ms": ms, "ms_per_1B": ms * per_b,
                 "bytes_per_param": bpp, "floor_ms_per_1B": floor_ms, "frac_of_floor": floor_ms / (ms * per_b),
-                "copy_GBps": bw / 1e9, "speedup_vs_torch": torch_ms / ms,
+                "copy_GBps": bw / 1e9, "speedup_vs_torch": None if torch_ms is None else torch_ms / ms,
             })
     records += _lion_pytorch(numel, dtypes, bw, repeats, warmup, device, name, per_b)
     _print_table(records, name, bw, fused is not None)
@@ -208,13 +220,15 @@ def _print_table(records, name, bw, have_fused):
     for r in records:
         rows.setdefault((r["kernel"], r["dtype"]), {})[r["impl"]] = r
     for (kernel, dt), d in rows.items():
-        if "torch" not in d:
+        t, f = d.get("torch"), d.get("fused")
+        if t is None and f is None:
             continue
-        t, f = d["torch"], d.get("fused")
+        any_ = t or f
         fused_cols = f"{f['ms_per_1B']:>9.2f} {f['frac_of_floor']:>8.1%} " if f else f"{'-':>9} {'-':>8} "
-        speed = f"{f['speedup_vs_torch']:>7.1f}x" if f else f"{'-':>8}"
-        print(f"{kernel:<24} {dt:<5} {t['bytes_per_param']:>7.3f} {t['floor_ms_per_1B']:>9.2f} " + fused_cols
-              + f"{t['ms_per_1B']:>9.2f} {t['frac_of_floor']:>8.1%} " + speed)
+        torch_cols = f"{t['ms_per_1B']:>9.2f} {t['frac_of_floor']:>8.1%} " if t else f"{'-':>9} {'-':>8} "
+        speed = f"{f['speedup_vs_torch']:>7.1f}x" if f and t else f"{'-':>8}"
+        print(f"{kernel:<24} {dt:<5} {any_['bytes_per_param']:>7.3f} {any_['floor_ms_per_1B']:>9.2f} " + fused_cols
+              + torch_cols + speed)
     for r in records:
         if r["impl"] == "lion_pytorch_triton":
             print(f"lion_step {r['dtype']}: lion-pytorch Triton {r['ms_per_1B']:.2f} ms per 1B ({r['frac_of_floor']:.1%} "

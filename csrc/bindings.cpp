@@ -66,6 +66,26 @@ lc::ApplyArgs apply_args(double lr, double wd, int64_t step, int64_t tie, int64_
                             static_cast<int32_t>(world), tt.first, tt.second);
 }
 
+// The optional second momentum buffers of a local step: one per momentum, its dtype, in its place.
+std::vector<lc::Slot> momenta_out_slots(const std::vector<at::Tensor>& momenta, const std::vector<lc::Slot>& m,
+                                        const c10::optional<std::vector<at::Tensor>>& momenta_out,
+                                        const std::vector<int64_t>& offsets, int64_t total) {
+  std::vector<lc::Slot> mo;
+  if (!momenta_out.has_value()) return mo;
+  check_pairs(momenta, "momenta", *momenta_out, "momenta_out", kCpu);
+  mo = make_slots(*momenta_out, offsets, "momenta_out", false, total);
+  for (size_t i = 0; i < mo.size(); ++i)
+    TORCH_CHECK(mo[i].dtype == m[i].dtype, "lioncub cpp kernels: ", arg_name("momenta_out", i),
+                " must have the dtype of ", arg_name("momenta", i));
+  return mo;
+}
+
+// The (sign, nonzero) result planes of a shard vote: s bytes each, zeroed.
+std::pair<at::Tensor, at::Tensor> result_planes(int64_t s) {
+  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
+  return {at::zeros({s}, opts), at::zeros({s}, opts)};
+}
+
 // ------------------------------------------------------------------------------------ kernels
 std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> local_step(const std::vector<at::Tensor>& grads,
                                                                const std::vector<at::Tensor>& momenta,
@@ -76,14 +96,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> local_step(const std::vecto
   check_pairs(grads, "grads", momenta, "momenta", kCpu);
   auto g = make_slots(grads, offsets, "grads", true, total);
   auto m = make_slots(momenta, offsets, "momenta", false, total);
-  std::vector<lc::Slot> mo;
-  if (momenta_out.has_value()) {
-    check_pairs(momenta, "momenta", *momenta_out, "momenta_out", kCpu);
-    mo = make_slots(*momenta_out, offsets, "momenta_out", false, total);
-    for (size_t i = 0; i < mo.size(); ++i)
-      TORCH_CHECK(mo[i].dtype == m[i].dtype, "lioncub cpp kernels: ", arg_name("momenta_out", i),
-                  " must have the dtype of ", arg_name("momenta", i));
-  }
+  const std::vector<lc::Slot> mo = momenta_out_slots(momenta, m, momenta_out, offsets, total);
   auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
   at::Tensor sign = at::zeros({total / 8}, opts);
   at::Tensor nz = at::zeros({total / 8}, opts);
@@ -148,9 +161,7 @@ std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const c10:
   check_nonzero(nonzero, {n, s}, false, kCpu);
   check_tie(tie, kCpu);
   const auto tt = tie_table(segments);
-  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
-  at::Tensor out_sign = at::zeros({s}, opts);
-  at::Tensor out_nz = at::zeros({s}, opts);
+  auto [out_sign, out_nz] = result_planes(s);
   {
     pybind11::gil_scoped_release nogil;
     lc::shard_vote(sign.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n, s,
@@ -259,6 +270,51 @@ void lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   lc::lion_step(p.data(), g.data(), m.data(), static_cast<int64_t>(p.size()), a, threads());
 }
 
+// comm="bbit": the local step (b code planes, the nonzero plane, the counts) and the shard vote.
+std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> bbit_local_step(
+    const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta, const std::vector<int64_t>& offsets,
+    int64_t total, double beta1, double beta2, bool update_momentum, int64_t kind, int64_t bits, int64_t rounding,
+    int64_t seed, const at::Tensor& segments, const c10::optional<std::vector<at::Tensor>>& momenta_out) {
+  check_total(total, 8, kCpu);
+  check_bbit_codes(kind, bits, rounding, seed, kCpu);
+  check_pairs(grads, "grads", momenta, "momenta", kCpu);
+  auto g = make_slots(grads, offsets, "grads", true, total);
+  auto m = make_slots(momenta, offsets, "momenta", false, total);
+  const std::vector<lc::Slot> mo = momenta_out_slots(momenta, m, momenta_out, offsets, total);
+  const auto tt = tie_table(segments);
+  const lc_bbit_args bb{static_cast<int32_t>(bits), static_cast<int32_t>(rounding), static_cast<int32_t>(kind),
+                        static_cast<uint32_t>(seed), tt.first, tt.second};
+  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
+  at::Tensor planes = at::zeros({bits, total / 8}, opts);
+  at::Tensor nz = at::zeros({total / 8}, opts);
+  lc::LocalStepCounts r{0, 0};
+  {
+    pybind11::gil_scoped_release nogil;
+    r = lc::bbit_local_step(g.data(), m.data(), mo.empty() ? nullptr : mo.data(), static_cast<int64_t>(g.size()),
+                            total, beta1, beta2, update_momentum, bb, planes.data_ptr<uint8_t>(), nz.data_ptr<uint8_t>(),
+                            threads());
+  }
+  return {planes, nz, r.n_nonfinite, r.n_zero};
+}
+
+std::tuple<at::Tensor, at::Tensor> bbit_shard_vote(const at::Tensor& planes, const c10::optional<at::Tensor>& nonzero,
+                                                   int64_t bits, int64_t step, int64_t tie,
+                                                   const at::Tensor& segments) {
+  TORCH_CHECK(bits >= 1 && bits <= 4, "lioncub cpp kernels: vote_bits must be 1..4, got ", bits);
+  const auto [n, s] = code_planes_shape(planes, bits, kCpu);
+  check_nonzero(nonzero, {n, s}, false, kCpu);
+  check_tie(tie, kCpu);
+  const auto tt = tie_table(segments);
+  auto [out_sign, out_nz] = result_planes(s);
+  {
+    pybind11::gil_scoped_release nogil;
+    lc::bbit_shard_vote(planes.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n,
+                        static_cast<int>(bits), s, step, static_cast<int32_t>(tie), tt.first, tt.second,
+                        out_sign.data_ptr<uint8_t>(), out_nz.data_ptr<uint8_t>(), threads());
+  }
+  return {out_sign, out_nz};
+}
+
 }  // namespace
 
 namespace {
@@ -301,6 +357,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_apply", &int8_apply, "summed int8 codes -> Δ -> apply");
   m.def("lion_step", &lion_step, "single-process Lion step over lists of tensors (one pass)");
   m.def("zero_sign_apply", &zero_sign_apply, "ZeRO sign all-gather: apply every partition's update in one call");
+  m.def("bbit_local_step", &bbit_local_step, "comm=bbit local step: b code planes + nonzero plane (+ momentum)",
+        py::arg("grads"), py::arg("momenta"), py::arg("offsets"), py::arg("total"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("update_momentum"), py::arg("kind"), py::arg("bits"), py::arg("rounding"), py::arg("seed"),
+        py::arg("segments"), py::arg("momenta_out") = py::none());
+  m.def("bbit_shard_vote", &bbit_shard_vote, "comm=bbit shard vote: sign of the summed levels, tie rule");
   m.def("set_isa", [](int64_t isa) { lc::set_isa(static_cast<int>(isa)); }, "0 auto, 1 baseline, 2 avx2");
   m.def("isa", []() { return std::string(lc::isa_name()); });
   m.def("src_hash", []() { return std::string(LIONCUB_SRC_HASH_STR); });

@@ -114,6 +114,22 @@ inline void check_int8_codes(int64_t kind, int64_t levels, const On& on) {
   TORCH_CHECK(levels >= 1 && levels <= 127, on.who, ": levels must be 1..127, got ", levels);
 }
 
+inline void check_bbit_codes(int64_t kind, int64_t bits, int64_t rounding, int64_t seed, const On& on) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, on.who, ": scale kind code must be 0 (l1), 1 (l0) or 2 (linf), got ", kind);
+  TORCH_CHECK(bits >= 1 && bits <= 4, on.who, ": vote_bits must be 1..4, got ", bits);
+  TORCH_CHECK(rounding == 0 || rounding == 1, on.who, ": rounding code must be 0 (nearest) or 1 (dither), got ",
+              rounding);
+  TORCH_CHECK(seed >= 0 && seed <= UINT32_MAX, on.who, ": the dither seed must be a 32-bit value, got ", seed);
+}
+
+// b-bit code planes [N, bits, S] uint8 of 1..65535 ranks: returns (N, S).
+inline std::pair<int64_t, int64_t> code_planes_shape(const at::Tensor& t, int64_t bits, const On& on) {
+  check_dtype(t, "planes", at::kByte, on);
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == bits && t.size(0) >= 1 && t.size(0) <= 65535, on.who,
+              ": planes must be a [N, bits, bytes] uint8 tensor with 1..65535 ranks and bits = ", bits);
+  return {t.size(0), t.size(2)};
+}
+
 // The tie-index table: int64 [K, 2] (pos, index) rows on the CPU, rows[0].pos == 0
 // (lioncub_ds/kernels/reference.py as_segments builds and validates it before any call).
 inline void check_segments(const at::Tensor& t, const On& on) {

@@ -287,6 +287,57 @@ std::optional<at::Tensor> int8_apply(const at::Tensor& qsum, const std::vector<a
   return delta;
 }
 
+// ----------------------------------------------------------------------------- comm="bbit"
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bbit_local_step(const std::vector<at::Tensor>& grads,
+                                                               const std::vector<at::Tensor>& momenta,
+                                                               const std::vector<int64_t>& offsets, int64_t total,
+                                                               double beta1, double beta2, bool update_momentum,
+                                                               int64_t kind, int64_t bits, int64_t rounding,
+                                                               int64_t seed, const at::Tensor& segments) {
+  TORCH_CHECK(!grads.empty(), "lioncub cuda kernels: grads must not be empty");
+  const at::Device dev = grads[0].device();
+  const On on = on_cuda(dev);
+  check_total(total, 8, on);
+  check_bbit_codes(kind, bits, rounding, seed, on);
+  const c10::cuda::CUDAGuard guard(dev);
+  const Meta meta = build_meta(grads, &momenta, &offsets, total, "grads", "momenta", dev);
+  const at::Tensor table = device_table(segments, dev);
+  at::Tensor planes = at::empty({bits, total / 8}, at::TensorOptions().dtype(at::kByte).device(dev));
+  at::Tensor nonzero = uint8_like(total / 8, dev);
+  at::Tensor ratios = at::empty({std::max(meta.n, 1)}, at::TensorOptions().dtype(at::kFloat).device(dev));
+  at::Tensor counts = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(dev));
+  const size_t ws_bytes = lc_int8_workspace_bytes(meta.chunks);
+  at::Tensor ws = uint8_like(static_cast<int64_t>(std::max<size_t>(ws_bytes, 8)), dev);
+  const lc_bbit_args bb{static_cast<int32_t>(bits), static_cast<int32_t>(rounding), static_cast<int32_t>(kind),
+                        static_cast<uint32_t>(seed), table.data_ptr<int64_t>(), table.size(0)};
+  LC_CUDA_CHECK(lc_bbit_local_step(meta.ptr(), meta.n, meta.chunks, total, lion_args(beta1, beta2), bb,
+                                   update_momentum ? 1 : 0, planes.data_ptr<uint8_t>(), nonzero.data_ptr<uint8_t>(),
+                                   ratios.data_ptr<float>(), ws.data_ptr(), ws_bytes, counts.data_ptr<int64_t>(),
+                                   at::cuda::getCurrentCUDAStream()),
+                "bbit_local_step");
+  return {planes, nonzero, counts};  // counts: int64 [#non-finite c, #zero c] on the device
+}
+
+std::tuple<at::Tensor, at::Tensor> bbit_shard_vote(const at::Tensor& planes, const std::optional<at::Tensor>& nonzero,
+                                                   int64_t bits, int64_t step, int64_t tie,
+                                                   const at::Tensor& segments) {
+  const at::Device dev = planes.device();
+  const On on = on_cuda(dev);
+  const c10::cuda::CUDAGuard guard(dev);
+  TORCH_CHECK(bits >= 1 && bits <= 4, on.who, ": vote_bits must be 1..4, got ", bits);
+  const auto [rows, row_bytes] = code_planes_shape(planes, bits, on);
+  check_nonzero(nonzero, {rows, row_bytes}, false, on);
+  check_tie(tie, on);
+  at::Tensor out_sign = uint8_like(row_bytes, dev), out_nz = uint8_like(row_bytes, dev);
+  const at::Tensor table = device_table(segments, dev);
+  LC_CUDA_CHECK(lc_bbit_shard_vote(planes.data_ptr<uint8_t>(), nonzero ? nonzero->data_ptr<uint8_t>() : nullptr,
+                                   static_cast<int>(rows), static_cast<int>(bits), row_bytes, static_cast<int>(tie),
+                                   step, table.data_ptr<int64_t>(), table.size(0), out_sign.data_ptr<uint8_t>(),
+                                   out_nz.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream()),
+                "bbit_shard_vote");
+  return {out_sign, out_nz};
+}
+
 // ----------------------------------------------------------------------------- single-process step
 void lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& momenta, double lr, double weight_decay, double beta1, double beta2) {
@@ -372,6 +423,12 @@ void register_cuda(pybind11::module_& m) {
         py::arg("offsets"), py::arg("total"), py::arg("beta1"), py::arg("kind"), py::arg("levels"));
   m.def("cuda_int8_apply", &int8_apply, "int8 apply (CUDA)", py::arg("qsum"), py::arg("params"), py::arg("offsets"),
         py::arg("lr"), py::arg("weight_decay"), py::arg("return_delta"));
+  m.def("cuda_bbit_local_step", &bbit_local_step, "comm=bbit local step (CUDA, three launches)", py::arg("grads"),
+        py::arg("momenta"), py::arg("offsets"), py::arg("total"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("update_momentum"), py::arg("kind"), py::arg("bits"), py::arg("rounding"), py::arg("seed"),
+        py::arg("segments"));
+  m.def("cuda_bbit_shard_vote", &bbit_shard_vote, "comm=bbit shard vote (CUDA)", py::arg("planes"),
+        py::arg("nonzero"), py::arg("bits"), py::arg("step"), py::arg("tie"), py::arg("segments"));
   m.def("cuda_lion_step", &lion_step, "single-process Lion step (CUDA, one launch)", py::arg("params"),
         py::arg("grads"), py::arg("momenta"), py::arg("lr"), py::arg("weight_decay"), py::arg("beta1"),
         py::arg("beta2"));

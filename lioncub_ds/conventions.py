@@ -23,14 +23,15 @@ VOTE_CODES = {name: i for i, name in enumerate(VOTE_MODES)}
 SCALE_CODES = {name: i for i, name in enumerate(SCALE_KINDS)}
 # comm="bbit": how a code is rounded, and the code widths b a rank may send (see reference.bbit_codes).
 ROUNDINGS = ("nearest", "dither")
+ROUNDING_CODES = {name: i for i, name in enumerate(ROUNDINGS)}
 VOTE_BITS = (1, 2, 3, 4)
 
 
 def enum_code(kind: str, value) -> int:
-    """The kernel code of ``value`` for ``kind`` ('tie_break', 'vote' or 'quant scale'); a
+    """The kernel code of ``value`` for ``kind`` ('tie_break', 'vote', 'quant scale' or 'rounding'); a
     ValueError that names the argument and the allowed values otherwise."""
     table, names = {"tie_break": (TIE_CODES, TIE_RULES), "vote": (VOTE_CODES, VOTE_MODES),
-                    "quant scale": (SCALE_CODES, SCALE_KINDS)}[kind]
+                    "quant scale": (SCALE_CODES, SCALE_KINDS), "rounding": (ROUNDING_CODES, ROUNDINGS)}[kind]
     try:
         return table[value]
     except (KeyError, TypeError):

@@ -79,6 +79,12 @@ def flag_words(n_buckets: int, world_size: int) -> int:
     return 1 + (FLAG_HEAD - 1 + 2 * n_buckets + lanes - 1) // lanes
 
 
+def flag_head_words(world_size: int) -> int:
+    """The packed words that hold the step-wide head (the per-bucket entries follow, word-aligned:
+    FLAG_HEAD - 1 is even)."""
+    return 1 + (FLAG_HEAD - 1) // (2 if world_size < PACKED_BELOW else 1)
+
+
 def pack_flags(logical: torch.Tensor, world_size: int) -> torch.Tensor:
     """The flag vector as sent: the non-finite value count, then the rank counts two per word."""
     count = logical[NONFINITE_VALUES:NONFINITE_VALUES + 1]
@@ -107,13 +113,13 @@ def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
     return (world_size - 1) * words if carried else ring_bytes("all_reduce", words, world_size)
 
 
-def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int) -> int:
+def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int, ranks: int = 2) -> int:
     """Bytes one rank sends per step inside its node group with node voters (the ``intra_node``
     scope of ``comm_stats``): per full bucket of ``(padded numel, gradient itemsize, parameter
     itemsize)`` the reduce-scatter (an all_to_all of the gradients in their dtype) and the
     all-gather of the updated shards (in the parameters' dtype), plus the all-reduce of the step's
-    unpacked int32 flags (:meth:`StepPlan._agree_everywhere`)."""
-    out = ring_bytes("all_reduce", 4 * (FLAG_HEAD + 2 * len(buckets)), node_size)
+    packed flag words as int64 (:meth:`StepPlan.agree_flags`; ``ranks``: every rank of the step)."""
+    out = ring_bytes("all_reduce", 8 * flag_words(len(buckets), ranks), node_size)
     for numel, grad_size, param_size in buckets:
         out += ring_bytes("all_to_all", grad_size * numel, node_size)
         out += ring_bytes("all_gather", param_size * numel, node_size)
@@ -169,7 +175,7 @@ class StepPlan:
         else:
             self.coll = self.world_coll = Collectives(topology.group, opt.stats, cfg.timeout_s,
                                                       scope=topology.vote_scope)
-            if topology.agree_group is not None:  # framework-held shards: see _agree_everywhere
+            if topology.agree_group is not None:  # framework-held shards: see agree_flags
                 self.world_coll = Collectives(topology.full_group, opt.stats, cfg.timeout_s)
                 self.agree_coll = Collectives(topology.agree_group, opt.stats, cfg.timeout_s, scope="intra_node")
             self.buckets, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.world_size)
@@ -245,20 +251,20 @@ class StepPlan:
             return self.nodes.full[i].real_numel, self.ranks
         return self.buckets[i].real_numel, self.world_size
 
-    def _agree_everywhere(self, flags: list) -> list:
-        """Node voters: the flags summed over the shard peers, then over the node group (every
-        rank of the step decides from the same sums). Framework-held shards (``agree_group``):
-        only the step-wide head is summed over the instance; the per-bucket entries belong to
-        this rank's shard layout, which its shard peers share but its instance peers do not."""
+    def agree_flags(self, words: torch.Tensor) -> torch.Tensor:
+        """The vote group's summed flag words -> every rank's sums, still on the device (the step's one
+        host read comes after). Node voters: summed over the node group too (every rank of the step
+        decides from the same sums). Framework-held shards (``agree_group``): only the step-wide head is
+        summed over the instance; the per-bucket entries belong to this rank's shard layout, which its
+        shard peers share but its instance peers do not."""
+        if self.agree_coll is not None or self.nodes is not None:
+            words = words.to(torch.int64)  # the sums go on over more ranks (the non-finite count: 2**20 each)
         if self.agree_coll is not None:
-            head = torch.tensor(flags[:FLAG_HEAD], dtype=torch.int32, device=self.device)
+            head = words[:flag_head_words(self.ranks)]  # a prefix: reduced in place
             self.agree_coll.all_reduce_(head, "instance_flags")
-            return head.tolist() + list(flags[FLAG_HEAD:])
-        if self.nodes is None:
-            return flags
-        t = torch.tensor(flags, dtype=torch.int32, device=self.device)
-        self.node_coll.all_reduce_(t, "node_flags")
-        return t.tolist()
+        elif self.nodes is not None:
+            self.node_coll.all_reduce_(words, "node_flags")
+        return words
 
     def _abandon(self) -> None:
         """Forget this step's votes and buffers (a skipped or refused step changes nothing)."""
@@ -290,7 +296,6 @@ class StepPlan:
         # the flags, and if any rank saw a change every rank votes again.
         changed = pipe.stale or (pipe.busy and pipe.changed_since_vote())
         flags, input_error = pipe.finish(frozen_error, changed)
-        flags = self._agree_everywhere(flags)
         if flags[CHANGED_RANKS] > 0:
             if not self.warned_revote:
                 log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward on %d of %d "
@@ -300,7 +305,6 @@ class StepPlan:
             opt.overlap_counts["revotes"] += 1
             pipe.drain()
             flags, input_error = pipe.finish(frozen_error, False)
-            flags = self._agree_everywhere(flags)
         if flags[UNUSABLE_RANKS] > 0:
             self._abandon()
             raise StepInputError(
@@ -646,15 +650,15 @@ class VotePipeline:
         if self.flags_carried:  # they came with the last batch's phase 1
             last = len(plan.batches) - 1
             algorithm = plan.buckets[plan.batches[last][0]].algorithm
-            width = flag_words(len(self.local), plan.world_size)
+            width = flag_words(len(self.local), plan.ranks)
             rows = algorithm.flag_rows(self.launched[last], width)
-            words = rows.sum(0, dtype=torch.int64).tolist()  # the one host read of the step
-            return unpack_flags(words, len(self.local), plan.world_size), self.carried_error
+            words = plan.agree_flags(rows.sum(0, dtype=torch.int64)).tolist()  # the one host read of the step
+            return unpack_flags(words, len(self.local), plan.ranks), self.carried_error
         error = frozen_error or self.error
         flags = self._own_flags(error, changed)
         plan.coll.all_reduce_(flags, "control")
-        words = flags.tolist()  # the one host read of the step
-        return unpack_flags(words, len(self.local), plan.world_size), error
+        words = plan.agree_flags(flags).tolist()  # the one host read of the step
+        return unpack_flags(words, len(self.local), plan.ranks), error
 
     def _own_flags(self, error, changed: bool) -> torch.Tensor:
         """This rank's flag vector (int32, on the device; summed over ranks it is the step's flags)."""
@@ -669,7 +673,8 @@ class VotePipeline:
         host = host_values_on(host, dev)
         head = torch.cat([(nonfinite > 0).to(torch.int32).reshape(1), host[:1], nonfinite.to(torch.int32).reshape(1),
                           host[1:]])
-        return pack_flags(torch.cat([head] + [loc.flags.to(dev) for loc in self.local]), plan.world_size)
+        # packed for every rank of the step: with node voters or instances the sums go on over them
+        return pack_flags(torch.cat([head] + [loc.flags.to(dev) for loc in self.local]), plan.ranks)
 
     def idle_everywhere(self, flags) -> list:
         """The voting parameters that have no gradient on ANY rank this step (Lion leaves such a

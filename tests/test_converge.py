@@ -359,3 +359,33 @@ def test_trend_pairs_within_each_preset(tmp_path):
         assert r["gap_pct"] == pytest.approx(sum(gaps) / 2)
     assert C.main(["--trend", *files, "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "converge_trend_n2.png").exists()
+
+
+def test_hybrid_screening_variants_split_the_parameters(ds):
+    """The screen's hybrids: AdamW steps exactly one class of parameters (the Linear weights, or the
+    embeddings / norms / biases) and Lion the other, each as the plain optimizer would."""
+    from lioncub_ds import Lion
+
+    cfg = C.make_cfg(**dict(TINY, steps=1))
+    for on in ("matrices", "small"):
+        model = C.build_model_for(cfg, seed=2)
+        opt, fam, allreduce = C.build_variant(f"hybrid_adamw_{on}", model, 2, cfg, LRS)
+        assert fam == "lion" and allreduce
+        ref = C.build_model_for(cfg, seed=2)
+        groups = ref.optim_groups(1.0)
+        adamw_groups = [g for g in groups if (g["weight_decay"] > 0) == (on == "matrices")]
+        lion_groups = [g for g in groups if (g["weight_decay"] > 0) != (on == "matrices")]
+        wd = cfg["adamw_wd"] * LRS["adamw"] / LRS["lion"]
+        ref_opts = [torch.optim.AdamW([{"params": g["params"], "weight_decay": cfg["adamw_wd"] if g["weight_decay"] else 0.0}
+                                       for g in adamw_groups], lr=LRS["adamw"], betas=tuple(cfg["adamw_betas"])),
+                    Lion([{"params": g["params"], "weight_decay": wd if g["weight_decay"] else 0.0} for g in lion_groups],
+                         lr=LRS["lion"], betas=tuple(cfg["betas"]))]
+        x, y = ds.get_batch("train", 2, cfg["seq_len"], 0, 1, step=0, seed=0)
+        for m in (model, ref):
+            m(x, y)[1].backward()
+        opt.set_lr(LRS["lion"])
+        opt.step()
+        for o in ref_opts:
+            o.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), (on, name)

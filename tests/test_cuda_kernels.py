@@ -3,267 +3,41 @@
 Every test runs against two backends with the TorchBackend signatures:
 
 * ``cuda``: ``lioncub_ds.kernels.backend_for('cuda')`` with ``LIONCUB_KERNELS=cuda`` (the
-  built extension, CUDA tensors). Skipped when ``torch.cuda.is_available()`` is False.
-* ``emu``: tests/cuda_emu/lioncub_cuda_emu.cpp, the serial host emulation of the same
-  kernels (the same per-element code, csrc/cuda/lioncub_cuda_common.cuh and
-  csrc/common/lioncub_common.h, with the kernels' thread/warp structure), built with nvcc
-  as host code and called through ctypes on CPU tensors. Skipped only when nvcc is absent.
+  built extension, CUDA tensors). Skipped when ``torch.cuda.is_available()`` is False; in
+  ``make gpu-check`` such a skip counts as a failure.
+* ``emu``: the host emulation (tests/emu_backend.py, tests/cuda_emu/): csrc/cuda/*.cu compiled
+  by the host C++ compiler and run on an emulated device, through the kernels' own C API
+  (csrc/cuda/lioncub_cuda.h) on CPU tensors. The real kernels run there -- their launch
+  configuration, grid-stride loops, shared memory, __syncthreads and warp shuffles -- with each
+  CUDA thread a fiber. Needs only a C++ compiler.
 
 The reference always runs on CPU copies of the same data. Bits, lanes, int8 codes (all
 three scales: the l1/l0 sums follow the project's own order, csrc/common) and counts
 must match bit for bit and floats exactly (NaN matches NaN).
 
-BLIND SPOT of the emulation: it rebuilds the kernels' thread structure itself (grid-stride
-loops, the warp hand-off that the shuffles do, the shared-memory reduction trees). The real
-launch configuration, __shfl_sync, shared memory and __syncthreads of csrc/cuda/*.cu are not
-executed on a machine without a GPU, so a launch or warp-shuffle bug there passes every
-``emu`` test. Run this file on a GPU (the ``cuda`` backend) before trusting a change to the
-.cu files: docs/kernels.md, "GPU checklist".
+What the emulation cannot see (tests/cuda_emu/lioncub_cuda_emu.cpp, docs/kernels.md): true
+concurrency (races, memory ordering), the device compiler's code and intrinsics, the CUDA
+runtime and the torch bindings. Run this file on a GPU (the ``cuda`` backend: ``make gpu-check``)
+before trusting a change to the .cu files.
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
-import shutil
-import struct
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
+from emu_backend import DTYPE_CODE, EmuBackend
 from lioncub_ds import kernels
 from lioncub_ds.kernels import reference
 from test_kernels_cpu import TIE_PARAMS, bucket_planes  # the same parameters and bucket planes as the C++ tie tests
 
-pytestmark = pytest.mark.dist  # builds the host emulation with nvcc
+pytestmark = pytest.mark.dist  # builds the host emulation with a C++ compiler
 
-ROOT = Path(__file__).resolve().parents[1]
-CUDA_DIR = ROOT / "csrc" / "cuda"
-EMU_SRC = ROOT / "tests" / "cuda_emu" / "lioncub_cuda_emu.cpp"
-
-DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-TIE_CODE, VOTE_CODE, SCALE_CODE = reference.TIE_CODES, reference.VOTE_CODES, reference.SCALE_CODES
-LC_CHUNK = 16384
 BIG = 1048579  # the large odd size of the GPU runs
 BIG_EMU = 65539    # its stand-in for the (serial) host emulation: still > 4 chunks of LC_CHUNK
-
-
-# ----------------------------------------------------------------------------- host emulation
-def find_nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    cand = Path("/usr/local/cuda/bin/nvcc")
-    return str(cand) if cand.exists() else None
-
-
-_EMU = {}
-
-
-def _emu_lib():
-    if "lib" in _EMU:
-        return _EMU["lib"]
-    nvcc = find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin): cannot build the host emulation of the CUDA kernels")
-    tmp = tempfile.mkdtemp(prefix="lioncub_emu_")
-    atexit.register(shutil.rmtree, tmp, True)
-    out = Path(tmp) / "lioncub_cuda_emu.so"
-    cmd = [nvcc, "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off,-Wno-unknown-pragmas",
-           str(EMU_SRC), "-o", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, f"building the host emulation failed:\n{' '.join(cmd)}\n{res.stderr}"
-    lib = ctypes.CDLL(str(out))
-    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    sig = {
-        "lc_emu_local_step": [P, I, L, F, F, F, F, I, P, P, P, L],
-        "lc_emu_momentum_update": [P, I, L, F, F],
-        "lc_emu_int8_local_step": [P, I, L, L, F, F, I, I, P, P, P, L],
-        "lc_emu_vote_apply": [P, P, I, L, P, I, F, F, I, I, I, I, L, P, L, P, L],
-        "lc_emu_shard_vote": [P, P, I, L, I, L, P, L, P, P, L],
-        "lc_emu_count_lanes": [P, P, I, L, I, P, P, L],
-        "lc_emu_lanes_apply": [P, P, L, I, P, I, F, F, I, I, I, I, L, P, L, P, L],
-        "lc_emu_int8_apply": [P, L, P, I, F, F, I, P, L],
-        "lc_emu_lion_step": [P, I, L, F, F, F, F, F, F, I],
-        "lc_emu_zero_sign_apply": [P, L, P, L, P, I, L],
-    }
-    for name, args in sig.items():
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = ctypes.c_int
-    _EMU["lib"] = lib
-    return lib
-
-
-def _ptr(t):
-    return None if t is None else ctypes.c_void_p(t.data_ptr())
-
-
-def build_meta(a_list, b_list, offsets, limit=None, bucket=True):
-    """int64 [T, 6] lc_tensor_meta rows, sorted by offset (what the binding builds).
-
-    bucket=False: a plain list (momentum update), no offsets, no order, no layout checks."""
-    rows = []
-    for i, a in enumerate(a_list):
-        if a.numel() == 0:
-            continue
-        b = None if b_list is None else b_list[i]
-        off = int(offsets[i])
-        assert off % 8 == 0, "tensor offsets must be multiples of 8"
-        dt = DTYPE_CODE[a.dtype] | ((DTYPE_CODE[b.dtype] << 8) if b is not None else 0)
-        rows.append([a.data_ptr(), 0 if b is None else b.data_ptr(), off, a.numel(), 0, dt])
-    if bucket:
-        rows.sort(key=lambda r: r[2])
-    chunks = 0
-    for k, r in enumerate(rows):
-        if bucket and k and r[2] < rows[k - 1][2] + rows[k - 1][3]:
-            raise ValueError("tensors overlap in the bucket")
-        if limit is not None and r[2] + r[3] > limit:
-            raise ValueError("tensor beyond the end of the bucket")
-        r[4] = chunks
-        chunks += (r[3] + LC_CHUNK - 1) // LC_CHUNK
-    meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
-    return meta, len(rows), chunks
-
-
-def _f32(x: float) -> float:
-    return ctypes.c_float(x).value
-
-
-def _apply_scalars(lr, weight_decay):
-    decay = 1.0 - lr * weight_decay
-    return _f32(-lr), _f32(decay), int(decay != 1.0)
-
-
-class EmuBackend:
-    """The host emulation of the CUDA kernels behind the TorchBackend signatures (CPU)."""
-
-    name = "emu"
-    threads = 37  # grid-stride threads / warps of the emulated launches (odd: hints jump tensors)
-
-    def __init__(self):
-        self.lib = _emu_lib()
-
-    def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False):
-        grads = [g.contiguous() for g in grads]
-        meta, nt, _ = build_meta(grads, momenta, offsets, total)
-        sign = torch.empty(total // 8, dtype=torch.uint8)
-        nz = torch.empty(total // 8, dtype=torch.uint8)
-        counts = torch.zeros(2, dtype=torch.int64)
-        rc = self.lib.lc_emu_local_step(_ptr(meta), nt, total, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
-                                        int(update_momentum), _ptr(sign), _ptr(nz), _ptr(counts), self.threads)
-        assert rc == 0
-        return sign, nz, int(counts[0]), int(counts[1])
-
-    def momentum_update_list(self, momenta, grads, beta2):
-        grads = [g.contiguous() for g in grads]
-        meta, nt, chunks = build_meta(grads, momenta, [0] * len(grads), bucket=False)
-        assert self.lib.lc_emu_momentum_update(_ptr(meta), nt, chunks, beta2, 1.0 - beta2) == 0
-
-    def vote_apply(self, sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size,
-                   segments=None, return_delta=True):
-        segs = reference.tie_segments(offsets) if segments is None else reference.as_segments(segments)
-        rows = sign.shape[0] if sign.dim() > 1 else 1
-        row_bytes = sign.numel() // rows
-        meta, nt, _ = build_meta(params, None, offsets, row_bytes * 8)
-        delta = torch.empty(row_bytes * 8, dtype=torch.float32) if return_delta else None
-        neg_lr, decay, apply_decay = _apply_scalars(lr, weight_decay)
-        rc = self.lib.lc_emu_vote_apply(_ptr(sign), _ptr(nonzero), rows, row_bytes, _ptr(meta), nt, neg_lr, decay,
-                                        apply_decay, TIE_CODE[tie_break], VOTE_CODE[vote], world_size, step,
-                                        _ptr(segs), segs.shape[0], _ptr(delta), self.threads)
-        assert rc == 0
-        return delta
-
-    def shard_vote(self, sign, nonzero, step, tie_break, segments):
-        segs = reference.as_segments(segments)
-        rows, s = sign.shape
-        out_s = torch.empty(s, dtype=torch.uint8)
-        out_z = torch.empty(s, dtype=torch.uint8)
-        rc = self.lib.lc_emu_shard_vote(_ptr(sign), _ptr(nonzero), rows, s, TIE_CODE[tie_break], step, _ptr(segs),
-                                        segs.shape[0], _ptr(out_s), _ptr(out_z), self.threads)
-        assert rc == 0
-        return out_s, out_z
-
-    def count_lanes(self, sign, nonzero, p):
-        rows, s = sign.shape
-        top = (1 << p) - 1
-        if nonzero is None and rows > top and s > 0:
-            raise ValueError(f"count {rows} does not fit a {p}-bit lane")
-        plus = torch.empty(s * p, dtype=torch.uint8)
-        cnt = None if nonzero is None else torch.empty(s * p, dtype=torch.uint8)
-        rc = self.lib.lc_emu_count_lanes(_ptr(sign), _ptr(nonzero), rows, s, p, _ptr(plus), _ptr(cnt), self.threads)
-        assert rc in (0, 1)
-        if rc == 1:
-            raise ValueError(f"a count does not fit a {p}-bit lane")
-        return plus, cnt
-
-    def lanes_apply(self, plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break,
-                    vote, segments=None, return_delta=True):
-        segs = reference.tie_segments(offsets) if segments is None else reference.as_segments(segments)
-        numel = plus_lanes.numel() * 8 // p
-        meta, nt, _ = build_meta(params, None, offsets, numel)
-        delta = torch.empty(numel, dtype=torch.float32) if return_delta else None
-        neg_lr, decay, apply_decay = _apply_scalars(lr, weight_decay)
-        rc = self.lib.lc_emu_lanes_apply(_ptr(plus_lanes), _ptr(cnt_lanes), numel, p, _ptr(meta), nt, neg_lr, decay,
-                                         apply_decay, TIE_CODE[tie_break], VOTE_CODE[vote], world_size, step,
-                                         _ptr(segs), segs.shape[0], _ptr(delta), self.threads)
-        assert rc == 0
-        return delta
-
-    def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels):
-        grads = [g.contiguous() for g in grads]
-        meta, nt, chunks = build_meta(grads, momenta, offsets, total)
-        q = torch.empty(total, dtype=torch.int8)
-        scales = torch.zeros(max(nt, 1), dtype=torch.float32)
-        n_bad = torch.zeros(1, dtype=torch.int64)
-        rc = self.lib.lc_emu_int8_local_step(_ptr(meta), nt, chunks, total, beta1, 1.0 - beta1, SCALE_CODE[kind],
-                                             levels, _ptr(q), _ptr(scales), _ptr(n_bad), self.threads)
-        assert rc == 0
-        return q, int(n_bad[0])
-
-    def int8_apply(self, qsum, params, offsets, lr, weight_decay, return_delta=True):
-        numel = qsum.numel()
-        meta, nt, _ = build_meta(params, None, offsets, numel)
-        delta = torch.empty(numel, dtype=torch.float32) if return_delta else None
-        neg_lr, decay, apply_decay = _apply_scalars(lr, weight_decay)
-        rc = self.lib.lc_emu_int8_apply(_ptr(qsum), numel, _ptr(meta), nt, neg_lr, decay, apply_decay, _ptr(delta),
-                                        self.threads)
-        assert rc == 0
-        return delta
-
-
-    def lion_step(self, params, grads, momenta, lr, weight_decay, beta1, beta2):
-        grads = [g.contiguous() for g in grads]
-        rows, chunks = [], 0
-        for p, g, m in zip(params, grads, momenta):
-            if p.numel() == 0:
-                continue
-            dt = DTYPE_CODE[p.dtype] | (DTYPE_CODE[g.dtype] << 8) | (DTYPE_CODE[m.dtype] << 16)
-            rows.append([p.data_ptr(), g.data_ptr(), m.data_ptr(), p.numel(), chunks, dt])
-            chunks += (p.numel() + LC_CHUNK - 1) // LC_CHUNK
-        meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
-        neg_lr, decay, apply_decay = _apply_scalars(lr, weight_decay)
-        assert self.lib.lc_emu_lion_step(_ptr(meta), len(rows), chunks, _f32(beta1), _f32(1.0 - beta1), _f32(beta2),
-                                         _f32(1.0 - beta2), neg_lr, decay, apply_decay) == 0
-
-    def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays):
-        """The pieces the binding builds (lc_zero_piece, 64 bytes each) from the layout's rows."""
-        raw, chunks = b"", 0
-        for g, row, bit, start, numel in layout.rows():
-            t, c = targets[g], None if casts is None else casts[g]
-            neg_lr, decay, apply_decay = _apply_scalars(lrs[g], weight_decays[g])
-            raw += struct.pack("<QQqqqqffii", t.data_ptr() + 4 * start,
-                               0 if c is None else c.data_ptr() + c.element_size() * start, row, bit, numel, chunks,
-                               neg_lr, decay, apply_decay, 0 if c is None else DTYPE_CODE[c.dtype])
-            chunks += (numel + LC_CHUNK - 1) // LC_CHUNK
-        pieces = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(64, dtype=torch.uint8)
-        rc = self.lib.lc_emu_zero_sign_apply(_ptr(sign), sign.shape[1], _ptr(nonzero),
-                                             0 if nonzero is None else nonzero.shape[1], _ptr(pieces),
-                                             len(layout.rows()), chunks)
-        assert rc == 0
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -738,23 +512,54 @@ def test_apply_without_delta(backend):
             same(a, b, f"{name}: param {k}")
 
 
-def test_emulation_threads_do_not_matter():
-    """The emulated thread count only changes the order of independent work."""
-    lib_be = EmuBackend()
-    g = gen(700)
-    sizes = [4097, 9, 1, 7]
+@pytest.mark.parametrize("sms,seed", [(1, 0), (3, 7), (63, 2**40 + 5)])
+def test_emulated_device_size_and_schedule_do_not_matter(sms, seed):
+    """The grid sizes lc::grid_for picks (from the SM count) and the order in which the emulation runs
+    threads and blocks (a seeded permutation) change nothing: the kernels' counts (atomics), the int8
+    scales (shared-memory trees), the votes (warp shuffles) and the applies equal the reference."""
+    be = EmuBackend(sms=sms, seed=seed)
+    g = gen(700 + sms)
+    sizes = [4097, 9, 1, 7, 2 * 16384 + 3]
+    grads, moms = local_inputs(sizes, torch.bfloat16, torch.float32, g)
     offsets, total = layout(sizes, 3)
+    got = be.local_step(grads, [m.clone() for m in moms], offsets, total, 0.9, 0.99)
+    ref = REF.local_step(grads, [m.clone() for m in moms], offsets, total, 0.9, 0.99)
+    same(got[0], ref[0], "sign plane")
+    same(got[1], ref[1], "nonzero plane")
+    assert got[2:] == ref[2:], "non-finite / zero counts"
+    for kind in ("l1", "l0"):
+        same(be.int8_local_step(grads, moms, offsets, total, 0.9, kind, 42)[0],
+             REF.int8_local_step(grads, moms, offsets, total, 0.9, kind, 42)[0], f"int8 codes {kind}")
     sign, nz = rand_planes(3, total // 8, g)
-    outs = []
-    for threads in (1, 5, 64):
-        lib_be.threads = threads
-        params = [torch.zeros(n) for n in sizes]
-        d = lib_be.vote_apply(sign, nz, params, offsets, 1e-3, 0.0, 5, "hash", "majority", 3)
-        outs.append((d, params))
-    for d, params in outs[1:]:
-        same(d, outs[0][0], "delta")
-        for a, b in zip(params, outs[0][1]):
+    for vote in ("majority", "average"):
+        params, ref_p = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+        same(be.vote_apply(sign, nz, params, offsets, 1e-3, 0.0, 5, "hash", vote, 3),
+             REF.vote_apply(sign, nz, ref_p, offsets, 1e-3, 0.0, 5, "hash", vote, 3), f"delta ({vote})")
+        for a, b in zip(params, ref_p):
             same(a, b, "param")
+
+
+def _selftest(which, grid, seed=0, n=2048):
+    be = EmuBackend(seed=seed)
+    out = torch.zeros(n, dtype=torch.int32)
+    assert be.lib.lc_emu_configure(be.sms, be.seed) == 0
+    rc = be.lib.lc_emu_selftest(which, ctypes.c_void_p(out.data_ptr()), grid)
+    return rc, out
+
+
+def test_emulation_runs_barriers_shuffles_and_shared_memory_like_a_gpu():
+    """The emulation's runtime on small kernels of its own (tests/cuda_emu/emu_selftest.cu): a shuffle
+    reduction, a shared-memory exchange across a barrier, and the errors a GPU would leave undefined."""
+    rc, out = _selftest(0, 3)  # warp sums by __shfl_down_sync
+    assert rc == 0
+    want = [sum(range(32 * w, 32 * w + 32)) for w in range(3 * 256 // 32)]
+    assert out[:len(want)].tolist() == want
+    rc, out = _selftest(1, 2)  # each thread reads its mirror's value from shared memory after __syncthreads
+    assert rc == 0 and out[:512].tolist() == [1000 * b + 255 - t for b in range(2) for t in range(256)]
+    assert _selftest(2, 1)[0] == 719  # a __syncthreads that some threads skip: cudaErrorLaunchFailure
+    assert _selftest(3, 1)[0] == 719  # a whole-warp shuffle that one lane skips: cudaErrorLaunchFailure
+    # the last writer of one word differs between schedules: an order-dependent kernel shows up
+    assert len({int(_selftest(4, 4, seed)[1][0]) for seed in range(6)}) > 1
 
 
 # ----------------------------------------------------------------------------- tie rule: layout independence

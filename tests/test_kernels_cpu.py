@@ -149,20 +149,22 @@ def clone_all(ts):
 # ----------------------------------------------------------------------------- interface
 def test_backend_interface_matches_torch_backend(be):
     ref = kernels.TorchBackend
-    for name in ("local_step", "abstain_list", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes",
-                 "lanes_apply", "int8_local_step", "int8_apply", "lion_step", "zero_sign_apply"):
-        want = list(inspect.signature(getattr(ref, name)).parameters.values())
-        got = list(inspect.signature(getattr(be, name)).parameters.values())
-        assert [(p.name, p.default) for p in got[:len(want)]] == [(p.name, p.default) for p in want], name
-        assert all(p.default is not inspect.Parameter.empty for p in got[len(want):]), name
-    assert be.name == "cpp"
-    assert be.isa in ("avx2", "baseline")
     from lioncub_ds.kernels.cuda import CudaBackend
 
+    for name in ("local_step", "abstain_list", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes",
+                 "lanes_apply", "int8_local_step", "int8_apply", "lion_step", "zero_sign_apply", "bbit_local_step",
+                 "bbit_shard_vote"):
+        want = list(inspect.signature(getattr(ref, name)).parameters.values())
+        for impl in (be, CudaBackend(None)):
+            got = [p for p in inspect.signature(getattr(impl, name)).parameters.values() if p.name != "self"]
+            assert [(p.name, p.default) for p in got[:len(want)]] == [(p.name, p.default) for p in want], name
+            assert all(p.default is not inspect.Parameter.empty for p in got[len(want):]), name
+    assert be.name == "cpp"
+    assert be.isa in ("avx2", "baseline")
     for backend in (be, kernels.TorchBackend(), CudaBackend(None)):
         assert isinstance(backend, kernels.Backend), backend
     for name in ("local_step", "abstain_list", "vote_apply", "shard_vote", "lanes_apply", "int8_local_step",
-                 "lion_step", "zero_sign_apply"):  # the Protocol is the reference's
+                 "lion_step", "zero_sign_apply", "bbit_local_step", "bbit_shard_vote"):  # the Protocol is the reference's
         want = [p.name for p in inspect.signature(getattr(reference, name)).parameters.values()]
         got = [p.name for p in inspect.signature(getattr(kernels.Backend, name)).parameters.values()][1:]
         assert got == want, name

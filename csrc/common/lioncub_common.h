@@ -10,7 +10,8 @@
 //   * enums: dtype, tie rule, vote mode, int8 scale kind (codes shared with lioncub_ds/conventions.py);
 //   * f2u / u2f, bf16 and fp16 <-> fp32 (bf16: round to nearest even, NaN -> 0x7FC0 like torch);
 //   * the tie hash of (step, parameter-local index) and the tie-index table lookup (docs/conventions.md);
-//   * the int8 L1/L0 scale: fixed-order fp64 sum (lane tree), deterministic log / exp.
+//   * the int8 L1/L0 scale: fixed-order fp64 sum (lane tree), deterministic log / exp;
+//   * the b-bit codes of comm="bbit" (ratio, nearest / dithered rounding) and their sum's sign.
 #ifndef LIONCUB_COMMON_H_
 #define LIONCUB_COMMON_H_
 
@@ -83,6 +84,20 @@ typedef struct lc_zero_piece {
   int32_t cast_dtype;
 } lc_zero_piece;
 
+// The settings of a b-bit local step (comm="bbit", reference.bbit_local_step): b-bit codes k in 0..Q
+// of c scaled per tensor by its `kind` scale, rounded to the nearest level or dithered with the
+// stream `seed` (reference.dither_seed of the step and the rank) at each element's tie index, read
+// from the bucket's tie-index table (as in lc_apply_args: tie_nrows rows of (pos, index), in the
+// kernels' memory; tie_nrows == 0: the index is the position).
+typedef struct lc_bbit_args {
+  int32_t bits;      // b, 1..4
+  int32_t rounding;  // lcc::Rounding
+  int32_t kind;      // lcc::ScaleKind of the per-tensor scale
+  uint32_t seed;     // the dither stream
+  const int64_t* tie_rows;
+  int64_t tie_nrows;
+} lc_bbit_args;
+
 inline lc_apply_args lc_make_apply_args(double lr, double weight_decay, int64_t step, int32_t tie, int32_t vote,
                                         int32_t world_size, const int64_t* tie_rows, int64_t tie_nrows) {
   const double decay = 1.0 - lr * weight_decay;  // exactly reference.apply_update
@@ -121,12 +136,13 @@ inline lc_lion_step_args lc_make_lion_step_args(double lr, double weight_decay, 
 namespace lcc {
 
 // ----------------------------------------------------------------------------- enums
-// Python declares the same codes once, in lioncub_ds/conventions.py (TIE_RULES, VOTE_MODES, SCALE_KINDS:
+// Python declares the same codes once, in lioncub_ds/conventions.py (TIE_RULES, VOTE_MODES, SCALE_KINDS, ROUNDINGS:
 // the code of a name is its position in the tuple).
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 enum TieRule : int32_t { kTieZero = 0, kTieAlternate = 1, kTieHash = 2 };
 enum VoteMode : int32_t { kMajority = 0, kAverage = 1 };
 enum ScaleKind : int32_t { kScaleL1 = 0, kScaleL0 = 1, kScaleLinf = 2 };
+enum Rounding : int32_t { kNearest = 0, kDither = 1 };
 
 // ----------------------------------------------------------------------------- bits
 LC_HD uint32_t f2u(float f) {
@@ -375,6 +391,66 @@ LC_HD float l0_scale(int64_t esum, double msum, int64_t nnz) {
   if (nnz <= 0) return 0.0f;
   const double y = ddiv(dadd(dmul(static_cast<double>(esum), kLn2), msum), static_cast<double>(nnz));
   return static_cast<float>(det_exp(y));
+}
+
+// ----------------------------------------------------------------------------- b-bit scaled votes (comm="bbit")
+// reference.bbit_qmax / bbit_ratio / dither_uniform / bbit_codes / decide_sum, element by element.
+// fp32 operations are one IEEE rounding each (device: the __*_rn intrinsics; host: -ffp-contract=off).
+LC_HD float fmul32(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+LC_HD float fadd32(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+LC_HD float floor32(float x) {
+#ifdef __CUDA_ARCH__
+  return floorf(x);
+#else
+  return __builtin_floorf(x);
+#endif
+}
+LC_HD bool finite32(float x) { return (f2u(x) & 0x7f800000u) != 0x7f800000u; }
+
+// Q, the largest level: 1 for b = 1 (levels +-1), 2^b - 2 for b >= 2 (levels -Q..Q in steps of 2).
+LC_HD int bbit_qmax(int bits) { return bits == 1 ? 1 : (1 << bits) - 2; }
+
+// fp32(Q / (clip * a)) in fp64 (clip = 1 for linf, else 2: both exact), rounded once; 0 when a is not
+// > 0 or not finite (every c of the tensor is then 0 or non-finite: the codes of x = 0).
+LC_HD float bbit_ratio(float a, int kind, int bits) {
+  if (!(a > 0.0f) || !finite32(a)) return 0.0f;
+  const double clip = kind == kScaleLinf ? 1.0 : 2.0;
+  return static_cast<float>(ddiv(static_cast<double>(bbit_qmax(bits)), dmul(clip, static_cast<double>(a))));
+}
+
+// The dither u in [0, 1) of tie index `index` in stream `seed`: (tie_hash(seed, index) >> 8) * 2^-24, exact.
+LC_HD float dither_u(uint32_t seed, uint64_t index) {
+  return static_cast<float>(tie_hash(seed, index) >> 8) * 5.9604644775390625e-08f;
+}
+
+// The code k (0..Q) of a finite c: x = clamp(fl(c * ratio), -Q, Q); nearest: k = floor(fl(fl(x * 0.5) + h))
+// + o (h = 0.5, o = Q/2 for b >= 2; h = 0, o = 1 for b = 1); dither: k = floor(fl(fl(fl(x + Q) * 0.5) + u));
+// then capped to 0..Q.
+LC_HD uint32_t bbit_code(float c, float ratio, int bits, int rounding, float u) {
+  const float q = static_cast<float>(bbit_qmax(bits));
+  float x = fmul32(c, ratio);
+  x = x < -q ? -q : (x > q ? q : x);
+  float k;
+  if (rounding == kNearest) {
+    const float h = bits == 1 ? 0.0f : 0.5f, o = bits == 1 ? 1.0f : fmul32(q, 0.5f);
+    k = fadd32(floor32(fadd32(fmul32(x, 0.5f), h)), o);
+  } else {
+    k = floor32(fadd32(fmul32(fadd32(x, q), 0.5f), u));
+  }
+  k = k < 0.0f ? 0.0f : (k > q ? q : k);
+  return static_cast<uint32_t>(k);
 }
 
 }  // namespace lcc

@@ -115,6 +115,23 @@ void zero_sign_apply(const uint8_t* sign, int64_t sign_stride, const uint8_t* no
 //     unused). Returns the count. One thread: the planes are 1/32 of the gradient.
 int64_t abstain_list(const uint8_t* nonzero, const uint8_t* mask, int64_t nbytes, int64_t capacity, int32_t* out);
 
+// (l) comm="bbit", the local step (reference.bbit_local_step): as (a), but the votes are b-bit codes of c
+//     (bb: lc_bbit_args, tie_rows a host pointer), scaled per tensor by its own bb.kind scale (non-finite c
+//     count and are scaled and coded as 0) and rounded to the nearest level or dithered at each element's
+//     tie index; written as bb.bits code planes of total/8 bytes (plane j = bit j of the codes) into
+//     planes_out, with the nonzero plane (both zero-initialised by the caller). Returns the counts of (a).
+LocalStepCounts bbit_local_step(const Slot* grads, const Slot* momenta, const Slot* momenta_out, int64_t ntensors,
+                                int64_t total, double beta1, double beta2, bool update_momentum,
+                                const ::lc_bbit_args& bb, uint8_t* planes_out, uint8_t* nonzero_out, int nthreads);
+
+// (l) comm="bbit", the shard owner's vote (reference.bbit_shard_vote): planes [nplanes, bits, shard_bytes]
+//     (every rank's code planes of the shard), nonzero [nplanes, shard_bytes] or nullptr (every rank votes)
+//     -> Δ = sign(Σ over voting ranks of 2k - Q); Σ = 0 with a voter takes the tie rule (table as in (d)),
+//     no voter gives 0 -> out_sign (Δ > 0) and out_nonzero (Δ != 0), shard_bytes each.
+void bbit_shard_vote(const uint8_t* planes, const uint8_t* nonzero, int64_t nplanes, int bits, int64_t shard_bytes,
+                     int64_t step, int32_t tie, const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign,
+                     uint8_t* out_nonzero, int nthreads);
+
 // Instruction-set path: 0 = auto (AVX2 when the CPU has it), 1 = portable baseline, 2 = AVX2.
 // Both paths give identical results; the switch exists for tests and benchmarks.
 void set_isa(int isa);

@@ -26,7 +26,14 @@
   void zero_sign_apply_impl(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero, int64_t nz_stride,    \
                             const ::lc_zero_piece* pieces, int64_t npieces, int nthreads);                  \
   int64_t abstain_list_impl(const uint8_t* nonzero, const uint8_t* mask, int64_t nbytes, int64_t capacity,          \
-                            int32_t* out);
+                            int32_t* out);                                                                          \
+  LocalStepCounts bbit_local_step_impl(const Slot* grads, const Slot* momenta, const Slot* momenta_out,             \
+                                       int64_t ntensors, int64_t total, double beta1, double beta2,                 \
+                                       bool update_momentum, const ::lc_bbit_args& bb, uint8_t* planes_out,         \
+                                       uint8_t* nonzero_out, int nthreads);                                         \
+  void bbit_shard_vote_impl(const uint8_t* planes, const uint8_t* nonzero, int64_t nplanes, int bits,               \
+                            int64_t shard_bytes, int64_t step, int32_t tie, const int64_t* tie_rows,                \
+                            int64_t tie_nrows, uint8_t* out_sign, uint8_t* out_nonzero, int nthreads);
 
 namespace lioncub {
 namespace cpu {
@@ -137,6 +144,20 @@ void zero_sign_apply(const uint8_t* sign, int64_t sign_stride, const uint8_t* no
 
 int64_t abstain_list(const uint8_t* nonzero, const uint8_t* mask, int64_t nbytes, int64_t capacity, int32_t* out) {
   return LC_CALL(abstain_list_impl, nonzero, mask, nbytes, capacity, out);
+}
+
+LocalStepCounts bbit_local_step(const Slot* grads, const Slot* momenta, const Slot* momenta_out, int64_t ntensors,
+                                int64_t total, double beta1, double beta2, bool update_momentum,
+                                const ::lc_bbit_args& bb, uint8_t* planes_out, uint8_t* nonzero_out, int nthreads) {
+  return LC_CALL(bbit_local_step_impl, grads, momenta, momenta_out, ntensors, total, beta1, beta2, update_momentum,
+                 bb, planes_out, nonzero_out, nthreads);
+}
+
+void bbit_shard_vote(const uint8_t* planes, const uint8_t* nonzero, int64_t nplanes, int bits, int64_t shard_bytes,
+                     int64_t step, int32_t tie, const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign,
+                     uint8_t* out_nonzero, int nthreads) {
+  LC_CALL(bbit_shard_vote_impl, planes, nonzero, nplanes, bits, shard_bytes, step, tie, tie_rows, tie_nrows, out_sign,
+          out_nonzero, nthreads);
 }
 
 #undef LC_CALL

@@ -107,6 +107,20 @@ inline void masks64(const float* c, uint64_t& gt, uint64_t& nz, uint64_t& fin, u
 #endif
 }
 
+// tie_hash(step, index) of the 64 positions e .. e+63 under a tie-index table (the hash tie rule's
+// bit 0, the dither's high bits): one segment and one high word (the common case) is a 32-bit loop
+// that vectorizes.
+inline void tie_hashes64(uint64_t step, const int64_t* rows, int64_t nrows, int64_t e, uint32_t* h) {
+  const uint64_t idx0 = tie_index(rows, nrows, e);
+  const uint32_t lo0 = static_cast<uint32_t>(idx0);
+  if (tie_next_start(rows, nrows, e) >= e + 64 && lo0 <= 0xFFFFFFFFu - 63u) {
+    const uint32_t hb = tie_hash_base(step, static_cast<uint32_t>(idx0 >> 32));
+    for (int j = 0; j < 64; ++j) h[j] = tie_hash_mix((lo0 + static_cast<uint32_t>(j)) * 0x9E3779B1u + hb);
+    return;
+  }
+  for (int j = 0; j < 64; ++j) h[j] = tie_hash(step, tie_index(rows, nrows, e + j));
+}
+
 inline void store_bits(uint8_t* out, uint64_t bits, int nbytes) {
   if (nbytes == 8) {
     std::memcpy(out, &bits, 8);

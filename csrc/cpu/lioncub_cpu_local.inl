@@ -1,46 +1,55 @@
 // lioncub_cpu_local.inl -- kernel body of the local half: (a) local step, (b) momentum update,
-// (g) int8 codes. Compiled once per ISA (lioncub_cpu_isa_instantiate.h); see lioncub_cpu.h.
+// (g) int8 codes, (i) the single-process Lion step, (k) the abstention list, (l) the bbit local step.
+// Compiled once per ISA (lioncub_cpu_isa_instantiate.h); see lioncub_cpu.h.
 
 namespace {
 
 // ------------------------------------------------------------------ (a) local step
-// UPD: the new momentum goes to `mo` (m itself, or a second buffer: m is then only read).
+// The 64 elements at i0 of one tensor (n <= 64 of them; the rest of c is 0): c = fl(fl(b1*m) +
+// fl(ob1*g)), and with UPD the new momentum fl(fl(b2*m) + fl(ob2*g)) stored into `mo` (m itself, or a
+// second buffer: m is then only read).
+template <int GT, int MT, bool UPD>
+inline void c_and_momentum64(const void* g, const void* m, void* mo, int64_t i0, int n, const Coef& k, float* c) {
+  alignas(64) float gf[64], mf[64], mn[64];
+  const float* gs = gf;
+  const float* ms = mf;
+  if (n == 64) {
+    // fp32 is read in place; other dtypes are widened into the staging arrays first
+    if constexpr (GT == kF32) gs = static_cast<const float*>(g) + i0;
+    else load64<GT>(g, i0, gf);
+    if constexpr (MT == kF32) ms = static_cast<const float*>(m) + i0;
+    else load64<MT>(m, i0, mf);
+  } else {
+    for (int j = 0; j < n; ++j) {
+      gf[j] = ld<GT>(g, i0 + j);
+      mf[j] = ld<MT>(m, i0 + j);
+    }
+    for (int j = n; j < 64; ++j) gf[j] = mf[j] = 0.0f;
+  }
+  for (int j = 0; j < 64; ++j) c[j] = ms[j] * k.b1 + gs[j] * k.ob1;
+  if constexpr (UPD) {
+    for (int j = 0; j < 64; ++j) mn[j] = ms[j] * k.b2 + gs[j] * k.ob2;
+    if (n == 64) {
+      if constexpr (MT == kF32) {
+        std::memcpy(static_cast<float*>(mo) + i0, mn, sizeof(mn));
+      } else {
+        uint16_t* mp = static_cast<uint16_t*>(mo) + i0;
+        for (int j = 0; j < 64; ++j) mp[j] = f32_to_bf16(mn[j]);
+      }
+    } else {
+      for (int j = 0; j < n; ++j) st<MT>(mo, i0 + j, mn[j]);
+    }
+  }
+}
+
 template <int GT, int MT, bool UPD>
 void ls_range(const void* g, const void* m, void* mo, int64_t e0, int64_t e1, const Coef& k, uint8_t* sbytes,
               uint8_t* zbytes, int64_t& n_nonfinite, int64_t& n_zero) {
-  alignas(64) float gf[64], mf[64], c[64], mn[64];
+  alignas(64) float c[64];
   int64_t nf = 0, nzc = 0;
   for (int64_t i0 = e0; i0 < e1; i0 += 64) {
     const int n = static_cast<int>(std::min<int64_t>(64, e1 - i0));
-    const float* gs = gf;
-    const float* ms = mf;
-    if (n == 64) {
-      // fp32 is read in place; other dtypes are widened into the staging arrays first
-      if constexpr (GT == kF32) gs = static_cast<const float*>(g) + i0;
-      else load64<GT>(g, i0, gf);
-      if constexpr (MT == kF32) ms = static_cast<const float*>(m) + i0;
-      else load64<MT>(m, i0, mf);
-    } else {
-      for (int j = 0; j < n; ++j) {
-        gf[j] = ld<GT>(g, i0 + j);
-        mf[j] = ld<MT>(m, i0 + j);
-      }
-      for (int j = n; j < 64; ++j) gf[j] = mf[j] = 0.0f;
-    }
-    for (int j = 0; j < 64; ++j) c[j] = ms[j] * k.b1 + gs[j] * k.ob1;
-    if constexpr (UPD) {
-      for (int j = 0; j < 64; ++j) mn[j] = ms[j] * k.b2 + gs[j] * k.ob2;
-      if (n == 64) {
-        if constexpr (MT == kF32) {
-          std::memcpy(static_cast<float*>(mo) + i0, mn, sizeof(mn));
-        } else {
-          uint16_t* mp = static_cast<uint16_t*>(mo) + i0;
-          for (int j = 0; j < 64; ++j) mp[j] = f32_to_bf16(mn[j]);
-        }
-      } else {
-        for (int j = 0; j < n; ++j) st<MT>(mo, i0 + j, mn[j]);
-      }
-    }
+    c_and_momentum64<GT, MT, UPD>(g, m, mo, i0, n, k, c);
     uint64_t s, z, f, e;
     masks64(c, s, z, f, e);
     const uint64_t valid = n == 64 ? ~uint64_t(0) : ((uint64_t(1) << n) - 1);
@@ -232,23 +241,6 @@ struct Int8Tensor {
   }
 };
 
-}  // namespace
-
-int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total,
-                             double beta1, int32_t kind, int32_t levels, int8_t* q_out, int nthreads) {
-  (void)total;
-  const float b1 = static_cast<float>(beta1), ob1 = static_cast<float>(1.0 - beta1);
-  const float hs = static_cast<float>(static_cast<double>(levels) / 2.0);
-  const float lv = static_cast<float>(levels);
-  int64_t work = 0;
-  for (int64_t t = 0; t < ntensors; ++t) work += momenta[t].numel;
-  const int nthr = threads_for(work, nthreads);
-  std::vector<float> scale(ntensors, 0.0f);
-  int64_t bad_total = 0;
-
-  struct Task {
-    int64_t t, b, e;
-  };
 #define LC_INT8(G, M, BODY)                  \
   do {                                       \
     using K = Int8Tensor<G, M>;              \
@@ -265,7 +257,15 @@ int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t nte
     else if (lc_key_ == kF16 * 4 + kBF16) LC_INT8(kF16, kBF16, BODY);                \
   } while (0)
 
-  // pass 1: the statistics of every block of kSumBlock elements (in parallel, any order)
+struct Task {
+  int64_t t, b, e;
+};
+
+// Each tensor's scale of |c| (reference.int8_scale: l1 / l0 in the defined order, linf the max; non-finite
+// c count and are scaled as 0): pass 1, the statistics of every block of kSumBlock elements (in parallel,
+// any order), then per tensor the block results in block order. Adds the non-finite count to *bad.
+std::vector<float> tensor_scales(const Slot* grads, const Slot* momenta, int64_t ntensors, float b1, float ob1,
+                                 int32_t kind, int nthr, int64_t* bad) {
   std::vector<Task> tasks;
   std::vector<int64_t> first(ntensors + 1, 0);
   for (int64_t t = 0; t < ntensors; ++t) {
@@ -281,12 +281,12 @@ int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t nte
     const Slot& m = momenta[T.t];
     LC_I8_SWITCH(g.dtype, m.dtype, part[i] = K::block(g, m, T.b, T.e, b1, ob1, kind));
   });
-  // pass 2: per tensor, the block results in block order (the defined order)
+  std::vector<float> scale(ntensors, 0.0f);
   for (int64_t t = 0; t < ntensors; ++t) {
     double s = 0.0;
     int64_t nnz = 0, esum = 0;
     for (int64_t i = first[t]; i < first[t + 1]; ++i) {
-      bad_total += part[i].bad;
+      *bad += part[i].bad;
       if (kind == kScaleLinf) s = part[i].s > s ? part[i].s : s;
       else s += part[i].s;
       nnz += part[i].nnz;
@@ -296,6 +296,26 @@ int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t nte
     else if (kind == kScaleL0) scale[t] = l0_scale(esum, s, nnz);
     else scale[t] = static_cast<float>(s);
   }
+  return scale;
+}
+
+int64_t work_of(const Slot* slots, int64_t ntensors) {
+  int64_t work = 0;
+  for (int64_t t = 0; t < ntensors; ++t) work += slots[t].numel;
+  return work;
+}
+
+}  // namespace
+
+int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t ntensors, int64_t total,
+                             double beta1, int32_t kind, int32_t levels, int8_t* q_out, int nthreads) {
+  (void)total;
+  const float b1 = static_cast<float>(beta1), ob1 = static_cast<float>(1.0 - beta1);
+  const float hs = static_cast<float>(static_cast<double>(levels) / 2.0);
+  const float lv = static_cast<float>(levels);
+  const int nthr = threads_for(work_of(momenta, ntensors), nthreads);
+  int64_t bad_total = 0;
+  const std::vector<float> scale = tensor_scales(grads, momenta, ntensors, b1, ob1, kind, nthr, &bad_total);
 
   // quantize
   std::vector<Task> qtasks;
@@ -312,9 +332,86 @@ int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t nte
     int8_t* q = q_out + m.offset;
     LC_I8_SWITCH(g.dtype, m.dtype, K::quantize(g, m, T.b, T.e, b1, ob1, hs, scale[T.t], lv, q));
   });
+  return bad_total;
+}
 #undef LC_I8_SWITCH
 #undef LC_INT8
-  return bad_total;
+
+// ------------------------------------------------------------------ (l) bbit local step
+namespace {
+
+// Elements [e0, e1) of one tensor placed at bucket position `base` (e0 a multiple of 64): the nonzero bits,
+// the b code planes (plane j at planes + j * plane_bytes), the counts, and with UPD the momentum update.
+template <int GT, int MT, bool UPD>
+void bbit_range(const void* g, const void* m, void* mo, int64_t base, int64_t e0, int64_t e1, const Coef& k,
+                float ratio, const lc_bbit_args& bb, int64_t plane_bytes, uint8_t* planes, uint8_t* nzbytes,
+                int64_t& n_nonfinite, int64_t& n_zero) {
+  alignas(64) float c[64], u[64];
+  alignas(64) uint32_t code[64], h[64];
+  for (int j = 0; j < 64; ++j) u[j] = 0.0f;
+  int64_t nf = 0, nzc = 0;
+  for (int64_t i0 = e0; i0 < e1; i0 += 64) {
+    const int n = static_cast<int>(std::min<int64_t>(64, e1 - i0));
+    c_and_momentum64<GT, MT, UPD>(g, m, mo, i0, n, k, c);
+    uint64_t s, z, f, e;
+    masks64(c, s, z, f, e);
+    const uint64_t valid = n == 64 ? ~uint64_t(0) : ((uint64_t(1) << n) - 1);
+    nf += popcount64(~f & valid);
+    nzc += popcount64(e & valid);
+    const int64_t byte0 = (base + i0) >> 3;
+    const int nbytes = (n + 7) >> 3;
+    store_bits(nzbytes + byte0, z & valid, nbytes);
+    if (bb.rounding == kDither) {
+      tie_hashes64(bb.seed, bb.tie_rows, bb.tie_nrows, base + i0, h);
+      for (int j = 0; j < 64; ++j) u[j] = static_cast<float>(h[j] >> 8) * 5.9604644775390625e-08f;  // dither_u
+    }
+    for (int j = 0; j < 64; ++j)
+      code[j] = bbit_code(((f >> j) & 1u) ? c[j] : 0.0f, ratio, bb.bits, bb.rounding, u[j]);
+    for (int b = 0; b < bb.bits; ++b) {
+      uint64_t word = 0;
+      for (int j = 0; j < 64; ++j) word |= static_cast<uint64_t>((code[j] >> b) & 1u) << j;
+      store_bits(planes + b * plane_bytes + byte0, word & valid, nbytes);
+    }
+  }
+  n_nonfinite += nf;
+  n_zero += nzc;
+}
+
+}  // namespace
+
+LocalStepCounts bbit_local_step_impl(const Slot* grads, const Slot* momenta, const Slot* momenta_out,
+                                     int64_t ntensors, int64_t total, double beta1, double beta2,
+                                     bool update_momentum, const lc_bbit_args& bb, uint8_t* planes_out,
+                                     uint8_t* nonzero_out, int nthreads) {
+  const Coef k{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+               static_cast<float>(1.0 - beta2)};
+  int64_t work = 0, scale_bad = 0;
+  const std::vector<Item> items = chunk_items(momenta, ntensors, kChunk, &work);
+  const int nthr = threads_for(work, nthreads);
+  std::vector<float> ratio = tensor_scales(grads, momenta, ntensors, k.b1, k.ob1, bb.kind, nthr, &scale_bad);
+  for (float& r : ratio) r = bbit_ratio(r, bb.kind, bb.bits);
+  std::vector<int64_t> nf(items.size(), 0), nz(items.size(), 0);
+  parallel_for_dynamic(static_cast<int64_t>(items.size()), nthr, [&](int64_t it) {
+    const Item& I = items[it];
+    const Slot& g = grads[I.t];
+    const Slot& m = momenta[I.t];
+    void* mo = momenta_out ? momenta_out[I.t].data : m.data;
+#define LC_BB(G, M)                                                                                               \
+  if (update_momentum)                                                                                            \
+    bbit_range<G, M, true>(g.data, m.data, mo, m.offset, I.e0, I.e1, k, ratio[I.t], bb, total / 8, planes_out,   \
+                           nonzero_out, nf[it], nz[it]);                                                          \
+  else                                                                                                            \
+    bbit_range<G, M, false>(g.data, m.data, mo, m.offset, I.e0, I.e1, k, ratio[I.t], bb, total / 8, planes_out,  \
+                            nonzero_out, nf[it], nz[it]);
+    LC_GM_SWITCH(g.dtype, m.dtype, LC_BB);
+#undef LC_BB
+  });
+  LocalStepCounts out{0, 0};
+  for (size_t i = 0; i < items.size(); ++i) {
+    out.n_nonfinite += nf[i];
+    out.n_zero += nz[i];
+  }
+  return out;
 }
 
 // ------------------------------------------------------------------ (i) single-process Lion step
@@ -407,3 +504,36 @@ void lion_step_impl(const Slot* params, const Slot* grads, const Slot* momenta, 
 }
 
 #undef LC_GM_SWITCH
+
+// ------------------------------------------------------------------ (k) abstain_list
+int64_t abstain_list_impl(const uint8_t* nonzero, const uint8_t* mask, int64_t nbytes, int64_t capacity,
+                          int32_t* out) {
+  int32_t* idx = out + 1;
+  int32_t* val = out + 1 + capacity;
+  for (int64_t k = 0; k < capacity; ++k) {
+    idx[k] = -1;
+    val[k] = 0;
+  }
+  int64_t count = 0;
+  auto scan = [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      if (nonzero[j] == mask[j]) continue;
+      if (count < capacity) {
+        idx[count] = static_cast<int32_t>(j);
+        val[count] = nonzero[j];
+      }
+      ++count;
+    }
+  };
+  // Abstentions are rare: compare 8 bytes at a time and look inside a word only where it differs.
+  int64_t i = 0;
+  for (; i + 8 <= nbytes; i += 8) {
+    uint64_t a, b;
+    std::memcpy(&a, nonzero + i, 8);
+    std::memcpy(&b, mask + i, 8);
+    if (a != b) scan(i, i + 8);
+  }
+  scan(i, nbytes);
+  out[0] = static_cast<int32_t>(count);
+  return count;
+}

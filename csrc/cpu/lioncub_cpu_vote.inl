@@ -1,6 +1,7 @@
 // lioncub_cpu_vote.inl -- kernel body of the vote half: vote counting (bit-sliced counters),
 // decisions (reference.decide, tie rules via the tie-index table), apply; (c) vote_apply,
-// (d) shard_vote, (e) count_lanes, (f) lanes_apply, (h) int8_apply. Compiled once per ISA.
+// (d) shard_vote, (e) count_lanes, (f) lanes_apply, (h) int8_apply, (j) the ZeRO sign apply, (l) the
+// bbit shard vote. Compiled once per ISA.
 
 namespace {
 
@@ -235,22 +236,12 @@ inline uint64_t bs_ge_const(const uint64_t* P, int nb, int64_t k) {
 
 // 64 tie-break bits of reference.tie_hash_sign (1 = +1) for positions e .. e+63 under a tie-index table.
 inline uint64_t hash_bits64(uint64_t step, const int64_t* rows, int64_t nrows, int64_t e) {
-  const uint64_t idx0 = tie_index(rows, nrows, e);
-  const uint32_t lo0 = static_cast<uint32_t>(idx0);
-  if (tie_next_start(rows, nrows, e) >= e + 64 && lo0 <= 0xFFFFFFFFu - 63u) {
-    // one segment and one high word (the common case): a 32-bit loop that vectorizes
-    const uint32_t hb = tie_hash_base(step, static_cast<uint32_t>(idx0 >> 32));
-    alignas(64) uint32_t hv[64];
-    for (int j = 0; j < 64; ++j) hv[j] = tie_hash_mix((lo0 + static_cast<uint32_t>(j)) * 0x9E3779B1u + hb) & 1u;
-    uint32_t lo = 0, hi = 0;
-    for (int j = 0; j < 32; ++j) lo |= hv[j] << j;
-    for (int j = 0; j < 32; ++j) hi |= hv[32 + j] << j;
-    return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
-  }
-  uint64_t out = 0;
-  for (int j = 0; j < 64; ++j)
-    out |= static_cast<uint64_t>(tie_hash(step, tie_index(rows, nrows, e + j)) & 1u) << j;
-  return out;
+  alignas(64) uint32_t hv[64];
+  tie_hashes64(step, rows, nrows, e, hv);
+  uint32_t lo = 0, hi = 0;
+  for (int j = 0; j < 32; ++j) lo |= (hv[j] & 1u) << j;
+  for (int j = 0; j < 32; ++j) hi |= (hv[32 + j] & 1u) << j;
+  return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
 }
 
 // Δ of 64 elements as float -1/0/+1 from the final (pos, neg) masks.
@@ -273,6 +264,20 @@ inline void expand_delta(uint64_t pos, uint64_t neg, float* __restrict d) {
   }
   for (int j = 0; j < 64; ++j) d[j] = static_cast<float>(static_cast<int32_t>(pb[j]) - static_cast<int32_t>(nb[j]));
 #endif
+}
+
+// The tie rule on the tied elements `ties` of the 64 starting at position e: "alternate" and "hash" add
+// them to pos or neg ("zero" leaves them at 0).
+inline void break_ties(int32_t tie, int32_t alt, uint64_t step, const int64_t* rows, int64_t nrows, int64_t e,
+                       uint64_t ties, uint64_t& pos, uint64_t& neg) {
+  if (!ties) return;
+  if (tie == kTieAlternate) {
+    if (alt > 0) pos |= ties; else neg |= ties;
+  } else if (tie == kTieHash) {
+    const uint64_t hb = hash_bits64(step, rows, nrows, e);
+    pos |= ties & hb;
+    neg |= ties & ~hb;
+  }
 }
 
 struct MajorityCounter {
@@ -326,15 +331,7 @@ struct MajorityCounter {
       neg = ~bs_ge_const(P, nb, (N + 1) / 2);    // 2P < N
       ties = (N & 1) ? 0 : ~(pos | neg);         // 2P == N (N >= 1 voters)
     }
-    if (ties) {
-      if (tie == kTieAlternate) {
-        if (alt > 0) pos |= ties; else neg |= ties;
-      } else if (tie == kTieHash) {
-        const uint64_t hb = hash_bits64(step, tie_rows, tie_nrows, e);
-        pos |= ties & hb;
-        neg |= ties & ~hb;
-      }
-    }
+    break_ties(tie, alt, step, tie_rows, tie_nrows, e, ties, pos, neg);
     pos_out = pos;
     neg_out = neg;
   }
@@ -508,6 +505,50 @@ void shard_vote_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t nplane
   });
 }
 
+// ------------------------------------------------------------------ (l) bbit_shard_vote
+// Per word of 64 elements: bit-sliced counters of each code plane's voting bits and of the voters, then
+// Σq = 2·Σ_j 2^j·P_j − Q·C per element, its sign, and the tie rule where Σq = 0 with a voter.
+void bbit_shard_vote_impl(const uint8_t* planes, const uint8_t* nonzero, int64_t nplanes, int bits,
+                          int64_t shard_bytes, int64_t step, int32_t tie, const int64_t* tie_rows, int64_t tie_nrows,
+                          uint8_t* out_sign, uint8_t* out_nonzero, int nthreads) {
+  const int64_t numel = shard_bytes * 8;
+  if (numel <= 0) return;
+  const int nb = bit_length(nplanes), q = bbit_qmax(bits);
+  const int32_t alt = (step & 1) ? 1 : -1;
+  const int64_t nwords = divup(numel, 64), per_item = 8;
+  parallel_for_static(divup(nwords, per_item), threads_for(numel * nplanes * bits / 4, nthreads), [&](int64_t item) {
+    for (int64_t w = item * per_item; w < std::min(nwords, (item + 1) * per_item); ++w) {
+      const int64_t e = w * 64, byte0 = e >> 3, avail = shard_bytes - byte0;
+      uint64_t P[4][16] = {}, C[16] = {};
+      for (int64_t r = 0; r < nplanes; ++r) {
+        const uint64_t zw = nonzero ? load_word(nonzero + r * shard_bytes + byte0, avail) : ~uint64_t(0);
+        if (nonzero) bs_add<0>(C, nb, zw);
+        for (int j = 0; j < bits; ++j)
+          bs_add<0>(P[j], nb, load_word(planes + (r * bits + j) * shard_bytes + byte0, avail) & zw);
+      }
+      alignas(64) int32_t cnt[64], pj[64], sum[64];
+      if (nonzero) bs_extract<0>(C, nb, cnt);
+      else std::fill(cnt, cnt + 64, static_cast<int32_t>(nplanes));
+      std::fill(sum, sum + 64, 0);
+      for (int j = 0; j < bits; ++j) {
+        bs_extract<0>(P[j], nb, pj);
+        for (int i = 0; i < 64; ++i) sum[i] += pj[i] << j;
+      }
+      uint64_t pos = 0, neg = 0, ties = 0;
+      for (int i = 0; i < 64; ++i) {
+        const int32_t qs = 2 * sum[i] - q * cnt[i];
+        pos |= static_cast<uint64_t>(qs > 0) << i;
+        neg |= static_cast<uint64_t>(qs < 0) << i;
+        ties |= static_cast<uint64_t>(qs == 0 && cnt[i] > 0) << i;
+      }
+      break_ties(tie, alt, static_cast<uint64_t>(step), tie_rows, tie_nrows, e, ties, pos, neg);
+      const int nbytes = static_cast<int>(std::min<int64_t>(8, (numel - e) >> 3));
+      store_bits(out_sign + byte0, pos, nbytes);
+      store_bits(out_nonzero + byte0, pos | neg, nbytes);
+    }
+  });
+}
+
 // ------------------------------------------------------------------ (e) count_lanes
 int64_t count_lanes_impl(const uint8_t* sign, const uint8_t* nonzero, int64_t nplanes, int64_t shard_bytes, int p,
                          uint8_t* plus_out, uint8_t* cnt_out, int nthreads) {
@@ -644,37 +685,4 @@ void zero_sign_apply_impl(const uint8_t* sign, int64_t sign_stride, const uint8_
     if (P.apply_decay) zero_piece_range<true>(P, srow, zrow, W.e0, W.e1);
     else zero_piece_range<false>(P, srow, zrow, W.e0, W.e1);
   });
-}
-
-// ------------------------------------------------------------------ (k) abstain_list
-int64_t abstain_list_impl(const uint8_t* nonzero, const uint8_t* mask, int64_t nbytes, int64_t capacity,
-                          int32_t* out) {
-  int32_t* idx = out + 1;
-  int32_t* val = out + 1 + capacity;
-  for (int64_t k = 0; k < capacity; ++k) {
-    idx[k] = -1;
-    val[k] = 0;
-  }
-  int64_t count = 0;
-  auto scan = [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      if (nonzero[j] == mask[j]) continue;
-      if (count < capacity) {
-        idx[count] = static_cast<int32_t>(j);
-        val[count] = nonzero[j];
-      }
-      ++count;
-    }
-  };
-  // Abstentions are rare: compare 8 bytes at a time and look inside a word only where it differs.
-  int64_t i = 0;
-  for (; i + 8 <= nbytes; i += 8) {
-    uint64_t a, b;
-    std::memcpy(&a, nonzero + i, 8);
-    std::memcpy(&b, mask + i, 8);
-    if (a != b) scan(i, i + 8);
-  }
-  scan(i, nbytes);
-  out[0] = static_cast<int32_t>(count);
-  return count;
 }

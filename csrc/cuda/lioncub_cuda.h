@@ -36,11 +36,12 @@ extern "C" {
 
 // ----------------------------------------------------------------------------- enums
 // The C spelling of the codes of csrc/common/lioncub_common.h (lcc::DType, TieRule, VoteMode,
-// ScaleKind; lioncub_cuda_common.cuh static_asserts that they agree).
+// ScaleKind, Rounding; lioncub_cuda_common.cuh static_asserts that they agree).
 typedef enum lc_dtype { LC_FLOAT32 = 0, LC_BFLOAT16 = 1, LC_FLOAT16 = 2 } lc_dtype;
 typedef enum lc_tie { LC_TIE_ZERO = 0, LC_TIE_ALTERNATE = 1, LC_TIE_HASH = 2 } lc_tie;
 typedef enum lc_vote { LC_VOTE_MAJORITY = 0, LC_VOTE_AVERAGE = 1 } lc_vote;
 typedef enum lc_scale { LC_SCALE_L1 = 0, LC_SCALE_L0 = 1, LC_SCALE_LINF = 2 } lc_scale;
+typedef enum lc_rounding { LC_ROUND_NEAREST = 0, LC_ROUND_DITHER = 1 } lc_rounding;
 
 // Elements per chunk of the chunked (per-tensor) kernels: momentum update and the int8
 // scale reduction. A tensor of numel elements has lc_num_chunks(numel) chunks.
@@ -135,6 +136,28 @@ cudaError_t lc_int8_local_step(const lc_tensor_meta* meta, int n_tensors, int64_
 // reference.int8_apply: Δ = sign(qsum) (int8 sum of the codes, numel elements) -> apply.
 cudaError_t lc_int8_apply(const int8_t* qsum, int64_t numel, const lc_tensor_meta* params, int n_tensors,
                           lc_apply_args args, float* delta_out, cudaStream_t stream);
+
+// ----------------------------------------------------------------------------- comm="bbit"
+// reference.bbit_local_step over one bucket (meta as for lc_local_step; bb: lc_bbit_args, tie_rows a DEVICE
+// pointer): per tensor the bb.kind scale of |c| (as lc_int8_local_step: non-finite c counted into
+// counts[0] and scaled as 0) and its ratio fp32(Q / (clip * a)) into ratios_out[i] (device fp32, n_tensors);
+// then the b-bit codes of c (nearest, or dithered at each element's tie index) as bb.bits code planes
+// of total/8 bytes into planes_out (plane j = bit j of the codes, row-major [bits, total/8]), the nonzero
+// plane into nonzero_out, counts[1] += #(c == 0) over real elements (every output byte is written;
+// padding and gaps 0); with update_momentum, the momentum update of lc_local_step in the same pass.
+// Workspace: lc_int8_workspace_bytes(n_chunks). Three launches, no host synchronization.
+cudaError_t lc_bbit_local_step(const lc_tensor_meta* meta, int n_tensors, int64_t n_chunks, int64_t total,
+                               lc_lion_args args, lc_bbit_args bb, int update_momentum, uint8_t* planes_out,
+                               uint8_t* nonzero_out, float* ratios_out, void* workspace, size_t workspace_bytes,
+                               int64_t* counts, cudaStream_t stream);
+
+// reference.bbit_shard_vote: every rank's code planes of one shard, [rows, bits, row_bytes] row-major, and
+// its nonzero plane [rows, row_bytes] (or NULL: every rank votes) -> Δ = sign(Σ over voting ranks of
+// 2k - Q); Σ = 0 with a voter takes the tie rule (tie, step, the shard's tie-index table on the device, as
+// lc_shard_vote), no voter gives 0 -> out_sign (Δ > 0) and out_nonzero (Δ != 0), row_bytes bytes each.
+cudaError_t lc_bbit_shard_vote(const uint8_t* planes, const uint8_t* nonzero, int rows, int bits, int64_t row_bytes,
+                               int tie, int64_t step, const int64_t* tie_rows, int64_t tie_nrows, uint8_t* out_sign,
+                               uint8_t* out_nonzero, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------- single-process step
 // One tensor of a Lion step: 6 x 8 bytes, filled by the binding as int64 (chunk_start as in

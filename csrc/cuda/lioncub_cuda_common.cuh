@@ -2,10 +2,10 @@
 //
 // Everything here is __host__ __device__ (LC_HD) and uses only integer ops and
 // correctly rounded single fp32 ops (no FMA: __fmul_rn/__fadd_rn/__fdiv_rn on the
-// device), so the same code runs inside the CUDA kernels (lioncub_local.cu,
-// lioncub_vote.cu) and in the serial host emulation (lioncub_cuda_emu.cpp) that the
-// tests check against lioncub_ds/kernels/reference.py on a machine without a GPU. The kernels only
-// add the grid-stride loops, the warp shuffles and the block reductions around it.
+// device). The kernels (lioncub_local.cu, lioncub_vote.cu, lioncub_step.cu) add the grid-stride
+// loops, the warp shuffles and the block reductions around it, and start through lc::launch (at the
+// end of this file). The test-only host emulation (tests/cuda_emu) compiles those same .cu files
+// with a host compiler and runs their kernels, so nothing here or there is restated for it.
 // The vote-side per-word logic (tie rules, bit-sliced counts, lanes) is in lioncub_cuda_vote.cuh.
 //
 // Bit order (docs/conventions.md): element i of a packed plane is bit (i & 7) of byte (i >> 3);
@@ -55,6 +55,7 @@ static_assert(LC_SAME(LC_VOTE_MAJORITY, lcc::kMajority) && LC_SAME(LC_VOTE_AVERA
 static_assert(LC_SAME(LC_SCALE_L1, lcc::kScaleL1) && LC_SAME(LC_SCALE_L0, lcc::kScaleL0) &&
                   LC_SAME(LC_SCALE_LINF, lcc::kScaleLinf),
               "scale codes");
+static_assert(LC_SAME(LC_ROUND_NEAREST, lcc::kNearest) && LC_SAME(LC_ROUND_DITHER, lcc::kDither), "rounding codes");
 #undef LC_SAME
 
 // ----------------------------------------------------------------------------- scalar fp32
@@ -302,6 +303,31 @@ LC_HD int search_chunk(const lc_tensor_meta* __restrict__ meta, int n, int64_t c
 LC_HD float lion_c(float m, float g, const lc_lion_args& la) { return fadd(fmul(m, la.b1), fmul(g, la.omb1)); }
 LC_HD float lion_m(float m, float g, const lc_lion_args& la) { return fadd(fmul(m, la.b2), fmul(g, la.omb2)); }
 
+// The unit of 8 bucket elements at e0 inside tensor t of a local step's bucket: its place in the
+// tensor (j: the index of its first element, n <= 8 elements) and its g and m as fp32.
+struct Unit {
+  Tensor T;
+  int64_t j;
+  int n;
+  float g[8], m[8];
+};
+
+LC_HD void load_unit(const lc_tensor_meta* __restrict__ meta, int t, int64_t e0, Unit& u) {
+  u.T = read_meta(meta, t);
+  u.j = e0 - u.T.offset;
+  const int64_t rem = u.T.numel - u.j;
+  u.n = rem < 8 ? static_cast<int>(rem) : 8;
+  load8(u.T.a, u.T.dta, u.j, u.n, u.g);
+  load8(u.T.b, u.T.dtb, u.j, u.n, u.m);
+}
+
+// The unit's momentum update, rounded once to m's dtype and stored.
+LC_HD void update_unit_momentum(Unit& u, const lc_lion_args& la) {
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) u.m[i] = lion_m(u.m[i], u.g[i], la);
+  store8(u.T.b, u.T.dtb, u.j, u.n, u.m);
+}
+
 // One unit (8 bucket elements, e0 = 8*u) of the local step. Returns the sign and nonzero
 // bytes; adds to the non-finite / zero counters; updates the momentum when asked.
 LC_HD void local_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const lc_lion_args& la,
@@ -310,17 +336,12 @@ LC_HD void local_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e
   zbyte = 0;
   const int t = locate(meta, nt, e0, hint);
   if (t < 0) return;
-  const Tensor T = read_meta(meta, t);
-  const int64_t j = e0 - T.offset;
-  const int64_t rem = T.numel - j;
-  const int n = rem < 8 ? static_cast<int>(rem) : 8;
-  float g[8], m[8];
-  load8(T.a, T.dta, j, n, g);
-  load8(T.b, T.dtb, j, n, m);
+  Unit u;
+  load_unit(meta, t, e0, u);
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
-    if (i < n) {
-      const float c = lion_c(m[i], g[i], la);
+    if (i < u.n) {
+      const float c = lion_c(u.m[i], u.g[i], la);
       const bool fin = is_finite(c);
       if (fin && c > 0.0f) sbyte |= 1u << i;
       if (fin && c != 0.0f) zbyte |= 1u << i;
@@ -328,11 +349,7 @@ LC_HD void local_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e
       nzero += c == 0.0f ? 1 : 0;
     }
   }
-  if (update_momentum) {
-    LC_UNROLL
-    for (int i = 0; i < 8; ++i) m[i] = lion_m(m[i], g[i], la);
-    store8(T.b, T.dtb, j, n, m);
-  }
+  if (update_momentum) update_unit_momentum(u, la);
 }
 
 // Elements [j, j+n) of one tensor: m <- fl(fl(m*b2) + fl(g*omb2)).
@@ -494,11 +511,14 @@ LC_HD Acc int8_thread_partial(const Tensor& T, int64_t c0, int64_t c1, int lane,
   return acc;
 }
 
-// The per-tensor scale from the reduced statistic (reference.int8_scale).
-LC_HD float int8_scale_of(Acc tot, int64_t numel, int kind) {
-  if (kind == LC_SCALE_L1) return lcc::l1_scale(tot.s, numel);
-  if (kind == LC_SCALE_LINF) return static_cast<float>(tot.s);
-  return lcc::l0_scale(tot.esum, tot.s, tot.n);
+// The per-tensor scale from the reduced statistic (reference.int8_scale); with bits (comm="bbit", 1..4)
+// the ratio of the b-bit codes instead (reference.bbit_ratio).
+LC_HD float int8_scale_of(Acc tot, int64_t numel, int kind, int bits = 0) {
+  float a;
+  if (kind == LC_SCALE_L1) a = lcc::l1_scale(tot.s, numel);
+  else if (kind == LC_SCALE_LINF) a = static_cast<float>(tot.s);
+  else a = lcc::l0_scale(tot.esum, tot.s, tot.n);
+  return bits ? lcc::bbit_ratio(a, kind, bits) : a;
 }
 
 // Codes of the unit at bucket element e0 (gaps and padding: 0).
@@ -510,24 +530,49 @@ LC_HD void int8_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0
   if (t < 0) return;
   const float a = scales[t];
   if (!(a > 0.0f) || !is_finite(a)) return;
-  const Tensor T = read_meta(meta, t);
-  const int64_t j = e0 - T.offset, rem = T.numel - j;
-  const int n = rem < 8 ? static_cast<int>(rem) : 8;
-  float g[8], m[8];
-  load8(T.a, T.dta, j, n, g);
-  load8(T.b, T.dtb, j, n, m);
+  Unit u;
+  load_unit(meta, t, e0, u);
   const float hs = static_cast<float>(levels) * 0.5f;  // exact
   const float lim = static_cast<float>(levels);
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
-    if (i < n) {
-      float c = lion_c(m[i], g[i], la);
+    if (i < u.n) {
+      float c = lion_c(u.m[i], u.g[i], la);
       if (!is_finite(c)) c = 0.0f;
       float x = rint_even(fdiv(fmul(c, hs), a));
       x = fmin_(fmax_(x, -lim), lim);
       q[i] = static_cast<int8_t>(static_cast<int>(x));
     }
   }
+}
+
+// ----------------------------------------------------------------------------- comm="bbit"
+// One unit (8 bucket elements at e0) of the b-bit local step (reference.bbit_local_step): bit i of
+// codes[j] is bit j of element e0 + i's code, zbyte its nonzero bits; adds the zeros of c to nzero; the
+// momentum update when asked. ratios[t]: tensor t's ratio. Gaps and padding: all 0.
+LC_HD void bbit_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const lc_lion_args& la,
+                     int update_momentum, const float* __restrict__ ratios, const lc_bbit_args& bb, int& hint,
+                     uint32_t codes[4], uint32_t& zbyte, int& nzero) {
+  LC_UNROLL
+  for (int j = 0; j < 4; ++j) codes[j] = 0;
+  zbyte = 0;
+  const int t = locate(meta, nt, e0, hint);
+  if (t < 0) return;
+  Unit u;
+  load_unit(meta, t, e0, u);
+  const float ratio = ratios[t];
+  for (int i = 0; i < u.n; ++i) {
+    const float c = lion_c(u.m[i], u.g[i], la);
+    const bool fin = is_finite(c);
+    if (fin && c != 0.0f) zbyte |= 1u << i;
+    nzero += c == 0.0f ? 1 : 0;
+    const float d =
+        bb.rounding == LC_ROUND_DITHER ? lcc::dither_u(bb.seed, lcc::tie_index(bb.tie_rows, bb.tie_nrows, e0 + i)) : 0.0f;
+    const uint32_t k = lcc::bbit_code(fin ? c : 0.0f, ratio, bb.bits, bb.rounding, d);
+    LC_UNROLL
+    for (int j = 0; j < 4; ++j) codes[j] |= ((k >> j) & 1u) << i;
+  }
+  if (update_momentum) update_unit_momentum(u, la);
 }
 
 LC_HD void store_q8(int8_t* __restrict__ out, int64_t e0, const int8_t q[8]) {
@@ -576,16 +621,6 @@ inline int levels_for_rows(int rows) {
   return 0;
 }
 
-// Deterministic tree reduction of kThreads partials (the order the kernels use:
-// stride kThreads/2, /4, ..., 1; element t combines t + stride). Host emulation only;
-// the kernels run the same steps across the threads of a block.
-inline Acc acc_tree(Acc* v, int kind) {
-  for (int s = kThreads / 2; s > 0; s >>= 1)
-    for (int t = 0; t < s; ++t) v[t] = acc_combine(v[t], v[t + s], kind);
-  return v[0];
-}
-
-#if defined(__CUDACC__)
 // Blocks of a grid-stride launch over `items` work items of `per_block` each: enough to
 // fill the device (8 blocks of kThreads per SM), never more than the work needs.
 inline int grid_for(int64_t items, int64_t per_block) {
@@ -603,7 +638,29 @@ inline int grid_for(int64_t items, int64_t per_block) {
   if (want < 1) want = 1;
   return static_cast<int>(want);
 }
+
+// ----------------------------------------------------------------------------- launches
+// Every kernel starts through lc::launch: `grid` blocks of `block` threads on `stream`; returns the
+// launch's error. nvcc launches it on the GPU. A host compiler builds these sources only for the
+// test-only emulation (tests/cuda_emu), which defines lc_host_launch: it runs the same kernel
+// function once per emulated thread (`body(ctx)`), with the thread's coordinates set.
+#if !defined(__CUDACC__)
+extern "C" cudaError_t lc_host_launch(int grid, int block, cudaStream_t stream, void (*body)(const void*),
+                                      const void* ctx);
 #endif
+
+template <class... P, class... A>
+inline cudaError_t launch(void (*kernel)(P...), int grid, int block, cudaStream_t stream, A... args) {
+  static_assert(sizeof...(P) == sizeof...(A), "one argument per kernel parameter");
+#if defined(__CUDACC__)
+  kernel<<<grid, block, 0, stream>>>(static_cast<P>(args)...);
+  return cudaGetLastError();
+#else
+  const auto call = [kernel, args...]() { kernel(static_cast<P>(args)...); };
+  return lc_host_launch(grid, block, stream,
+                        [](const void* c) { (*static_cast<const decltype(call)*>(c))(); }, &call);
+#endif
+}
 
 }  // namespace lc
 

@@ -1,6 +1,5 @@
 // lioncub_cuda_vote.cuh -- per-word logic of the vote kernels: tie rules, bit-sliced vote counts,
-// majority masks, the shard vote's result planes and the p-bit lanes (lioncub_vote.cu and the host
-// emulation, tests/cuda_emu). Split from lioncub_cuda_common.cuh (the scalar contract, element I/O,
+// majority masks, the shard vote's result planes and the p-bit lanes (lioncub_vote.cu). Split from lioncub_cuda_common.cuh (the scalar contract, element I/O,
 // tensor lookup, Lion math, apply and int8), on which it builds; same rules: __host__ __device__
 // (LC_HD), integer ops and correctly rounded single fp32 ops only.
 #ifndef LIONCUB_CUDA_VOTE_CUH_
@@ -157,6 +156,47 @@ LC_HD void shard_word(uint32_t pos, uint32_t neg, uint32_t tie, int tie_rule, in
   }
   out_sign = pos | tplus;
   out_nz = pos | neg | tplus | tminus;
+}
+
+// ----------------------------------------------------------------------------- comm="bbit"
+// The counts of word w over `rows` ranks' code planes ([rows, bits, row_bytes]) and nonzero planes
+// ([rows, row_bytes] or NULL: every rank votes): P[j] = #(bit j of the code & nonzero), C = #nonzero
+// (or rows), as bit-sliced counters.
+template <int KB>
+LC_HD void bbit_count_word(const uint8_t* __restrict__ planes, const uint8_t* __restrict__ nonzero, int rows, int bits,
+                           int64_t row_bytes, int64_t w, bool aligned, uint32_t P[4][KB], uint32_t* C) {
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) {
+    C[k] = nonzero ? 0u : (((rows >> k) & 1) ? 0xffffffffu : 0u);
+    LC_UNROLL
+    for (int j = 0; j < 4; ++j) P[j][k] = 0u;
+  }
+  for (int r = 0; r < rows; ++r) {
+    const uint32_t z = nonzero ? load_word(nonzero + static_cast<int64_t>(r) * row_bytes, w, row_bytes, aligned)
+                               : 0xffffffffu;
+    if (nonzero) slice_add<KB>(C, z);
+    for (int j = 0; j < bits; ++j)
+      slice_add<KB>(P[j], load_word(planes + (static_cast<int64_t>(r) * bits + j) * row_bytes, w, row_bytes, aligned) &
+                              z);
+  }
+}
+
+// The masks of the word's 32 elements from those counts: pos (Σq > 0), neg (Σq < 0) and tie (Σq == 0
+// with a voter), Σq = Σ over voting ranks of 2k - Q = 2·Σ_j 2^j·P_j − Q·C (reference.decide_sum).
+template <int KB>
+LC_HD void bbit_masks(const uint32_t P[4][KB], const uint32_t* C, int bits, uint32_t& pos, uint32_t& neg,
+                      uint32_t& tie) {
+  const int q = lcc::bbit_qmax(bits);
+  pos = neg = tie = 0u;
+  for (int e = 0; e < 32; ++e) {
+    int sum = 0;
+    for (int j = 0; j < bits; ++j) sum += level_value<KB>(P[j], e) << j;
+    const int c = level_value<KB>(C, e);
+    const int qs = 2 * sum - q * c;
+    pos |= static_cast<uint32_t>(qs > 0) << e;
+    neg |= static_cast<uint32_t>(qs < 0) << e;
+    tie |= static_cast<uint32_t>(qs == 0 && c > 0) << e;
+  }
 }
 
 // ----------------------------------------------------------------------------- lanes

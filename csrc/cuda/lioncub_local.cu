@@ -1,9 +1,11 @@
 // lioncub_local.cu -- fused CUDA kernels of the local half of a Lion Cub step:
 // local step (c -> sign/nonzero planes + counts, optional momentum update), the
-// multi-tensor momentum update, and the int8 local step (scale + quantize).
+// multi-tensor momentum update, the int8 local step (scale + quantize) and the comm="bbit" local step
+// (the int8 scale passes, then the b-bit codes).
 //
 // CUDA headers only (no torch). Build: nvcc -c -std=c++17 --fmad=false -gencode ...
-// The per-element logic lives in lioncub_cuda_common.cuh (shared with the host emulation).
+// The per-element logic lives in lioncub_cuda_common.cuh; the test-only host emulation (tests/cuda_emu)
+// runs these kernels themselves.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -123,10 +125,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // int8 pass 2: one thread per tensor adds its chunk results in chunk order (lcc's defined
-// order: a sequential fp64 sum of the block sums) -> scale.
+// order: a sequential fp64 sum of the block sums) -> scale (bits > 0, comm="bbit": the codes' ratio).
 __global__ void __launch_bounds__(kThreads)
     int8_scale_kernel(const lc_tensor_meta* __restrict__ meta, int nt, const Acc* __restrict__ partials, int kind,
-                      float* __restrict__ scales) {
+                      int bits, float* __restrict__ scales) {
   const int stride = static_cast<int>(gridDim.x * blockDim.x);
   for (int t = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); t < nt; t += stride) {
     const Tensor T = read_meta(meta, t);
@@ -136,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
     acc.n = 0;
     acc.esum = 0;
     for (int64_t k = 0; k < nch; ++k) acc = acc_combine(acc, partials[T.chunk_start + k], kind);
-    scales[t] = int8_scale_of(acc, T.numel, kind);
+    scales[t] = int8_scale_of(acc, T.numel, kind, bits);
   }
 }
 
@@ -153,6 +155,26 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// bbit pass 3: one thread per unit of 8 bucket elements -> one byte of each code plane and of the nonzero
+// plane (gaps: 0), + #zero c; the momentum update when asked.
+__global__ void __launch_bounds__(kThreads)
+    bbit_codes_kernel(const lc_tensor_meta* __restrict__ meta, int nt, int64_t units, lc_lion_args la, int upd,
+                      const float* __restrict__ ratios, lc_bbit_args bb, uint8_t* __restrict__ planes,
+                      uint8_t* __restrict__ nonzero, int64_t* __restrict__ n_zero) {
+  int hint = -1;
+  unsigned long long nzero = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
+    uint32_t codes[4], z;
+    int zr = 0;
+    bbit_unit(meta, nt, u * 8, la, upd, ratios, bb, hint, codes, z, zr);
+    for (int j = 0; j < bb.bits; ++j) planes[j * units + u] = static_cast<uint8_t>(codes[j]);
+    nonzero[u] = static_cast<uint8_t>(z);
+    nzero += static_cast<unsigned long long>(zr);
+  }
+  block_add_counts(nzero, 0ull, n_zero, false);
+}
+
 }  // namespace
 }  // namespace lc
 
@@ -164,9 +186,8 @@ extern "C" cudaError_t lc_local_step(const lc_tensor_meta* meta, int n_tensors, 
   const int64_t units = total / 8;
   if (units == 0) return cudaSuccess;
   if (sign_out == nullptr || nonzero_out == nullptr) return cudaErrorInvalidValue;
-  lc::local_step_kernel<<<lc::grid_for(units, lc::kThreads), lc::kThreads, 0, stream>>>(
-      meta, n_tensors, units, args, update_momentum, sign_out, nonzero_out, counts);
-  return cudaGetLastError();
+  return lc::launch(lc::local_step_kernel, lc::grid_for(units, lc::kThreads), lc::kThreads, stream, meta, n_tensors,
+                    units, args, update_momentum, sign_out, nonzero_out, counts);
 }
 
 extern "C" cudaError_t lc_momentum_update(const lc_tensor_meta* meta, int n_tensors, int64_t n_chunks,
@@ -174,8 +195,8 @@ extern "C" cudaError_t lc_momentum_update(const lc_tensor_meta* meta, int n_tens
   if (n_tensors < 0 || n_chunks < 0 || (n_chunks > 0 && (meta == nullptr || n_tensors == 0)))
     return cudaErrorInvalidValue;
   if (n_chunks == 0) return cudaSuccess;
-  lc::momentum_kernel<<<lc::grid_for(n_chunks, 1), lc::kThreads, 0, stream>>>(meta, n_tensors, n_chunks, args);
-  return cudaGetLastError();
+  return lc::launch(lc::momentum_kernel, lc::grid_for(n_chunks, 1), lc::kThreads, stream, meta, n_tensors, n_chunks,
+                    args);
 }
 
 extern "C" size_t lc_int8_workspace_bytes(int64_t n_chunks) {
@@ -194,20 +215,44 @@ extern "C" cudaError_t lc_int8_local_step(const lc_tensor_meta* meta, int n_tens
     return cudaErrorInvalidValue;
   lc::Acc* partials = static_cast<lc::Acc*>(workspace);
   if (n_chunks > 0) {
-    lc::int8_partials_kernel<<<lc::grid_for(n_chunks, 1), lc::kThreads, 0, stream>>>(meta, n_tensors, n_chunks, args,
-                                                                                      kind, partials, n_bad);
-    cudaError_t e = cudaGetLastError();
+    const cudaError_t e = lc::launch(lc::int8_partials_kernel, lc::grid_for(n_chunks, 1), lc::kThreads, stream, meta,
+                                     n_tensors, n_chunks, args, kind, partials, n_bad);
     if (e != cudaSuccess) return e;
-    lc::int8_scale_kernel<<<lc::grid_for(n_tensors, lc::kThreads), lc::kThreads, 0, stream>>>(meta, n_tensors,
-                                                                                                partials, kind,
-                                                                                                scales_out);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
+    const cudaError_t e2 = lc::launch(lc::int8_scale_kernel, lc::grid_for(n_tensors, lc::kThreads), lc::kThreads,
+                                      stream, meta, n_tensors, partials, kind, 0, scales_out);
+    if (e2 != cudaSuccess) return e2;
   }
   const int64_t units = total / 8;
   if (units == 0) return cudaSuccess;
   if (q_out == nullptr) return cudaErrorInvalidValue;
-  lc::int8_quantize_kernel<<<lc::grid_for(units, lc::kThreads), lc::kThreads, 0, stream>>>(
-      meta, n_tensors, units, args, levels, scales_out, q_out);
-  return cudaGetLastError();
+  return lc::launch(lc::int8_quantize_kernel, lc::grid_for(units, lc::kThreads), lc::kThreads, stream, meta, n_tensors,
+                    units, args, levels, scales_out, q_out);
+}
+
+extern "C" cudaError_t lc_bbit_local_step(const lc_tensor_meta* meta, int n_tensors, int64_t n_chunks, int64_t total,
+                                          lc_lion_args args, lc_bbit_args bb, int update_momentum, uint8_t* planes_out,
+                                          uint8_t* nonzero_out, float* ratios_out, void* workspace,
+                                          size_t workspace_bytes, int64_t* counts, cudaStream_t stream) {
+  if (n_tensors < 0 || n_chunks < 0 || total < 0 || total % 8 != 0 || bb.bits < 1 || bb.bits > 4 ||
+      (bb.rounding != LC_ROUND_NEAREST && bb.rounding != LC_ROUND_DITHER) ||
+      (bb.kind != LC_SCALE_L1 && bb.kind != LC_SCALE_L0 && bb.kind != LC_SCALE_LINF) || bb.tie_nrows < 0 ||
+      (bb.tie_nrows > 0 && bb.tie_rows == nullptr) || counts == nullptr)
+    return cudaErrorInvalidValue;
+  if (n_tensors > 0 && (meta == nullptr || ratios_out == nullptr)) return cudaErrorInvalidValue;
+  if (workspace_bytes < lc_int8_workspace_bytes(n_chunks) || (n_chunks > 0 && workspace == nullptr))
+    return cudaErrorInvalidValue;
+  lc::Acc* partials = static_cast<lc::Acc*>(workspace);
+  if (n_chunks > 0) {  // the scales and ratios (the int8 passes 1 and 2), the non-finite count into counts[0]
+    const cudaError_t e = lc::launch(lc::int8_partials_kernel, lc::grid_for(n_chunks, 1), lc::kThreads, stream, meta,
+                                     n_tensors, n_chunks, args, bb.kind, partials, counts);
+    if (e != cudaSuccess) return e;
+    const cudaError_t e2 = lc::launch(lc::int8_scale_kernel, lc::grid_for(n_tensors, lc::kThreads), lc::kThreads,
+                                      stream, meta, n_tensors, partials, bb.kind, bb.bits, ratios_out);
+    if (e2 != cudaSuccess) return e2;
+  }
+  const int64_t units = total / 8;
+  if (units == 0) return cudaSuccess;
+  if (planes_out == nullptr || nonzero_out == nullptr) return cudaErrorInvalidValue;
+  return lc::launch(lc::bbit_codes_kernel, lc::grid_for(units, lc::kThreads), lc::kThreads, stream, meta, n_tensors,
+                    units, args, update_momentum, ratios_out, bb, planes_out, nonzero_out, counts + 1);
 }

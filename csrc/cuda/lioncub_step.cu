@@ -8,7 +8,8 @@
 // moves 20 B/param in fp32 (read g, m, theta; write m, theta), the apply 8 B + 1 bit (+2 B cast).
 //
 // CUDA headers only (no torch). Build: nvcc -c -std=c++17 --fmad=false -gencode ...
-// The per-element logic lives in lioncub_cuda_common.cuh (shared with the host emulation).
+// The per-element logic lives in lioncub_cuda_common.cuh; the test-only host emulation (tests/cuda_emu)
+// runs these kernels themselves.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -53,8 +54,8 @@ extern "C" cudaError_t lc_lion_step(const lc_lion_meta* meta, int n_tensors, int
   if (n_tensors < 0 || n_chunks < 0 || (n_chunks > 0 && (meta == nullptr || n_tensors == 0)))
     return cudaErrorInvalidValue;
   if (n_chunks == 0) return cudaSuccess;
-  lc::lion_step_kernel<<<lc::grid_for(n_chunks, 1), lc::kThreads, 0, stream>>>(meta, n_tensors, n_chunks, args);
-  return cudaGetLastError();
+  return lc::launch(lc::lion_step_kernel, lc::grid_for(n_chunks, 1), lc::kThreads, stream, meta, n_tensors, n_chunks,
+                    args);
 }
 
 extern "C" cudaError_t lc_zero_sign_apply(const uint8_t* sign, int64_t sign_stride, const uint8_t* nonzero,
@@ -64,7 +65,6 @@ extern "C" cudaError_t lc_zero_sign_apply(const uint8_t* sign, int64_t sign_stri
       (n_chunks > 0 && (pieces == nullptr || n_pieces == 0 || sign == nullptr)))
     return cudaErrorInvalidValue;
   if (n_chunks == 0) return cudaSuccess;
-  lc::zero_apply_kernel<<<lc::grid_for(n_chunks, 1), lc::kThreads, 0, stream>>>(sign, sign_stride, nonzero, nz_stride,
-                                                                               pieces, n_pieces, n_chunks);
-  return cudaGetLastError();
+  return lc::launch(lc::zero_apply_kernel, lc::grid_for(n_chunks, 1), lc::kThreads, stream, sign, sign_stride, nonzero,
+                    nz_stride, pieces, n_pieces, n_chunks);
 }

@@ -1,6 +1,6 @@
 // lioncub_vote.cu -- fused CUDA kernels of the vote half of a Lion Cub step:
 // vote + apply (all-gather), shard vote (two-phase, phase 1), count lanes (p-bit encode /
-// averaging phase 1), lanes + apply (p-bit all-reduce), int8 apply.
+// averaging phase 1), lanes + apply (p-bit all-reduce), int8 apply, and the comm="bbit" shard vote.
 //
 // Votes are counted 32 elements at a time with bit-sliced counters on 32-bit words
 // (KB levels, a counter of up to 2**KB - 1 per element): each rank's word costs ~3*KB
@@ -91,6 +91,25 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// comm="bbit": one thread per word of 32 elements of the shard.
+template <int KB>
+__global__ void __launch_bounds__(kThreads)
+    bbit_shard_vote_kernel(const uint8_t* __restrict__ planes, const uint8_t* __restrict__ nonzero, int rows, int bits,
+                           int64_t row_bytes, int aligned, int tie_rule, int64_t step,
+                           const int64_t* __restrict__ tie_rows, int64_t tie_nrows, uint8_t* __restrict__ out_sign,
+                           uint8_t* __restrict__ out_nz, int out_aligned) {
+  const int64_t nwords = (row_bytes + 3) >> 2;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < nwords; w += stride) {
+    uint32_t P[4][KB], C[KB], pos, neg, tie, os, oz;
+    bbit_count_word<KB>(planes, nonzero, rows, bits, row_bytes, w, aligned != 0, P, C);
+    bbit_masks<KB>(P, C, bits, pos, neg, tie);
+    shard_word(pos, neg, tie, tie_rule, step, w * 32, tie_rows, tie_nrows, os, oz);
+    store_words(out_sign, w * 4, row_bytes, &os, 1, out_aligned != 0);
+    store_words(out_nz, w * 4, row_bytes, &oz, 1, out_aligned != 0);
+  }
+}
+
 template <int KB>
 __global__ void __launch_bounds__(kThreads)
     count_lanes_kernel(const uint8_t* __restrict__ sign, const uint8_t* __restrict__ nonzero, int rows,
@@ -162,12 +181,10 @@ cudaError_t launch_vote_apply(const uint8_t* sign, const uint8_t* nonzero, int r
   const int64_t ntiles = ((row_bytes + 3) / 4 + 31) / 32;
   const int grid = grid_for(ntiles, kThreads / 32);
   if (a.vote == LC_VOTE_AVERAGE)
-    vote_apply_kernel<KB, true><<<grid, kThreads, 0, stream>>>(sign, nonzero, rows, row_bytes, aligned, params, nt, a,
-                                                              delta_out);
-  else
-    vote_apply_kernel<KB, false><<<grid, kThreads, 0, stream>>>(sign, nonzero, rows, row_bytes, aligned, params, nt,
-                                                               a, delta_out);
-  return cudaGetLastError();
+    return launch(vote_apply_kernel<KB, true>, grid, kThreads, stream, sign, nonzero, rows, row_bytes, aligned, params,
+                  nt, a, delta_out);
+  return launch(vote_apply_kernel<KB, false>, grid, kThreads, stream, sign, nonzero, rows, row_bytes, aligned, params,
+                nt, a, delta_out);
 }
 
 template <int KB>
@@ -177,9 +194,19 @@ cudaError_t launch_shard_vote(const uint8_t* sign, const uint8_t* nonzero, int r
   const int aligned = aligned4(sign) && (nonzero == nullptr || aligned4(nonzero)) && row_bytes % 4 == 0;
   const int out_aligned = aligned4(out_sign) && aligned4(out_nz);
   const int64_t nwords = (row_bytes + 3) / 4;
-  shard_vote_kernel<KB><<<grid_for(nwords, kThreads), kThreads, 0, stream>>>(
-      sign, nonzero, rows, row_bytes, aligned, tie, step, tie_rows, tie_nrows, out_sign, out_nz, out_aligned);
-  return cudaGetLastError();
+  return launch(shard_vote_kernel<KB>, grid_for(nwords, kThreads), kThreads, stream, sign, nonzero, rows, row_bytes,
+                aligned, tie, step, tie_rows, tie_nrows, out_sign, out_nz, out_aligned);
+}
+
+template <int KB>
+cudaError_t launch_bbit_shard_vote(const uint8_t* planes, const uint8_t* nonzero, int rows, int bits, int64_t row_bytes,
+                                   int tie, int64_t step, const int64_t* tie_rows, int64_t tie_nrows,
+                                   uint8_t* out_sign, uint8_t* out_nz, cudaStream_t stream) {
+  const int aligned = aligned4(planes) && (nonzero == nullptr || aligned4(nonzero)) && row_bytes % 4 == 0;
+  const int out_aligned = aligned4(out_sign) && aligned4(out_nz);
+  const int64_t nwords = (row_bytes + 3) / 4;
+  return launch(bbit_shard_vote_kernel<KB>, grid_for(nwords, kThreads), kThreads, stream, planes, nonzero, rows, bits,
+                row_bytes, aligned, tie, step, tie_rows, tie_nrows, out_sign, out_nz, out_aligned);
 }
 
 template <int KB>
@@ -188,9 +215,8 @@ cudaError_t launch_count_lanes(const uint8_t* sign, const uint8_t* nonzero, int 
   const int aligned = aligned4(sign) && (nonzero == nullptr || aligned4(nonzero)) && row_bytes % 4 == 0;
   const int out_aligned = aligned4(plus_out) && (cnt_out == nullptr || aligned4(cnt_out));
   const int64_t nwords = (row_bytes + 3) / 4;
-  count_lanes_kernel<KB><<<grid_for(nwords, kThreads), kThreads, 0, stream>>>(
-      sign, nonzero, rows, row_bytes, aligned, p, plus_out, cnt_out, out_aligned, overflow);
-  return cudaGetLastError();
+  return launch(count_lanes_kernel<KB>, grid_for(nwords, kThreads), kThreads, stream, sign, nonzero, rows, row_bytes,
+                aligned, p, plus_out, cnt_out, out_aligned, overflow);
 }
 
 bool valid_apply_args(const lc_apply_args& a) {
@@ -265,9 +291,8 @@ extern "C" cudaError_t lc_lanes_apply(const uint8_t* plus_lanes, const uint8_t* 
   if (numel == 0) return cudaSuccess;
   if (plus_lanes == nullptr) return cudaErrorInvalidValue;
   const int64_t units = (numel + 7) / 8;
-  lc::lanes_apply_kernel<<<lc::grid_for(units, lc::kThreads), lc::kThreads, 0, stream>>>(
-      plus_lanes, cnt_lanes, numel, p, params, n_tensors, args, delta_out);
-  return cudaGetLastError();
+  return lc::launch(lc::lanes_apply_kernel, lc::grid_for(units, lc::kThreads), lc::kThreads, stream, plus_lanes,
+                    cnt_lanes, numel, p, params, n_tensors, args, delta_out);
 }
 
 extern "C" cudaError_t lc_int8_apply(const int8_t* qsum, int64_t numel, const lc_tensor_meta* params, int n_tensors,
@@ -276,7 +301,30 @@ extern "C" cudaError_t lc_int8_apply(const int8_t* qsum, int64_t numel, const lc
   if (numel == 0) return cudaSuccess;
   if (qsum == nullptr) return cudaErrorInvalidValue;
   const int64_t units = (numel + 7) / 8;
-  lc::int8_apply_kernel<<<lc::grid_for(units, lc::kThreads), lc::kThreads, 0, stream>>>(qsum, numel, params,
-                                                                                         n_tensors, args, delta_out);
-  return cudaGetLastError();
+  return lc::launch(lc::int8_apply_kernel, lc::grid_for(units, lc::kThreads), lc::kThreads, stream, qsum, numel, params,
+                    n_tensors, args, delta_out);
+}
+
+extern "C" cudaError_t lc_bbit_shard_vote(const uint8_t* planes, const uint8_t* nonzero, int rows, int bits,
+                                          int64_t row_bytes, int tie, int64_t step, const int64_t* tie_rows,
+                                          int64_t tie_nrows, uint8_t* out_sign, uint8_t* out_nonzero,
+                                          cudaStream_t stream) {
+  if (rows < 1 || bits < 1 || bits > 4 || row_bytes < 0 ||
+      (tie != LC_TIE_ZERO && tie != LC_TIE_ALTERNATE && tie != LC_TIE_HASH) || tie_nrows < 0 ||
+      (tie_nrows > 0 && tie_rows == nullptr))
+    return cudaErrorInvalidValue;
+  if (row_bytes == 0) return cudaSuccess;
+  if (planes == nullptr || out_sign == nullptr || out_nonzero == nullptr) return cudaErrorInvalidValue;
+  switch (lc::levels_for_rows(rows)) {
+    case 4:
+      return lc::launch_bbit_shard_vote<4>(planes, nonzero, rows, bits, row_bytes, tie, step, tie_rows, tie_nrows,
+                                           out_sign, out_nonzero, stream);
+    case 8:
+      return lc::launch_bbit_shard_vote<8>(planes, nonzero, rows, bits, row_bytes, tie, step, tie_rows, tie_nrows,
+                                           out_sign, out_nonzero, stream);
+    case 16:
+      return lc::launch_bbit_shard_vote<16>(planes, nonzero, rows, bits, row_bytes, tie, step, tie_rows, tie_nrows,
+                                            out_sign, out_nonzero, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }

@@ -14,8 +14,8 @@ cannot be built), ``torch`` (pure-torch reference, never builds), ``cpp`` or ``c
 Every backend exposes the same functions as :mod:`.reference` (which *is* the torch
 backend): local_step, abstain_list, momentum_update_list, vote_apply, shard_vote, count_lanes,
 lanes_apply, int8_local_step, int8_apply, lion_step (the single-process step),
-zero_sign_apply (the ZeRO sign all-gather apply) and bbit_local_step / bbit_shard_vote (comm="bbit";
-every backend runs the reference's torch ops for these two, on the tensors' device) (:class:`Backend`). The native backends validate
+zero_sign_apply (the ZeRO sign all-gather apply) and bbit_local_step / bbit_shard_vote (comm="bbit")
+(:class:`Backend`). The native backends validate
 their arguments in Python before any extension call (docs/kernels.md).
 """
 from __future__ import annotations

@@ -287,3 +287,33 @@ def validate_zero_apply(sign, nonzero, targets, casts, layout, lrs, weight_decay
             if t is not None and (t.dim() != 1 or t.numel() != n * ps):
                 raise ValueError(f"lioncub kernels: {name}[{g}] must be 1-D with {n * ps} elements (N x part numel), "
                                  f"got shape {tuple(t.shape)}")
+
+
+def validate_bbit_local(grads, momenta, offsets, total, kind, bits, rounding, seed, segments, momenta_out=None):
+    """bbit_local_step: returns (total, int offsets, scale code, bits, rounding code, seed, tie-index table)."""
+    code = ref.enum_code("quant scale", kind)
+    rcode = ref.enum_code("rounding", rounding)
+    if isinstance(bits, bool) or bits not in ref.VOTE_BITS:
+        raise ValueError(f"vote_bits must be one of {ref.VOTE_BITS}, got {bits!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"lioncub kernels: the dither seed must be an int in 0..2**32-1 (reference.dither_seed), "
+                         f"got {seed!r}")
+    total, offs = validate_local(grads, momenta, offsets, total, momenta_out)
+    return total, offs, code, int(bits), rcode, int(seed), ref.as_segments(segments)
+
+
+def validate_bbit_shard_vote(planes, nonzero, bits, tie_break, segments):
+    """bbit_shard_vote: planes uint8 [N, bits, bytes], nonzero None or [N, bytes]; returns (tie code, bits,
+    tie-index table)."""
+    t = ref.enum_code("tie_break", tie_break)
+    if isinstance(bits, bool) or bits not in ref.VOTE_BITS:
+        raise ValueError(f"vote_bits must be one of {ref.VOTE_BITS}, got {bits!r}")
+    check_tensors([("planes", planes), ("nonzero", nonzero)])
+    if planes.dim() != 3 or planes.shape[1] != bits or planes.shape[0] < 1 or planes.dtype != torch.uint8:
+        raise ValueError(f"lioncub kernels: planes must be a uint8 [N, bits={bits}, bytes] tensor with N >= 1, got "
+                         f"{planes.dtype} {tuple(planes.shape)}")
+    if nonzero is not None and (nonzero.dtype != torch.uint8
+                                or tuple(nonzero.shape) != (planes.shape[0], planes.shape[2])):
+        raise ValueError(f"lioncub kernels: nonzero planes must be uint8 [N, bytes] = {(planes.shape[0], planes.shape[2])}"
+                         f", got {nonzero.dtype} {tuple(nonzero.shape)}")
+    return t, int(bits), ref.as_segments(segments)

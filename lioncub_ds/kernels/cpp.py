@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
-from .checks import (all_plain, is_plain, planes_ok, validate_abstain_list, validate_count_lanes, validate_int8_apply,
-                     validate_lanes_apply, validate_lion_step, validate_local, validate_momentum, validate_shard_vote,
-                     validate_vote_apply, validate_zero_apply)
+from .checks import (all_plain, is_plain, planes_ok, validate_abstain_list, validate_bbit_local,
+                     validate_bbit_shard_vote, validate_count_lanes, validate_int8_apply, validate_lanes_apply,
+                     validate_lion_step, validate_local, validate_momentum, validate_shard_vote, validate_vote_apply,
+                     validate_zero_apply)
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -33,9 +34,6 @@ class CppBackend:
     """
 
     name = "cpp"
-    # comm="bbit": the reference's torch ops on this device (no fused kernel yet: it reads two counts on the host)
-    bbit_local_step = staticmethod(ref.bbit_local_step)
-    bbit_shard_vote = staticmethod(ref.bbit_shard_vote)
 
     def __init__(self, ext):
         self._ext = ext
@@ -162,6 +160,30 @@ class CppBackend:
                                                    float(beta2)),
             lambda p, g, m: is_plain(p, _STATE_DTYPES) and is_plain(g, _GRAD_DTYPES) and is_plain(m, _STATE_DTYPES),
             params, grads, momenta, lr, weight_decay, beta1, beta2)
+
+    # -- (k) comm="bbit": the local step and the shard owner's vote
+    def bbit_local_step(self, grads, momenta, offsets, total, beta1, beta2, kind, bits, rounding, seed, segments,
+                        update_momentum=False, device_counts=False, momenta_out=None):
+        total, offs, code, bits, rcode, seed, segs = validate_bbit_local(grads, momenta, offsets, total, kind, bits,
+                                                                         rounding, seed, segments, momenta_out)
+        if not self._state_ok(grads, momenta) or (momenta_out is not None
+                                                  and not all_plain(momenta_out, _STATE_DTYPES)):
+            return ref.bbit_local_step(grads, momenta, offs, total, beta1, beta2, kind, bits, rounding, seed, segs,
+                                       update_momentum, device_counts, momenta_out)
+        planes, nz, n_bad, n_zero = self._ext.bbit_local_step(
+            list(grads), list(momenta), offs, total, float(beta1), float(beta2), bool(update_momentum), code, bits,
+            rcode, seed, segs, None if momenta_out is None else list(momenta_out))
+        if device_counts:
+            return planes, nz, *ref.as_device_counts(planes.device, n_bad, n_zero)
+        return planes, nz, int(n_bad), int(n_zero)
+
+    def bbit_shard_vote(self, planes, nonzero, bits, step, tie_break, segments):
+        t, bits, segs = validate_bbit_shard_vote(planes, nonzero, bits, tie_break, segments)
+        planes, nonzero = _packed(planes), _packed(nonzero)
+        if not (is_plain(planes, (torch.uint8,)) and planes.shape[0] <= 65535
+                and (nonzero is None or is_plain(nonzero, (torch.uint8,)))):
+            return ref.bbit_shard_vote(planes, nonzero, bits, step, tie_break, segs)
+        return self._ext.bbit_shard_vote(planes, nonzero, bits, int(step), t, segs)
 
     # -- (j) ZeRO sign all-gather apply
     def zero_sign_apply(self, sign, nonzero, targets, casts, layout, lrs, weight_decays):

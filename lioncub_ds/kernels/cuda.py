@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
-from .checks import (validate_abstain_list, validate_count_lanes, validate_int8_apply, validate_lanes_apply,
-                     validate_lion_step, validate_local, validate_momentum, validate_shard_vote, validate_vote_apply,
-                     validate_zero_apply)
+from .checks import (validate_abstain_list, validate_bbit_local, validate_bbit_shard_vote, validate_count_lanes,
+                     validate_int8_apply, validate_lanes_apply, validate_lion_step, validate_local, validate_momentum,
+                     validate_shard_vote, validate_vote_apply, validate_zero_apply)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_ROWS = 65535  # LC_MAX_ROWS
@@ -41,16 +41,13 @@ def _contig(t):
 class CudaBackend:
     """Fused CUDA kernels (csrc/cuda) behind the TorchBackend signatures; CUDA tensors only.
 
-    Every method is one multi-tensor launch per bucket (int8_local_step: three), on the
-    current CUDA stream. local_step / int8_local_step synchronize only to return their counts
-    as ints; with ``device_counts=True`` (what the optimizer uses) they do not. count_lanes
-    synchronizes for its overflow check, only when a count could overflow.
+    Every method is one multi-tensor launch per bucket (int8_local_step, bbit_local_step: three),
+    on the current CUDA stream. local_step / int8_local_step / bbit_local_step synchronize only to
+    return their counts as ints; with ``device_counts=True`` (what the optimizer uses) they do not.
+    count_lanes synchronizes for its overflow check, only when a count could overflow.
     """
 
     name = "cuda"
-    # comm="bbit": the reference's torch ops on this device (no fused kernel yet: it reads two counts on the host)
-    bbit_local_step = staticmethod(ref.bbit_local_step)
-    bbit_shard_vote = staticmethod(ref.bbit_shard_vote)
 
     def __init__(self, ext):
         self._ext = ext
@@ -157,6 +154,38 @@ class CudaBackend:
             return ref.int8_apply(qsum, params, offs, lr, weight_decay, return_delta)
         return self._ext.cuda_int8_apply(qsum.contiguous(), list(params), offs, float(lr), float(weight_decay),
                                          bool(return_delta))
+
+    # ------------------------------------------------------------------ comm="bbit"
+    def bbit_local_step(self, grads, momenta, offsets, total, beta1, beta2, kind, bits, rounding, seed, segments,
+                        update_momentum=False, device_counts=False, momenta_out=None):
+        total, offs, code, bits, rcode, seed, segs = validate_bbit_local(grads, momenta, offsets, total, kind, bits,
+                                                                         rounding, seed, segments, momenta_out)
+        if update_momentum and momenta_out is not None:  # as local_step: the in-place step on copies of m
+            for o, m in zip(momenta_out, momenta):
+                o.copy_(m)
+            return self.bbit_local_step(grads, list(momenta_out), offs, total, beta1, beta2, kind, bits, rounding,
+                                        seed, segs, True, device_counts)
+        if not grads:
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            planes = torch.zeros(bits, total // 8, dtype=torch.uint8, device=dev)
+            nz = torch.zeros(total // 8, dtype=torch.uint8, device=dev)
+            return (planes, nz, *ref.as_device_counts(dev, 0, 0)) if device_counts else (planes, nz, 0, 0)
+        if not self._state_ok(grads, momenta):
+            return ref.bbit_local_step(grads, momenta, offs, total, beta1, beta2, kind, bits, rounding, seed, segs,
+                                       update_momentum, device_counts)
+        planes, nz, counts = self._ext.cuda_bbit_local_step(
+            [g.contiguous() for g in grads], list(momenta), offs, total, float(beta1), float(beta2),
+            bool(update_momentum), code, bits, rcode, seed, segs)
+        if device_counts:  # no host read: the caller folds them into its flags
+            return planes, nz, counts[0].to(torch.int64), counts[1].to(torch.int64)
+        n_nonfinite, n_zero = counts.tolist()
+        return planes, nz, n_nonfinite, n_zero
+
+    def bbit_shard_vote(self, planes, nonzero, bits, step, tie_break, segments):
+        t, bits, segs = validate_bbit_shard_vote(planes, nonzero, bits, tie_break, segments)
+        if not (_cuda_u8(planes) and _cuda_u8(nonzero) and planes.shape[0] <= _MAX_ROWS):
+            return ref.bbit_shard_vote(planes, nonzero, bits, step, tie_break, segs)
+        return self._ext.cuda_bbit_shard_vote(planes.contiguous(), _contig(nonzero), bits, int(step), t, segs)
 
     # ------------------------------------------------------------------ single-process step, ZeRO apply
     def lion_step(self, params, grads, momenta, lr, weight_decay, beta1, beta2):

@@ -43,9 +43,9 @@ import torch
 # The project's fixed conventions (rule / mode / kind names and their kernel codes, padding, lane
 # widths, int8 levels, the tie-index table) live in lioncub_ds/conventions.py, below both the kernels
 # and comm/; they are re-exported here as part of the executable contract.
-from ..conventions import (LANE_WIDTHS, ROUNDINGS, SCALE_CODES, SCALE_KINDS, TIE_CODES, TIE_RULES,  # noqa: F401
-                           VOTE_BITS, VOTE_CODES, VOTE_MODES, enum_code, int8_levels, lane_bits_for,
-                           padded_numel, tie_segments)
+from ..conventions import (LANE_WIDTHS, ROUNDING_CODES, ROUNDINGS, SCALE_CODES, SCALE_KINDS,  # noqa: F401
+                           TIE_CODES, TIE_RULES, VOTE_BITS, VOTE_CODES, VOTE_MODES, enum_code, int8_levels,
+                           lane_bits_for, padded_numel, tie_segments)
 
 _M32 = 0xFFFFFFFF
 

@@ -1,0 +1,121 @@
+"""``make gpu-check`` (benchmarks/gpu_check.py) without a GPU: its dry run, and the parts of the real run
+that need no GPU (the wheel checks, the pytest result parsing in which a skip fails, the figures of the
+kernel bench, the one-screen summary)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_check as gc
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_MD_MISSING = ("deepspeed", "megatron-core", "lion-pytorch", "hjson", "pydantic", "pydantic-core",
+                  "annotated-types", "typing-inspection")  # ../shared/GPU.md: what the GPU image lacks
+
+
+@pytest.mark.dist
+def test_dry_run_checks_every_step_and_writes_the_summary(tmp_path):
+    """GPU_CHECK_DRY=1: every step's inputs check out (the pytest selections collect the GPU tests, the
+    wheel list covers what the image lacks), the budgets fit one 8-minute device call, and the summary
+    is written and printed in its format."""
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dry"] and summary["passed"] and summary["budget_s"] == gc.BUDGET_S <= 480
+    assert [s["name"] for s in summary["steps"]] == [s.name for s in gc.STEPS]
+    assert sum(s["budget_s"] for s in summary["steps"]) <= gc.BUDGET_S
+    for s in summary["steps"]:
+        assert s["status"] == "dry-ok", s
+        assert (tmp_path / s["log"]).exists() or s["name"] in ("install", "build", "deepspeed", "bench"), s
+        assert set(s) == {"name", "what", "status", "seconds", "budget_s", "figures", "note", "log"}
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert steps["sync_tests"]["figures"]["collected"] == len(gc.SYNC_TESTS) == 4
+    assert steps["ranks"]["figures"]["collected"] == 2  # 2 and 4 ranks
+    assert steps["cuda_tests"]["figures"]["collected"] > 300
+    text = res.stdout.strip().splitlines()
+    assert text[0].startswith("GPU check (DRY RUN): PASSED") and len(text) <= 40  # one screen
+    for st in gc.STEPS:
+        assert any(line.startswith(f"{st.name} ") and "dry-ok" in line for line in text), st.name
+    assert (tmp_path / "summary.txt").read_text().strip().splitlines() == text
+
+
+@pytest.mark.unit
+def test_wheel_list_covers_what_the_image_lacks_at_this_venvs_versions():
+    want = gc.pinned_wheels()
+    assert set(GPU_MD_MISSING) <= set(want)
+    assert gc.wheel_list_gaps() == []
+    from importlib import metadata
+
+    assert all(metadata.version(d) == v for d, v in want.items())
+
+
+def _fake_wheel(folder: Path, name: str, requires: str = ""):
+    with zipfile.ZipFile(folder / name, "w") as z:
+        dist = "-".join(name.split("-")[:2])
+        z.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: x\n{requires}")
+
+
+@pytest.mark.unit
+def test_wheel_checks(tmp_path):
+    _fake_wheel(tmp_path, "pydantic-2.1.0-py3-none-any.whl", "Requires-Dist: pydantic-core==2.5.0\n")
+    _fake_wheel(tmp_path, "pydantic_core-2.5.0-cp312-cp312-manylinux_2_17_x86_64.whl")
+    _fake_wheel(tmp_path, "psutil-7.0.0-cp36-abi3-manylinux_2_28_x86_64.whl")
+    _fake_wheel(tmp_path, "msgpack-1.0.0-cp311-cp311-manylinux_2_28_x86_64.whl")
+    _fake_wheel(tmp_path, "hjson-3.0.0-py3-none-any.whl")
+    _fake_wheel(tmp_path, "hjson-3.1.0-py3-none-any.whl")
+    problems = gc.check_wheels(tmp_path, {"pydantic": "2.1.0", "pydantic-core": None, "psutil": None,
+                                          "msgpack": None, "hjson": None, "einops": None})
+    assert len(problems) == 3, problems
+    assert any("msgpack" in p and "CPython 3.12" in p for p in problems)  # a cp311 wheel
+    assert any(p.startswith("hjson: 2 wheels") for p in problems)
+    assert any(p.startswith("einops: 0 wheels") for p in problems)
+    assert gc.check_wheels(tmp_path, {"pydantic": "2.2.0"}) == ["pydantic: pydantic-2.1.0-py3-none-any.whl is 2.1.0, "
+                                                               "want 2.2.0"]
+    (tmp_path / "pydantic_core-2.5.0-cp312-cp312-manylinux_2_17_x86_64.whl").unlink()
+    _fake_wheel(tmp_path, "pydantic_core-2.6.0-cp312-cp312-manylinux_2_17_x86_64.whl")
+    assert gc.check_wheels(tmp_path, {}) == ["pydantic 2.1.0 pins pydantic-core==2.5.0, the folder has ['2.6.0']"]
+
+
+@pytest.mark.dist
+def test_a_skipped_gpu_test_fails_its_step(tmp_path):
+    """The real run's pytest steps count from the junit report; a skip fails the step (it did not run)."""
+    tests = tmp_path / "t"
+    tests.mkdir()
+    (tests / "test_x.py").write_text("import pytest\npytestmark = pytest.mark.unit\ndef test_a(): pass\n"
+                                     "@pytest.mark.skip(reason='no GPU')\ndef test_b(): pass\n")
+    ctx = gc.Ctx(tmp_path / "out", dry=False, budget_s=300)
+    ctx.env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tests)])
+    res = gc._pytest(ctx, "x", [str(tests / "test_x.py"), "--rootdir", str(tests)], 120)
+    assert res.status == "failed" and res.figures == {"passed": 1, "failed": 0, "skipped": 1}
+    assert "skipped" in res.note
+    res = gc._pytest(ctx, "y", [str(tests / "test_x.py"), "-k", "test_a", "--rootdir", str(tests)], 120)
+    assert res.status == "passed" and res.figures == {"passed": 1, "failed": 0, "skipped": 0}
+
+
+@pytest.mark.unit
+def test_bench_figures_and_summary(tmp_path):
+    recs = [{"kernel": "lion_step", "dtype": "fp32", "impl": "fused", "frac_of_floor": 0.9, "ms_per_1B": 6.0},
+            {"kernel": "lion_step", "dtype": "fp32", "impl": "lion_pytorch_triton", "frac_of_floor": 0.9,
+             "ms_per_1B": 5.0},
+            {"kernel": "vote_apply_N8", "dtype": "bf16", "impl": "fused", "frac_of_floor": 0.5, "ms_per_1B": 1.0}]
+    figs = gc.bench_figures(recs)
+    assert figs == {"lion_step_fp32": 0.9, "vote_apply_N8_bf16": 0.5, "lion_step_fp32_vs_triton": 1.2,
+                    "below_target": ["vote_apply_N8_bf16"]}
+    steps = [(gc.STEPS[0], gc.Result("passed", {"gpu": "H100"}), 3.0),
+             (gc.STEPS[-1], gc.Result("failed", figs, "below 85%"), 40.0)]
+    ctx = gc.Ctx(tmp_path, dry=False, budget_s=10)
+    summary = gc.summarize(ctx, steps, {"gpu": "H100", "torch": "2.11", "python": "3.12"})
+    assert not summary["passed"] and summary["seconds"] == 43.0
+    text = gc.render(summary).splitlines()
+    assert text[0].startswith("GPU check: FAILED | H100 | torch 2.11")
+    assert any(line.startswith("bench       failed") for line in text)
+    assert any("lion_step_fp32_vs_triton=1.2" in line for line in text)
+    assert any("note: below 85%" in line for line in text)
