@@ -353,7 +353,7 @@ class SimLionCub:
     def node_means(self, grads):
         """The Nn voters' gradients from the N workers': per group of L consecutive workers,
         (g_0 + g_1 + ... + g_{L−1}) / L in fp32, one add at a time in worker order, as the real
-        step's intra-node reduce-scatter (node_voters.NodeShards.begin)."""
+        step's intra-node reduce-scatter (sharding.NodeVoters.begin)."""
         L = self.node_size
         out = {}
         for p, g in grads.items():
@@ -366,8 +366,8 @@ class SimLionCub:
 
     def _node_bytes(self):
         """Intra-node bytes one rank sends per step (node voters): the real step's
-        (:func:`lioncub_ds.pipeline.node_group_bytes`; gradients and parameters in the parameters' dtype)."""
-        from lioncub_ds.pipeline import node_group_bytes
+        (:func:`lioncub_ds.sharding.node_group_bytes`; gradients and parameters in the parameters' dtype)."""
+        from lioncub_ds.sharding import node_group_bytes
 
         return node_group_bytes([(b.numel, b.params[0].element_size(), b.params[0].element_size())
                                  for b in self.buckets], self.node_size)
@@ -385,11 +385,11 @@ class SimLionCub:
         from lioncub_ds.comm import make_algorithm
         from lioncub_ds.comm.abstain import list_capacity, real_mask
         from lioncub_ds.layout import next_abstain_mode
-        from lioncub_ds.pipeline import flag_bytes
+        from lioncub_ds.flags import flag_bytes
 
         cfg, n = self.cfg, self.n
         step = self.step_count + 1
-        # the control flags (int32, pipeline.flag_bytes): carried in the first phase of 1bit /
+        # the control flags (int32, flags.flag_bytes): carried in the first phase of 1bit /
         # allgather (LionCub without overlap), else their own all-reduce
         control = {name: flag_bytes(len(self.buckets), n, not cfg.overlap and make_algorithm(name).carries_flags)
                    for name in ("allgather", "pbit", "1bit", "int8", "bbit")}

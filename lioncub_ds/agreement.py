@@ -26,41 +26,16 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from .config import LionCubConfig, LionCubConfigError
+from .config import AGREE_GROUPS, AGREE_LOCAL, AGREE_RANKS, LionCubConfig, LionCubConfigError
 from .lion import lr_value
 
-# What must match, field by field of LionCubConfig (and why). A new field must be added to
-# one of the two tuples: the test of this module checks that they cover every field.
-AGREED_FIELDS = (
-    "vote",            # which vote is computed (and, with 1bit, what its messages carry)
-    "comm",            # which collectives run
-    "quant",           # int8 / b-bit scale: message layout and the scale all-reduce
-    "tie_break",       # what an even-N tie does (and the 1bit/pbit paths it selects)
-    "momentum_sync",   # when and over which groups momenta are averaged (collectives), which layers
-    "momentum_dtype",  # the dtype of the momenta the momentum sync all-reduces; the vote's c
-    "bucket_size_mb",  # the bucket layout: message sizes and which algorithm comm="auto" picks
-    "pbit_bits",       # pbit lane width: message size
-    "vote_bits",       # bbit code width: message size
-    "rounding",        # bbit dither / nearest: what is voted
-    "network",         # comm="auto" picks each bucket's algorithm from it (compared only then)
-    "nonfinite",       # skip on every rank, or raise: one rank raising leaves the others waiting
-    "drift_check_every",  # the drift check is a collective every K steps
-    "drift_action",    # raise, or resync (a broadcast)
-    "timeout_s",       # set or not: a timeout group is created (a world collective); the value
-                       # itself is each rank's own deadline and may differ
-    "comm_bucket_mb",  # communication batches: one collective per phase per batch
-    "overlap",         # the flags ride in a vote message or travel in their own all-reduce
-    "voters",          # flat votes, or node groups that shard and vote across groups (other groups)
-    "node_size",       # the groups' size L: the shard layout and who votes with whom
-)
-# Purely local, not compared:
-LOCAL_FIELDS = (
-    "foreach",                 # the single-process path only (N = 1); same bits either way
-    "momentum_double_buffer",  # where the local pass writes the next momentum; bit-identical
-    "lr", "betas", "weight_decay",  # compared per param group instead (below): groups override them
-)
-# Per param group (torch fills each group's lr / betas / weight_decay from the defaults):
-GROUP_SETTINGS = ("lr", "betas", "weight_decay")  # lr, λ: applied by every rank; β: every rank's vote
+# What must match, field by field of LionCubConfig: each field declares it (``agree=`` and ``why=``
+# in config.py, next to its type, choices and help).
+AGREED_FIELDS = LionCubConfig.agreement(AGREE_RANKS)
+# Compared per param group (torch fills each group's lr / betas / weight_decay from the defaults).
+GROUP_SETTINGS = LionCubConfig.agreement(AGREE_GROUPS)
+# Not compared as settings: purely local ones, and the per-group ones (compared per group instead).
+LOCAL_FIELDS = LionCubConfig.agreement(AGREE_LOCAL) + GROUP_SETTINGS
 # Then the layout ("parameters"): the number of groups, and per parameter its shape, dtype and
 # requires_grad (the buckets, their sizes and their order); "param_names" only where
 # momentum_sync.layers selects parameters by name (elsewhere names are labels, e.g. in errors).
@@ -105,18 +80,34 @@ def _param_desc(p):
     return (tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad))
 
 
-def agreed_values(cfg: LionCubConfig, groups) -> dict:
+# Sizes each rank resolves from its settings and its environment (LionCub passes them, the same
+# keys on every rank): compared as resolved, each rank's value or its reason it has none.
+RESOLVED_LABELS = {
+    "node_size": "node_size (ranks per node group as resolved on each rank: the setting, else LOCAL_WORLD_SIZE, "
+                 "then LOCAL_SIZE)",
+    "momentum_sync.group_size": "momentum_sync.group_size (as resolved on each rank: the setting, else "
+                                "LOCAL_WORLD_SIZE, then LOCAL_SIZE)",
+}
+
+
+def agreed_values(cfg: LionCubConfig, groups, resolved: dict | None = None) -> dict:
     """{setting: canonical value} of everything that must match across ranks, in a fixed order
-    (the same keys on every rank, whatever the settings: the all-gathered tensor has one length)."""
+    (the same keys on every rank, whatever the settings: the all-gathered tensor has one length).
+    ``resolved``: {key of RESOLVED_LABELS: this rank's resolved size, or its error text}, compared
+    instead of the raw setting (``node_size=None`` means different sizes on different machines)."""
+    resolved = dict(resolved or {})
     values = {}
     for name in AGREED_FIELDS:
+        if name in resolved:
+            values[name] = resolved.pop(name)
+            continue
         value = getattr(cfg, name)
         if name == "network":
             value = tuple(sorted(value.items())) if cfg.comm == "auto" else "unused (comm is not 'auto')"
         elif name == "timeout_s":
             value = "set" if value is not None else None
         values[name] = value
-    defaults = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
+    defaults = {key: getattr(cfg, key) for key in GROUP_SETTINGS}
     groups = list(groups)
     for key in GROUP_SETTINGS:
         per_group = tuple(_group_value(g, key, defaults[key]) for g in groups)
@@ -125,6 +116,7 @@ def agreed_values(cfg: LionCubConfig, groups) -> dict:
     ms = cfg.momentum_sync
     values["param_names"] = (tuple(tuple(g.get("param_names") or ()) for g in groups)
                              if ms is not None and ms.layers else "unused (no momentum_sync.layers)")
+    values.update(sorted(resolved.items()))
     return values
 
 
@@ -136,14 +128,15 @@ def _device(groups) -> torch.device:
     return torch.device("cpu")
 
 
-def agree_settings(cfg: LionCubConfig, groups, group=None, device=None) -> None:
+def agree_settings(cfg: LionCubConfig, groups, group=None, device=None, resolved: dict | None = None) -> None:
     """Compare the settings that must match across the ranks of ``group`` (collective: every rank
-    of the group calls it). Raises :class:`LionCubConfigError` on every rank on a mismatch."""
+    of the group calls it), with the ``resolved`` sizes (see :func:`agreed_values`). Raises
+    :class:`LionCubConfigError` on every rank on a mismatch."""
     n = dist.get_world_size(group)
     if n <= 1:
         return
     groups = list(groups)
-    values = agreed_values(cfg, groups)
+    values = agreed_values(cfg, groups, resolved)
     if device is None:
         device = _device(groups)
     mine = torch.tensor([digest(v) for v in values.values()], dtype=torch.int64, device=device)
@@ -199,6 +192,8 @@ def _describe(name: str, per_rank: list) -> str:
     if name in GROUP_SETTINGS and any(isinstance(v, tuple) and (name != "betas" or (v and isinstance(v[0], tuple)))
                                       for v in per_rank):
         label = f"{name} (one value per param group)"
+    elif name in RESOLVED_LABELS:
+        label = RESOLVED_LABELS[name]
     elif name == "timeout_s":
         label = "timeout_s (set on some ranks only)"
     elif name == "network":

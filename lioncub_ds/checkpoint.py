@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .lion import nonfinite_count
+from .sharding import describe_layout
 
 FORMAT_VERSION = 2  # 2: adds "sha256"; format 1 files (no digest) are still read
 READABLE_FORMATS = (1, 2)
@@ -246,20 +247,14 @@ def _check_finite(m, what, path):
 
 # ----------------------------------------------------------------------------- layouts and resharding
 def layout_text(lc: dict | None, world: int | None = None) -> str:
-    """Words for the layout a rank's state has: ``state_dict()["lioncub"]`` or ``state_layout()``."""
+    """Words for the layout a rank's state has (``state_dict()["lioncub"]`` or ``state_layout()``):
+    Megatron's instances, or the sharding's own words (:func:`lioncub_ds.sharding.describe_layout`)."""
     lc = lc if isinstance(lc, dict) else {}
     mega = lc.get("megatron_layout")
     if mega is not None:
         return (f"--num-distributed-optimizer-instances {mega['instances']} x {mega['instance_size']} ranks per "
                 "instance")
-    node = lc.get("node")
-    ranks = f" on {world} ranks" if world else ""
-    if node is None:
-        return f"flat voting{ranks} (voters='rank')"
-    size = node.get("node_size")
-    if node.get("voters") == "rank":
-        return f"master-only sharding{ranks} (voters='rank', node_size={size})"
-    return f"node voters {node.get('voters')} x {size} (voters='node', node_size={size})"
+    return describe_layout(lc.get("node")) + (f" on {world} ranks" if world else "")
 
 
 _NODE_IDENTITY = ("voters", "node_size", "local_rank", "numels")

@@ -30,6 +30,12 @@ SYNC_DTYPES = ("fp32", "bf16", "int8")
 SYNC_SCHEDULES = ("every", "geometric")
 SYNC_GROUPS = ("world", "node")
 VOTERS = ("rank", "node")
+
+
+def is_node_voters(voters) -> bool:
+    """``voters`` asks for one voter per node group (the one comparison with "node"; integrations
+    that see the raw setting, a ds_config entry or a command-line flag, ask this)."""
+    return voters == "node"
 NETWORK_KEYS = ("bandwidth_gbit", "latency_us")
 # The network comm="auto" plans for when none is given: 10 Gbit/s Ethernet, 50 µs per message.
 DEFAULT_NETWORK = {"bandwidth_gbit": 10.0, "latency_us": 50.0}
@@ -89,17 +95,28 @@ def validate_common(*, lr, betas, weight_decay, momentum_dtype=torch.float32, fo
         raise LionCubConfigError(f"{owner}: invalid foreach={foreach!r}; allowed: None, True, False")
 
 
-def setting(default=MISSING, *, type, help, choices=None, allowed=None, default_doc=None, default_factory=MISSING):
-    """A settings field carrying what the ``--lioncub-*`` flags and the README table are made of.
+# Whether a LionCubConfig setting must be the same on every rank of the vote group (``agree=``),
+# compared once when the vote group is resolved (lioncub_ds.agreement):
+AGREE_RANKS = "ranks"   # compared as is (a value that differs changes the collectives or the update)
+AGREE_GROUPS = "groups"  # compared per param group (torch fills each group's value from the default)
+AGREE_LOCAL = "local"   # this rank's own business: never compared
+AGREE_KINDS = (AGREE_RANKS, AGREE_GROUPS, AGREE_LOCAL)
+
+
+def setting(default=MISSING, *, type, help, choices=None, allowed=None, default_doc=None, default_factory=MISSING,
+            agree=None, why=None):
+    """A settings field carrying what the ``--lioncub-*`` flags, the README table, the constructor's
+    keywords and the settings agreement across ranks are made of.
 
     type: the type of one value (float, int, str, bool; list: one or more strings); choices: the
     values allowed besides a None default (also the command line's choices); allowed: the README's
     "allowed" text when it is not just the choices; help: one line, Markdown (the README's
     "meaning"; the command-line help is the same text without the Markdown); default_doc: the
-    README's "default" cell when the default's repr is not what a user writes.
+    README's "default" cell when the default's repr is not what a user writes; agree (every
+    LionCubConfig field): AGREE_RANKS, AGREE_GROUPS or AGREE_LOCAL, and why: the reason.
     """
     meta = {"type": type, "help": help, "choices": None if choices is None else tuple(choices),
-            "allowed": allowed, "default_doc": default_doc}
+            "allowed": allowed, "default_doc": default_doc, "agree": agree, "why": why}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -119,7 +136,8 @@ class MomentumSyncConfig:
     group: str = setting("world", type=str, choices=SYNC_GROUPS,
                          help="`world`: the whole vote group; `node`: subgroups of `group_size` consecutive ranks")
     group_size: int | None = setting(None, type=int, allowed="int ≥ 1",
-                                     help="ranks per node for group `node` (default: LOCAL_WORLD_SIZE)")
+                                     help="ranks per node for group `node` (default: `LOCAL_WORLD_SIZE`, else "
+                                          "`LOCAL_SIZE`)")
     inter_every: int | None = setting(None, type=int, allowed="int ≥ 1",
                                       help="with group `node`: every K'-th step average across the whole group instead")
     dtype: str = setting("fp32", type=str, choices=SYNC_DTYPES,
@@ -168,76 +186,118 @@ class MomentumSyncConfig:
             raise _err("momentum_sync.dtype", dtype, " | ".join(repr(d) for d in SYNC_DTYPES))
         return cls(schedule, int(every), float(k), until, tuple(layers), group, group_size, inter_every, dtype)
 
+    @property
+    def per_node(self) -> bool:
+        """Averages run inside node subgroups (``group="node"``), with rarer ones across them."""
+        return self.group == "node"
+
 
 @dataclass(frozen=True)
 class LionCubConfig:
     lr: float = setting(1e-4, type=float, allowed="> 0", default_doc="`1e-4`",
-                        help="η. Typical LLM: 3–10x smaller than AdamW")
+                        help="η. Typical LLM: 3–10x smaller than AdamW",
+                        agree=AGREE_GROUPS, why="applied by every rank")
     betas: tuple = setting((0.9, 0.99), type=float, allowed="each in [0, 1)",
-                           help="(β1, β2). Typical LLM: (0.95, 0.98)")
+                           help="(β1, β2). Typical LLM: (0.95, 0.98)",
+                           agree=AGREE_GROUPS, why="every rank's vote and momentum")
     weight_decay: float = setting(0.0, type=float, allowed="≥ 0",
-                                  help="decoupled λ: θ·(1 − η·λ). Typical: 3–10x AdamW's")
+                                  help="decoupled λ: θ·(1 − η·λ). Typical: 3–10x AdamW's",
+                                  agree=AGREE_GROUPS, why="applied by every rank")
     vote: str = setting("majority", type=str, choices=VOTES,
-                        help="Δ = sign(Σδ_i) or (1/N)·Σδ_i. `average` only with `quant=\"sign\"`")
+                        help="Δ = sign(Σδ_i) or (1/N)·Σδ_i. `average` only with `quant=\"sign\"`",
+                        agree=AGREE_RANKS, why="which vote is computed (and, with 1bit, what its messages carry)")
     comm: str = setting("auto", type=str, choices=COMM_ALGORITHMS,
                         help="vote collective ([below](#communication-algorithms-and-wire-bytes)); `auto`: per bucket the "
                              "cheapest exact sign algorithm by the α-β model (`int8` with a scaled `quant`); `int8` and "
-                             "`bbit` need quant `l1`, `l0` or `linf`")
+                             "`bbit` need quant `l1`, `l0` or `linf`",
+                        agree=AGREE_RANKS, why="which collectives run")
     quant: str = setting("sign", type=str, choices=QUANTS,
-                         help="1-bit signs, or scaled votes with that per-tensor scale (`int8` and `bbit` only)")
+                         help="1-bit signs, or scaled votes with that per-tensor scale (`int8` and `bbit` only)",
+                         agree=AGREE_RANKS, why="int8 / b-bit scale: message layout and the scale all-reduce")
     tie_break: str = setting("hash", type=str, choices=TIE_RULES,
                              help="even-N ties: no move; +1 odd / −1 even steps; ±1 from a hash of (step, the "
-                                  "element's index inside its parameter)")
+                                  "element's index inside its parameter)",
+                             agree=AGREE_RANKS, why="what an even-N tie does (and the 1bit/pbit paths it selects)")
     momentum_sync: MomentumSyncConfig | None = setting(None, type=dict, allowed="dict, see below",
-                                                       help="selective momentum averaging")
+                                                       help="selective momentum averaging",
+                                                       agree=AGREE_RANKS, why="when and over which groups momenta are "
+                                                                              "averaged (collectives), which layers")
     momentum_dtype: torch.dtype = setting(torch.float32, type=str, choices=("fp32", "bf16"),
                                           allowed="`torch.float32`, `torch.bfloat16` (or `\"fp32\"`, `\"bf16\"`)",
-                                          help="momentum storage; math is fp32")
-    bucket_size_mb: float = setting(25.0, type=float, allowed="> 0", help="MB of fp32 parameters per flat bucket")
+                                          help="momentum storage; math is fp32",
+                                          agree=AGREE_RANKS, why="the dtype of the momenta the momentum sync all-"
+                                                                 "reduces; the vote's c")
+    bucket_size_mb: float = setting(25.0, type=float, allowed="> 0", help="MB of fp32 parameters per flat bucket",
+                                    agree=AGREE_RANKS, why="the bucket layout: message sizes and which algorithm "
+                                                           "comm='auto' picks")
     pbit_bits: int | None = setting(None, type=int, choices=(1, 2, 4, 8),
                                     allowed="`None`, `1`, `2`, `4`, `8` with 2^p − 1 ≥ N",
-                                    help="force the pbit lane width (`pbit`/`auto`)")
+                                    help="force the pbit lane width (`pbit`/`auto`)",
+                                    agree=AGREE_RANKS, why="pbit lane width: message size")
     vote_bits: int | None = setting(None, type=int, choices=VOTE_BITS,
                                     help="`bbit` only: bits per vote code (`None`: 2; 2 bits send 21x fewer bytes "
-                                         "than an fp32 all-reduce)")
+                                         "than an fp32 all-reduce)",
+                                    agree=AGREE_RANKS, why="bbit code width: message size")
     rounding: str | None = setting(None, type=str, choices=ROUNDINGS,
                                    help="`bbit` only: `dither` (`None`'s choice: unbiased, a reproducible per-rank "
-                                        "stream) or `nearest`")
+                                        "stream) or `nearest`",
+                                   agree=AGREE_RANKS, why="bbit dither / nearest: what is voted")
     network: dict = setting(type=dict, default_factory=lambda: dict(DEFAULT_NETWORK), allowed="> 0, ≥ 0",
                             default_doc='`{"bandwidth_gbit": 10, "latency_us": 50}`',
-                            help="the α-β model behind `comm=\"auto\"`")
+                            help="the α-β model behind `comm=\"auto\"`",
+                            agree=AGREE_RANKS, why="comm='auto' picks each bucket's algorithm from it (compared only "
+                                                   "then)")
     nonfinite: str = setting("skip", type=str, choices=NONFINITE_POLICIES,
-                             help="NaN/Inf on any rank: every rank skips the step, or raises `NonFiniteError`")
+                             help="NaN/Inf on any rank: every rank skips the step, or raises `NonFiniteError`",
+                             agree=AGREE_RANKS, why="skip on every rank, or raise: one rank raising leaves the others "
+                                                    "waiting")
     drift_check_every: int = setting(0, type=int, allowed="int ≥ 0",
-                                     help="every K steps compare parameter checksums across ranks (0 = off)")
+                                     help="every K steps compare parameter checksums across ranks (0 = off)",
+                                     agree=AGREE_RANKS, why="the drift check is a collective every K steps")
     drift_action: str = setting("raise", type=str, choices=DRIFT_ACTIONS,
-                                help="`ReplicaDriftError` naming the parameters, or broadcast from rank 0")
+                                help="`ReplicaDriftError` naming the parameters, or broadcast from rank 0",
+                                agree=AGREE_RANKS, why="raise, or resync (a broadcast)")
     timeout_s: float | None = setting(None, type=float, allowed="> 0",
-                                      help="collective timeout: a dead rank makes the others raise instead of hanging")
+                                      help="collective timeout: a dead rank makes the others raise instead of hanging",
+                                      agree=AGREE_RANKS, why="set or not: a timeout group is created (a world "
+                                                             "collective); the value itself is each rank's own deadline"
+                                                             " and may differ (compared as set / not set)")
     foreach: bool | None = setting(None, type=bool, choices=(True, False),
                                    help="single-process path: `None` = the fused kernel of the device's backend "
                                         "(C++ / CUDA, one pass), `True` / `False` = torch foreach / single tensor "
-                                        "(same bits)")
+                                        "(same bits)",
+                                   agree=AGREE_LOCAL, why="the single-process path only (N = 1); same bits either "
+                                                          "way")
     comm_bucket_mb: float = setting(4.0, type=float, allowed="> 0",
                                     help="MB of packed votes per communication batch (one collective per phase per "
-                                         "batch); 1 is faster at 1 Gbit/s, slower at 10 ([measured](docs/results.md))")
+                                         "batch); 1 is faster at 1 Gbit/s, slower at 10 ([measured](docs/results.md))",
+                                    agree=AGREE_RANKS, why="communication batches: one collective per phase per "
+                                                           "batch")
     overlap: bool = setting(False, type=bool, choices=(True, False),
                             help="start votes from gradient-ready hooks during backward; bit-identical to `False`. "
-                                 "DeepSpeed: ZeRO 0 with fp32 only; Megatron: refused ([why](docs/megatron.md))")
+                                 "DeepSpeed: ZeRO 0 with fp32 only; Megatron: refused ([why](docs/megatron.md))",
+                            agree=AGREE_RANKS, why="the flags ride in a vote message or travel in their own all-"
+                                                   "reduce")
     momentum_double_buffer: bool = setting(False, type=bool, choices=(True, False),
                                            help="+4 bytes per parameter (one more momentum-sized buffer, not saved in "
                                                 "checkpoints): the local pass writes the next momentum there, so a "
                                                 "step reads g and m once instead of twice; bit-identical to `False`. "
-                                                "Sign votes only (`int8` keeps its momentum pass)")
+                                                "Sign votes only (`int8` keeps its momentum pass)",
+                                           agree=AGREE_LOCAL, why="where the local pass writes the next momentum; "
+                                                                  "bit-identical")
     voters: str = setting("rank", type=str, choices=VOTERS,
                           help="every rank votes (`rank`), or one voter per group of `node_size` ranks: the group "
                                "reduce-scatters its gradients, each rank keeps momentum (and the fp32 master of "
                                "bf16/fp16 parameters) for 1/L of them and votes with the same shard of the other "
-                               "groups ([node voters](docs/node_voters.md))")
+                               "groups ([node voters](docs/node_voters.md))",
+                          agree=AGREE_RANKS, why="flat votes, or node groups that shard and vote across groups "
+                                                 "(other groups)")
     node_size: int | None = setting(None, type=int, allowed="`None` or an int ≥ 1 dividing N",
-                                    help="ranks per group L. `voters=\"node\"`: `None` = `LOCAL_WORLD_SIZE` (a group "
-                                         "is a node), 1 = flat voting. `voters=\"rank\"`: shards only the fp32 master "
-                                         "of bf16/fp16 parameters over the group (`None`: no master)")
+                                    help="ranks per group L. `voters=\"node\"`: `None` = the ranks per node "
+                                         "(`LOCAL_WORLD_SIZE`, else `LOCAL_SIZE`: a group is a node), 1 = flat voting. `voters=\"rank\"`: shards only the fp32 master "
+                                         "of bf16/fp16 parameters over the group (`None`: no master)",
+                                    agree=AGREE_RANKS, why="the groups' size L: the shard layout and who votes "
+                                                           "with whom (compared as resolved on each rank)")
 
     def __post_init__(self):
         validate_common(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
@@ -317,10 +377,15 @@ class LionCubConfig:
                                      "group='world'")
 
     @property
+    def node_voters(self) -> bool:
+        """One voter per node group (``voters="node"``): the groups shard momentum and masters."""
+        return is_node_voters(self.voters)
+
+    @property
     def shards_in_node(self) -> bool:
         """State sharded inside node groups: node voters, or master-only sharding (voters="rank"
         with node_size > 1: every rank votes, the fp32 master of 16-bit parameters is sharded)."""
-        return self.voters == "node" or (self.node_size or 1) > 1
+        return self.node_voters or (self.node_size or 1) > 1
 
     @property
     def bbit(self) -> tuple[int, str]:
@@ -334,6 +399,16 @@ class LionCubConfig:
     @classmethod
     def keys(cls):
         return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def defaults(cls) -> dict:
+        """{setting: its default}."""
+        return {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)}
+
+    @classmethod
+    def agreement(cls, kind: str) -> tuple:
+        """The settings whose ``agree=`` is ``kind`` (AGREE_RANKS, AGREE_GROUPS or AGREE_LOCAL)."""
+        return tuple(f.name for f in fields(cls) if f.metadata["agree"] == kind)
 
     @classmethod
     def from_kwargs(cls, where="LionCub argument", **kwargs):
@@ -352,3 +427,14 @@ class LionCubConfig:
         if "network" in kw and isinstance(kw["network"], dict):
             kw["network"] = {**DEFAULT_NETWORK, **kw["network"]}
         return cls(**kw)
+
+
+def _check_declarations(cls) -> None:
+    """Every setting says whether it must agree across ranks (a new one cannot forget)."""
+    for f in fields(cls):
+        if f.metadata.get("agree") not in AGREE_KINDS or not f.metadata.get("why"):
+            raise TypeError(f"LionCubConfig.{f.name}: declare agree= (one of {', '.join(AGREE_KINDS)}) and why= "
+                            "in its setting(...)")
+
+
+_check_declarations(LionCubConfig)

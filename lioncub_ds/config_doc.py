@@ -9,39 +9,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import fields
 
 from .config import CONSTRUCTOR_ONLY, LionCubConfig
+from .config_text import allowed_text, default_text
 
 HEADING = "## LionCub arguments"
-
-
-def _value(v) -> str:
-    return f'`"{v}"`' if isinstance(v, str) else f"`{v!r}`"
-
-
-def _default(f) -> str:
-    meta = f.metadata
-    if meta.get("default_doc"):
-        return meta["default_doc"]
-    value = f.default if f.default is not MISSING else f.default_factory()
-    return _value(value)
-
-
-def _allowed(f) -> str:
-    meta = f.metadata
-    if meta.get("allowed"):
-        return meta["allowed"]
-    values = list(meta["choices"])
-    if f.default is None:
-        values.insert(0, None)
-    return ", ".join(_value(v) for v in values)
 
 
 def readme_table() -> list[str]:
     rows = ["| argument | default | allowed | meaning |", "|---|---|---|---|"]
     for f in fields(LionCubConfig):
-        rows.append(f"| `{f.name}` | {_default(f)} | {_allowed(f)} | {f.metadata['help']} |")
+        rows.append(f"| `{f.name}` | {default_text(f)} | {allowed_text(f)} | {f.metadata['help']} |")
     for name, (default, allowed, meaning) in CONSTRUCTOR_ONLY.items():
         rows.append(f"| `{name}` | {default} | {allowed} | {meaning} |")
     return rows

@@ -50,6 +50,11 @@ class Topology:
     vote_scope: str = "vote_group"
 
     @property
+    def node_voters(self) -> bool:
+        """One voter per node group: ``group`` holds this rank's shard peers."""
+        return self.node_size > 1 and not self.master_only
+
+    @property
     def ranks(self) -> int:
         """Ranks taking part in a step: Nn·L (N with master-only sharding; K·L with instances)."""
         if self.master_only:
@@ -64,17 +69,40 @@ class Topology:
         return (self.rank * self.node_size + self.local_rank) * self.agree_size + self.agree_rank
 
 
-def node_size_for(voters: str, node_size: int | None, n: int) -> int:
-    """L, the ranks per node group: 1 for voters="rank"; node_size, else LOCAL_WORLD_SIZE, for
-    voters="node". Raises ValueError naming the setting when L does not divide N."""
-    if voters != "node":
-        node_size = node_size or 1  # voters="rank": only an explicit node_size shards the master
-    elif node_size is None:
-        env = os.environ.get("LOCAL_WORLD_SIZE")
-        if env is None or not env.isdigit() or int(env) < 1:
-            raise ValueError("LionCub: voters='node' with node_size=None takes L from LOCAL_WORLD_SIZE, which is not "
-                             "set (the torchrun / deepspeed launchers set it); allowed: node_size=<ranks per node>")
-        node_size = int(env)
+# The environment variables that say how many ranks share this rank's machine, in the order they
+# are read: torchrun (and most launchers) set LOCAL_WORLD_SIZE; the deepspeed launcher sets
+# LOCAL_SIZE instead.
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
+def resolve_ranks_per_node(explicit: int | None = None, setting: str = "node_size") -> int:
+    """The ranks of one node group: THE rule, used by every part of LionCub and its integrations
+    (node voters' ``node_size``, ``momentum_sync.group_size``, Megatron's per-node peers).
+
+    ``explicit`` (the setting, when given) wins; otherwise ``LOCAL_WORLD_SIZE`` (torchrun), then
+    ``LOCAL_SIZE`` (the deepspeed launcher); with neither set an explicit setting is needed.
+    Raises ValueError naming ``setting`` (and the variable, when it holds no positive integer)."""
+    if explicit is not None:
+        return explicit
+    for var in LOCAL_SIZE_VARS:
+        env = os.environ.get(var)
+        if env is None:
+            continue
+        if not env.strip().isdigit() or int(env) < 1:
+            raise ValueError(f"LionCub: {setting}=None takes the ranks per node from {var}, which is {env!r}; "
+                             f"allowed: {var} a positive integer, or {setting}=<ranks per node>")
+        return int(env)
+    raise ValueError(f"LionCub: {setting}=None takes the ranks per node from {' or '.join(LOCAL_SIZE_VARS)}, and "
+                     f"neither is set (torchrun sets the first, the deepspeed launcher the second); allowed: "
+                     f"{setting}=<ranks per node>")
+
+
+def node_size_for(cfg, n: int) -> int:
+    """L, the ranks per node group of settings ``cfg`` over a vote group of ``n`` ranks: for
+    node voters ``node_size``, else :func:`resolve_ranks_per_node`; for ``voters="rank"`` the explicit
+    ``node_size`` (master-only sharding) or 1. Raises ValueError naming the setting when L cannot
+    be found or does not divide N."""
+    node_size = resolve_ranks_per_node(cfg.node_size) if cfg.node_voters else (cfg.node_size or 1)
     if n % node_size:
         raise ValueError(f"LionCub: node_size={node_size} does not divide the {n} ranks of the vote group; allowed: a "
                          f"divisor of {n}")

@@ -19,6 +19,15 @@ from .kernels import reference
 __all__ = ["Lion", "lion"]
 
 
+def call_closure(closure):
+    """torch.optim's closure: the loss re-evaluated with gradients on (step() runs under no_grad),
+    or None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def lr_value(lr, owner="Lion"):
     """``lr`` as a float. torch optimizers accept a 1-element tensor lr (schedulers and
     ``torch.compile`` users pass one): it is read with ``float()`` when used (one host read per
@@ -197,10 +206,7 @@ class Lion(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = call_closure(closure)
         for group in self.param_groups:
             params, grads, momenta = [], [], []
             self._init_group(group, params, grads, momenta)

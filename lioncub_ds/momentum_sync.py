@@ -8,8 +8,9 @@ happens right after that step's local momentum update:
 * ``until``: only steps s < until;
 * ``layers``: only parameters whose names match one of the fnmatch patterns;
 * ``group="node"``: the average runs inside subgroups of ``group_size`` consecutive
-  ranks (default ``LOCAL_WORLD_SIZE``); with ``inter_every`` K', every K'-th step
-  (s % K' == 0, same ``until``) averages across the whole group instead.
+  ranks (default: the ranks per node, :func:`lioncub_ds.groups.resolve_ranks_per_node`); with
+  ``inter_every`` K', every K'-th step (s % K' == 0, same ``until``) averages across the whole
+  group instead.
 
 ``dtype="fp32"`` (default): all-reduce(SUM) then divide (ReduceOp.AVG does not exist on gloo).
 ``dtype="bf16"`` / ``"int8"``: a two-phase average in that format, like the ``1bit`` vote: each
@@ -24,12 +25,12 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import os
 from functools import lru_cache
 
 import torch
 
 from .config import LionCubConfigError, MomentumSyncConfig
+from .groups import resolve_ranks_per_node
 
 
 def geometric_steps(k: float, limit: int) -> list[int]:
@@ -67,16 +68,24 @@ def select_params(cfg: MomentumSyncConfig, named: list[tuple[str | None, torch.T
 
 
 def node_group_size(group_size: int | None, n: int) -> int:
-    """The node subgroup size: ``group_size`` or ``LOCAL_WORLD_SIZE``; must divide the group size ``n``."""
-    if group_size is None:
-        env = os.environ.get("LOCAL_WORLD_SIZE")
-        if env is None:
-            raise LionCubConfigError("LionCub: momentum_sync.group='node' needs momentum_sync.group_size or the "
-                                     "LOCAL_WORLD_SIZE environment variable (set by torchrun / deepspeed)")
-        group_size = int(env)
+    """The node subgroup size: ``group_size``, else the ranks per node
+    (:func:`lioncub_ds.groups.resolve_ranks_per_node`); must divide the group size ``n``."""
+    try:
+        group_size = resolve_ranks_per_node(group_size, "momentum_sync.group_size")
+    except ValueError as exc:
+        raise LionCubConfigError(str(exc)) from None
     if group_size < 1 or n % group_size:
         raise LionCubConfigError(f"LionCub: momentum_sync.group_size={group_size} must divide the group size {n}")
     return group_size
+
+
+def sync_group_size(cfg, n: int) -> int | None:
+    """The node subgroup size of settings ``cfg``'s ``momentum_sync={"group": "node"}`` over a vote
+    group of ``n`` ranks (None: no node subgroup)."""
+    ms = cfg.momentum_sync
+    if ms is None or not ms.per_node or n <= 1:
+        return None
+    return node_group_size(ms.group_size, n)
 
 
 class MomentumSync:
@@ -90,7 +99,7 @@ class MomentumSync:
     def scope(self, s: int):
         """None, or the Collectives to average over at step index s."""
         cfg = self.cfg
-        if cfg.group == "node":
+        if cfg.per_node:
             if cfg.inter_every is not None and (cfg.until is None or s < cfg.until) and s % cfg.inter_every == 0:
                 return self.world
             return self.node if on_schedule(cfg, s) else None

@@ -22,15 +22,17 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from .agreement import agree_settings
-from .checkpoint import layout_text, same_layout
+from .checkpoint import same_layout
 from .comm.pbit import check_lane_bits
-from .config import LionCubConfig, LionCubConfigError
+from .config import CONSTRUCTOR_ONLY, LionCubConfig, LionCubConfigError
+from .config_text import constructor_doc
 from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
-from .lion import check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
+from .lion import call_closure, check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
 from .groups import Topology, node_size_for, consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
-from .momentum_sync import node_group_size
+from .momentum_sync import sync_group_size
 from .pipeline import StepPlan
+from .sharding import describe_layout
 from .telemetry import CommStats
 
 log = logging.getLogger("lioncub_ds")
@@ -160,6 +162,11 @@ def _split_named(params):
     return [{"params": ps, "param_names": names}] if names is not None else [{"params": ps}]
 
 
+# The settings' defaults (from LionCubConfig), and those torch.optim takes positionally, in its order.
+_DEFAULTS = LionCubConfig.defaults()
+POSITIONAL = ("lr", "betas", "weight_decay")
+
+
 def _given_config(config, given: set) -> LionCubConfig:
     """``LionCub(params, config=...)``: a validated LionCubConfig, and no setting keyword beside it."""
     if not isinstance(config, LionCubConfig):
@@ -173,68 +180,30 @@ def _given_config(config, given: set) -> LionCubConfig:
 class LionCub(Optimizer):
     """Lion Cub: communication-efficient distributed Lion.
 
-    Args (see README "LionCub arguments" for allowed values and wire bytes):
-        params: tensors, ``named_parameters()`` or param groups (with optional 'param_names').
-        lr, betas, weight_decay: as :class:`lioncub_ds.Lion`.
-        vote: "majority" (Δ = sign of the vote sum) or "average" (Δ = mean of votes).
-        comm: "auto" | "allgather" | "1bit" | "pbit" | "int8" | "bbit".
-        quant: "sign" (1-bit votes) or "l1" | "l0" | "linf" (int8 or b-bit scaled votes).
-        vote_bits, rounding: comm="bbit" only: bits per vote code (1-4, default 2) and "dither"
-            (default: unbiased, a reproducible per-rank stream) or "nearest".
-        tie_break: "hash" (default) | "alternate" | "zero": what an even-N tie does.
-        momentum_sync: None or a dict (every, until, schedule, k, layers, group, group_size, inter_every).
-        process_group: the data-parallel group that votes (default: the world).
-        config: a validated :class:`LionCubConfig` carrying every setting (then no setting keyword
-            may be given): integrations validate once, early, and hand the result over.
-        momentum_dtype: torch.float32 (default) or torch.bfloat16.
-        bucket_size_mb: MB of fp32 parameters per flat bucket (default 25).
-        pbit_bits: force the pbit lane width (1/2/4/8; must satisfy 2**p − 1 >= N).
-        network: {"bandwidth_gbit", "latency_us"} for comm="auto"'s cost model.
-        nonfinite: "skip" (default: every rank skips the step) or "raise".
-        drift_check_every: every K steps compare parameter checksums across ranks (0 = off).
-        drift_action: "raise" or "resync" (broadcast from rank 0, with a warning).
-        timeout_s: collective timeout; a dead rank makes the others fail after this long.
-        foreach: single-process path: None (auto: the fused kernel of the device's backend), True (torch
-            foreach) or False (single tensor); all give the same bits.
-        comm_bucket_mb: MB of packed votes per communication batch: one collective per phase for a
-            whole batch of parameter buckets (default 4).
-        overlap: start each bucket's vote from gradient-ready hooks during backward (like DDP);
-            ``no_sync()`` for gradient accumulation. Bit-identical to overlap=False.
-        voters, node_size: "rank" (every rank votes) or "node": groups of node_size ranks (None:
-            LOCAL_WORLD_SIZE) reduce-scatter their gradients, shard momentum and fp32 masters, and
-            vote across groups (docs/node_voters.md).
-        momentum_double_buffer: +4 bytes per parameter: the local pass writes the next momentum into a
-            second buffer, saving the momentum pass after the vote (sign votes; bit-identical).
+    The settings are the fields of :class:`LionCubConfig` (declared once there, with their
+    types, choices, help and whether they must agree across ranks): ``lr``, ``betas`` and
+    ``weight_decay`` positional or keyword as in torch.optim, every other one a keyword; or
+    ``config=`` a validated LionCubConfig carrying them all (integrations validate once, early).
+    A mistyped keyword is refused with a suggestion. The Args below are made from the fields.
 
     Process groups (the timeout group, node subgroups) are created here, on every rank of the
     world in the same order, when torch.distributed is initialized (else at the first step),
     and again by :meth:`set_process_group`. So every rank must construct its LionCub.
     """
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, vote="majority", comm="auto",
-                 quant="sign", tie_break="hash", momentum_sync=None, process_group=None,
-                 momentum_dtype=torch.float32, bucket_size_mb=25.0, pbit_bits=None, network=None,
-                 nonfinite="skip", drift_check_every=0, drift_action="raise", timeout_s=None, foreach=None,
-                 comm_bucket_mb=4.0, overlap=False, momentum_double_buffer=False, vote_bits=None, rounding=None,
-                 voters="rank", node_size=None, config=None, **unknown):
-        # Validate everything before any state exists. ``unknown`` only exists to name a mistyped
-        # setting with a suggestion (LionCubConfigError), instead of a bare TypeError.
+    def __init__(self, params, lr=_DEFAULTS["lr"], betas=_DEFAULTS["betas"], weight_decay=_DEFAULTS["weight_decay"], *,
+                 process_group=None, config=None, **settings):
+        # Validate everything before any state exists (LionCubConfig names a mistyped setting).
+        given = {k for k, v in zip(POSITIONAL, (lr, betas, weight_decay)) if v is not _DEFAULTS[k]}
         if config is not None:
-            given = {k for k, v in locals().items() if k in _SETTING_DEFAULTS and v is not _SETTING_DEFAULTS[k]}
-            self.config = _given_config(config, given | set(unknown))
+            self.config = _given_config(config, given | set(settings))
             self._setup(params, config.lr, process_group)
             return
+        if "network" in settings and settings["network"] is None:
+            del settings["network"]  # None: the default network
         lr_given = lr  # a 1-element tensor lr stays in the param groups (schedulers fill it in place)
-        settings = dict(lr=lr_value(lr, "LionCub"), betas=betas, weight_decay=weight_decay, vote=vote, comm=comm, quant=quant,
-                        tie_break=tie_break, momentum_sync=momentum_sync, momentum_dtype=momentum_dtype,
-                        bucket_size_mb=bucket_size_mb, pbit_bits=pbit_bits, nonfinite=nonfinite,
-                        drift_check_every=drift_check_every, drift_action=drift_action, timeout_s=timeout_s,
-                        foreach=foreach, comm_bucket_mb=comm_bucket_mb, overlap=overlap,
-                        momentum_double_buffer=momentum_double_buffer, vote_bits=vote_bits, rounding=rounding,
-                        voters=voters, node_size=node_size, **unknown)
-        if network is not None:
-            settings["network"] = network
-        self.config = LionCubConfig.from_kwargs(**settings)
+        self.config = LionCubConfig.from_kwargs(lr=lr_value(lr, "LionCub"), betas=betas, weight_decay=weight_decay,
+                                                **settings)
         self._setup(params, lr_given, process_group)
 
     def _setup(self, params, lr_given, process_group):
@@ -287,10 +256,11 @@ class LionCub(Optimizer):
                                          "than once; allowed: each parameter once (it would be stepped twice)")
             seen.add(id(p))
         if getattr(self, "_plan", None) is not None:
-            if self._topology.node_size > 1:
+            if self._plan.sharding.holds_shards:
                 raise LionCubConfigError("LionCub.add_param_group after the first step is not supported with "
-                                         "node_size > 1 (the shards follow the bucket layout); allowed: add every "
-                                         "group before the first step; nothing was changed")
+                                         f"{describe_layout(self._plan.sharding.layout())} (the shards follow "
+                                         "the bucket layout); allowed: add every group before the first step; "
+                                         "nothing was changed")
             if self._plan.pipe.busy:
                 self._plan.pipe.drain()
             self._drop_plan()
@@ -352,49 +322,56 @@ class LionCub(Optimizer):
                 raise RuntimeError("LionCub: this optimizer was unpickled from one that voted over a process group of "
                                    "its own (process groups do not pickle); call set_process_group(group) on every "
                                    "rank before its first step")
+            cfg = self.config
             n = dist.get_world_size(self._process_group)
-            try:
-                size = node_size_for(self.config.voters, self.config.node_size, n)
-            except ValueError as exc:
-                raise LionCubConfigError(str(exc)) from None
+            # The group sizes this rank resolves (from the settings, else the launcher's environment):
+            # each, or this rank's reason it cannot, is agreed with the settings below, so a size that
+            # differs across ranks, or fails on one rank only, gives every rank the same error
+            # naming the setting (never one rank raising alone while the others wait).
+            node_size, node_problem = _resolved(node_size_for, cfg, n)
+            sync_size, sync_problem = _resolved(sync_group_size, cfg, n)
             # one all-gather: the settings that must match do (else LionCubConfigError on every
             # rank); before the N-dependent checks, which would otherwise fail on some ranks only
-            agree_settings(self.config, getattr(self, "param_groups", None) or self._construction_groups,
-                           self._process_group)
-            voters = n // size if self.config.voters == "node" else n
-            check_world_size(self.config, voters)  # N := the voters; before creating anything (the groups below)
-            self._topology = self.resolve_topology(self._process_group)
+            agree_settings(cfg, getattr(self, "param_groups", None) or self._construction_groups,
+                           self._process_group, resolved={"node_size": node_problem or node_size,
+                                                          "momentum_sync.group_size": sync_problem or sync_size})
+            if node_problem or sync_problem:  # the same on every rank (agreed)
+                raise LionCubConfigError(node_problem or sync_problem)
+            voters = n // node_size if cfg.node_voters else n
+            check_world_size(cfg, voters)  # N := the voters; before creating anything (the groups below)
+            self._topology = self.resolve_topology(self._process_group, node_size, sync_size)
         return self._topology
 
-    def resolve_topology(self, group) -> Topology:
+    def resolve_topology(self, group, node_size: int = 1, sync_size: int | None = None) -> Topology:
         """The :class:`~lioncub_ds.groups.Topology` this optimizer votes over: ``group`` (None:
         the world), plus the groups its settings need (a timeout group, a momentum-sync node
-        subgroup), created here collectively: every rank of the world takes part in every group
-        creation, in the same order. An integration that makes its groups elsewhere (Megatron's
-        factory, on every rank) overrides this to return them and create none."""
+        subgroup of ``sync_size`` ranks, the node groups of ``node_size`` ranks), created here
+        collectively: every rank of the world takes part in every group creation, in the same
+        order. The sizes are resolved and agreed once, before (:func:`lioncub_ds.groups.node_size_for`,
+        :func:`lioncub_ds.momentum_sync.sync_group_size`). An integration that makes its groups
+        elsewhere (Megatron's factory, on every rank) overrides this to return them and create none."""
         cfg = self.config
         n = dist.get_world_size(group)
-        size = node_size_for(cfg.voters, cfg.node_size, n)
+        size = node_size
         settle_at_exit()  # a distributed run: let c10d's workers finish before the interpreter's teardown
         ranks = group_ranks(group)
         ms = cfg.momentum_sync
         wanted = []
         if cfg.timeout_s is not None and n > 1:
             wanted.append(ranks)  # the vote group again, with LionCub's timeout
-        if ms is not None and ms.group == "node" and n > 1:
-            pair = node_group_size(ms.group_size, n)
+        if sync_size is not None and n > 1:
             me = dist.get_rank(group)
-            wanted.append(consecutive_blocks(ranks, pair)[me // pair])
+            wanted.append(consecutive_blocks(ranks, sync_size)[me // sync_size])
         if size > 1:  # this rank's node group (consecutive ranks), and for node voters its shard peers
             me = dist.get_rank(group)
             wanted.append(consecutive_blocks(ranks, size)[me // size])
-            if cfg.voters == "node":
+            if cfg.node_voters:
                 wanted.append(ranks[me % size::size])
         created = create_on_all_ranks(wanted, cfg.timeout_s) if wanted else []
         self._created_groups = list(created)
         if cfg.timeout_s is not None and n > 1:
             group = created.pop(0)
-        if size > 1 and cfg.voters == "node":
+        if size > 1 and cfg.node_voters:
             node, peers = created[-2:]
             return Topology(peers, n // size, dist.get_rank(group) // size, None, node, size,
                             dist.get_rank(group) % size, group)
@@ -436,7 +413,7 @@ class LionCub(Optimizer):
         if not self.distributed:
             return None
         t = self._topology
-        return t.full_group if t.node_size > 1 and not t.master_only else t.group
+        return t.full_group if t.node_voters else t.group
 
     @property
     def rank(self) -> int:
@@ -495,38 +472,28 @@ class LionCub(Optimizer):
         out["params"] = sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
         return out
 
-    def _node_layout(self) -> dict | None:
-        """voters="node": what this rank's shards are (saved with them; a load must match it)."""
-        if not self.distributed or self._topology.node_size == 1:
-            return None  # (and no plan is built here: saving or loading must not install hooks)
-        plan = self.plan
-        if plan.nodes is None and plan.masters is None:
+    def _sharding(self):
+        """The step's sharding strategy (lioncub_ds.sharding), or None when not distributed or when
+        no state is sharded (no plan is built then: saving or loading must not install hooks)."""
+        if not self.distributed or not self.config.shards_in_node or self._topology.node_size == 1:
             return None
-        t = self._topology
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return self.plan.sharding
 
-        def members(bucket):  # [parameter index, offset] of every parameter in the full bucket
-            return [[index[id(p)], off] for p, off in zip(bucket.params, bucket.offsets)]
-
-        if plan.masters is not None:  # master-only sharding: fp32 master shards only
-            return {"voters": "rank", "node_size": t.node_size, "local_rank": t.local_rank,
-                    "numels": [plan.buckets[i].numel // t.node_size for i in plan.masters.sharded],
-                    "map": {i: members(plan.buckets[i]) for i in plan.masters.sharded},
-                    "masters": list(plan.masters.sharded)}
-        full = plan.nodes.full
-        return {"voters": t.world_size, "node_size": t.node_size, "local_rank": t.local_rank,
-                "numels": [b.numel for b in plan.buckets], "map": {i: members(b) for i, b in enumerate(full)},
-                "masters": [i for i in range(len(full)) if plan.nodes.low_precision(i)]}
+    def _node_layout(self) -> dict | None:
+        """Sharded state: what this rank's shards are (saved with them; a load must match it)."""
+        sharding = self._sharding()
+        return sharding.layout() if sharding is not None else None
 
     def state_layout(self) -> dict:
         """What this rank's optimizer state is a piece of, without its tensors (what
         :mod:`lioncub_ds.checkpoint` reshards by; ``state_dict()["lioncub"]`` carries the same keys).
         ``{"node": None}`` when every rank holds a momentum per parameter (flat voting); with
-        voters="node" or master-only sharding ``"node"`` is the layout of its shards: ``voters``
-        (Nn, or "rank" for master-only sharding), ``node_size`` L, ``local_rank``, ``numels`` (the
-        shard sizes), ``map`` (per bucket index, the [parameter index, offset] of each parameter in
-        the full bucket, whose shard ``local_rank`` of L equal shards this rank holds) and
-        ``masters`` (the buckets with fp32 master shards)."""
+        voters="node" or master-only sharding ``"node"`` is the layout of its shards
+        (:meth:`lioncub_ds.sharding.Flat.layout`): ``voters`` (Nn, or "rank" for master-only
+        sharding), ``node_size`` L, ``local_rank``, ``numels`` (the shard sizes), ``map`` (per
+        bucket index, the [parameter index, offset] of each parameter in the full bucket, whose
+        shard ``local_rank`` of L equal shards this rank holds) and ``masters`` (the buckets with
+        fp32 master shards)."""
         return {"node": self._node_layout()}
 
     def state_dict(self):
@@ -579,8 +546,8 @@ class LionCub(Optimizer):
             where = f" (local rank {node.get('local_rank')}, shards of {node.get('numels')} elements; this rank: " \
                     f"local rank {mine.get('local_rank')}, {mine.get('numels')})"
         raise LionCubConfigError(
-            f"LionCub.load_state_dict: the state was saved with {layout_text({'node': node})}{where}, this "
-            f"optimizer has {layout_text({'node': mine})}; allowed: the layout it was saved with (voters, node_size, "
+            f"LionCub.load_state_dict: the state was saved with {describe_layout(node)}{where}, this "
+            f"optimizer has {describe_layout(mine)}; allowed: the layout it was saved with (voters, node_size, "
             "ranks, bucket_size_mb); to change the layout, load the per-rank files with "
             "lioncub_ds.checkpoint.load(opt, directory, reshard='average'), which reshards them; no state was changed")
 
@@ -592,10 +559,7 @@ class LionCub(Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = call_closure(closure)
         if not self.distributed:
             self._local_lion_step()
             return loss
@@ -707,6 +671,24 @@ class LionCub(Optimizer):
         return self.plan.check_replicas(action or self.config.drift_action, self._step_count)
 
 
-# The constructor's setting keywords and their defaults: with config=..., none may be given.
-_SETTING_DEFAULTS = {k: p.default for k, p in inspect.signature(LionCub.__init__).parameters.items()
-                     if k in LionCubConfig.keys()}
+def _resolved(resolve, cfg, n):
+    """(value, None) or (None, this rank's error text) of ``resolve(cfg, n)``."""
+    try:
+        return resolve(cfg, n), None
+    except ValueError as exc:
+        return None, str(exc)
+
+
+def _constructor_signature() -> inspect.Signature:
+    """LionCub.__init__'s signature as help() and inspect show it: made from the settings, so the
+    constructor's keywords cannot drift from LionCubConfig."""
+    P = inspect.Parameter
+    out = [P("self", P.POSITIONAL_OR_KEYWORD), P("params", P.POSITIONAL_OR_KEYWORD)]
+    out += [P(k, P.POSITIONAL_OR_KEYWORD, default=_DEFAULTS[k]) for k in POSITIONAL]
+    out += [P(k, P.KEYWORD_ONLY, default=_DEFAULTS[k]) for k in LionCubConfig.keys() if k not in POSITIONAL]
+    out += [P(k, P.KEYWORD_ONLY, default=None) for k in CONSTRUCTOR_ONLY]
+    return inspect.Signature(out)
+
+
+LionCub.__init__.__signature__ = _constructor_signature()
+LionCub.__doc__ = LionCub.__doc__.rstrip() + "\n\n" + constructor_doc(POSITIONAL)

@@ -2,8 +2,11 @@
 
 A plan is built from the optimizer's settings and parameter groups and from the process-group
 topology (:class:`lioncub_ds.groups.Topology`); it holds everything fixed from one step to
-the next: the bucket layout (:mod:`lioncub_ds.layout`), the communication batches, where the
-step's flags travel, the gradient-ready hooks and the momentum-sync scope. The optimizer keeps
+the next: ONE sharding strategy, chosen at construction (flat, master-only or node voters:
+:mod:`lioncub_ds.sharding`, which says what the step votes on, what its inputs are, what is
+kept and how it finishes; the plan never asks which one it holds), the bucket layout
+(:mod:`lioncub_ds.layout`), the communication batches, where the step's flags travel, the
+gradient-ready hooks and the momentum-sync scope. The optimizer keeps
 the settings, the state (its momenta behind a small store: get / next / commit) and the public
 API; the plan reads nothing private of it.
 
@@ -13,10 +16,12 @@ batch is launched asynchronously as soon as every bucket in it has its local ste
 Batches launch in one fixed order on every rank (last parameters first: backward produces
 their gradients first), so every rank issues the same collectives in the same order, whenever
 each becomes ready. With ``overlap=True`` the local steps run from gradient-ready hooks during
-backward; otherwise at the start of ``step()``. ``finish`` then reads the step's one flag
-tensor: every rank's flags ride in the last batch's first-phase message when that algorithm
-sends every rank's message to every rank (1bit, allgather) and the launch happens in
-``step()``; otherwise one small all-reduce agrees on them. ``complete`` counts the votes, runs
+backward; otherwise at the start of ``step()``. ``finish`` then sums the step's flag vector
+over the vote group: every rank's flags ride in the last batch's first-phase message when that
+algorithm sends every rank's message to every rank (1bit, allgather) and the launch happens in
+``step()``; otherwise one small all-reduce agrees on them. The sharding sums them over the
+rest of the step's ranks on the device (node voters: the node group), and the plan reads them
+once: the step's one host read. ``complete`` counts the votes, runs
 the momentum update while any second phase is in flight, and applies. Nothing changes
 optimizer state before the flags are agreed: a skipped step is free.
 
@@ -26,7 +31,6 @@ that differ across ranks), voting again (gradients changed after their vote in b
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -36,111 +40,19 @@ import torch.distributed as dist
 from . import kernels
 from .comm import Collectives, VoteJob
 from .errors import ReplicaDriftError, StepInputError
+from .flags import (CHANGED_RANKS, FLAG_HEAD, MISSING_RANKS, NONFINITE_RANKS, NONFINITE_VALUES, UNUSABLE_RANKS,
+                    flag_words, host_values_on, hyper_bits, hyper_disagree, hyper_values, pack_flags,
+                    unpack_flags)
 from .kernels.reference import dither_seed, int8_levels
-from .layout import assign_algorithms, build_buckets, comm_batches, cost_model, group_names, next_abstain_mode
+from .layout import assign_algorithms, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
 from .momentum_sync import MomentumSync, select_params
-from .node_voters import MasterShards, NodeShards, keep_pieces, restore_pieces
-from .telemetry import ring_bytes
+from .sharding import make_sharding
 
 log = logging.getLogger("lioncub_ds")
 
-# The step's flag tensor (int32), summed over ranks:
-#   [0] ranks with a non-finite value, [1] ranks with an unusable input, [2] non-finite values in
-#   all (each rank's count capped at 2**20), [3] ranks where some voting parameter has no gradient,
-#   [4] ranks whose gradients changed after their bucket voted in backward,
-#   [5 .. 5+HYPER_BITS) one bit each of a hash of this step's lr, weight decay and betas (every
-#   group): a sum strictly between 0 and N means the ranks disagree,
-# then per bucket [ranks whose abstention list overflowed, ranks with an abstention].
-# On the wire every entry but the non-finite value count is a count of ranks (≤ N), so two share
-# one int32 word in 16-bit lanes (N < 2**15: the sums never carry into the next lane).
-NONFINITE_RANKS, UNUSABLE_RANKS, NONFINITE_VALUES, MISSING_RANKS, CHANGED_RANKS, HYPER = range(6)
-HYPER_BITS = 8
-FLAG_HEAD = HYPER + HYPER_BITS
-PACKED_BELOW = 2 ** 15
-
 # Checksums of the drift check are computed in chunks of this many elements (bounded memory).
 FINGERPRINT_CHUNK = 1 << 20
-
-
-def host_values_on(values: list, device) -> torch.Tensor:
-    """Host-known int32 values as a tensor on the step's device without a stream synchronisation:
-    a pageable host-to-CUDA copy (``torch.tensor(..., device="cuda")``) waits for the queued
-    kernels, which would add a second host sync to the step; a pinned buffer copies asynchronously."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=torch.int32, device=device)
-    pinned = torch.tensor(values, dtype=torch.int32, device="cpu").pin_memory()
-    return pinned.to(device, non_blocking=True)
-
-
-def flag_words(n_buckets: int, world_size: int) -> int:
-    """int32 words of the packed flag vector."""
-    lanes = 2 if world_size < PACKED_BELOW else 1
-    return 1 + (FLAG_HEAD - 1 + 2 * n_buckets + lanes - 1) // lanes
-
-
-def flag_head_words(world_size: int) -> int:
-    """The packed words that hold the step-wide head (the per-bucket entries follow, word-aligned:
-    FLAG_HEAD - 1 is even)."""
-    return 1 + (FLAG_HEAD - 1) // (2 if world_size < PACKED_BELOW else 1)
-
-
-def pack_flags(logical: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The flag vector as sent: the non-finite value count, then the rank counts two per word."""
-    count = logical[NONFINITE_VALUES:NONFINITE_VALUES + 1]
-    rest = torch.cat([logical[:NONFINITE_VALUES], logical[NONFINITE_VALUES + 1:]])
-    if world_size >= PACKED_BELOW:
-        return torch.cat([count, rest])
-    if rest.numel() % 2:
-        rest = torch.cat([rest, rest.new_zeros(1)])
-    pairs = rest.view(-1, 2)
-    return torch.cat([count, pairs[:, 0] + pairs[:, 1] * 65536])
-
-
-def unpack_flags(words: list, n_buckets: int, world_size: int) -> list:
-    """The summed packed words -> the logical flag list (indices as named above)."""
-    count, rest = words[0], words[1:]
-    if world_size < PACKED_BELOW:
-        rest = [x for w in rest for x in (w & 0xFFFF, w >> 16)]
-    rest = rest[:FLAG_HEAD - 1 + 2 * n_buckets]
-    return rest[:NONFINITE_VALUES] + [count] + rest[NONFINITE_VALUES:]
-
-
-def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
-    """Bytes one rank sends per step for the flags: carried in a gather-like first phase (to every
-    other rank), or in their own all-reduce (ring)."""
-    words = 4 * flag_words(n_buckets, world_size)
-    return (world_size - 1) * words if carried else ring_bytes("all_reduce", words, world_size)
-
-
-def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int, ranks: int = 2) -> int:
-    """Bytes one rank sends per step inside its node group with node voters (the ``intra_node``
-    scope of ``comm_stats``): per full bucket of ``(padded numel, gradient itemsize, parameter
-    itemsize)`` the reduce-scatter (an all_to_all of the gradients in their dtype) and the
-    all-gather of the updated shards (in the parameters' dtype), plus the all-reduce of the step's
-    packed flag words as int64 (:meth:`StepPlan.agree_flags`; ``ranks``: every rank of the step)."""
-    out = ring_bytes("all_reduce", 8 * flag_words(len(buckets), ranks), node_size)
-    for numel, grad_size, param_size in buckets:
-        out += ring_bytes("all_to_all", grad_size * numel, node_size)
-        out += ring_bytes("all_gather", param_size * numel, node_size)
-    return out
-
-
-def hyper_values(param_groups) -> list[tuple]:
-    """Per param group, the hyper-parameters every rank must apply alike this step."""
-    return [(lr_value(g["lr"]), float(g["weight_decay"]), tuple(float(b) for b in g["betas"])) for g in param_groups]
-
-
-def hyper_bits(param_groups, step: int) -> list[int]:
-    """HYPER_BITS bits of a hash of this step's hyper-parameters, salted with the step number so a
-    lasting disagreement that happens to collide once is caught at the next step."""
-    digest = hashlib.blake2b(repr((step, hyper_values(param_groups))).encode(), digest_size=2).digest()
-    word = int.from_bytes(digest, "little")
-    return [(word >> k) & 1 for k in range(HYPER_BITS)]
-
-
-def hyper_disagree(flags, world_size: int) -> bool:
-    return any(0 < x < world_size for x in flags[HYPER:HYPER + HYPER_BITS])
 
 
 @dataclass
@@ -162,26 +74,11 @@ class StepPlan:
         # the voters: N ranks, or with node voters Nn node groups (this rank votes for its group's shard)
         self.world_size, self.rank = topology.world_size, topology.rank
         self.ranks = topology.ranks   # every rank of the step (Nn·L)
-        self.nodes = self.masters = self.agree_coll = None
-        if topology.node_size > 1 and not topology.master_only:
-            # The one place the topology enters: the layout is cut for Nn·L ranks, and the buckets
-            # the pipeline votes on are this rank's shards of it (lioncub_ds.node_voters).
-            full, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.ranks)
-            self.coll = Collectives(topology.group, opt.stats, cfg.timeout_s, scope="inter_node")
-            self.node_coll = Collectives(topology.node_group, opt.stats, cfg.timeout_s, scope="intra_node")
-            self.world_coll = Collectives(topology.full_group, opt.stats, cfg.timeout_s)
-            self.nodes = NodeShards(full, topology, self.node_coll, opt.momenta)
-            self.buckets = self.nodes.shards
-        else:
-            self.coll = self.world_coll = Collectives(topology.group, opt.stats, cfg.timeout_s,
-                                                      scope=topology.vote_scope)
-            if topology.agree_group is not None:  # framework-held shards: see agree_flags
-                self.world_coll = Collectives(topology.full_group, opt.stats, cfg.timeout_s)
-                self.agree_coll = Collectives(topology.agree_group, opt.stats, cfg.timeout_s, scope="intra_node")
-            self.buckets, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, self.world_size)
-            if topology.master_only:
-                self.node_coll = Collectives(topology.node_group, opt.stats, cfg.timeout_s, scope="intra_node")
-                self.masters = MasterShards(self.buckets, topology, self.node_coll, opt.momenta)
+        # The one place the sharding mode enters: flat, master-only or node voters (lioncub_ds.sharding),
+        # chosen once from the topology; the plan asks it the same things whichever it is.
+        self.sharding = make_sharding(opt, topology)
+        self.buckets, self.frozen = self.sharding.buckets, self.sharding.frozen
+        self.coll, self.world_coll = self.sharding.coll, self.sharding.world_coll
         assign_algorithms(self.buckets, cfg, self.world_size)
         self.batches = comm_batches(self.buckets, cfg.comm_bucket_mb, self.world_size)
         # The step's flags ride in the last batch's phase 1 when its algorithm delivers every
@@ -193,7 +90,8 @@ class StepPlan:
         self.msync, self.sync_params = None, []
         ms = cfg.momentum_sync
         if ms is not None:
-            node = Collectives(topology.sync_node_group, opt.stats, cfg.timeout_s) if ms.group == "node" else None
+            node = (Collectives(topology.sync_node_group, opt.stats, cfg.timeout_s)
+                    if topology.sync_node_group is not None else None)
             self.msync = MomentumSync(ms, self.coll, node)
             named = [(nm, p) for g in opt.param_groups for p, nm in zip(g["params"], group_names(g))
                      if p.requires_grad]
@@ -229,49 +127,21 @@ class StepPlan:
                 for i, b in enumerate(self.buckets)]
 
     def params(self) -> list:
-        """The voting parameters (the real ones, also with node voters)."""
-        return [p for b in (self.nodes.full if self.nodes else self.buckets) for p in b.params]
-
-    def bucket_inputs(self, i: int):
-        """(gradients, momenta, indices of parameters without a gradient here, this rank's reason
-        the bucket's gradients are unusable or None) for bucket ``i``'s local step."""
-        if self.nodes is not None:
-            grads, momenta = self.nodes.inputs(i)
-            return grads, momenta, self.nodes.missing[i], self.nodes.problems[i]
-        b = self.buckets[i]
-        # A parameter without a gradient on this rank votes with g = 0 (its momentum still
-        # decays); every rank must run the same collectives, whatever its batch used.
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        momenta = [self.opt.momenta.get(p) for p in b.params]
-        return grads, momenta, [k for k, p in enumerate(b.params) if p.grad is None], grad_problem(b)
-
-    def baseline(self, i: int) -> tuple[int, int]:
-        """(gradients, ranks) of the fp32 all-reduce bucket ``i`` stands in for (telemetry)."""
-        if self.nodes is not None:
-            return self.nodes.full[i].real_numel, self.ranks
-        return self.buckets[i].real_numel, self.world_size
-
-    def agree_flags(self, words: torch.Tensor) -> torch.Tensor:
-        """The vote group's summed flag words -> every rank's sums, still on the device (the step's one
-        host read comes after). Node voters: summed over the node group too (every rank of the step
-        decides from the same sums). Framework-held shards (``agree_group``): only the step-wide head is
-        summed over the instance; the per-bucket entries belong to this rank's shard layout, which its
-        shard peers share but its instance peers do not."""
-        if self.agree_coll is not None or self.nodes is not None:
-            words = words.to(torch.int64)  # the sums go on over more ranks (the non-finite count: 2**20 each)
-        if self.agree_coll is not None:
-            head = words[:flag_head_words(self.ranks)]  # a prefix: reduced in place
-            self.agree_coll.all_reduce_(head, "instance_flags")
-        elif self.nodes is not None:
-            self.node_coll.all_reduce_(words, "node_flags")
-        return words
+        """The voting parameters (the real ones, also where the plan votes on shards)."""
+        return [p for b in self.sharding.full for p in b.params]
 
     def _abandon(self) -> None:
         """Forget this step's votes and buffers (a skipped or refused step changes nothing)."""
         self.pipe.drain()
-        if self.nodes is not None:
-            self.nodes.release()
+        self.sharding.abandon()
         self.opt.stats.end_step()
+
+    def _agreed_flags(self, frozen_error: str | None, changed: bool):
+        """The step's flags summed over every rank of the step, as a host list (the step's one host
+        read), and this rank's input error."""
+        words, input_error = self.pipe.finish(frozen_error, changed)
+        words = self.sharding.agree(words).tolist()  # the one host read of the step
+        return unpack_flags(words, len(self.buckets), self.ranks), input_error
 
     # ------------------------------------------------------------------ the step
     def _frozen_param_error(self) -> str | None:
@@ -289,13 +159,12 @@ class StepPlan:
         every rank together; returns whether the step was applied (else skipped, unchanged)."""
         opt, pipe, n = self.opt, self.pipe, self.ranks
         frozen_error = self._frozen_param_error()
-        if self.nodes is not None:
-            self.nodes.begin(grad_problem)
+        self.sharding.begin()
         # A gradient changed after its bucket voted during backward (a second backward without
         # no_sync(), or clipping in place, maybe on some ranks only): this rank's view goes into
         # the flags, and if any rank saw a change every rank votes again.
         changed = pipe.stale or (pipe.busy and pipe.changed_since_vote())
-        flags, input_error = pipe.finish(frozen_error, changed)
+        flags, input_error = self._agreed_flags(frozen_error, changed)
         if flags[CHANGED_RANKS] > 0:
             if not self.warned_revote:
                 log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward on %d of %d "
@@ -304,7 +173,7 @@ class StepPlan:
                 self.warned_revote = True
             opt.overlap_counts["revotes"] += 1
             pipe.drain()
-            flags, input_error = pipe.finish(frozen_error, False)
+            flags, input_error = self._agreed_flags(frozen_error, False)
         if flags[UNUSABLE_RANKS] > 0:
             self._abandon()
             raise StepInputError(
@@ -322,19 +191,11 @@ class StepPlan:
         # Parameters without a gradient on every rank stay as they are (as in Lion): their votes
         # (c = β1·m, from g = 0) ran with everyone else's and are undone here.
         idle = pipe.idle_everywhere(flags)
-        store = opt.momenta
-        kept = [(p, p.detach().clone(), None if self.nodes is not None else store.get(p).clone()) for p in idle]
-        kept_pieces = self._keep_pieces(idle)
+        kept = self.sharding.keep(idle)
         pipe.complete(flags, step)
-        restore_pieces(kept_pieces)  # before the all-gathers: the shards carry the old values
-        if self.nodes is not None:
-            self.nodes.finish()  # the group all-gathers the updated shards into the parameters
-        if self.masters is not None:
-            self.masters.finish()
-        for p, value, m in kept:
-            p.copy_(value)
-            if m is not None:
-                store.get(p).copy_(m)
+        kept.restore_pieces()  # before the all-gathers: the shards carry the old values
+        self.sharding.finish()  # sharded state: the group all-gathers the updated shards into the parameters
+        kept.restore_params(opt.momenta)
         idle_ids = {id(p) for p in idle}
         for p in self.params():
             if id(p) not in idle_ids and "step" in opt.state[p]:
@@ -342,39 +203,10 @@ class StepPlan:
         if self.msync is not None:
             where = self.msync.scope(step - 1)
             if where is not None:
-                MomentumSync.average_over(where, self._synced_momenta(), self.config.bucket_numel,
+                MomentumSync.average_over(where, self.sharding.synced_momenta(self.sync_params), self.config.bucket_numel,
                                           self.config.momentum_sync.dtype)
         opt.stats.end_step()
         return StepOutcome(True)
-
-    def _keep_pieces(self, idle) -> list:
-        """Copies of the shard pieces of the ``idle`` parameters' state: node voters' momentum and
-        master shards, master-only sharding's master shards (exact: not re-made from the
-        low-precision values). Flat momenta are kept per parameter in run(): the step may replace
-        a parameter's momentum tensor (double buffering)."""
-        if not idle:
-            return []
-        if self.nodes is not None:
-            return self.nodes.keep(idle)
-        if self.masters is None:
-            return []
-        ids = {id(p) for p in idle}
-        return [kept for i, pieces in self.masters.pieces.items()
-                for kept in keep_pieces(self.masters.master(i), pieces, ids)]
-
-    def _all_momenta(self) -> list:
-        """Every momentum this rank holds: one per voting parameter, or its shards (node voters)."""
-        if self.nodes is not None:
-            shards = self.opt.momenta.shards["momentum"]
-            return [shards[i] for i in sorted(shards)]
-        return [self.opt.momenta.get(p) for p in self.params()]
-
-    def _synced_momenta(self) -> list:
-        """What momentum_sync averages: the layers it selects, or every momentum shard with node
-        voters (averaged over the shard peers)."""
-        if self.nodes is not None:
-            return self._all_momenta()
-        return [self.opt.momenta.get(p) for p in self.sync_params]
 
     def _hyper_mismatch(self, step: int) -> str:
         """The error message for hyper-parameters that differ across ranks: gathers every rank's
@@ -401,14 +233,15 @@ class StepPlan:
         dtype = self.config.momentum_sync.dtype if self.config.momentum_sync is not None else "fp32"
         if self.msync is not None:
             coll = self.msync.world if scope == "world" else self.msync.node
-            MomentumSync.average_over(coll, self._synced_momenta(), self.config.bucket_numel, dtype)
+            MomentumSync.average_over(coll, self.sharding.synced_momenta(self.sync_params), self.config.bucket_numel,
+                                      dtype)
         else:
-            MomentumSync.average_over(self.coll, self._all_momenta(), self.config.bucket_numel, dtype)
+            MomentumSync.average_over(self.coll, self.sharding.momenta(), self.config.bucket_numel, dtype)
 
     def average_all_momenta(self) -> None:
         """Every momentum averaged (fp32) over the vote group: what a checkpoint that keeps one
         replica for every rank needs (e.g. Megatron's)."""
-        MomentumSync.average_over(self.coll, self._all_momenta(), self.config.bucket_numel)
+        MomentumSync.average_over(self.coll, self.sharding.momenta(), self.config.bucket_numel)
 
     def _fingerprints(self, params):
         """Two int64 checksums per parameter: the sum of its bit patterns and a position-weighted
@@ -428,28 +261,21 @@ class StepPlan:
 
     def check_replicas(self, action: str, step: int) -> bool:
         params = self.params()
-        names = [nm for b in (self.nodes.full if self.nodes else self.buckets) for nm in b.names]
+        names = [nm for b in self.sharding.full for nm in b.names]
         fp = self._fingerprints(params)
         both = torch.cat([fp, -fp])
-        # the ranks that hold the same values: every rank of the step; with framework-held shards
-        # (``agree_coll``: Megatron's instances) the shard peers, each holding this rank's shard
-        replicas = self.world_coll if self.agree_coll is None else self.coll
+        # the ranks that hold what this rank steps, value for value (Megatron's instances: the
+        # shard peers); the verdict is every rank's (each raises or re-synchronizes together)
+        replicas = self.sharding.replicas()
         replicas.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
         hi, neg_lo = both[:fp.numel()], both[fp.numel():]
         differs = (hi != -neg_lo).reshape(-1, 2).any(dim=1)
-        found = bool(differs.any())
-        if self.agree_coll is not None:  # every rank of the instance decides alike (raise or resync together)
-            flag = torch.tensor([int(found)], dtype=torch.int32, device=self.device)
-            self.agree_coll.all_reduce_(flag, "drift_flag")
-            found = flag.item() > 0
-        if not found:
+        if not self.sharding.agree_found(bool(differs.any())):
             return True
         idx = differs.nonzero().reshape(-1).tolist()
         labels = [names[i] or f"param #{i} (shape {tuple(params[i].shape)})" for i in idx[:5]]
-        where = (f"parameters differ across the {self.ranks} ranks at step {step}: " if self.agree_coll is None else
-                 f"parameter shards differ across the {self.world_size} ranks that hold them (one per instance) at "
-                 f"step {step}: ")
-        msg = (f"LionCub: {where}{', '.join(labels) or 'on another rank of this instance'}" +
+        msg = (f"LionCub: parameters differ across the {replicas.world_size} ranks at step {step}: "
+               f"{', '.join(labels) or '(on the shards of other ranks)'}" +
                (f" and {len(idx) - 5} more" if len(idx) > 5 else ""))
         if action == "resync":
             log.warning("%s; re-synchronizing every parameter from rank 0", msg)
@@ -460,22 +286,10 @@ class StepPlan:
                     buf = p.detach().contiguous()
                     replicas.broadcast_(buf, 0, "drift_resync")
                     p.data.copy_(buf)
-            # fp32 master shards (bf16/fp16 with node_size) hold this rank's old values: the next
-            # step makes them again from the re-synchronized parameters (else it would undo the resync)
-            self.opt.momenta.drop_masters()
+            # state derived from the parameters (fp32 master shards of 16-bit parameters) follows them
+            self.sharding.after_resync()
             return False
         raise ReplicaDriftError(msg)
-
-
-def grad_problem(b) -> str | None:
-    """This rank's reason bucket ``b``'s gradients are unusable (sparse, wrong shape or device), or None."""
-    for p, name in zip(b.params, b.names):
-        gr = p.grad
-        if gr is not None and (gr.is_sparse or gr.shape != p.shape or gr.device != p.device):
-            return (f"LionCub: the gradient of parameter {name or tuple(p.shape)} is "
-                    f"{'sparse' if gr.is_sparse else f'{tuple(gr.shape)} on {gr.device}'}; allowed: a dense "
-                    f"gradient of the parameter's shape {tuple(p.shape)} on {p.device}")
-    return None
 
 
 class _Local:
@@ -526,7 +340,7 @@ class VotePipeline:
         be = kernels.backend_for(dev.type)
         job = VoteJob(b.params, b.offsets, b.numel, b.param_starts, lr_value(g["lr"]), g["weight_decay"],
                       opt.step_count + 1, cfg.tie_break, cfg.vote)
-        grads, momenta, missing, problem = plan.bucket_inputs(i)
+        grads, momenta, missing, problem = plan.sharding.inputs(i)
         if problem is not None:
             # This rank cannot vote: send well-formed zeros so every rank's collectives still
             # match, and say why through the flags (every rank raises together).
@@ -641,10 +455,13 @@ class VotePipeline:
 
     # ------------------------------------------------------------------ finish
     def finish(self, frozen_error: str | None, changed: bool = False):
-        """Agree on the flags (the step's one host read) and complete every batch.
+        """Launch what is left and sum the flags over the vote group (carried by the last batch's
+        phase 1, or their own all-reduce).
 
-        Returns (flags list, this rank's input error or None); raises nothing itself: the caller
-        decides."""
+        Returns (the summed flag words on the device, packed for every rank of the step: with node
+        voters or instances the sums go on over them; this rank's input error or None); raises
+        nothing itself: the caller agrees on them over every rank of the step (the sharding) and
+        reads them (the step's one host read)."""
         plan = self.plan
         self.launch_all(carry_flags=True, frozen_error=frozen_error, changed=changed)
         if self.flags_carried:  # they came with the last batch's phase 1
@@ -652,13 +469,11 @@ class VotePipeline:
             algorithm = plan.buckets[plan.batches[last][0]].algorithm
             width = flag_words(len(self.local), plan.ranks)
             rows = algorithm.flag_rows(self.launched[last], width)
-            words = plan.agree_flags(rows.sum(0, dtype=torch.int64)).tolist()  # the one host read of the step
-            return unpack_flags(words, len(self.local), plan.ranks), self.carried_error
+            return rows.sum(0, dtype=torch.int64), self.carried_error
         error = frozen_error or self.error
         flags = self._own_flags(error, changed)
         plan.coll.all_reduce_(flags, "control")
-        words = plan.agree_flags(flags).tolist()  # the one host read of the step
-        return unpack_flags(words, len(self.local), plan.ranks), error
+        return flags, error
 
     def _own_flags(self, error, changed: bool) -> torch.Tensor:
         """This rank's flag vector (int32, on the device; summed over ranks it is the step's flags)."""
@@ -684,15 +499,13 @@ class VotePipeline:
             return []
         plan = self.plan
         params, have = [], []
-        full = plan.nodes.full if plan.nodes is not None else plan.buckets  # loc.missing indexes these
+        full = plan.sharding.full  # loc.missing indexes these
         for i, loc in enumerate(self.local):
             b = full[i]
             params += b.params
             have += [0 if k in loc.missing else 1 for k in range(len(b.params))]
         counts = torch.tensor(have, dtype=torch.int32, device=plan.device)
-        plan.coll.all_reduce_(counts, "missing_grads")
-        if plan.nodes is not None:  # the shard peers' sum, then the node group's: every rank's
-            plan.node_coll.all_reduce_(counts, "node_missing_grads")
+        plan.sharding.count_everywhere(counts)
         return [p for p, c in zip(params, counts.tolist()) if c == 0]
 
     def complete(self, flags, step: int) -> None:
@@ -730,11 +543,10 @@ class VotePipeline:
                     opt.momenta.commit(p, m)
             else:
                 loc.backend.momentum_update_list(loc.momenta, loc.grads, opt.param_groups[b.group_index]["betas"][1])
-            opt.stats.add_baseline(*plan.baseline(i))
+            opt.stats.add_baseline(*plan.sharding.baseline(i))
         for k, batch in enumerate(plan.batches):
             jobs = [self.local[i].job for i in batch]
-            if plan.masters is not None:  # the counted Δ goes to this rank's master shard
-                for i, job in zip(batch, jobs):
-                    plan.masters.redirect(i, job)
+            for i, job in zip(batch, jobs):  # where the counted Δ is applied (e.g. a master shard)
+                plan.sharding.redirect(i, job)
             plan.buckets[batch[0]].algorithm.complete(counted[k], jobs, coll, self.local[batch[0]].backend)
         self.reset()

@@ -18,7 +18,7 @@ The model (docs/planner.md, "The model"):
   (:func:`lioncub_ds.telemetry.ring_bytes`), each vote algorithm's own ``wire_bytes`` over the real
   bucket layout (:func:`lioncub_ds.layout.build_buckets`), the step's flags
   (:func:`lioncub_ds.pipeline.flag_bytes`), the node group's traffic
-  (:func:`lioncub_ds.pipeline.node_group_bytes`) and the momentum sync
+  (:func:`lioncub_ds.sharding.node_group_bytes`) and the momentum sync
   (:func:`lioncub_ds.momentum_sync.sync_bytes`). DDP's and ZeRO's / Megatron's bytes are their
   collectives (all-reduce; reduce-scatter + all-gather) in the same ring model.
 * **Links**: a collective over a group that spans several nodes is a ring (all-reduce, all-gather,
@@ -69,7 +69,7 @@ UPDATE_BYTES_VOTE = 28
 
 def node_voter_update_bytes(wg: int, wp: int, node_size: int, mixed: bool) -> float:
     """Memory traffic per element of the full bucket of a node-voter step besides its collectives
-    (lioncub_ds/node_voters.py, ``NodeShards.begin`` / ``finish``): the flat gradient buffer zeroed and
+    (lioncub_ds/sharding.py, ``NodeVoters.begin`` / ``finish``): the flat gradient buffer zeroed and
     filled (3·wg), the fp32 row sum of the L received rows ((wg + 4) for the first, 12 per further
     row plus its fp32 copy when the gradients are not fp32, the division 8; per shard element), fp32
     parameters copied into a work shard (12 per shard element; bf16/fp16 keep a persistent master),
@@ -82,7 +82,7 @@ def node_voter_update_bytes(wg: int, wp: int, node_size: int, mixed: bool) -> fl
 
 
 def master_only_update_bytes(wp: int, node_size: int) -> float:
-    """Per element, master-only sharding (``node_voters.MasterShards``): the vote step's local pass and
+    """Per element, master-only sharding (``sharding.MasterOnly``): the vote step's local pass and
     momentum update on every element (20), the apply on this rank's master shard (8), the shard cast
     to the parameters' dtype for the all-gather (4 + wp) and the gathered bucket copied in (2·wp)."""
     return 20 + (8 + 4 + wp) / node_size + 2 * wp
@@ -442,7 +442,7 @@ def _vote_traffic(numels, voters: int, geo: Geometry, scope: str, bucket_mb: flo
     """LionCub's 1bit votes of a step (votes + the step's flags, which ride in the last batch):
     phase 1 all_to_all and phase 2 all_gather of every comm batch. ``shard`` = L for node voters
     (each full bucket of the Nn·L layout cut into L shards: the buckets the vote runs on)."""
-    from .pipeline import flag_bytes
+    from .flags import flag_bytes
 
     if voters <= 1:
         return []
@@ -605,7 +605,7 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
 
 
 def _node_group_sent(buckets, wg, wp, L) -> int:
-    from .pipeline import node_group_bytes
+    from .sharding import node_group_bytes
 
     return node_group_bytes([(b.numel, wg, wp) for b in buckets], L)
 

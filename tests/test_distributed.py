@@ -12,7 +12,7 @@ import torch.distributed as dist
 import lioncub_ds
 from lioncub_ds import checkpoint
 from lioncub_ds.kernels import reference
-from lioncub_ds.pipeline import flag_bytes, flag_words
+from lioncub_ds.flags import flag_bytes, flag_words
 from lioncub_ds.momentum_sync import geometric_steps
 from dist_helpers import SmallNet as Net, run_ranks  # Net: odd sizes; embedding rows no rank uses
 
@@ -274,7 +274,7 @@ def test_momentum_sync_and_telemetry(n):
     P = 1000
     padded = (P + 8 * n - 1) // (8 * n) * (8 * n)
     # the step's flags, int32 words: the non-finite count, then the rank counts of the head and per
-    # bucket [overflow, abstains], two per word (pipeline.flag_words);
+    # bucket [overflow, abstains], two per word (flags.flag_words);
     # allgather and 1bit carry them in their first phase (to every rank), the others all-reduce them
     words = 4 * flag_words(1, n)
     assert flag_words(1, n) == 1 + (12 + 2 + 1) // 2  # 13 head entries (one a full word) + 2 per bucket

@@ -104,7 +104,8 @@ def _run(rank, world_size, size, comm, dtype, tie_break):
         opt.step()
         after.append([p.detach().clone() for p in model.parameters()])
     res = {"after": after, "stats": opt.comm_stats(), "state": opt.state_bytes(),
-           "shard_numels": [b.numel for b in opt.plan.buckets], "full_numels": [b.numel for b in opt.plan.nodes.full],
+           "shard_numels": [b.numel for b in opt.plan.buckets],
+           "full_numels": [b.numel for b in opt.plan.sharding.full],
            "log": list(nccl_contract.log()), "world": opt.world_size, "rank": opt.rank}
     # resume: a fresh optimizer on the same model loads this one's state and goes on like it
     sd = opt.state_dict()

@@ -315,7 +315,7 @@ def test_launch_condition_must_be_callable():
 
 # ----------------------------------------------------------------------------- carried flags
 def _flag_collectives(rank, n):
-    from lioncub_ds.pipeline import flag_bytes
+    from lioncub_ds.flags import flag_bytes
 
     out = {}
     for comm in ("1bit", "allgather", "pbit", "int8", "bbit"):

@@ -283,8 +283,8 @@ def test_resharded_state_and_steps_equal_the_oracle(runs, name, old, old_world, 
 def test_refused_on_every_rank_with_nothing_changed(runs):
     for r, res in enumerate(runs["four"]):
         x = res["refusals"]
-        assert x["error"] and "reshard='average'" in x["error"] and "node voters 2 x 2" in x["error"] \
-            and "node voters 1 x 4" in x["error"], (r, x["error"])
+        assert x["error"] and "reshard='average'" in x["error"] and "node_size=2 (2 node groups" in x["error"] \
+            and "node_size=4 (1 node group" in x["error"], (r, x["error"])
         assert x["corrupt"] and ("corrupted" in x["corrupt"] or "another rank" in x["corrupt"]), (r, x["corrupt"])
         assert x["missing"] and ("not found" in x["missing"] or "another rank" in x["missing"]), (r, x["missing"])
         for case in ("error", "corrupt", "missing"):

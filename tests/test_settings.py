@@ -49,6 +49,27 @@ def test_every_field_carries_its_metadata():
     assert {f.name for f in fields(MomentumSyncConfig)} == set(SYNC_KEYS)
 
 
+def test_each_setting_declares_whether_the_ranks_must_agree_on_it():
+    """Whether a setting must match across ranks is declared with the setting (agree=, why=), and
+    the agreement's tuples are made from those declarations; a setting that does not say is
+    refused where it is declared."""
+    from dataclasses import dataclass
+    from lioncub_ds import agreement
+    from lioncub_ds.config import AGREE_GROUPS, AGREE_KINDS, AGREE_LOCAL, AGREE_RANKS, _check_declarations, setting
+    for f in fields(LionCubConfig):
+        assert f.metadata["agree"] in AGREE_KINDS and f.metadata["why"], f.name
+    assert agreement.AGREED_FIELDS == LionCubConfig.agreement(AGREE_RANKS)
+    assert agreement.GROUP_SETTINGS == LionCubConfig.agreement(AGREE_GROUPS) == ("lr", "betas", "weight_decay")
+    assert set(agreement.LOCAL_FIELDS) == set(LionCubConfig.agreement(AGREE_LOCAL)) | set(agreement.GROUP_SETTINGS)
+
+    @dataclass(frozen=True)
+    class Undeclared:
+        x: int = setting(1, type=int, allowed="int", help="a setting that does not say")
+
+    with pytest.raises(TypeError, match="agree="):
+        _check_declarations(Undeclared)
+
+
 def test_constructor_keywords_are_the_settings():
     sig = inspect.signature(LionCub.__init__)
     names = {n for n, p in sig.parameters.items()

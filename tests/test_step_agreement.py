@@ -109,7 +109,7 @@ def test_hyper_parameters_changed_on_one_rank_are_refused_on_every_rank(what, co
 def test_packed_flags_sum_like_the_logical_ones(n, buckets):
     """Summing packed words over ranks and unpacking equals summing the logical flags (no lane
     carries, up to the largest N that packs; unpacked above it)."""
-    from lioncub_ds.pipeline import FLAG_HEAD, NONFINITE_VALUES, flag_words, pack_flags, unpack_flags
+    from lioncub_ds.flags import FLAG_HEAD, NONFINITE_VALUES, flag_words, pack_flags, unpack_flags
     g = torch.Generator().manual_seed(n)
     width = FLAG_HEAD + 2 * buckets
     ranks = min(n, 50)  # the sum of 50 ranks' flags, scaled up to N ranks' worst case below

@@ -70,7 +70,7 @@ def prepare_rank_state(engine, load_dir, tag, reshard: str = "average"):
     except lc_checkpoint.CheckpointError as exc:
         if "no LionCub checkpoint files" in str(exc):
             what = ("every rank keeps its current momentum shards (voters='node'; the fp32 masters are rebuilt from "
-                    "the loaded weights)" if st.optimizer.config.voters == "node"
+                    "the loaded weights)" if st.optimizer.config.node_voters
                     else "every rank keeps its current momentum (the fp32 master shards are rebuilt from the loaded "
                          "weights)" if st.optimizer.config.shards_in_node
                     else "every rank continues from data-parallel rank 0's momentum")

@@ -42,14 +42,13 @@ import atexit
 import collections
 import math
 import numbers
-import os
 import types
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from ..config import LionCubConfig, LionCubConfigError, unknown_key_error
+from ..config import LionCubConfig, LionCubConfigError, is_node_voters, unknown_key_error
 from .. import ds_shm, groups
 from ..groups import create_on_all_ranks
 from ..optimizer import LionCub
@@ -285,10 +284,11 @@ def check_node_voters(engine, optimizer=None) -> None:
     Raised from ``deepspeed.initialize`` before LionCub is built (ds_config) or touched (a client
     optimizer), so nothing has changed yet."""
     voters, node_size = requested_voters(engine, optimizer)
-    if voters != "node" and node_size in (None, 1):
+    node = is_node_voters(voters)
+    if not node and node_size in (None, 1):
         return
-    what = "voters='node'" if voters == "node" else f"node_size={node_size} with voters='rank' (master-only sharding)"
-    shards = ("the momentum and the fp32 master" if voters == "node" else "the fp32 master of bf16 parameters")
+    what = "voters='node'" if node else f"node_size={node_size} with voters='rank' (master-only sharding)"
+    shards = ("the momentum and the fp32 master" if node else "the fp32 master of bf16 parameters")
     stage = engine.zero_optimization_stage()
     if stage >= 1:
         raise LionCubDeepSpeedError(
@@ -356,8 +356,9 @@ def build_optimizer(engine, model_parameters):
         group = singleton_group() if stage >= 1 else data_parallel_group(engine)
     if stage == 0:
         model_parameters = _with_names(model_parameters, getattr(engine, "param_names", {}))
-    # one validation of the settings (with the launcher's node size), handed to the constructor as is
-    config = LionCubConfig.from_kwargs(where="ds_config optimizer.params", **with_launcher_node_size(params))
+    # one validation of the settings, handed to the constructor as is (node_size=None: the launcher's
+    # ranks per node, by lioncub_ds.groups.resolve_ranks_per_node: LOCAL_WORLD_SIZE, then LOCAL_SIZE)
+    config = LionCubConfig.from_kwargs(where="ds_config optimizer.params", **params)
     opt = LionCub(model_parameters, process_group=group, config=config)
     if stage >= 1 and group is not None:
         _SINGLETON_USERS.add(opt)
@@ -367,16 +368,6 @@ def build_optimizer(engine, model_parameters):
         for msg in config_warnings(raw):
             _compat.ds_logger().warning(msg)
     return opt
-
-
-def with_launcher_node_size(params: dict) -> dict:
-    """``voters="node"`` without ``node_size`` takes L from ``LOCAL_WORLD_SIZE`` (torchrun). The
-    ``deepspeed`` launcher does not set that variable; it sets ``LOCAL_SIZE`` (its ranks on this
-    machine), which is then used instead, so a group is a machine under either launcher."""
-    if params.get("voters") != "node" or params.get("node_size") is not None or "LOCAL_WORLD_SIZE" in os.environ:
-        return params
-    local = os.environ.get("LOCAL_SIZE", "")
-    return dict(params, node_size=int(local)) if local.isdigit() and int(local) >= 1 else params
 
 
 def _with_names(model_parameters, names: dict):
@@ -438,7 +429,7 @@ class EngineState:
             sign = "on" if self.sign_allgather else f"off ({self.sign_off_reason})"
         n = str(self.world_size)
         t = self.optimizer.topology if self.mode == "local_momentum" else None
-        if t is not None and self.optimizer.config.voters == "node":
+        if t is not None and self.optimizer.config.node_voters:
             what = ("Lion Cub node voters: reduce-scatter inside each node group, momentum"
                     + (" and fp32 master" if self.master_sharded else "") + " sharded 1/L, sign votes across groups")
             n = f"{t.world_size * t.node_size} ({t.world_size} node groups x {t.node_size} ranks)"

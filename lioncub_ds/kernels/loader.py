@@ -10,13 +10,25 @@ of the pure-torch reference (:mod:`lioncub_ds.kernels.reference`). It uses, in o
 2. a JIT build with :func:`torch.utils.cpp_extension.load` (ninja; cached in
    ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; ~30-60 s the first time).
 
+JIT builds of one extension are serialized across processes by :func:`build_lock`: an advisory
+``flock`` on ``<build dir>/lioncub.lock``, which the kernel releases when its holder dies. A build
+that was killed (Ctrl-C during the first import, an OOM kill) leaves torch's own lock file
+(``<build dir>/lock``) behind, and torch would wait for it forever; the loader, holding the flock
+(so no build is running), removes it with a warning. Waiting for a live build is bounded
+(``LIONCUB_BUILD_WAIT_S``, default 1800 s): past it the error names the building process and the
+lock file.
+
 Sources and flags: :mod:`lioncub_ds.kernels.build` (the one table; setup.py reads it too).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
 import logging
 import os
+import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -71,16 +83,90 @@ def _prebuilt(module=PREBUILT_MODULE, cuda=False):
     return mod
 
 
+BUILD_WAIT_S = 1800.0  # LIONCUB_BUILD_WAIT_S overrides: the longest wait for another process's build
+TORCH_LOCK = "lock"    # torch.utils.cpp_extension's lock file (FileBaton) inside the build directory
+OWN_LOCK = "lioncub.lock"
+
+
+def jit_build_directory(name: str) -> str:
+    """Where the JIT build of extension ``name`` lives: ``$TORCH_EXTENSIONS_DIR/<name>``, else
+    under torch's default build root (:func:`torch.utils.cpp_extension.get_default_build_root`),
+    one folder per Python version."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}")
+    return os.path.join(root, name)
+
+
+def _owner(fd) -> str:
+    try:
+        text = os.pread(fd, 200, 0).decode(errors="replace").split()
+        pid, host, since = text[0], text[1], float(text[2])
+        return f"process {pid} on {host}, building for {time.time() - since:.0f} s"
+    except (OSError, IndexError, ValueError):
+        return "another process"
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str, wait_s: float | None = None):
+    """Hold the build of the extension in ``build_dir`` (see the module docstring): wait at most
+    ``wait_s`` seconds (default ``LIONCUB_BUILD_WAIT_S`` or BUILD_WAIT_S) for a live build by
+    another process, then raise RuntimeError naming it and the lock file; once held, a lock file
+    torch left behind (its build was killed) is removed with a warning."""
+    if wait_s is None:
+        wait_s = float(os.environ.get("LIONCUB_BUILD_WAIT_S", BUILD_WAIT_S))
+    os.makedirs(build_dir, exist_ok=True)
+    path = os.path.join(build_dir, OWN_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline, told = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"lioncub_ds: waited {wait_s:.0f} s for the kernel build in {build_dir} by {_owner(fd)} "
+                        f"(it holds {path}); it is still running: let it finish, or stop that process "
+                        "(LIONCUB_BUILD_WAIT_S sets how long to wait; LIONCUB_KERNELS=torch needs no build)") from None
+                if not told:
+                    log.info("lioncub_ds: waiting for the kernel build in %s by %s", build_dir, _owner(fd))
+                    told = True
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {time.time():.3f}\n".encode(), 0)
+        stale = os.path.join(build_dir, TORCH_LOCK)
+        if os.path.exists(stale):  # we hold the build: whoever made this file is gone
+            log.warning("lioncub_ds: removing %s, left by a kernel build that was killed (no process is building "
+                        "now); building again", stale)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def jit_load(name: str, **kwargs):
+    """:func:`torch.utils.cpp_extension.load` of extension ``name`` in :func:`jit_build_directory`,
+    under :func:`build_lock`."""
+    from torch.utils.cpp_extension import load as cpp_load
+
+    build_dir = jit_build_directory(name)
+    with build_lock(build_dir):
+        return cpp_load(name=name, build_directory=build_dir, **kwargs)
+
+
 def _jit_build():
     root = csrc_dir()
     if root is None:
         raise RuntimeError("lioncub_ds: C++ kernel sources not found (looked for csrc/ next to and inside the "
                            "package); reinstall with LIONCUB_BUILD_EXT=1 or use LIONCUB_KERNELS=torch")
-    from torch.utils.cpp_extension import load as cpp_load
-
     verbose = os.environ.get("LIONCUB_BUILD_VERBOSE", "0") == "1"
-    return cpp_load(
-        name=f"{EXT_NAME}_{source_hash(root)[:12]}",  # keyed by the sources: checkouts never evict each other
+    return jit_load(
+        f"{EXT_NAME}_{source_hash(root)[:12]}",  # keyed by the sources: checkouts never evict each other
         sources=[str(root / s) for s in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
@@ -129,7 +215,6 @@ def _load_cuda():
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device is available")
     from torch.utils.cpp_extension import CUDA_HOME
-    from torch.utils.cpp_extension import load as cpp_load
 
     if CUDA_HOME is None:
         raise RuntimeError("CUDA kernels need nvcc (CUDA_HOME not found)")
@@ -143,8 +228,8 @@ def _load_cuda():
             ext, how = _prebuilt(_build.CUDA_MODULE, cuda=True), "prebuilt"  # LIONCUB_BUILD_CUDA=1 pip install .
             if ext is None:
                 how = "jit"
-                ext = _retry(lambda: cpp_load(
-                    name=f"{_build.CUDA_EXT_NAME}_{source_hash(root, cuda=True)[:12]}", sources=[str(root / s) for s in CUDA_SOURCES],
+                ext = _retry(lambda: jit_load(
+                    f"{_build.CUDA_EXT_NAME}_{source_hash(root, cuda=True)[:12]}", sources=[str(root / s) for s in CUDA_SOURCES],
                     extra_include_paths=[str(root)], extra_cflags=CFLAGS + list(_build.CUDA_DEFINES),
                     extra_ldflags=LDFLAGS, extra_cuda_cflags=CUDA_CFLAGS,
                     verbose=os.environ.get("LIONCUB_BUILD_VERBOSE", "0") == "1"))

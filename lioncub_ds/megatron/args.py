@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from dataclasses import fields
 
 from ..config import NETWORK_HELP, NETWORK_KEYS, LionCubConfig, LionCubConfigError, MomentumSyncConfig
+from ..config_text import plain
 from .checkpoint import CHECKPOINT_MODES
 
 # Settings whose value comes from Megatron's own flags (the dest of each).
@@ -66,10 +66,8 @@ def _bool(text):
 
 
 def _plain(markdown: str) -> str:
-    """The README's Markdown help as command-line text: no backticks; a link in parentheses (a pointer into
-    the docs) is dropped, any other link becomes its words."""
-    text = re.sub(r" \(\[[^\]]*\]\([^)]*\)\)", "", markdown)
-    return re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text).replace("`", "").replace("%", "%%")
+    """The README's Markdown help as command-line text (argparse formats '%')."""
+    return plain(markdown).replace("%", "%%")
 
 
 def flag(name: str) -> str:

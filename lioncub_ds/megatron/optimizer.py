@@ -50,14 +50,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import types
 
 import torch
 import torch.distributed as dist
 
-from ..config import LionCubConfig, LionCubConfigError
-from ..groups import Topology, consecutive_blocks, create_on_all_ranks, group_ranks
+from ..config import LionCubConfig, LionCubConfigError, is_node_voters
+from ..groups import Topology, consecutive_blocks, create_on_all_ranks, group_ranks, resolve_ranks_per_node
 from ..layout import ELEMENT_START
 from ..momentum_sync import node_group_size
 from ..optimizer import LionCub
@@ -130,17 +129,17 @@ class MegatronLionCub(LionCub):
         if given.get("overlap"):
             raise LionCubConfigError(OVERLAP_UNSUPPORTED)  # before any state exists
         # the inner LionCub always votes flat; voters='node' is the factory's layout (instances)
-        if given.get("voters", "rank") != "rank":
+        if is_node_voters(given.get("voters")):
             raise LionCubConfigError(NODE_VOTERS_NEED_DIST_OPT)
         if given.get("node_size") is not None:
             raise LionCubConfigError(MASTER_ONLY_UNSUPPORTED)
         self._premade = megatron_groups
         super().__init__(params, *args, **kwargs)
 
-    def resolve_topology(self, group):
+    def resolve_topology(self, group, node_size: int = 1, sync_size: int | None = None):
         premade = getattr(self, "_premade", None)
         if premade is None:
-            return super().resolve_topology(group)
+            return super().resolve_topology(group, node_size, sync_size)
         if premade.get("agree") is not None:  # voters='node': shard peers vote, the instance agrees
             vote = premade["vote"]
             return Topology(vote, dist.get_world_size(vote), dist.get_rank(vote), premade.get("node"),
@@ -239,7 +238,7 @@ def lioncub_settings(lioncub=None, **kwargs) -> dict:
     # LionCub over Megatron's shards (the factory's layout), so the settings are checked as that
     # inner LionCub sees them (plain node voters' own refusals do not apply); node_size's type here,
     # its value against the instances in the factory.
-    if settings.get("voters") == "node":
+    if is_node_voters(settings.get("voters")):
         LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, node_size=settings.get("node_size"))
         LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0,
                                   **{k: v for k, v in settings.items() if k not in ("voters", "node_size")})
@@ -247,7 +246,7 @@ def lioncub_settings(lioncub=None, **kwargs) -> dict:
         LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, **settings)
     if settings.get("overlap"):
         raise LionCubConfigError(OVERLAP_UNSUPPORTED)
-    if settings.get("voters", "rank") == "rank" and settings.get("node_size") is not None:
+    if not is_node_voters(settings.get("voters")) and settings.get("node_size") is not None:
         raise LionCubConfigError(MASTER_ONLY_UNSUPPORTED)
     return settings
 
@@ -301,12 +300,10 @@ def dp_ranks_per_node(group, local_world_size: int | None = None) -> int:
     """Data-parallel peers of this rank on its node, for ``momentum_sync.group='node'`` (see :func:`ranks_per_node`)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     if local_world_size is None:
-        env = os.environ.get("LOCAL_WORLD_SIZE")
-        if env is None:
-            raise LionCubConfigError("LionCub: momentum_sync.group='node' under Megatron needs "
-                                     "momentum_sync.group_size (data-parallel peers per node) or LOCAL_WORLD_SIZE "
-                                     "(set by torchrun)")
-        local_world_size = int(env)
+        try:  # the ranks on this machine, by the one rule (LOCAL_WORLD_SIZE, then LOCAL_SIZE)
+            local_world_size = resolve_ranks_per_node(None, "momentum_sync.group_size")
+        except ValueError as exc:
+            raise LionCubConfigError(f"{exc} (under Megatron: the data-parallel peers per node)") from None
     return ranks_per_node(ranks, local_world_size)
 
 
@@ -507,7 +504,7 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
 
     model_chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     settings = lioncub_settings(lioncub, **lioncub_kwargs)
-    if settings.get("voters") == "node":
+    if is_node_voters(settings.get("voters")):
         check_optimizer_config(config, node_voters=True)
         return _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_collection,
                                       dump_param_to_param_group_map)
@@ -642,14 +639,12 @@ def _load_parameter_state(self, filename, *, update_legacy_format=False):
 def instance_sync_group_size(vote_ranks, local_world_size=None) -> int:
     """``momentum_sync={"group": "node"}`` with node voters under Megatron: how many voters (the
     ranks of the inter-instance vote group, one per instance) share a node, rank r on node
-    r // LOCAL_WORLD_SIZE (several instances per node when an instance is smaller than a node)."""
+    r // (ranks per node) (several instances per node when an instance is smaller than a node)."""
     if local_world_size is None:
-        env = os.environ.get("LOCAL_WORLD_SIZE")
-        if env is None or not env.isdigit():
-            raise LionCubConfigError("LionCub: momentum_sync.group='node' with voters='node' under Megatron needs "
-                                     "momentum_sync.group_size (instances per node) or LOCAL_WORLD_SIZE (set by "
-                                     "torchrun)")
-        local_world_size = int(env)
+        try:
+            local_world_size = resolve_ranks_per_node(None, "momentum_sync.group_size")
+        except ValueError as exc:
+            raise LionCubConfigError(f"{exc} (with voters='node' under Megatron: the instances per node)") from None
     return ranks_per_node(vote_ranks, local_world_size)
 
 

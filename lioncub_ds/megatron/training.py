@@ -38,7 +38,7 @@ import importlib
 import logging
 import os
 
-from ..config import LionCubConfigError
+from ..config import LionCubConfigError, is_node_voters
 from . import _compat
 from .args import add_lioncub_args, lioncub_settings_from_args
 
@@ -65,7 +65,7 @@ _NEEDS_DIST_OPT_OR_FSDP = "needs the distributed optimizer (or FSDP)"
 
 def _node(a) -> bool:
     """--lioncub-voters node: LionCub runs inside Megatron's distributed optimizer (instances vote)."""
-    return getattr(a, "lioncub_voters", None) == "node"
+    return is_node_voters(getattr(a, "lioncub_voters", None))
 
 
 def _node_size_problem(a) -> bool:

@@ -1,0 +1,524 @@
+"""How a distributed step's state and inputs are laid out over the ranks: one sharding strategy,
+chosen once, when the step plan is built (:func:`make_sharding`).
+
+* :class:`Flat` (``voters="rank"``, no ``node_size``): every rank votes with its own full
+  momentum over the whole bucket layout.
+* :class:`MasterOnly` (``voters="rank"`` with ``node_size`` L > 1): every rank still votes as in
+  Flat, so Δ is the flat vote's; only the fp32 master of bf16/fp16 parameters is sharded over
+  the node group: the apply goes to this rank's master shard, then the group all-gathers the
+  shards into the parameters. fp32 buckets are applied as in flat voting.
+* :class:`NodeVoters` (``voters="node"``, docs/node_voters.md, SPEC §7): shard inside a node
+  group, vote across node groups. World N = Nn groups × L consecutive ranks. Every flat bucket
+  of the layout is padded to a multiple of 8·Nn·L and cut into L equal shards; local rank k of
+  every group owns shard k. Per step, on the rank (group j, local rank k):
+
+  1. the group's gradients are reduce-scattered: an all_to_all inside the group (in the
+     gradients' dtype), then the L rows are summed in fp32 in local-rank order (row 0 + row 1 +
+     ... + row L−1, one add at a time) and divided by L: ḡ_jk, the same bits on every platform;
+  2. shard k votes with the shard-k owners of the other groups (the shard peers) through the
+     ordinary pipeline: the shard bucket's "parameters" are views of a flat fp32 work buffer
+     (for bf16/fp16 parameters the persistent fp32 master shard; for fp32 parameters a copy of
+     their values made for the step), its gradients are views of ḡ_jk, its momenta views of the
+     rank's momentum shard, and the hash tie rule keys on the element's index inside its real
+     parameter (``param_starts``), as in flat voting;
+  3. after the agreed update, the group all-gathers the shards (in the parameters' dtype) and
+     every rank copies them into its parameters.
+
+  Nothing full-precision crosses a group boundary: steps 1 and 3 use the group's own process
+  group, step 2 only the vote's messages and the step's flags.
+* :class:`Instances` (Megatron's distributed optimizer with K instances): a framework steps this
+  rank's shards, and LionCub votes flat on them across the instances; the step's decisions are
+  also agreed over the instance.
+
+The plan (:class:`lioncub_ds.pipeline.StepPlan`) asks every strategy the same things and never
+asks which one it holds:
+
+* what the step votes on: ``full`` (the buckets of the real parameters), ``buckets`` (what the
+  pipeline votes on), ``frozen``; the collectives ``coll`` (the vote) and ``world_coll`` (every
+  rank of the step);
+* what the step's inputs are: :meth:`begin` (before the local steps), :meth:`inputs`;
+* how the step's decisions are agreed by every rank of the step: :meth:`agree` (the flags),
+  :meth:`count_everywhere` (the parameters without a gradient);
+* what is kept: :meth:`keep` (an idle parameter's state), :meth:`momenta` (which momenta exist),
+  :meth:`synced_momenta`, :meth:`layout` (what a checkpoint of this rank's shards must match),
+  :meth:`after_resync`;
+* how the step finishes: :meth:`redirect` (where a bucket's apply goes), :meth:`finish`,
+  :meth:`abandon` (a skipped or refused step).
+"""
+from __future__ import annotations
+
+import torch
+
+from .comm import Collectives
+from .flags import flag_head_words, flag_words
+from .layout import Bucket, build_buckets
+from .telemetry import ring_bytes
+
+
+# ----------------------------------------------------------------------------- shard pieces
+def shard_pieces(bucket: Bucket, size: int, local_rank: int) -> list:
+    """The parameters' pieces inside shard ``local_rank`` of ``size`` equal shards of ``bucket``:
+    (param, start inside it, length, offset in the shard)."""
+    numel = bucket.numel // size
+    lo = local_rank * numel
+    pieces = []
+    for p, off in zip(bucket.params, bucket.offsets):
+        a, b = max(off, lo), min(off + p.numel(), lo + numel)
+        if a < b:
+            pieces.append((p, a - off, b - a, a - lo))
+    return pieces
+
+
+def bucket_members(opt, bucket: Bucket) -> list:
+    """[index among ``opt``'s parameters, offset in the bucket] of every parameter of ``bucket``
+    (the shard map a checkpoint carries: lioncub_ds.checkpoint reshards by it)."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    return [[index[id(p)], off] for p, off in zip(bucket.params, bucket.offsets)]
+
+
+def copy_pieces_from_params(pieces, flat) -> None:
+    for p, start, length, at in pieces:
+        flat[at:at + length].copy_(p.detach().reshape(-1)[start:start + length])
+
+
+def keep_pieces(flat, pieces, ids) -> list:
+    """(flat, offset, copy) of the pieces of ``flat`` that belong to the parameters whose ``id``
+    is in ``ids``, for :meth:`Kept.restore_pieces` after the step."""
+    return [(flat, at, flat[at:at + length].clone()) for q, _, length, at in pieces if id(q) in ids]
+
+
+def reconcile_master(flat, pieces) -> None:
+    """After the parameters were re-synchronized (``check_replicas(action="resync")``): each
+    element of the fp32 master shard ``flat`` that still rounds to its (re-synchronized) 16-bit
+    parameter keeps its exact fp32 value; an element that does not (this rank's parameter was
+    overwritten) takes the parameter's value. A rank whose parameters were perturbed and resynced
+    thus continues exactly like a rank that never drifted."""
+    for p, start, length, at in pieces:
+        value = p.detach().reshape(-1)[start:start + length]
+        master = flat[at:at + length]
+        master.copy_(torch.where(master.to(value.dtype) == value, master, value.to(master.dtype)))
+
+
+def gather_into_params(coll, buckets, shards) -> None:
+    """All-gather every bucket's shard inside the group (in the parameters' dtype) and copy the
+    whole bucket into its parameters."""
+    pending = [coll.all_gather(flat.to(b.params[0].dtype), "node_all_gather", async_op=True)
+               for b, flat in zip(buckets, shards)]
+    for b, pend in zip(buckets, pending):
+        full = pend.wait().reshape(-1)
+        for p, off in zip(b.params, b.offsets):
+            p.detach().copy_(full[off:off + p.numel()].view_as(p))
+
+
+def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int, ranks: int = 2) -> int:
+    """Bytes one rank sends per step inside its node group with node voters (the ``intra_node``
+    scope of ``comm_stats``): per full bucket of ``(padded numel, gradient itemsize, parameter
+    itemsize)`` the reduce-scatter (an all_to_all of the gradients in their dtype) and the
+    all-gather of the updated shards (in the parameters' dtype), plus the all-reduce of the step's
+    packed flag words as int64 (:meth:`NodeVoters.agree`; ``ranks``: every rank of the step)."""
+    out = ring_bytes("all_reduce", 8 * flag_words(len(buckets), ranks), node_size)
+    for numel, grad_size, param_size in buckets:
+        out += ring_bytes("all_to_all", grad_size * numel, node_size)
+        out += ring_bytes("all_gather", param_size * numel, node_size)
+    return out
+
+
+def grad_problem(b) -> str | None:
+    """This rank's reason bucket ``b``'s gradients are unusable (sparse, wrong shape or device), or None."""
+    for p, name in zip(b.params, b.names):
+        gr = p.grad
+        if gr is not None and (gr.is_sparse or gr.shape != p.shape or gr.device != p.device):
+            return (f"LionCub: the gradient of parameter {name or tuple(p.shape)} is "
+                    f"{'sparse' if gr.is_sparse else f'{tuple(gr.shape)} on {gr.device}'}; allowed: a dense "
+                    f"gradient of the parameter's shape {tuple(p.shape)} on {p.device}")
+    return None
+
+
+class Kept:
+    """What a step keeps of the parameters no rank has a gradient for (as Lion leaves them): their
+    shard pieces (restored before the group's all-gathers, which then carry the old values) and
+    their values and per-parameter momenta (restored after)."""
+
+    def __init__(self, pieces=(), params=()):
+        self.pieces = list(pieces)   # (flat, offset, copy)
+        self.params = list(params)   # (param, value, momentum or None)
+
+    def restore_pieces(self) -> None:
+        for flat, at, values in self.pieces:
+            flat[at:at + values.numel()].copy_(values)
+
+    def restore_params(self, store) -> None:
+        for p, value, m in self.params:
+            p.copy_(value)
+            if m is not None:
+                store.get(p).copy_(m)
+
+
+# ----------------------------------------------------------------------------- strategies
+class Flat:
+    """Every rank votes with its own full momentum over the whole bucket layout."""
+
+    #: the optimizer state follows the bucket layout (shards): no parameter group may be added later
+    holds_shards = False
+
+    def __init__(self, opt, topology):
+        cfg = opt.config
+        self.opt, self.store, self.topology = opt, opt.momenta, topology
+        self.coll = self.world_coll = Collectives(topology.group, opt.stats, cfg.timeout_s, scope=topology.vote_scope)
+        self.buckets, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, topology.world_size)
+        self.full = self.buckets
+
+    # ------------------------------------------------------------------ the step's inputs
+    def begin(self) -> None:
+        """Before the local steps (nothing to prepare: each bucket reads its own gradients)."""
+
+    def inputs(self, i: int):
+        """(gradients, momenta, indices of parameters without a gradient here, this rank's reason
+        the bucket's gradients are unusable or None) for bucket ``i``'s local step."""
+        b = self.buckets[i]
+        # A parameter without a gradient on this rank votes with g = 0 (its momentum still
+        # decays); every rank must run the same collectives, whatever its batch used.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        momenta = [self.store.get(p) for p in b.params]
+        return grads, momenta, [k for k, p in enumerate(b.params) if p.grad is None], grad_problem(b)
+
+    def baseline(self, i: int) -> tuple[int, int]:
+        """(gradients, ranks) of the fp32 all-reduce bucket ``i`` stands in for (telemetry)."""
+        return self.full[i].real_numel, self.topology.world_size
+
+    # ------------------------------------------------------------------ agreement
+    def agree(self, words: torch.Tensor) -> torch.Tensor:
+        """The step's flag words (packed for every rank of the step, on the device, already summed
+        over the vote group) summed over every rank of the step, still on the device: the step's
+        one host read comes after."""
+        return words
+
+    def count_everywhere(self, counts: torch.Tensor) -> None:
+        """Sum per-parameter counts (of :attr:`full`'s parameters) over every rank that holds them."""
+        self.coll.all_reduce_(counts, "missing_grads")
+
+    # ------------------------------------------------------------------ what is kept
+    def keep(self, idle) -> Kept:
+        """Copies of what the step must leave as it is for the ``idle`` parameters (no gradient on
+        any rank): values and momenta (the step may replace a momentum tensor: double buffering)."""
+        return Kept(params=[(p, p.detach().clone(), self.store.get(p).clone()) for p in idle])
+
+    def momenta(self) -> list:
+        """Every momentum this rank holds: one per voting parameter (or its shards)."""
+        return [self.store.get(p) for b in self.full for p in b.params]
+
+    def synced_momenta(self, selected) -> list:
+        """What the momentum sync averages: the momenta of the ``selected`` parameters."""
+        return [self.store.get(p) for p in selected]
+
+    def layout(self) -> dict | None:
+        """What this rank's saved shards are (a load must match it; :func:`describe_layout` says it
+        in words; :mod:`lioncub_ds.checkpoint` reshards by its ``map``: per bucket, the [parameter
+        index, offset] of every parameter in the full bucket); None: no shards."""
+        return None
+
+    # ------------------------------------------------------------------ the drift check
+    def replicas(self):
+        """The collectives over the ranks that hold what this rank steps, value for value (the
+        drift check compares them): every rank of the step."""
+        return self.world_coll
+
+    def agree_found(self, found: bool) -> bool:
+        """Whether any rank of the step found a drift (the replicas' verdict is everyone's here)."""
+        return found
+
+    def after_resync(self) -> None:
+        """The parameters were just broadcast from rank 0 (nothing else derives from them here)."""
+
+    # ------------------------------------------------------------------ how it finishes
+    def redirect(self, i: int, job) -> None:
+        """Where bucket ``i``'s apply goes (after its vote is counted): the parameters themselves."""
+
+    def finish(self) -> None:
+        """After the apply (nothing to gather: every rank applied to its own full parameters)."""
+
+    def abandon(self) -> None:
+        """A skipped or refused step: forget the step's buffers."""
+
+
+class Instances(Flat):
+    """Shards stepped by a framework (Megatron's distributed optimizer with K instances): this
+    rank votes flat on its shards with its shard peers (one rank per instance); the step-wide
+    decisions (skip, refuse) are also summed over ``agree_group``, the ranks of this rank's
+    instance that step the other shards of the same parameters, so every rank of the
+    data-parallel group decides alike."""
+
+    def __init__(self, opt, topology):
+        super().__init__(opt, topology)
+        cfg = opt.config
+        self.world_coll = Collectives(topology.full_group, opt.stats, cfg.timeout_s)
+        self.agree_coll = Collectives(topology.agree_group, opt.stats, cfg.timeout_s, scope="intra_node")
+
+    def replicas(self):
+        """The shard peers: the one rank per instance that holds this rank's shard."""
+        return self.coll
+
+    def agree_found(self, found: bool) -> bool:
+        """Summed over the instance, so that every rank raises or re-synchronizes together."""
+        device = self.full[0].params[0].device if self.full else torch.device("cpu")
+        flag = torch.tensor([int(found)], dtype=torch.int32, device=device)
+        self.agree_coll.all_reduce_(flag, "drift_flag")
+        return flag.item() > 0
+
+    def agree(self, words: torch.Tensor) -> torch.Tensor:
+        """Only the step-wide head is summed over the instance: the per-bucket entries belong to
+        this rank's shard layout, which its shard peers share but its instance peers do not. In
+        int64: the non-finite count (2**20 per rank at most) grows with every rank summed."""
+        words = words.to(torch.int64)
+        head = words[:flag_head_words(self.topology.ranks)]  # a prefix: reduced in place
+        self.agree_coll.all_reduce_(head, "instance_flags")
+        return words
+
+
+class _MasterShardsMixin:
+    """The persistent fp32 master shards of bf16/fp16 buckets (``store.shard("master", i)``)."""
+
+    def master_pieces(self):
+        """(master shard, pieces) of every sharded bucket whose master exists."""
+        raise NotImplementedError
+
+    def after_resync(self) -> None:
+        """The parameters were broadcast from rank 0: every master element that no longer rounds
+        to its parameter takes the parameter's value; the others stay exact (never re-made from
+        the 16-bit values, which would make a resynced run depart from one that never drifted)."""
+        for flat, pieces in self.master_pieces():
+            reconcile_master(flat, pieces)
+
+
+class MasterOnly(_MasterShardsMixin, Flat):
+    """Master-only sharding: every rank votes with its own full momentum over the whole bucket, so
+    Δ is the flat vote's; only the fp32 master of bf16/fp16 parameters is sharded over the node
+    group. The apply goes to this rank's master shard (the vote jobs are pointed at its pieces,
+    with their parameter-local tie indices), then the group all-gathers the shards into the
+    parameters. fp32 buckets are applied as in flat voting."""
+
+    holds_shards = True
+
+    def __init__(self, opt, topology):
+        super().__init__(opt, topology)
+        self.node_coll = Collectives(topology.node_group, opt.stats, opt.config.timeout_s, scope="intra_node")
+        self.size, self.local_rank = topology.node_size, topology.local_rank
+        self.sharded = [i for i, b in enumerate(self.buckets) if b.params[0].dtype != torch.float32]
+        self.pieces = {i: shard_pieces(self.buckets[i], self.size, self.local_rank) for i in self.sharded}
+
+    def master(self, i: int) -> torch.Tensor:
+        b = self.buckets[i]
+        numel = b.numel // self.size
+        return self.store.shard("master", i, numel, torch.float32, b.params[0].device,
+                                fill=lambda flat: copy_pieces_from_params(self.pieces[i], flat))
+
+    def master_pieces(self):
+        masters = self.store.shards["master"]
+        return [(masters[i], self.pieces[i]) for i in self.sharded if i in masters]
+
+    def keep(self, idle) -> Kept:
+        kept = super().keep(idle)
+        if idle:
+            ids = {id(p) for p in idle}
+            kept.pieces = [k for i, pieces in self.pieces.items() for k in keep_pieces(self.master(i), pieces, ids)]
+        return kept
+
+    def layout(self) -> dict:
+        return {"voters": "rank", "node_size": self.size, "local_rank": self.local_rank,
+                "numels": [self.buckets[i].numel // self.size for i in self.sharded],
+                "map": {i: bucket_members(self.opt, self.buckets[i]) for i in self.sharded},
+                "masters": list(self.sharded)}
+
+    def redirect(self, i: int, job) -> None:
+        """Point bucket ``i``'s apply at this rank's master shard (after the vote is counted)."""
+        if i not in self.pieces:
+            return
+        flat, lo = self.master(i), self.local_rank * (self.buckets[i].numel // self.size)
+        pieces = self.pieces[i] or [(None, 0, 0, 0)]
+        job.params = [flat[at:at + length] for _, _, length, at in pieces]
+        job.offsets = [lo + at for _, _, _, at in pieces]
+        job.param_starts = [start for _, start, _, _ in pieces]
+
+    def finish(self) -> None:
+        gather_into_params(self.node_coll, [self.buckets[i] for i in self.sharded],
+                           [self.master(i) for i in self.sharded])
+
+
+class NodeVoters(_MasterShardsMixin):
+    """This rank's shard of every flat bucket, its buffers and the group's collectives: the
+    group's reduce-scatter, the shard buckets the plan votes on, the all-gather."""
+
+    holds_shards = True
+
+    def __init__(self, opt, topology):
+        cfg = opt.config
+        self.opt, self.store, self.topology = opt, opt.momenta, topology
+        # The layout is cut for Nn·L ranks, and the buckets the pipeline votes on are this rank's
+        # shards of it.
+        self.full, self.frozen = build_buckets(opt.param_groups, cfg.bucket_numel, topology.ranks)
+        self.coll = Collectives(topology.group, opt.stats, cfg.timeout_s, scope="inter_node")
+        self.node_coll = Collectives(topology.node_group, opt.stats, cfg.timeout_s, scope="intra_node")
+        self.world_coll = Collectives(topology.full_group, opt.stats, cfg.timeout_s)
+        self.size, self.local_rank = topology.node_size, topology.local_rank
+        self.buckets: list[Bucket] = []
+        self.pieces: list[list] = []   # per bucket: (param, start inside it, length, offset in the shard)
+        for fb in self.full:
+            numel = fb.numel // self.size
+            lo = self.local_rank * numel
+            pieces = shard_pieces(fb, self.size, self.local_rank)
+            self.pieces.append(pieces)
+            # an empty shard (the bucket's real elements all live in other shards) still votes, with
+            # one all-padding piece, so that every shard peer runs the same collectives
+            # (an empty shard's one piece is all padding: length 0 in the real-element mask)
+            self.buckets.append(Bucket(fb.group_index, [], [None] * max(1, len(pieces)),
+                                       [q[3] for q in pieces] or [0], numel, sum(q[2] for q in pieces),
+                                       fb.base + lo, param_starts=[q[1] for q in pieces] or [0],
+                                       lengths=[q[2] for q in pieces] or [0],
+                                       kind=(fb.params[0].device, torch.float32)))
+        self.device = self.full[0].params[0].device if self.full else torch.device("cpu")
+        self.missing: list = []  # per bucket: this step's parameters without a gradient on this rank
+        self.grads: list = []   # this step's ḡ shard per bucket
+        self.work: list = []    # this step's fp32 parameter shard per bucket (the master, or a copy)
+        self.problems: list = []
+
+    def low_precision(self, i: int) -> bool:
+        return self.full[i].params[0].dtype != torch.float32
+
+    def _momentum(self, i: int) -> torch.Tensor:
+        return self.store.shard("momentum", i, self.buckets[i].numel, self.store.dtype, self.device)
+
+    def _work(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s flat fp32 shard of parameter values: the persistent master for bf16/fp16
+        parameters (made from their values the first time), a copy for the step otherwise."""
+        sb = self.buckets[i]
+        if self.low_precision(i):
+            return self.store.shard("master", i, sb.numel, torch.float32, self.device,
+                                    fill=lambda flat: copy_pieces_from_params(self.pieces[i], flat))
+        work = torch.zeros(sb.numel, dtype=torch.float32, device=self.device)
+        copy_pieces_from_params(self.pieces[i], work)
+        return work
+
+    @staticmethod
+    def _views(flat, pieces):
+        return [flat[at:at + length] for _, _, length, at in pieces] or [flat]
+
+    # ------------------------------------------------------------------ the step's inputs
+    def begin(self) -> None:
+        """Reduce-scatter every bucket's gradients inside the group (launched together, then
+        summed in local-rank order) and point each shard bucket at this step's buffers. A rank
+        whose gradients are unusable sends zeros (the flags make every rank refuse the step)."""
+        pending, self.problems, self.missing = [], [], []
+        for fb in self.full:
+            problem = grad_problem(fb)
+            self.problems.append(problem)
+            # indices (in the full bucket) of the parameters without a gradient on this rank: the
+            # step leaves a parameter that has none on ANY rank alone, as flat voting does
+            self.missing.append(tuple(k for k, p in enumerate(fb.params) if p.grad is None))
+            # the gradients travel in their own dtype (torch keeps p.grad in p's dtype, the same on
+            # every rank): bf16 halves the group's bytes, and the fp32 sum below is the same
+            flat = torch.zeros(fb.numel, dtype=fb.params[0].dtype, device=self.device)
+            if problem is None:
+                for p, off in zip(fb.params, fb.offsets):
+                    if p.grad is not None:
+                        flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+            pending.append(self.node_coll.all_to_all(flat.view(self.size, -1), "node_reduce_scatter", async_op=True))
+        self.grads, self.work = [], []
+        for i, pend in enumerate(pending):
+            rows = pend.wait()
+            acc = rows[0].to(torch.float32, copy=True)
+            for row in rows[1:]:  # local-rank order: the documented sum, in fp32
+                acc.add_(row.to(torch.float32))
+            acc.div_(self.size)
+            self.grads.append(acc)
+            self.work.append(self._work(i))
+            self.buckets[i].params = self._views(self.work[i], self.pieces[i])
+
+    def inputs(self, i: int):
+        """Views of ḡ and of the momentum shard, piece by piece; the parameters without a gradient
+        here and the problem index the full bucket."""
+        return (self._views(self.grads[i], self.pieces[i]), self._views(self._momentum(i), self.pieces[i]),
+                self.missing[i], self.problems[i])
+
+    def baseline(self, i: int) -> tuple[int, int]:
+        return self.full[i].real_numel, self.topology.ranks
+
+    # ------------------------------------------------------------------ agreement
+    def agree(self, words: torch.Tensor) -> torch.Tensor:
+        """The flag words summed over the shard peers, then over the node group (every rank of the
+        step decides from the same sums), in int64: the non-finite count grows with every rank."""
+        words = words.to(torch.int64)
+        self.node_coll.all_reduce_(words, "node_flags")
+        return words
+
+    def count_everywhere(self, counts: torch.Tensor) -> None:
+        self.coll.all_reduce_(counts, "missing_grads")  # the shard peers' sum, then the node group's
+        self.node_coll.all_reduce_(counts, "node_missing_grads")
+
+    # ------------------------------------------------------------------ what is kept
+    def keep(self, idle) -> Kept:
+        """The idle parameters' values, and the momentum and master pieces of them in this rank's
+        shards (:func:`keep_pieces`)."""
+        kept = Kept(params=[(p, p.detach().clone(), None) for p in idle])
+        ids = {id(p) for p in idle}
+        for i, pieces in enumerate(self.pieces):
+            if not any(id(q[0]) in ids for q in pieces):
+                continue
+            kept.pieces += keep_pieces(self._momentum(i), pieces, ids)
+            if self.low_precision(i):
+                kept.pieces += keep_pieces(self.work[i], pieces, ids)  # the persistent master shard
+        return kept
+
+    def momenta(self) -> list:
+        shards = self.store.shards["momentum"]
+        return [shards[i] for i in sorted(shards)]
+
+    def synced_momenta(self, selected) -> list:
+        """Every momentum shard (averaged over the shard peers; ``layers`` is refused with node voters)."""
+        return self.momenta()
+
+    def master_pieces(self):
+        masters = self.store.shards["master"]
+        return [(masters[i], self.pieces[i]) for i in range(len(self.full)) if i in masters]
+
+    def layout(self) -> dict:
+        return {"voters": self.topology.world_size, "node_size": self.size, "local_rank": self.local_rank,
+                "numels": [b.numel for b in self.buckets],
+                "map": {i: bucket_members(self.opt, b) for i, b in enumerate(self.full)},
+                "masters": [i for i in range(len(self.full)) if self.low_precision(i)]}
+
+    # ------------------------------------------------------------------ how it finishes
+    def redirect(self, i: int, job) -> None:
+        """The shard bucket's parameters are the work buffer already."""
+
+    def finish(self) -> None:
+        """All-gather the updated shards inside the group (in the parameters' dtype) and copy
+        them into the parameters; drop the step's buffers."""
+        gather_into_params(self.node_coll, self.full, self.work)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Forget the step's gradient and work buffers (the master shards stay)."""
+        self.grads, self.work = [], []
+        for sb in self.buckets:
+            sb.params = []
+
+
+def describe_layout(layout: dict | None) -> str:
+    """A strategy's :meth:`layout` (as saved with its shards, or None: no shards) in the settings' words."""
+    if layout is None:
+        return "no sharded state (flat voting: voters='rank' without node_size, or node_size=1)"
+    if layout.get("voters") == "rank":
+        return (f"voters='rank' with node_size={layout.get('node_size')} (master-only sharding: fp32 master shards "
+                "of 16-bit parameters)")
+    return f"voters='node' with node_size={layout.get('node_size')} ({layout.get('voters')} node groups voting)"
+
+
+def make_sharding(opt, topology):
+    """The one place the sharding mode is chosen (from the resolved topology)."""
+    if topology.master_only:
+        return MasterOnly(opt, topology)
+    if topology.node_size > 1:
+        return NodeVoters(opt, topology)
+    if topology.agree_group is not None:
+        return Instances(opt, topology)
+    return Flat(opt, topology)
