@@ -9,10 +9,20 @@ Everything is checked (digest, format, world size, parameter count and shapes, m
 shapes) before the optimizer is touched: a bad file raises :class:`CheckpointError` and
 leaves the running state as it was.
 
-Resharding policy when the world size changed (``reshard=``):
-* ``"average"`` (default): every new rank starts from the mean of all saved momenta
-  (the state a momentum sync would produce); needs every old rank's file.
-* ``"error"``: refuse.
+Resharding (``reshard=``) when the files were saved under another layout: another world size,
+or another sharding of the state (node voters' Nn × L, master-only sharding's L, flat voting,
+another bucket size, Megatron's distributed-optimizer instances). Every new shard is rebuilt
+from the saved shards, element by element (:class:`StateMap`):
+
+* momentum: when the number of voters is unchanged, new voter j resumes old voter j's momentum
+  exactly; otherwise ``"average"`` (default) starts every new voter from the mean of all old
+  voters' momenta (the state a momentum sync would produce; summed in fp32 in voter order, then
+  divided by their count) and ``"error"`` refuses;
+* fp32 master shards (bf16/fp16 parameters): exactly, from the old shards (every old node group
+  holds the same masters; the lowest one's are read). A layout without masters (flat voting)
+  gives none: the next step makes them from the parameters.
+
+It needs every old rank's file, all from the same step; each rank reads them one at a time.
 """
 from __future__ import annotations
 
@@ -22,11 +32,13 @@ import logging
 import os
 import re
 import tempfile
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .lion import nonfinite_count
+from .sharding import describe_layout
 
 FORMAT_VERSION = 2  # 2: adds "sha256"; format 1 files (no digest) are still read
 READABLE_FORMATS = (1, 2)
@@ -180,6 +192,7 @@ def read(path: str) -> dict:
 
 
 def _check_fits(payload, optimizer, path):
+    """This rank's own file, saved under this rank's layout: it must fit the optimizer as it is."""
     # an integration's own layout first (Megatron's distributed-optimizer instances): the shards
     # a file holds are this rank's only under the layout they were saved with, and the error
     # should name the layouts, not the shapes that follow from them
@@ -190,7 +203,20 @@ def _check_fits(payload, optimizer, path):
             check_layout(lc if isinstance(lc, dict) else {})
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
-    want = _shapes(optimizer)
+    _check_params(payload, _shapes(optimizer), path)
+    # voters="node": the file's momentum (and master) shards must be this rank's shards of this
+    # layout; checked here, before anything is loaded, not only in load_state_dict
+    check_node = getattr(optimizer, "_check_node_state", None)
+    if check_node is not None:
+        lc = payload["optimizer"].get("lioncub")
+        try:
+            check_node(lc.get("node") if isinstance(lc, dict) else None)
+        except ValueError as exc:  # LionCubConfigError
+            raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def _check_params(payload, want, path):
+    """The file's parameter shapes are ``want``; its per-parameter momenta fit them and are finite."""
     got = payload.get("param_shapes")
     if got is None or len(got) != len(want):
         raise CheckpointError(f"{path} holds state for {len(got or [])} parameters; the optimizer has {len(want)}")
@@ -209,20 +235,313 @@ def _check_fits(payload, optimizer, path):
             shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
             raise CheckpointError(f"{path}: the momentum of parameter #{idx} has shape {shape}; the parameter has "
                                   f"{tuple(want[idx])}")
-        bad = nonfinite_count(m)
-        if bad:
-            raise CheckpointError(f"{path}: the momentum of parameter #{idx} holds {bad} non-finite value(s) (its "
-                                  "digest is valid: it was saved so); refusing it, since at N > 1 every later step "
-                                  "would be skipped")
-    # voters="node": the file's momentum (and master) shards must be this rank's shards of this
-    # layout; checked here, before anything is loaded, not only in load_state_dict
-    check_node = getattr(optimizer, "_check_node_state", None)
-    if check_node is not None:
-        lc = payload["optimizer"].get("lioncub")
+        _check_finite(m, f"the momentum of parameter #{idx}", path)
+
+
+def _check_finite(m, what, path):
+    bad = nonfinite_count(m)
+    if bad:
+        raise CheckpointError(f"{path}: {what} holds {bad} non-finite value(s) (its digest is valid: it was saved so); "
+                              "refusing it, since at N > 1 every later step would be skipped")
+
+
+# ----------------------------------------------------------------------------- layouts and resharding
+def layout_text(lc: dict | None, world: int | None = None) -> str:
+    """Words for the layout a rank's state has (``state_dict()["lioncub"]`` or ``state_layout()``):
+    Megatron's instances, or the sharding's own words (:func:`lioncub_ds.sharding.describe_layout`)."""
+    lc = lc if isinstance(lc, dict) else {}
+    mega = lc.get("megatron_layout")
+    if mega is not None:
+        return (f"--num-distributed-optimizer-instances {mega['instances']} x {mega['instance_size']} ranks per "
+                "instance")
+    return describe_layout(lc.get("node")) + (f" on {world} ranks" if world else "")
+
+
+_NODE_IDENTITY = ("voters", "node_size", "local_rank", "numels")
+
+
+def same_layout(saved: dict | None, mine: dict | None) -> bool:
+    """Whether state saved with layout ``saved`` is this rank's state under ``mine`` as it is (no resharding).
+    Both: ``state_dict()["lioncub"]`` or ``state_layout()``."""
+    saved = saved if isinstance(saved, dict) else {}
+    mine = mine if isinstance(mine, dict) else {}
+    if saved.get("megatron_layout") != mine.get("megatron_layout"):
+        return False
+    a, b = saved.get("node"), mine.get("node")
+    if a is None or b is None:
+        return a is None and b is None
+    if any(a.get(k) != b.get(k) for k in _NODE_IDENTITY):
+        return False
+    return "map" not in a or a["map"] == b.get("map")  # files from before the map: by the sizes alone
+
+
+@dataclass
+class Piece:
+    """Elements [start, start + length) of the flattened parameter ``key`` (its index in the
+    optimizer, or its name for Megatron's shards), at offset ``at`` of the tensor that holds them."""
+    key: object
+    start: int
+    length: int
+    at: int
+
+
+@dataclass
+class Holder:
+    """One tensor of a rank's state: ``address`` ("state", i): parameter i's ``exp_avg``;
+    ("momentum" | "master", i): node shard of bucket i; ("main", i): Megatron's fp32 main shard i."""
+    address: tuple
+    numel: int
+    pieces: list
+
+
+@dataclass
+class StateMap:
+    """Which elements of which parameters one rank's state holds, and for which voter."""
+    kind: str      # "flat" | "master_only" | "node" | "instances" (Megatron's distributed optimizer)
+    voters: int    # the momentum's voters in this layout (N, Nn or K)
+    voter: int     # the voter whose momentum this rank holds (a piece of)
+    replica: int   # the copy of the fp32 masters this rank holds a shard of (every copy is the same)
+    momentum: list = field(default_factory=list)
+    master: list = field(default_factory=list)
+
+    @property
+    def family(self) -> str:
+        """Layouts of one family reshard into each other (plain LionCub; Megatron's shards)."""
+        return "megatron" if self.kind == "instances" else "plain"
+
+
+def _shard_pieces(members, numels, local_rank: int, size: int) -> list:
+    """The pieces of shard ``local_rank`` (``size`` elements) of a bucket whose parameters are
+    ``members`` ([index, offset in the bucket] each)."""
+    lo, out = local_rank * size, []
+    for idx, off in members:
+        a, b = max(off, lo), min(off + numels[idx], lo + size)
+        if a < b:
+            out.append(Piece(idx, a - off, b - a, a - lo))
+    return out
+
+
+def state_map(lc: dict, rank: int, world: int, numels: list) -> StateMap:
+    """The :class:`StateMap` of a rank's state from its layout (``state_dict()["lioncub"]`` or
+    ``state_layout()``); ``numels``: the element count of every parameter (plain LionCub)."""
+    lc = lc if isinstance(lc, dict) else {}
+    mega = lc.get("megatron_layout")
+    if mega is not None:
+        pieces = lc.get("param_pieces")
+        if pieces is None:
+            raise CheckpointError("the state has no map of its shards onto the parameters (saved by a lioncub_ds "
+                                  "before resharding existed); resume it with the layout it was saved with, save it "
+                                  "again, then change the layout")
+        size = mega["instance_size"]
+        holders = [[Holder((kind, i), int(n), [Piece(name, int(start), int(n), 0)])
+                    for i, (name, start, n) in enumerate(pieces)] for kind in ("state", "main")]
+        return StateMap("instances", mega["instances"], rank // size, rank // size, *holders)
+    flat = [Holder(("state", i), n, [Piece(i, 0, n, 0)]) for i, n in enumerate(numels)]
+    node = lc.get("node")
+    if node is None:
+        return StateMap("flat", world, rank, rank, flat)
+    members = node.get("map")
+    if members is None:
+        raise CheckpointError("the shards have no map onto the parameters (saved by a lioncub_ds before resharding "
+                              "existed); resume with the layout they were saved with, save again, then change the "
+                              "layout")
+    size, k = node["node_size"], node["local_rank"]
+    keys = sorted(members)
+    if node["voters"] == "rank":  # master-only sharding: flat momenta, masters of the sharded buckets
+        sizes = dict(zip(keys, node["numels"]))
+        master = [Holder(("master", i), sizes[i], _shard_pieces(members[i], numels, k, sizes[i])) for i in keys]
+        return StateMap("master_only", world, rank, rank // size, flat, master)
+    shard = {i: Holder(("momentum", i), node["numels"][i], _shard_pieces(members[i], numels, k, node["numels"][i]))
+             for i in keys}
+    master = [Holder(("master", i), h.numel, h.pieces) for i, h in shard.items() if i in node.get("masters", ())]
+    return StateMap("node", node["voters"], rank // size, rank // size, list(shard.values()), master)
+
+
+def _held_tensor(opt_state: dict, address):
+    """The tensor at ``address`` in a saved optimizer state (None: not there)."""
+    kind, i = address
+    if kind == "state":
+        st = opt_state.get("state", {}).get(i)
+        return st.get("exp_avg") if isinstance(st, dict) else None
+    lc = opt_state.get("lioncub") or {}
+    if kind == "main":
+        shards = lc.get("main_shards")
+        return shards[i] if isinstance(shards, (list, tuple)) and i < len(shards) else None
+    return ((lc.get("node") or {}).get(kind) or {}).get(i)
+
+
+class _Rebuild:
+    """This rank's new state, element by element, from the old ranks' pieces (one file at a time)."""
+
+    def __init__(self, target: StateMap, average: bool, old_voters: int):
+        self.target, self.average, self.old_voters = target, average, old_voters
+        self.values = {w: [torch.zeros(h.numel, dtype=torch.float32) for h in getattr(target, w)]
+                       for w in ("momentum", "master")}
+        self.seen = {w: [torch.zeros(h.numel, dtype=torch.int32) for h in getattr(target, w)]
+                     for w in ("momentum", "master")}
+        self.index = {}
+        for w in ("momentum", "master"):
+            for hi, h in enumerate(getattr(target, w)):
+                for pc in h.pieces:
+                    self.index.setdefault((w, pc.key), []).append((hi, pc))
+
+    def add(self, which: str, piece: Piece, values: torch.Tensor) -> None:
+        for hi, pc in self.index.get((which, piece.key), ()):
+            a, b = max(piece.start, pc.start), min(piece.start + piece.length, pc.start + pc.length)
+            if a >= b:
+                continue
+            src = values[piece.at + a - piece.start:piece.at + b - piece.start]
+            lo = pc.at + a - pc.start
+            dst = self.values[which][hi][lo:lo + b - a]
+            if which == "momentum" and self.average:
+                dst.add_(src.float())  # the mean: summed in voter order, divided at the end
+            else:
+                dst.copy_(src)  # one source per element: its bits
+            self.seen[which][hi][lo:lo + b - a] += 1
+
+    def momenta(self, where: str):
+        """(address, values) of every target momentum that the old state covers: every element of a
+        piece either from each old voter (average) or from this rank's voter, or not at all."""
+        want = self.old_voters if self.average else 1
+        for h, values, seen in zip(self.target.momentum, self.values["momentum"], self.seen["momentum"]):
+            covered = False
+            for pc in h.pieces:
+                got = seen[pc.at:pc.at + pc.length]
+                if bool((got == want).all()):
+                    covered = True
+                elif bool((got != 0).any()):
+                    raise CheckpointError(
+                        f"{where}: the saved momenta cover elements {pc.start}..{pc.start + pc.length - 1} of parameter "
+                        f"{pc.key!r} only partly ({int(got.min())} to {int(got.max())} of {want} voters); the files do "
+                        "not describe one layout of this model")
+            if covered:
+                yield h.address, values.div_(self.old_voters) if self.average else values
+
+    def masters(self):
+        """(address, values) of every target master shard whose every element has a saved master."""
+        for h, values, seen in zip(self.target.master, self.values["master"], self.seen["master"]):
+            if all(bool((seen[pc.at:pc.at + pc.length] > 0).all()) for pc in h.pieces):
+                yield h.address, values
+            elif any(bool((seen[pc.at:pc.at + pc.length] > 0).any()) for pc in h.pieces):
+                log.warning("LionCub: the saved fp32 masters cover the master shard %s only partly; it is made from "
+                            "the parameters at the next step", h.address)
+
+
+def _numels(shapes) -> list:
+    out = []
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        out.append(n)
+    return out
+
+
+def _reshard(optimizer, directory: str, old_world: int, reshard: str) -> dict:
+    """This rank's state under its own layout, rebuilt from the ``old_world`` rank files of another
+    layout (module doc). Reads one file at a time; changes nothing."""
+    rank, world = _rank_info(optimizer)
+    mine = optimizer.state_layout() if hasattr(optimizer, "state_layout") else {"node": None}
+    shapes = _shapes(optimizer)
+    target = state_map(mine, rank, world, _numels(shapes))
+    rebuild, first, steps, old_text = None, None, set(), None
+    for r in range(old_world):
+        path = rank_file(directory, r, old_world)
+        payload = read(path)
+        if payload["world_size"] != old_world or payload["rank"] != r:
+            raise CheckpointError(f"{path} claims rank {payload['rank']} of {payload['world_size']}")
+        state = payload["optimizer"]
+        lc = state.get("lioncub") if isinstance(state, dict) else None
+        lc = lc if isinstance(lc, dict) else {}
         try:
-            check_node(lc.get("node") if isinstance(lc, dict) else None)
-        except ValueError as exc:  # LionCubConfigError
+            old = state_map(lc, r, old_world, _numels(payload.get("param_shapes") or []))
+        except (CheckpointError, KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
+        if old.family != target.family:
+            raise CheckpointError(f"{path} holds {layout_text(lc, old_world)} state; this optimizer has "
+                                  f"{layout_text(mine, world)}: Megatron's distributed-optimizer shards and a plain "
+                                  "LionCub's state do not reshard into each other")
+        if target.family == "plain":
+            _check_params(payload, shapes, path)
+        if first is None:
+            first, old_text = state, layout_text(lc, old_world)
+            average = old.voters != target.voters
+            if average and reshard == "error":
+                raise CheckpointError(
+                    f"{directory} was saved by {old_world} ranks; this run has {world} (pass reshard='average' to "
+                    f"start every voter from the mean momentum; saved with {old_text}: {old.voters} voters; this "
+                    f"run has {layout_text(mine, world)}: {target.voters} voters)")
+            rebuild = _Rebuild(target, average, old.voters)
+        elif layout_text(lc, old_world) != old_text or old.voters != rebuild.old_voters:
+            raise CheckpointError(f"{directory}: the rank files describe different layouts ({old_text}; {path}: "
+                                  f"{layout_text(lc, old_world)})")
+        steps.add(lc.get("step"))
+        if rebuild.average or old.voter == target.voter:
+            for h in old.momentum:
+                t = _held_tensor(state, h.address)
+                if t is None and h.address[0] == "momentum":
+                    t = torch.zeros(h.numel)  # a node shard is made at the first step: zeros until then
+                if t is None:
+                    continue
+                if t.numel() != h.numel:
+                    raise CheckpointError(f"{path}: the momentum {h.address} holds {t.numel()} elements; its layout "
+                                          f"says {h.numel}")
+                _check_finite(t, f"the momentum {h.address}", path)
+                for pc in h.pieces:
+                    rebuild.add("momentum", pc, t.reshape(-1))
+        if old.replica == 0:  # the masters: every replica holds the same values
+            for h in old.master:
+                t = _held_tensor(state, h.address)
+                if t is None:
+                    continue
+                if t.numel() != h.numel:
+                    raise CheckpointError(f"{path}: the master shard {h.address} holds {t.numel()} elements; its "
+                                          f"layout says {h.numel}")
+                for pc in h.pieces:
+                    rebuild.add("master", pc, t.reshape(-1))
+    if len(steps) > 1:
+        raise CheckpointError(f"{directory}: the {old_world} rank files were saved at different steps "
+                              f"{sorted(steps, key=repr)} (an interrupted or mixed save?); refusing to reshard them")
+    log.warning("LionCub: resharding optimizer state from %d ranks (%s) to %d ranks (%s)%s", old_world, old_text,
+                world, layout_text(mine, world),
+                " by averaging momenta" if rebuild.average else ", every voter keeps its momentum")
+    return _assemble(optimizer, mine, shapes, rebuild, first, directory)
+
+
+def _assemble(optimizer, mine: dict, shapes: list, rebuild: _Rebuild, first: dict, where: str) -> dict:
+    """The rebuilt pieces as a state dict in this optimizer's own format (for ``load_state_dict``)."""
+    rank, world = _rank_info(optimizer)
+    dtype = optimizer.config.momentum_dtype
+    old_lc = first.get("lioncub") or {}
+    step = int(old_lc.get("step", 0))
+    state, shards, main = {}, {"momentum": {}, "master": {}}, {}
+    for (kind, i), values in rebuild.momenta(where):
+        if kind == "state":  # torch's per-parameter step counter: the optimizer's step count
+            state[i] = {"exp_avg": values.view(shapes[i]).to(dtype),
+                        "step": torch.tensor(float(step), dtype=torch.float32)}
+        else:
+            shards["momentum"][i] = values.to(dtype)
+    for (kind, i), values in rebuild.masters():
+        if kind == "main":
+            main[i] = values.view(shapes[i])
+        else:
+            shards["master"][i] = values
+    lioncub = {k: v for k, v in old_lc.items() if k in ("format", "step", "skipped_steps", "comm_stats")}
+    lioncub.update({k: v for k, v in mine.items() if k != "node"}, world_size=world, rank=rank)
+    if mine.get("node") is not None:
+        lioncub["node"] = dict(mine["node"], **shards)
+    if mine.get("megatron_layout") is not None and len(main) == len(shapes):
+        lioncub["main_shards"] = [main[i] for i in range(len(shapes))]
+    old_groups = first.get("param_groups") or []
+    if len(old_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{where}: the checkpoint has {len(old_groups)} parameter groups, this optimizer "
+                              f"{len(optimizer.param_groups)}")
+    groups, n = [], 0
+    for old, g in zip(old_groups, optimizer.param_groups):
+        groups.append(dict({k: v for k, v in old.items() if k not in ("params", "param_names")},
+                           params=list(range(n, n + len(g["params"])))))
+        n += len(g["params"])
+    return {"state": state, "param_groups": groups, "lioncub": lioncub}
 
 
 def _prepare(optimizer, directory: str, reshard: str):
@@ -235,29 +554,21 @@ def _prepare(optimizer, directory: str, reshard: str):
         # checked before this rank's own file: a stale set must never be resumed silently
         raise CheckpointError(f"{directory} mixes checkpoints of world sizes {sorted(worlds)}; refusing to guess "
                               "which set to resume (move the stale rank files away)")
+    mine = optimizer.state_layout() if hasattr(optimizer, "state_layout") else {"node": None}
     if os.path.exists(path):
         payload = read(path)
         if payload["world_size"] != world or payload["rank"] != rank:
             raise CheckpointError(f"{path} claims rank {payload['rank']} of {payload['world_size']}")
-        _check_fits(payload, optimizer, path)
-        return payload["optimizer"], path
-    if not worlds:
+        lc = payload["optimizer"].get("lioncub") if isinstance(payload["optimizer"], dict) else None
+        if same_layout(lc, mine):
+            _check_fits(payload, optimizer, path)
+            return payload["optimizer"], path
+        old_world = world  # the same ranks under another layout: reshard
+    elif not worlds:
         raise CheckpointError(f"no LionCub checkpoint files in {directory}")
-    old_world = worlds.pop()
-    if reshard == "error":
-        raise CheckpointError(f"{directory} was saved by {old_world} ranks; this run has {world} "
-                              "(pass reshard='average' to start every rank from the mean momentum)")
-    payloads = []
-    for r in range(old_world):
-        p = rank_file(directory, r, old_world)
-        payloads.append(read(p))
-        _check_fits(payloads[-1], optimizer, p)
-    steps = sorted({pl["optimizer"].get("lioncub", {}).get("step") for pl in payloads}, key=repr)
-    if len(steps) > 1:
-        raise CheckpointError(f"{directory}: the {old_world} rank files were saved at different steps {steps} "
-                              "(an interrupted or mixed save?); refusing to average them")
-    log.warning("LionCub: resharding optimizer state from %d to %d ranks by averaging momenta", old_world, world)
-    return average_states([pl["optimizer"] for pl in payloads]), directory
+    else:
+        old_world = worlds.pop()
+    return _reshard(optimizer, directory, old_world, reshard), directory
 
 
 def _device_of(optimizer):
@@ -320,21 +631,3 @@ def load(optimizer, directory: str, reshard: str = "average") -> str:
     changes its state.
     """
     return apply_load(optimizer, prepare_load(optimizer, directory, reshard))
-
-
-def average_states(states: list[dict]) -> dict:
-    """Mean of several ranks' state dicts (momenta averaged in fp32; steps must agree)."""
-    first = states[0]
-    out = {k: v for k, v in first.items() if k != "state"}
-    out["state"] = {}
-    for idx, st in first["state"].items():
-        merged = dict(st)
-        if "exp_avg" in st:
-            acc = torch.zeros_like(st["exp_avg"], dtype=torch.float32)
-            for s in states:
-                acc += s["state"][idx]["exp_avg"].float()
-            merged["exp_avg"] = (acc / len(states)).to(st["exp_avg"].dtype)
-        out["state"][idx] = merged
-    if "lioncub" in first:
-        out["lioncub"] = dict(first["lioncub"])
-    return out

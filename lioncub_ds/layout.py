@@ -43,6 +43,13 @@ class Bucket:
         return self.kind if self.kind is not None else (self.params[0].device, self.params[0].dtype)
 
 
+#: A tensor attribute: the index, inside the parameter it is a piece of, of the tensor's first
+#: element. Set on the shards a framework hands to LionCub (Megatron's distributed optimizer:
+#: lioncub_ds.megatron), so that the hash tie rule keys on the element's index inside its real
+#: parameter, whatever the shard layout. Absent: the tensor is the whole parameter.
+ELEMENT_START = "lioncub_element_start"
+
+
 def group_names(group: dict) -> list:
     """A param group's parameter names (torch's ``param_names``; the simulation's ``names``), or Nones."""
     names = group.get("param_names", group.get("names"))
@@ -74,8 +81,10 @@ def build_buckets(param_groups, bucket_numel: int, world_size: int) -> tuple[lis
                     size += aligned
                     continue
                 total = padded_numel(size, world_size)
+                starts = [int(getattr(q, ELEMENT_START, 0)) for q, _, _ in cur]
                 buckets.append(Bucket(gi, [q for q, _, _ in cur], [nm for _, nm, _ in cur], [o for _, _, o in cur],
-                                      total, sum(q.numel() for q, _, _ in cur), base))
+                                      total, sum(q.numel() for q, _, _ in cur), base,
+                                      param_starts=starts if any(starts) else None))
                 base += total
                 cur, size = ([(p, name, 0)], aligned) if p is not None else ([], 0)
     return buckets, frozen

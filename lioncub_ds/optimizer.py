@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from .agreement import agree_settings
+from .checkpoint import same_layout
 from .comm.pbit import check_lane_bits
 from .config import CONSTRUCTOR_ONLY, LionCubConfig, LionCubConfigError
 from .config_text import constructor_doc
@@ -483,11 +484,23 @@ class LionCub(Optimizer):
         sharding = self._sharding()
         return sharding.layout() if sharding is not None else None
 
+    def state_layout(self) -> dict:
+        """What this rank's optimizer state is a piece of, without its tensors (what
+        :mod:`lioncub_ds.checkpoint` reshards by; ``state_dict()["lioncub"]`` carries the same keys).
+        ``{"node": None}`` when every rank holds a momentum per parameter (flat voting); with
+        voters="node" or master-only sharding ``"node"`` is the layout of its shards
+        (:meth:`lioncub_ds.sharding.Flat.layout`): ``voters`` (Nn, or "rank" for master-only
+        sharding), ``node_size`` L, ``local_rank``, ``numels`` (the shard sizes), ``map`` (per
+        bucket index, the [parameter index, offset] of each parameter in the full bucket, whose
+        shard ``local_rank`` of L equal shards this rank holds) and ``masters`` (the buckets with
+        fp32 master shards)."""
+        return {"node": self._node_layout()}
+
     def state_dict(self):
         sd = super().state_dict()
         sd["lioncub"] = {"format": STATE_FORMAT, "step": self._step_count, "skipped_steps": self._skipped_steps,
                          "world_size": self.world_size, "rank": self.rank, "comm_stats": self.stats.state_dict()}
-        layout = self._node_layout()
+        layout = self.state_layout()["node"]
         if layout is not None:  # this rank's shards (a per-rank checkpoint file holds them)
             sh = self.momenta.shards
             sd["lioncub"]["node"] = dict(layout, momentum={i: t.clone() for i, t in sh["momentum"].items()},
@@ -509,10 +522,12 @@ class LionCub(Optimizer):
                     "changed")
         super().load_state_dict(state_dict)
         restore_momenta(self, saved, self.config.momentum_dtype)
-        if node is not None:
-            self.momenta.shards = {"momentum": {int(i): t.to(self.config.momentum_dtype).clone()
-                                                for i, t in node["momentum"].items()},
-                                   "master": {int(i): t.float().clone() for i, t in node["master"].items()}}
+        if node is not None:  # on the parameters' device (a file is read to the CPU)
+            device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+            self.momenta.shards = {
+                "momentum": {int(i): t.to(device=device, dtype=self.config.momentum_dtype).clone()
+                             for i, t in node["momentum"].items()},
+                "master": {int(i): t.to(device=device, dtype=torch.float32).clone() for i, t in node["master"].items()}}
         if extra is not None:
             self._step_count = int(extra.get("step", 0))
             self._skipped_steps = int(extra.get("skipped_steps", 0))
@@ -520,23 +535,21 @@ class LionCub(Optimizer):
                 self.stats.load_state_dict(extra["comm_stats"])
 
     def _check_node_state(self, node):
-        """The saved shards must be this rank's shards of this layout (same Nn, L, local rank and
-        bucket sizes): resharding is not supported. Raises before anything is loaded."""
+        """The saved shards must be this rank's shards of this layout (same Nn or master-only
+        sharding, L, local rank, bucket sizes and parameters in them). Raises before anything is
+        loaded; :func:`lioncub_ds.checkpoint.load` reshards per-rank files of another layout."""
         mine = self._node_layout()
-        if node is None and mine is None:
-            return None
-        if node is None or mine is None:
-            raise LionCubConfigError(
-                f"LionCub.load_state_dict: the state was saved with {describe_layout(node)} but this optimizer "
-                f"has {describe_layout(mine)}; allowed: load with the voters and node_size settings it was saved with; no state was "
-                "changed")
-        saved = {k: node.get(k) for k in mine}
-        if saved != mine:
-            raise LionCubConfigError(
-                f"LionCub.load_state_dict: the momentum shards were saved for {saved}, this rank has {mine}; "
-                "allowed: resume with the same node_size, number of node groups and ranks (resharding node-voter "
-                "state is not supported); no state was changed")
-        return node
+        if same_layout({"node": node}, {"node": mine}):
+            return node
+        where = ""
+        if node is not None and mine is not None and all(node.get(k) == mine.get(k) for k in ("voters", "node_size")):
+            where = f" (local rank {node.get('local_rank')}, shards of {node.get('numels')} elements; this rank: " \
+                    f"local rank {mine.get('local_rank')}, {mine.get('numels')})"
+        raise LionCubConfigError(
+            f"LionCub.load_state_dict: the state was saved with {describe_layout(node)}{where}, this "
+            f"optimizer has {describe_layout(mine)}; allowed: the layout it was saved with (voters, node_size, "
+            "ranks, bucket_size_mb); to change the layout, load the per-rank files with "
+            "lioncub_ds.checkpoint.load(opt, directory, reshard='average'), which reshards them; no state was changed")
 
     @property
     def step_count(self) -> int:

@@ -264,23 +264,27 @@ class StepPlan:
         names = [nm for b in self.sharding.full for nm in b.names]
         fp = self._fingerprints(params)
         both = torch.cat([fp, -fp])
-        self.world_coll.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
+        # the ranks that hold what this rank steps, value for value (Megatron's instances: the
+        # shard peers); the verdict is every rank's (each raises or re-synchronizes together)
+        replicas = self.sharding.replicas()
+        replicas.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
         hi, neg_lo = both[:fp.numel()], both[fp.numel():]
         differs = (hi != -neg_lo).reshape(-1, 2).any(dim=1)
-        if not bool(differs.any()):
+        if not self.sharding.agree_found(bool(differs.any())):
             return True
         idx = differs.nonzero().reshape(-1).tolist()
         labels = [names[i] or f"param #{i} (shape {tuple(params[i].shape)})" for i in idx[:5]]
-        msg = (f"LionCub: parameters differ across the {self.ranks} ranks at step {step}: "
-               f"{', '.join(labels)}" + (f" and {len(idx) - 5} more" if len(idx) > 5 else ""))
+        msg = (f"LionCub: parameters differ across the {replicas.world_size} ranks at step {step}: "
+               f"{', '.join(labels) or '(on the shards of other ranks)'}" +
+               (f" and {len(idx) - 5} more" if len(idx) > 5 else ""))
         if action == "resync":
             log.warning("%s; re-synchronizing every parameter from rank 0", msg)
             for p in params:
                 if p.is_contiguous():
-                    self.world_coll.broadcast_(p.data, 0, "drift_resync")
+                    replicas.broadcast_(p.data, 0, "drift_resync")
                 else:  # a broadcast sends raw memory: go through a contiguous copy of the view
                     buf = p.detach().contiguous()
-                    self.world_coll.broadcast_(buf, 0, "drift_resync")
+                    replicas.broadcast_(buf, 0, "drift_resync")
                     p.data.copy_(buf)
             # state derived from the parameters (fp32 master shards of 16-bit parameters) follows them
             self.sharding.after_resync()

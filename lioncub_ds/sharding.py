@@ -69,6 +69,13 @@ def shard_pieces(bucket: Bucket, size: int, local_rank: int) -> list:
     return pieces
 
 
+def bucket_members(opt, bucket: Bucket) -> list:
+    """[index among ``opt``'s parameters, offset in the bucket] of every parameter of ``bucket``
+    (the shard map a checkpoint carries: lioncub_ds.checkpoint reshards by it)."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    return [[index[id(p)], off] for p, off in zip(bucket.params, bucket.offsets)]
+
+
 def copy_pieces_from_params(pieces, flat) -> None:
     for p, start, length, at in pieces:
         flat[at:at + length].copy_(p.detach().reshape(-1)[start:start + length])
@@ -206,8 +213,19 @@ class Flat:
 
     def layout(self) -> dict | None:
         """What this rank's saved shards are (a load must match it; :func:`describe_layout` says it
-        in words); None: no shards."""
+        in words; :mod:`lioncub_ds.checkpoint` reshards by its ``map``: per bucket, the [parameter
+        index, offset] of every parameter in the full bucket); None: no shards."""
         return None
+
+    # ------------------------------------------------------------------ the drift check
+    def replicas(self):
+        """The collectives over the ranks that hold what this rank steps, value for value (the
+        drift check compares them): every rank of the step."""
+        return self.world_coll
+
+    def agree_found(self, found: bool) -> bool:
+        """Whether any rank of the step found a drift (the replicas' verdict is everyone's here)."""
+        return found
 
     def after_resync(self) -> None:
         """The parameters were just broadcast from rank 0 (nothing else derives from them here)."""
@@ -235,6 +253,17 @@ class Instances(Flat):
         cfg = opt.config
         self.world_coll = Collectives(topology.full_group, opt.stats, cfg.timeout_s)
         self.agree_coll = Collectives(topology.agree_group, opt.stats, cfg.timeout_s, scope="intra_node")
+
+    def replicas(self):
+        """The shard peers: the one rank per instance that holds this rank's shard."""
+        return self.coll
+
+    def agree_found(self, found: bool) -> bool:
+        """Summed over the instance, so that every rank raises or re-synchronizes together."""
+        device = self.full[0].params[0].device if self.full else torch.device("cpu")
+        flag = torch.tensor([int(found)], dtype=torch.int32, device=device)
+        self.agree_coll.all_reduce_(flag, "drift_flag")
+        return flag.item() > 0
 
     def agree(self, words: torch.Tensor) -> torch.Tensor:
         """Only the step-wide head is summed over the instance: the per-bucket entries belong to
@@ -296,7 +325,9 @@ class MasterOnly(_MasterShardsMixin, Flat):
 
     def layout(self) -> dict:
         return {"voters": "rank", "node_size": self.size, "local_rank": self.local_rank,
-                "numels": [self.buckets[i].numel // self.size for i in self.sharded]}
+                "numels": [self.buckets[i].numel // self.size for i in self.sharded],
+                "map": {i: bucket_members(self.opt, self.buckets[i]) for i in self.sharded},
+                "masters": list(self.sharded)}
 
     def redirect(self, i: int, job) -> None:
         """Point bucket ``i``'s apply at this rank's master shard (after the vote is counted)."""
@@ -451,7 +482,9 @@ class NodeVoters(_MasterShardsMixin):
 
     def layout(self) -> dict:
         return {"voters": self.topology.world_size, "node_size": self.size, "local_rank": self.local_rank,
-                "numels": [b.numel for b in self.buckets]}
+                "numels": [b.numel for b in self.buckets],
+                "map": {i: bucket_members(self.opt, b) for i, b in enumerate(self.full)},
+                "masters": [i for i in range(len(self.full)) if self.low_precision(i)]}
 
     # ------------------------------------------------------------------ how it finishes
     def redirect(self, i: int, job) -> None:

@@ -72,28 +72,34 @@ def train(engine, rank, start, stop, dtype):
     return losses
 
 
+def plain_step(model, opt, rank, s, dtype):
+    """One plain-torch step with the integration's local clipping rule."""
+    import torch
+    loss_of(model, rank, s, dtype).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = float(torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum().sqrt())
+    coef = CLIP / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.detach().mul_(coef)
+    opt.step()
+    opt.zero_grad()
+
+
 def reference(rank, dtype, settings=NODE):
     """Plain-torch LionCub (voters="node", or ``settings``) with the integration's local clipping rule."""
-    import torch
     import lioncub_ds
     model = ds_script.make_model(0).to(dtype)
     opt = lioncub_ds.LionCub(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1, comm="1bit",
                              **settings)
     for s in range(STEPS):
-        loss_of(model, rank, s, dtype).backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = float(torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum().sqrt())
-        coef = CLIP / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.detach().mul_(coef)
-        opt.step()
-        opt.zero_grad()
+        plain_step(model, opt, rank, s, dtype)
     return digest([p for p in model.parameters()])
 
 
 def node_scenario(dtype, rank, out_dir):
     import torch
+    import lioncub_ds
     import lioncub_ds.deepspeed as lds
     cfg = cfg_for(dtype, **NODE)
     engine = initialize(cfg)
@@ -121,15 +127,24 @@ def node_scenario(dtype, rank, out_dir):
     res["resumed_losses"] = train(engine2, rank, SAVE_AT, STEPS, dtype)
     res["resumed_digest"] = digest(engine2.module.parameters())
     res["reference_digest"] = reference(rank, dtype)
-    # the same files into 1 group x 4 ranks: refused on every rank before DeepSpeed loads anything
+    # the same files into 1 group x 4 ranks: resharded by engine.load_checkpoint exactly as
+    # lioncub_ds.checkpoint.load reshards them for a plain-torch LionCub (tests/test_reshard.py checks
+    # that one against the oracle); then one more step of each
     other = initialize(cfg_for(dtype, voters="node", node_size=4), seed=5)
-    before = digest(other.module.parameters())
-    try:
-        other.load_checkpoint(ckpt, tag="mid")
-        res["other_layout"] = {"error_type": None}
-    except Exception as exc:  # noqa: BLE001
-        res["other_layout"] = {"error_type": type(exc).__name__, "error": str(exc)}
-    res["other_layout"]["untouched"] = digest(other.module.parameters()) == before
+    other.load_checkpoint(ckpt, tag="mid")
+    plain_model = ds_script.make_model(0).to(dtype)
+    plain_model.load_state_dict(other.module.state_dict())
+    plain = lioncub_ds.LionCub(plain_model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1, comm="1bit",
+                               voters="node", node_size=4)
+    lioncub_ds.checkpoint.load(plain, os.path.join(ckpt, "mid"))
+    mine, theirs = other.basic_optimizer.state_dict()["lioncub"]["node"], plain.state_dict()["lioncub"]["node"]
+    same = all(sorted(mine[k]) == sorted(theirs[k]) and all(digest([mine[k][i]]) == digest([theirs[k][i]])
+                                                          for i in mine[k]) for k in ("momentum", "master"))
+    res["resharded"] = {"same_state": same, "step": other.basic_optimizer.step_count,
+                        "masters": sorted(mine["master"]), "layout": [mine["voters"], mine["node_size"]]}
+    train(other, rank, SAVE_AT, SAVE_AT + 1, dtype)
+    plain_step(plain_model, plain, rank, SAVE_AT, dtype)
+    res["resharded"]["stepped_equal"] = digest(other.module.parameters()) == digest(plain_model.parameters())
     # today's stage 0 (every rank votes, full replicas of the state) on the same model
     flat = initialize(cfg_for(dtype))
     train(flat, rank, 0, 1, dtype)

@@ -7,8 +7,15 @@
   literal Lion vote with tie_break="zero"), and are bit-identical on all 4 ranks;
 * no floating-point tensor larger than a flag crosses instances (the NCCL-contract log of
   every collective, with its group and dtype), and comm_stats counts the votes as inter_node;
-* save + resume at the same layout is exact; a resume under K = 1 is refused, naming both layouts;
+* save + resume at the same layout is exact; another layout reshards: K = 2 x 2 -> 1 x 4 and
+  4 x 1, and (a 2-rank launch) DP = 2 as 2 x 1 and 1 x 2: every momentum shard equals the
+  oracle's resharded momenta (the same K: each instance's own; another K: their mean), the bf16
+  run's fp32 main shards come back exactly, then steps against the oracle; with reshard="error"
+  it is refused on every rank, naming both layouts;
 * K = 1 (one instance of 4): Lion on the DP-mean gradient, no votes (0 inter-node bytes);
+* the hash tie rule on the index inside the model parameter, momentum_double_buffer,
+  drift_check_every (a drifted shard is found by its shard peer and every rank raises or
+  re-synchronizes together) and momentum_sync over the voters of a node, against the oracle;
 * the flag errors (voters='node' without the distributed optimizer, a node_size that is not DP/K).
 """
 from __future__ import annotations
@@ -39,13 +46,18 @@ FLOAT = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
 
 
 # ----------------------------------------------------------------------------- rank side
-def _init(k):
+def _init(k, tp=1, pp=1, ep=1):
     from megatron.core import parallel_state as ps
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, num_distributed_optimizer_instances=k)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, num_distributed_optimizer_instances=k)
 
 
-def _build(k, seed=1234, dtype=torch.float32, overlap=False):
+def _build(k, seed=1234, dtype=torch.float32, overlap=False, experts=None):
+    """A tiny GPTModel in Megatron's DDP with the distributed optimizer's K instances, at the
+    tensor / pipeline / expert parallel sizes of the current parallel state (the pipeline's two
+    stages untie the embeddings: each stage's gradient is then its own)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -53,11 +65,18 @@ def _build(k, seed=1234, dtype=torch.float32, overlap=False):
     from megatron.core.transformer import TransformerConfig
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=2 * HIDDEN,
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    moe = dict(num_moe_experts=experts, moe_router_topk=1, moe_router_pre_softmax=True, add_bias_linear=False,
+               moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+               expert_model_parallel_size=ps.get_expert_model_parallel_world_size()) if experts else {}
+    cfg = TransformerConfig(num_layers=pp, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=2 * HIDDEN,
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                            params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ)
+                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+                            fp16=dtype == torch.float16, **moe)
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=pp == 1)
     if dtype != torch.float32:
         from megatron.core.transformer.module import Float16Module
         model = Float16Module(cfg, model)
@@ -99,7 +118,7 @@ def _fwd_bwd(ddp, tokens):
 
     res = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=[ddp],
                                       num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS)
-    return float(res[0]["loss"])
+    return float(res[0]["loss"]) if res else 0.0  # (the loss is on the last pipeline stage)
 
 
 def _local_grads(cfg, ddp, step):
@@ -142,74 +161,246 @@ def _hyper(config, ddp):
     return out
 
 
-def _oracle_run(k, steps, overlap=False):
-    """Train ``steps`` steps; before each, compute the expected parameters by brute force. With
-    ``overlap`` Megatron's reduce-scatter of each bucket starts during backward (several buckets)."""
+def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", masters=None, sync=(), scale=None):
+    """Train steps first..last; before each, compute the expected parameters by brute force: k
+    voters, voter j with the mean gradient of instance j (the instance's ranks holding the
+    parameter, over the instance's data-parallel size L; expert parameters: its part of the expert
+    data-parallel group) and its momentum ``momenta[name][j]`` (updated in place), the literal Lion
+    vote (ties: "zero", or "hash" on the element's index inside its parameter and the step).
+    ``masters``: {name: fp32 master} for 16-bit parameters (updated); ``sync``: groups of voters
+    whose momenta are averaged after every step (fp32); ``scale``: the loss scale (gradients are
+    unscaled by it)."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
     from lioncub_ds.kernels import reference
-    from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
-    world = dist.get_world_size()
-    size = world // k
-    cfg, ddp = _build(k, overlap=overlap)
-    config = _opt_config()
-    opt = get_megatron_lioncub_optimizer(config, [ddp], lioncub={"voters": "node", "comm": "1bit",
-                                                                  "tie_break": "zero"})
-    hyper = _hyper(config, ddp)
-    names = [n for n, _ in ddp.named_parameters()]
-    momenta = {n: [torch.zeros(p.numel()) for _ in range(k)] for n, p in ddp.named_parameters()}
+    dp_group = {False: ps.get_data_parallel_group(with_context_parallel=True),
+                True: ps.get_expert_data_parallel_group()}
+    size = dist.get_world_size(dp_group[False]) // k
     mismatched, moved, elements, fps = 0, 0, 0, []
-    for s in range(steps):
+    for s in range(first, last + 1):
         local = _local_grads(cfg, ddp, s)
-        every = {}
-        for n in names:
-            parts = [torch.zeros_like(local[n]) for _ in range(world)]
-            dist.all_gather(parts, local[n])
-            every[n] = parts
         expected = {}
         for n, p in ddp.named_parameters():
+            group = dp_group[not getattr(p, "allreduce", True)]  # Megatron marks expert parameters allreduce=False
+            every = [torch.zeros_like(local[n]) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(every, local[n], group=group)
+            part = len(every) // k
             lr, wd = hyper[n]
             cs, gbar = [], []
-            for j in range(k):  # voter j: the mean gradient of instance j's ranks (consecutive DP ranks)
-                acc = every[n][j * size].reshape(-1).clone()
-                for r in range(1, size):
-                    acc.add_(every[n][j * size + r].reshape(-1))
-                gbar.append(acc.div_(size))
+            for j in range(k):  # instance j: consecutive data-parallel ranks
+                acc = every[j * part].reshape(-1).float().clone()
+                for r in range(1, part):
+                    acc.add_(every[j * part + r].reshape(-1).float())
+                acc.div_(size)
+                if scale is not None:
+                    acc.mul_(1.0 / scale)
+                gbar.append(acc)
                 cs.append(reference.lion_direction(momenta[n][j], gbar[j], BETAS[0]))
             votes = torch.sign(torch.stack(cs))
-            delta = torch.sign((votes > 0).sum(0) * 2 - (votes != 0).sum(0)).float()  # ties -> 0
-            e = p.detach().reshape(-1).clone()
+            plus, cnt = (votes > 0).sum(0), (votes != 0).sum(0)
+            delta = torch.sign(plus * 2 - cnt).float()
+            if tie == "hash":
+                ties = (plus * 2 == cnt) & (cnt > 0)
+                delta = torch.where(ties, reference.tie_hash_sign(s + 1, torch.arange(delta.numel())).float(), delta)
+            e = (masters[n] if masters is not None else p.detach().reshape(-1)).clone()
             e.mul_(1.0 - lr * wd)
             e.add_(delta.mul(-lr))
             expected[n] = (e, int((delta != 0).sum()))
             for j in range(k):
                 reference.momentum_update(momenta[n][j], gbar[j], BETAS[1])
+            for voters in sync:  # momentum_sync: the voters' mean, summed in fp32
+                acc = momenta[n][voters[0]].clone()
+                for j in voters[1:]:
+                    acc.add_(momenta[n][j])
+                acc.div_(len(voters))
+                for j in voters:
+                    momenta[n][j].copy_(acc)
         _train_step(ddp, opt, s)
         for n, p in ddp.named_parameters():
             e, mv = expected[n]
-            mismatched += int((p.detach().reshape(-1) != e).sum())
+            if masters is not None:
+                masters[n] = e
+            mismatched += int((p.detach().reshape(-1) != e.to(p.dtype)).sum())
             moved += mv
             elements += e.numel()
         fps.append(_fingerprints(ddp))
+    return mismatched, moved, elements, fps
+
+
+def _shards(opt):
+    """(LionCub, name, first element, shard parameter) of every shard this rank's LionCubs step."""
+    out = []
+    for dopt in opt.chained_optimizers:
+        lc = dopt.optimizer
+        for gi, g in enumerate(lc.param_groups):
+            models = [*dopt.model_fp32_groups[gi], *dopt.model_float16_groups[gi]]
+            for shard, model_param, name in zip(g["params"], models, g["param_names"]):
+                out.append((lc, name, dopt._get_model_param_range_map(model_param)["param"].start, shard))
+    return out
+
+
+def _voter(lc):
+    """This rank's voter: its instance (its place in the inter-instance vote group)."""
+    import torch.distributed as dist
+    return dist.get_rank(lc.vote_group) if dist.get_world_size(lc.vote_group) > 1 else 0
+
+
+def _momentum_mismatches(opt, momenta):
+    """Elements of this rank's momentum shards that differ from its voter's ``momenta[name]`` (bitwise)."""
+    bad = 0
+    for lc, name, start, shard in _shards(opt):
+        want = momenta[name][_voter(lc)][start:start + shard.numel()]
+        bad += int((lc.state[shard]["exp_avg"].reshape(-1).view(torch.int32) != want.view(torch.int32)).sum())
+    return bad
+
+
+def _oracle_run(k, steps, overlap=False, extra=None, dtype=torch.float32, experts=None, sync=(), scale=None):
+    """Train ``steps`` steps; before each, compute the expected parameters by brute force. With
+    ``overlap`` Megatron's reduce-scatter of each bucket starts during backward (several buckets);
+    ``extra``: more lioncub settings; ``scale``: fp16 with Megatron's constant loss scale."""
+    import torch.distributed as dist
+    from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
+    cfg, ddp = _build(k, overlap=overlap, dtype=dtype, experts=experts)
+    half = {torch.bfloat16: dict(bf16=True, params_dtype=dtype), torch.float16: dict(
+        fp16=True, params_dtype=dtype, loss_scale=scale)}.get(dtype, {})
+    config = _opt_config(**half)
+    settings = {"voters": "node", "comm": "1bit", "tie_break": "zero", **(extra or {})}
+    opt = get_megatron_lioncub_optimizer(config, [ddp], lioncub=settings)
+    if scale is not None:
+        cfg.grad_scale_func = opt.scale_loss  # as Megatron-LM's training loop does
+    momenta = {n: [torch.zeros(p.numel()) for _ in range(k)] for n, p in ddp.named_parameters()}
+    masters = {n: p.detach().float().reshape(-1).clone() for n, p in ddp.named_parameters()} \
+        if dtype != torch.float32 else None
+    mismatched, moved, elements, fps = _oracle_steps(cfg, ddp, opt, k, momenta, 0, steps - 1, _hyper(config, ddp),
+                                                     tie=settings["tie_break"], masters=masters, sync=sync,
+                                                     scale=scale)
     lc = lioncub_optimizers(opt)[0]
     # Lion's step is blind to a common scale of g and m, the momenta are not: this rank's momentum
     # shard must be its instance's oracle momentum over the same elements (instance-mean scaling)
-    dopt = opt.chained_optimizers[0]
-    me = dist.get_rank() // size
-    momentum_mismatched = 0
-    for gi, g in enumerate(lc.param_groups):
-        models = [*dopt.model_fp32_groups[gi], *dopt.model_float16_groups[gi]]
-        for shard, model_param, name in zip(g["params"], models, g["param_names"]):
-            rng = dopt._get_model_param_range_map(model_param)["param"]
-            want = momenta[name][me][rng.start:rng.end]
-            momentum_mismatched += int((lc.state[shard]["exp_avg"].reshape(-1) != want).sum())
     return {"mismatched": mismatched, "moved": moved, "elements": elements, "fps": fps,
-            "momentum_mismatched": momentum_mismatched, "buckets": len(ddp.bucket_groups),
+            "momentum_mismatched": _momentum_mismatches(opt, momenta),
+            "kinds": [o.optimizer.megatron_kind for o in opt.chained_optimizers],
+            "buckets": len(ddp.bucket_groups),
             "scopes": lc.comm_stats()["cumulative"]["by_scope"],
             "vote_group": tuple(dist.get_process_group_ranks(lc.vote_group)),
             "wrappers": [type(o).__name__ for o in opt.chained_optimizers],
             "shard_numel": sum(p.numel() for g in lc.param_groups for p in g["params"]),
             "model_numel": sum(p.numel() for p in ddp.parameters()),
             "state_bytes": lc.state_bytes()}
+
+
+# ----------------------------------------------------------------------------- resharding
+RESHARD_STEPS = 3
+
+
+def _save(ddp, opt, ckpt):
+    """Megatron's dist-checkpointing save, with LionCub's per-rank files written first."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from lioncub_ds.megatron import before_checkpoint_save
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    before_checkpoint_save(opt, "per_rank", checkpoint_dir=ckpt)
+    dist_checkpointing.save(_ckpt_state(ddp, opt), ckpt)
+    dist.barrier()
+
+
+def _load(k, ckpt, reshard="average", dtype=torch.float32):
+    """A fresh model and optimizer (another init) under K instances, loaded from ``ckpt``: Megatron's
+    state, then the per-rank files (resharded when the layout differs)."""
+    from megatron.core import dist_checkpointing
+    from lioncub_ds.megatron import after_checkpoint_load, get_megatron_lioncub_optimizer
+    bf16 = dict(bf16=True, params_dtype=torch.bfloat16) if dtype == torch.bfloat16 else {}
+    cfg, ddp = _build(k, seed=999, dtype=dtype)
+    config = _opt_config(**bf16)
+    opt = get_megatron_lioncub_optimizer(config, [ddp], lioncub={"voters": "node", "comm": "1bit",
+                                                                  "tie_break": "zero"})
+    state = dist_checkpointing.load(_ckpt_state(ddp, opt, is_loading=True), ckpt)
+    ddp.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    after_checkpoint_load(opt, ckpt, mode="per_rank", reshard=reshard)
+    return cfg, ddp, config, opt
+
+
+def _reshard_source(k, tmpdir):
+    """K instances (fp32): RESHARD_STEPS steps against the oracle, then saved. Returns the oracle's
+    momenta per instance (the same on every rank) and the checkpoint."""
+    from lioncub_ds.megatron import get_megatron_lioncub_optimizer
+    ckpt = os.path.join(tmpdir, f"reshard-k{k}")
+    cfg, ddp = _build(k)
+    config = _opt_config()
+    opt = get_megatron_lioncub_optimizer(config, [ddp], lioncub={"voters": "node", "comm": "1bit",
+                                                                  "tie_break": "zero"})
+    momenta = {n: [torch.zeros(p.numel()) for _ in range(k)] for n, p in ddp.named_parameters()}
+    mismatched, _, _, _ = _oracle_steps(cfg, ddp, opt, k, momenta, 0, RESHARD_STEPS - 1, _hyper(config, ddp))
+    _save(ddp, opt, ckpt)
+    return {"ckpt": ckpt, "momenta": momenta, "mismatched": mismatched, "fp": _fingerprints(ddp)}
+
+
+def _resharded_momenta(momenta, k):
+    """The definition: K unchanged keeps every instance's momentum; otherwise each new instance
+    starts from the mean of the old ones (fp32, summed from zero in instance order, divided)."""
+    old = len(next(iter(momenta.values())))
+    if old == k:
+        return {n: [m.clone() for m in ms] for n, ms in momenta.items()}
+    out = {}
+    for n, ms in momenta.items():
+        acc = torch.zeros_like(ms[0])
+        for m in ms:
+            acc += m
+        out[n] = [acc / old for _ in range(k)]
+    return out
+
+
+def _reshard_target(k, source, steps):
+    """Load ``source``'s checkpoint under K instances: this rank's momentum shards must be the
+    resharded oracle momenta bit for bit, the model Megatron's; then ``steps`` steps against the
+    oracle from there (only where the instances' reduce-scatter sums two ranks or fewer: a sum of
+    more has gloo's order, not the oracle's)."""
+    cfg, ddp, config, opt = _load(k, source["ckpt"])
+    momenta = _resharded_momenta(source["momenta"], k)
+    out = {"momentum_mismatched": _momentum_mismatches(opt, momenta), "loaded_fp": _fingerprints(ddp),
+           "step": opt.chained_optimizers[0].optimizer.step_count}
+    if steps:
+        out["mismatched"], out["moved"], _, out["fps"] = _oracle_steps(
+            cfg, ddp, opt, k, momenta, RESHARD_STEPS, RESHARD_STEPS + steps - 1, _hyper(config, ddp))
+    return out
+
+
+def _full_masters(opt):
+    """{name: the whole fp32 master} assembled from every rank's main shards (the test's own
+    gathering over the world, by Megatron's shard ranges)."""
+    import torch.distributed as dist
+    mine = [(name, start, shard.detach().clone()) for _, name, start, shard in _shards(opt)]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out = {}
+    for part in every:
+        for name, start, values in part:
+            out.setdefault(name, {})[start] = values.reshape(-1)
+    return {name: torch.cat([pieces[s] for s in sorted(pieces)]) for name, pieces in out.items()}
+
+
+def _master_mismatches(opt, masters):
+    bad = 0
+    for _, name, start, shard in _shards(opt):
+        want = masters[name][start:start + shard.numel()]
+        bad += int((shard.detach().reshape(-1).view(torch.int32) != want.view(torch.int32)).sum())
+    return bad
+
+
+def _dp2_scenario(rank, world, source):
+    """Another data-parallel size: 2 ranks load the 4-rank K = 2 checkpoint, as K = 2 instances of
+    one rank (the same 2 voters: each keeps its momentum) and as K = 1 instance of 2 (the mean)."""
+    from lioncub_ds.testing import megatron_cpu_shim
+    megatron_cpu_shim.install()
+    warnings.filterwarnings("ignore")
+    out = {}
+    for k in (2, 1):
+        _init(k)
+        out[k] = _reshard_target(k, source, steps=2)
+    return out
 
 
 def _k1_run(steps):
@@ -302,6 +493,7 @@ def _resume_run(k, tmpdir, dtype=torch.float32):
     legacy = os.path.join(ckpt, f"distrib_optim_{dist.get_rank()}.pt")
     opt.save_parameter_state(legacy)
     dist.barrier()
+    masters = _full_masters(opt)  # the fp32 main shards as saved (a resharded load must give them back)
     for s in range(3, 5):
         _train_step(ddp, opt, s)
     want = _fingerprints(ddp)
@@ -315,39 +507,74 @@ def _resume_run(k, tmpdir, dtype=torch.float32):
     for s in range(3, 5):
         _train_step(ddp2, opt2, s)
     return {"resume_equal": _fingerprints(ddp2) == want, "ckpt": ckpt, "fp": want, "main_dtype": main_dtype,
-            "sync_error": sync_error,
+            "sync_error": sync_error, "masters": masters,
             "files": sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)}
 
 
-def _nan_run(k):
-    """One rank (3) has a NaN in one gradient element at step 1: the element lands in one rank's
-    shard only (its instance's reduce-scatter), yet every rank of the data-parallel group must skip
-    that step (LionCub's flags: over the shard peers by the vote, over the instance by the
-    agreement), and train on together afterwards."""
+def _nan_run(k, dtype=torch.float32, bad=float("nan"), scale=None):
+    """One rank (3) has a NaN (or ``bad``) in one gradient element at step 1: the element lands in
+    one rank's shard only (its instance's reduce-scatter), yet every rank of the data-parallel group
+    must skip that step (LionCub's flags: over the shard peers by the vote, over the instance by the
+    agreement; with fp16's loss ``scale``: Megatron's found-inf, agreed once over the world), and
+    train on together afterwards."""
     import torch.distributed as dist
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
-    cfg, ddp = _build(k)
-    opt = get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"voters": "node"})
+    cfg, ddp = _build(k, dtype=dtype)
+    half = dict(fp16=True, params_dtype=dtype, loss_scale=scale) if dtype == torch.float16 else {}
+    opt = get_megatron_lioncub_optimizer(_opt_config(**half), [ddp], lioncub={"voters": "node"})
+    if scale is not None:
+        cfg.grad_scale_func = opt.scale_loss  # as Megatron-LM's training loop does
     lc = lioncub_optimizers(opt)[0]
-    weight = dict(ddp.named_parameters())["module.decoder.layers.0.mlp.linear_fc1.weight"]
+    weight = next(p for n, p in ddp.named_parameters() if n.endswith("decoder.layers.0.mlp.linear_fc1.weight"))
     poison = {"on": False}
 
     def hook(grad):
         if poison["on"] and dist.get_rank() == 3:
             grad = grad.clone()
-            grad.view(-1)[7] = float("nan")
+            grad.view(-1)[7] = bad
         return grad
 
     weight.register_hook(hook)
     _train_step(ddp, opt, 0)
     before = _fingerprints(ddp)
     poison["on"] = True
-    _train_step(ddp, opt, 1)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    _fwd_bwd(ddp, _batch(1))
+    ok, _, _ = opt.step()
     poison["on"] = False
     after_nan = _fingerprints(ddp)
     _train_step(ddp, opt, 2)
-    return {"unchanged": after_nan == before, "skipped": lc.comm_stats()["skipped_steps"],
+    return {"ok": ok, "unchanged": after_nan == before, "skipped": lc.comm_stats()["skipped_steps"],
             "trained_after": _fingerprints(ddp) != after_nan, "fp": _fingerprints(ddp)}
+
+
+def _drift_run(action):
+    """drift_check_every=1: rank 2's shard is moved (+1 on one element) before step 1; the check
+    after that step finds it (its shard peer, rank 0, holds another value), and every rank of the
+    data-parallel group raises ReplicaDriftError together, or the shards are re-synchronized from
+    the first instance and the replicas are identical again."""
+    import torch.distributed as dist
+    from lioncub_ds import ReplicaDriftError
+    from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
+    cfg, ddp = _build(2)
+    opt = get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"voters": "node", "drift_check_every": 1,
+                                                                        "drift_action": action})
+    lc = lioncub_optimizers(opt)[0]
+    _train_step(ddp, opt, 0)
+    if dist.get_rank() == 2:
+        with torch.no_grad():
+            lc.param_groups[0]["params"][0].view(-1)[0] += 1.0
+    try:
+        _train_step(ddp, opt, 1)
+        error = None
+    except ReplicaDriftError as exc:
+        error = str(exc)
+    out = {"error": error}
+    if action == "resync":
+        _train_step(ddp, opt, 2)
+        out["fp"] = _fingerprints(ddp)
+    return out
 
 
 def _errors():
@@ -376,21 +603,41 @@ def _scenario(rank, world, tmpdir):
     _init(2)
     out["oracle"] = _oracle_run(2, steps=3)
     out["oracle_overlap"] = _oracle_run(2, steps=2, overlap=True)
+    # the hash tie rule on the element's index inside its parameter (not inside this rank's shard),
+    # with momentum_double_buffer; a drift check every step (it finds nothing to report)
+    out["oracle_hash_double_buffer"] = _oracle_run(2, steps=3, extra={"tie_break": "hash",
+                                                                      "momentum_double_buffer": True})
+    out["oracle_drift_check"] = _oracle_run(2, steps=2, extra={"drift_check_every": 1})
+    out["drift_raise"] = _drift_run("raise")
+    out["drift_resync"] = _drift_run("resync")
     out["contract"] = _contract_run(2, steps=2)
     out["contract_overlap"] = _contract_run(2, steps=2, overlap=True)
     out["resume"] = _resume_run(2, tmpdir)
     out["resume_bf16"] = _resume_run(2, tmpdir, torch.bfloat16)
     out["errors"] = _errors()
     out["nan"] = _nan_run(2)
+    out["reshard_source"] = _reshard_source(2, tmpdir)
     _init(1)
     out["k1"] = _k1_run(steps=2)
-    # a checkpoint of the K = 2 layout, loaded under K = 1 (same DP size, same file names)
+    # a checkpoint of the K = 2 layout under K = 1 (same DP size, same file names): resharded (the
+    # mean of the 2 instances' momenta; the fp32 main shards exactly), or refused with "error"
+    out["reshard_k1"] = _reshard_target(1, out["reshard_source"], steps=0)
+    cfg, ddp, config, opt = _load(1, out["resume_bf16"]["ckpt"], dtype=torch.bfloat16)
+    out["reshard_k1_bf16_masters"] = _master_mismatches(opt, out["resume_bf16"]["masters"])
     cfg, ddp = _build(1)
     opt = get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"voters": "node"})
+    before = _fingerprints(ddp)
     try:
-        after_checkpoint_load(opt, out["resume"]["ckpt"], mode="per_rank")
+        after_checkpoint_load(opt, out["resume"]["ckpt"], mode="per_rank", reshard="error")
     except CheckpointError as exc:
         out["changed_layout"] = str(exc)
+    out["changed_layout_untouched"] = _fingerprints(ddp) == before and \
+        all("exp_avg" not in st for st in opt.chained_optimizers[0].optimizer.state.values())
+    _init(4)  # K = 4 instances of one rank: the mean, then steps against the oracle
+    out["reshard_k4"] = _reshard_target(4, out["reshard_source"], steps=2)
+    # momentum_sync over the voters on one node: pairs of instances (group_size 2), every step
+    out["oracle_sync_node"] = _oracle_run(4, steps=3, sync=[[0, 1], [2, 3]], extra={
+        "momentum_sync": {"group": "node", "group_size": 2, "every": 1}})
     dist.barrier()
     return out
 
@@ -402,7 +649,12 @@ def results():
         pytest.skip("megatron-core is not installed")
     tmpdir = tempfile.mkdtemp(prefix="lioncub-megatron-node-")
     try:
-        yield run_ranks(_scenario, 4, tmpdir, timeout=600)
+        four = run_ranks(_scenario, 4, tmpdir, timeout=600)
+        source = {"ckpt": four[0]["reshard_source"]["ckpt"], "momenta": four[0]["reshard_source"]["momenta"]}
+        two = run_ranks(_dp2_scenario, 2, source, timeout=600)
+        for r, x in enumerate(two):
+            four[r]["dp2"] = x
+        yield four
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -427,6 +679,29 @@ def test_two_instances_match_the_oracle_and_replicas_agree(results):
         assert set(o["scopes"]) <= {"inter_node", "intra_node"}, o["scopes"]
         for step in range(len(o["fps"])):
             assert o["fps"][step] == results[0]["oracle"]["fps"][step], (r["rank"], step)
+
+
+@needs_megatron
+@pytest.mark.parametrize("case", ["oracle_hash_double_buffer", "oracle_drift_check", "oracle_sync_node"])
+def test_hash_ties_double_buffer_drift_check_and_node_sync_match_the_oracle(results, case):
+    """tie_break='hash' keys on the index inside the model parameter (the oracle's), whatever the
+    shard; momentum_double_buffer; drift_check_every=1; momentum_sync over the voters of a node
+    (K = 4 instances of one rank, pairs averaged every step)."""
+    for r in results:
+        o = r[case]
+        assert o["mismatched"] == 0 and o["moved"] > 0 and o["momentum_mismatched"] == 0, (r["rank"], case, o)
+        assert o["fps"] == results[0][case]["fps"], (r["rank"], case)
+
+
+@needs_megatron
+def test_drift_is_found_on_the_shard_peers_and_agreed_by_every_rank(results):
+    for r in results:
+        raised = r["drift_raise"]["error"]
+        assert raised and "differ" in raised, (r["rank"], raised)
+        if r["rank"] in (0, 2):  # the shard peers that differ name the parameter
+            assert "module." in raised, raised
+        assert r["drift_resync"]["error"] is None, r["drift_resync"]
+        assert r["drift_resync"]["fp"] == results[0]["drift_resync"]["fp"], r["rank"]
 
 
 @needs_megatron
@@ -461,6 +736,30 @@ def test_nothing_full_precision_crosses_instances(results):
 
 
 @needs_megatron
+def test_another_instance_count_or_data_parallel_size_reshards(results):
+    """K = 2 x 2 ranks -> K = 1 x 4, K = 4 x 1 (same DP size), and DP = 2 as 2 x 1 (the same 2
+    voters: each keeps its momentum) and 1 x 2: every rank's momentum shards equal the resharded
+    oracle momenta bit for bit, the bf16 run's fp32 main shards come back exactly, and where the
+    oracle's instance sums are exact the next steps equal it too."""
+    for r in results:
+        src = r["reshard_source"]
+        assert src["mismatched"] == 0, src["mismatched"]
+        assert r["reshard_k1_bf16_masters"] == 0, r["reshard_k1_bf16_masters"]
+    cases = [("K=1 x 4", [r["reshard_k1"] for r in results], src["fp"]),
+             ("K=4 x 1", [r["reshard_k4"] for r in results], src["fp"]),
+             ("DP=2, K=2 x 1", [r["dp2"][2] for r in results if "dp2" in r], src["fp"]),
+             ("DP=2, K=1 x 2", [r["dp2"][1] for r in results if "dp2" in r], src["fp"])]
+    for name, ranks, saved_fp in cases:
+        assert ranks, name
+        for rank, case in enumerate(ranks):
+            assert case["momentum_mismatched"] == 0 and case["step"] == RESHARD_STEPS, (name, rank, case)
+            assert case["loaded_fp"] == saved_fp, (name, rank)  # Megatron's model, as saved
+            if "fps" in case:
+                assert case["mismatched"] == 0 and case["moved"] > 0, (name, rank, case["mismatched"], case["moved"])
+                assert case["fps"] == ranks[0]["fps"], (name, rank)
+
+
+@needs_megatron
 def test_resume_is_exact_and_another_layout_is_refused(results):
     for r in results:
         assert r["resume"]["resume_equal"], r["rank"]
@@ -471,9 +770,10 @@ def test_resume_is_exact_and_another_layout_is_refused(results):
         assert b["resume_equal"] and b["main_dtype"] == "torch.float32", (r["rank"], b["main_dtype"])
         assert b["fp"] == results[0]["resume_bf16"]["fp"], r["rank"]  # replicas identical in bf16 too
         msg = r.get("changed_layout")
-        assert msg is not None, "loading a K=2 checkpoint under K=1 was not refused"
+        assert msg is not None, "loading a K=2 checkpoint under K=1 with reshard='error' was not refused"
         assert "--num-distributed-optimizer-instances 2 x 2" in msg and "--num-distributed-optimizer-instances 1 x 4" \
-            in msg, msg
+            in msg and "reshard='average'" in msg, msg
+        assert r["changed_layout_untouched"]
 
 
 @needs_megatron
@@ -543,3 +843,15 @@ def test_megatron_lm_flags_for_node_voters(standins):  # noqa: F811
     # node_size without node voters (master-only sharding) is refused under Megatron
     assert any(x.startswith("--lioncub-node-size 2") for x in megatron_args_problems(
         p(argv=GOOD + ["--lioncub-node-size", "2"])))
+
+
+@pytest.mark.unit
+def test_node_sync_groups_the_instances_that_share_a_node():
+    """momentum_sync={"group": "node"} with node voters: the voters (one rank per instance, in vote
+    group order) that LOCAL_WORLD_SIZE puts on one node."""
+    from lioncub_ds.megatron.optimizer import instance_sync_group_size
+    assert instance_sync_group_size([0, 1, 2, 3], 2) == 2   # 4 instances of 1 rank, 2 ranks per node
+    assert instance_sync_group_size([1, 3], 4) == 2         # 2 instances of 2 ranks on one node of 4
+    assert instance_sync_group_size([0, 8, 16], 8) == 1     # one instance per node: a sync of one
+    with pytest.raises(LionCubConfigError, match="not split evenly"):
+        instance_sync_group_size([0, 1, 2], 2)

@@ -40,15 +40,13 @@ def _grads(model, rank, step):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _oracle(n_groups, size, dtype, tie_break, steps):
-    """The parameters after each step, by plain Distributed Lion over node-mean gradients."""
-    torch.manual_seed(0)
+def _simulate(n_groups, size, dtype, first, last, momenta, master, tie_break="hash"):
+    """Steps first..last of plain Distributed Lion over node-mean gradients: Nn = ``n_groups``
+    voters of ``size`` ranks, voter j's momenta ``momenta[j][k]`` (fp32, changed in place), fp32
+    ``master`` values. Returns the parameters (in ``dtype``) after each step and the final masters."""
     ref = Net().to(dtype)  # the gradients come from a model in the parameters' dtype, as in the run
-    master = [p.detach().float().clone() for p in ref.parameters()]
-    shapes = [p.shape for p in ref.parameters()]
-    momenta = [[torch.zeros(s) for s in shapes] for _ in range(n_groups)]
     out = []
-    for step in range(1, steps + 1):
+    for step in range(first, last + 1):
         with torch.no_grad():
             for p, m in zip(ref.parameters(), master):
                 p.copy_(m.to(dtype))  # the forward sees the parameters in their dtype
@@ -58,8 +56,8 @@ def _oracle(n_groups, size, dtype, tie_break, steps):
             gbar = []
             for j in range(n_groups):
                 acc = per_rank[j * size][k].float().clone()
-                for l in range(1, size):
-                    acc.add_(per_rank[j * size + l][k].float())
+                for rank_in_group in range(1, size):
+                    acc.add_(per_rank[j * size + rank_in_group][k].float())
                 gbar.append(acc.div_(size))
             cs = [reference.lion_direction(momenta[j][k].reshape(-1), gbar[j].reshape(-1), BETAS[0])
                   for j in range(n_groups)]
@@ -81,7 +79,15 @@ def _oracle(n_groups, size, dtype, tie_break, steps):
                 reference.momentum_update(momenta[j][k], gbar[j], BETAS[1])
         master = new
         out.append([m.to(dtype) for m in master])
-    return out
+    return out, master
+
+
+def _oracle(n_groups, size, dtype, tie_break, steps):
+    """The parameters after each step, by plain Distributed Lion over node-mean gradients."""
+    torch.manual_seed(0)
+    master = [p.detach().float().clone() for p in Net().to(dtype).parameters()]
+    momenta = [[torch.zeros_like(m) for m in master] for _ in range(n_groups)]
+    return _simulate(n_groups, size, dtype, 1, steps, momenta, master, tie_break)[0]
 
 
 def _run(rank, world_size, size, comm, dtype, tie_break):

@@ -15,6 +15,9 @@ Supported: megatron-core 0.16.x (Python 3.10/3.11: the newest pip gives on 3.11)
   Megatron-LM's training loop builds a config for ``--optimizer lion`` from 0.18 (0.17 raises
   "Invalid optimizer type!" in ``get_megatron_optimizer_config``).
 * The bucket groups' ``finish_grad_sync`` sets ``grad_reduce_finished`` from 0.19.
+* ``DistributedOptimizer._get_model_param_range_map(param)["param"]``: the range of a model
+  parameter's elements this rank's shard holds (the same in 0.16-0.19 and main): the one private
+  method read here, for the node-voter shard map (:func:`shard_range`).
 """
 from __future__ import annotations
 
@@ -132,3 +135,9 @@ def optimizer_process_groups(pg_collection, model_chunks) -> dict:
             ep = parallel_state.get_expert_model_parallel_group()
     return {"dp_cp": d["dp_cp_group"], "expt_dp": d["expt_dp_group"], "mp": d["mp_group"],
             "expt_mp": expt_mp, "tp": tp, "expt_tp": expt_tp, "ep": ep}
+
+
+def shard_range(dopt, model_param):
+    """The elements of ``model_param`` (flattened) that this rank's shard in Megatron's
+    DistributedOptimizer ``dopt`` holds: an object with ``start`` / ``end``."""
+    return dopt._get_model_param_range_map(model_param)["param"]

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from ..config import LionCubConfig, LionCubConfigError, is_node_voters
 from ..groups import Topology, consecutive_blocks, create_on_all_ranks, group_ranks, resolve_ranks_per_node
+from ..layout import ELEMENT_START
 from ..momentum_sync import node_group_size
 from ..optimizer import LionCub
 from . import _compat
@@ -141,7 +142,8 @@ class MegatronLionCub(LionCub):
             return super().resolve_topology(group, node_size, sync_size)
         if premade.get("agree") is not None:  # voters='node': shard peers vote, the instance agrees
             vote = premade["vote"]
-            return Topology(vote, dist.get_world_size(vote), dist.get_rank(vote), None, full_group=premade["full"],
+            return Topology(vote, dist.get_world_size(vote), dist.get_rank(vote), premade.get("node"),
+                            full_group=premade["full"],
                             agree_group=premade["agree"], agree_size=dist.get_world_size(premade["agree"]),
                             agree_rank=dist.get_rank(premade["agree"]), vote_scope="inter_node")
         return Topology(premade.get("vote") or group, dist.get_world_size(group), dist.get_rank(group),
@@ -150,6 +152,19 @@ class MegatronLionCub(LionCub):
     #: voters='node': {"instances": K, "instance_size": L} (set by the factory); the shards this
     #: rank steps are its shards under that layout only
     megatron_layout = None
+    #: voters='node': per parameter of this optimizer (a shard), the model parameter it is a piece
+    #: of: (name, first element inside the flattened parameter, elements); set by the factory
+    megatron_param_pieces = None
+
+    def state_layout(self) -> dict:
+        """LionCub's, plus the instance layout and which piece of which model parameter each shard
+        is: what :mod:`lioncub_ds.checkpoint` reshards the per-rank files by (another
+        ``--num-distributed-optimizer-instances`` or data-parallel size)."""
+        out = super().state_layout()
+        if self.megatron_layout is not None:
+            out["megatron_layout"] = dict(self.megatron_layout)
+            out["param_pieces"] = [list(x) for x in self.megatron_param_pieces or ()]
+        return out
 
     def state_dict(self):
         sd = super().state_dict()
@@ -157,6 +172,7 @@ class MegatronLionCub(LionCub):
             sd["lioncub"]["megatron_layout"] = dict(self.megatron_layout)
             if self._full:  # the fp32 main shards this rank steps (Megatron's checkpoint may hold bf16 only)
                 sd["lioncub"]["main_shards"] = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+                sd["lioncub"]["param_pieces"] = self.state_layout()["param_pieces"]
         if not self._full and "lioncub" in sd:
             sd["lioncub"] = {k: v for k, v in sd["lioncub"].items() if k not in ("rank", "comm_stats")}
         return sd
@@ -173,9 +189,9 @@ class MegatronLionCub(LionCub):
                     "per instance")
         raise LionCubConfigError(
             f"LionCub: this checkpoint was saved with {text(saved)}, this run has {text(mine)}; node-voter shards "
-            "follow the instance layout, so they cannot be resumed under another one; allowed: resume with the "
-            "same data-parallel size and --num-distributed-optimizer-instances (or start the optimizer fresh with "
-            "--no-load-optim)")
+            "follow the instance layout; allowed: load the same layout here, or the per-rank files through "
+            "lioncub_ds.megatron's checkpoint hooks (after_checkpoint_load, --lioncub-reshard average), which "
+            "reshard them, or start the optimizer fresh with --no-load-optim")
 
     def load_state_dict(self, state_dict):
         extra = state_dict.get("lioncub") if isinstance(state_dict, dict) else None
@@ -188,7 +204,8 @@ class MegatronLionCub(LionCub):
                                      "allowed: the same layout it was saved with")
         if isinstance(extra, dict):
             state_dict = dict(state_dict)
-            state_dict["lioncub"] = {k: v for k, v in extra.items() if k not in ("megatron_layout", "main_shards")}
+            state_dict["lioncub"] = {k: v for k, v in extra.items()
+                                     if k not in ("megatron_layout", "main_shards", "param_pieces")}
         super().load_state_dict(state_dict)
         if shards is not None:
             with torch.no_grad():
@@ -217,23 +234,20 @@ def lioncub_settings(lioncub=None, **kwargs) -> dict:
             raise LionCubConfigError(f"LionCub: {key!r} is not a lioncub setting under Megatron; it comes from {where}")
     if "betas" in settings and isinstance(settings["betas"], list):
         settings["betas"] = tuple(settings["betas"])
-    # Validate early (names, types, combinations) with a placeholder lr.
-    LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, **settings)
+    # Validate early (names, types, combinations) with a placeholder lr. voters='node' runs a flat
+    # LionCub over Megatron's shards (the factory's layout), so the settings are checked as that
+    # inner LionCub sees them (plain node voters' own refusals do not apply); node_size's type here,
+    # its value against the instances in the factory.
+    if is_node_voters(settings.get("voters")):
+        LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, node_size=settings.get("node_size"))
+        LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0,
+                                  **{k: v for k, v in settings.items() if k not in ("voters", "node_size")})
+    else:
+        LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, **settings)
     if settings.get("overlap"):
         raise LionCubConfigError(OVERLAP_UNSUPPORTED)
     if not is_node_voters(settings.get("voters")) and settings.get("node_size") is not None:
         raise LionCubConfigError(MASTER_ONLY_UNSUPPORTED)
-    if is_node_voters(settings.get("voters")):
-        ms = settings.get("momentum_sync")
-        unsupported = {"momentum_sync.group='node'": isinstance(ms, dict) and ms.get("group") == "node",
-                       "drift_check_every": bool(settings.get("drift_check_every")),
-                       "momentum_double_buffer": bool(settings.get("momentum_double_buffer"))}
-        bad = [name for name, on in unsupported.items() if on]
-        if bad:
-            raise LionCubConfigError(
-                f"LionCub: {', '.join(bad)} not supported with voters='node' under Megatron (each rank holds a "
-                "shard of the parameters: a momentum sync averages over the voters, the instances; replicas are "
-                "Megatron's all-gather); allowed: momentum_sync={'every': K}, no drift check, no double buffer")
     return settings
 
 
@@ -622,6 +636,18 @@ def _load_parameter_state(self, filename, *, update_legacy_format=False):
     return None
 
 
+def instance_sync_group_size(vote_ranks, local_world_size=None) -> int:
+    """``momentum_sync={"group": "node"}`` with node voters under Megatron: how many voters (the
+    ranks of the inter-instance vote group, one per instance) share a node, rank r on node
+    r // (ranks per node) (several instances per node when an instance is smaller than a node)."""
+    if local_world_size is None:
+        try:
+            local_world_size = resolve_ranks_per_node(None, "momentum_sync.group_size")
+        except ValueError as exc:
+            raise LionCubConfigError(f"{exc} (with voters='node' under Megatron: the instances per node)") from None
+    return ranks_per_node(vote_ranks, local_world_size)
+
+
 def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_collection, dump_map):
     """voters='node': LionCub inside Megatron's DistributedOptimizer, voting across its K instances.
 
@@ -632,9 +658,12 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     inner optimizer is a flat LionCub over this rank's shards whose vote group is the
     inter-instance group (the K ranks at this rank's place in every instance). Its step's
     decisions (skip, refuse) are also summed over the instance, so all DP ranks agree.
+
+    Expert (MoE) parameters get a DistributedOptimizer of their own, as in Megatron: sharded over
+    the instance's part of the expert data-parallel group, voting over the same inter-instance
+    group (Megatron all-reduces their shards over it too), agreeing over that part.
     """
     from megatron.core.optimizer import ChainedOptimizer, _get_param_groups
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
     from .ddp import instances_of, vote_across_instances
 
@@ -654,69 +683,106 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     betas = resolve_betas(config, settings)
     inner_settings = {key: v for key, v in settings.items() if key not in ("betas", "voters", "node_size")}
     all_groups = _get_param_groups(model_chunks, config, config_overrides)
-    if any(g["is_expert_parallel"] for g in all_groups):
-        raise LionCubConfigError("LionCub: voters='node' with expert (MoE) parameters is not supported under Megatron "
-                                 "yet; allowed: a dense model with voters='node', or voters='rank'")
     names = _param_names(model_chunks)
-    dense = _prepare_groups(all_groups, names, config)
+    # (kind, param groups, Megatron's buffers, the instance's part of the DP group, the whole DP
+    # group, the group Megatron indexes the optimizer by)
+    kinds = [(kind, _prepare_groups([g for g in all_groups if g["is_expert_parallel"] == expert], names, config),
+              attr, part, whole, mp)
+             for kind, expert, attr, part, whole, mp in (
+                 ("dense", False, "buffers", instance, dp_group, groups["mp"]),
+                 ("expert", True, "expert_parallel_buffers", pgs["intra_expt_dp_group"], pgs["expt_dp_group"],
+                  pgs["expt_tp_pp_group"]))]
+    kinds = [x for x in kinds if x[1]]  # a rank without expert parameters has no expert optimizer (as in Megatron)
     cfg = LionCubConfig.from_kwargs(where="lioncub setting", lr=config.lr, betas=betas,
                                     weight_decay=config.weight_decay, **inner_settings)
 
     # --- the vote group: Megatron's inter-instance group (a group of one rank when K = 1: no
-    # votes); with timeout_s LionCub makes its own copy. Every rank of the world takes part.
+    # votes); with timeout_s LionCub makes its own copy; momentum_sync's node subgroup: the voters
+    # on one node. Every rank of the world takes part, whatever kinds of parameters it has.
     inter = pgs.get("inter_dist_opt_group") if k > 1 else None
-    me = dist.get_rank()
+    vote_ranks = group_ranks(inter) if inter is not None else [dist.get_rank()]
+    ms = cfg.momentum_sync
+    sync_size = None
+    if ms is not None and ms.group == "node":
+        sync_size = ms.group_size or instance_sync_group_size(vote_ranks)
+        sync_size = node_group_size(sync_size, len(vote_ranks))
     wanted = []
-    if inter is None:
-        wanted.append([me])
-    elif cfg.timeout_s is not None:
-        wanted.append(group_ranks(inter))
+    if inter is None or cfg.timeout_s is not None:
+        wanted.append(vote_ranks)
+    if sync_size is not None:
+        me = vote_ranks.index(dist.get_rank())
+        wanted.append(consecutive_blocks(vote_ranks, sync_size)[me // sync_size])
     created = create_on_all_ranks(wanted, cfg.timeout_s)
-    vote = created[0] if created else inter
+    vote = created.pop(0) if inter is None or cfg.timeout_s is not None else inter
+    sync_node = created.pop(0) if sync_size is not None else None
 
-    # --- Megatron's side: no all-reduce across instances, then its distributed optimizer
+    # --- Megatron's side: no all-reduce across instances, then its distributed optimizers
     vote_across_instances(model_chunks)
-    # DistributedOptimizer accepts only Adam as the inner optimizer at construction (its
-    # checkpoint code); it is a placeholder without state, replaced by LionCub below, once
-    # Megatron has cut the groups into this rank's shards.
-    placeholder = torch.optim.AdamW([dict(g, params=list(g["params"])) for g in dense], lr=config.lr)
-    buffers = {i: list(chunk.buffers) for i, chunk in enumerate(model_chunks)}
-    dopt = DistributedOptimizer(placeholder, config, _grad_scaler(config), _init_state_fn, model_chunks=model_chunks,
-                                per_model_buffers=buffers, data_parallel_group=instance,
-                                data_parallel_group_gloo=None, data_parallel_group_idx=dist.get_rank(groups["mp"]),
-                                distributed_optimizer_instance_id=dist.get_rank(vote) if k > 1 else 0)
-    _leaf_shards(dopt)
-    shard_groups = []
-    for gi, rng in enumerate(dopt.opt_group_ranges):
-        models = [*dopt.model_fp32_groups[gi], *dopt.model_float16_groups[gi]]
-        g = {key: v for key, v in dense[gi].items() if key not in ("params", "param_names")}
-        g["params"] = list(rng["orig_group"]["params"])
-        g["param_names"] = [names.get(p) for p in models]
-        shard_groups.append(g)
-    premade = {"vote": vote, "agree": instance, "full": dp_group}
-    inner = MegatronLionCub(shard_groups, config=cfg, process_group=vote, megatron_groups=premade)
-    inner.megatron_kind = "dense"
-    inner.megatron_tag = _model_parallel_tag("dense", groups)
-    inner.megatron_layout = {"instances": k, "instance_size": size}
-    dopt.optimizer = inner
-    dopt.state_dict = types.MethodType(_common_state_dict, dopt)
-    dopt.sharded_state_dict = types.MethodType(_common_state_dict, dopt)
-    dopt.load_state_dict = types.MethodType(_load_common_state_dict, dopt)
-    dopt.save_parameter_state = types.MethodType(_save_parameter_state, dopt)
-    dopt.load_parameter_state = types.MethodType(_load_parameter_state, dopt)
-    # with K instances Megatron reduces gradient statistics (norm for clipping, zeros) inside the
-    # instance: the instance's shards are one gradient, the instance mean
-    dopt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
-    dopt.tp_group = groups["tp"]
+    optimizers = []
+    for kind, pgroups, attr, part, whole, mp in kinds:
+        dopt = _distributed_optimizer(config, model_chunks, pgroups, attr, part, mp, vote if k > 1 else None)
+        shard_groups, pieces = _shard_groups(dopt, pgroups, names)
+        premade = {"vote": vote, "agree": part, "full": whole, "node": sync_node}
+        inner = MegatronLionCub(shard_groups, config=cfg, process_group=vote, megatron_groups=premade)
+        inner.megatron_kind = kind
+        inner.megatron_tag = _model_parallel_tag(kind, groups)
+        inner.megatron_layout = {"instances": k, "instance_size": dist.get_world_size(part)}
+        inner.megatron_param_pieces = pieces
+        dopt.optimizer = inner
+        for name, fn in (("state_dict", _common_state_dict), ("sharded_state_dict", _common_state_dict),
+                         ("load_state_dict", _load_common_state_dict), ("save_parameter_state", _save_parameter_state),
+                         ("load_parameter_state", _load_parameter_state)):
+            setattr(dopt, name, types.MethodType(fn, dopt))
+        # with K instances Megatron reduces gradient statistics (norm for clipping, zeros) inside the
+        # instance: the instance's shards are one gradient, the instance mean
+        dopt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+        dopt.tp_group = groups["tp"] if kind == "dense" else groups["expt_tp"]
+        optimizers.append(dopt)
     if dump_map is not None:
         _dump_param_map(model_chunks, all_groups, dump_map)
     if dist.get_rank() == 0:
-        log.info("LionCub (Megatron, voters='node'): %d instances x %d ranks; %d shard elements voting over %d "
-                 "instances; betas=%s; settings=%s", k, size, sum(p.numel() for g in shard_groups for p in g["params"]),
-                 k, betas, inner_settings)
-    chained = ChainedOptimizer([dopt])
+        sizes = ", ".join(f"{o.optimizer.megatron_kind}: {sum(p.numel() for g in o.optimizer.param_groups for p in g['params'])}"
+                          " shard elements" for o in optimizers)
+        log.info("LionCub (Megatron, voters='node'): %d instances x %d ranks; %s voting over %d instances; betas=%s; "
+                 "settings=%s", k, size, sizes, k, betas, inner_settings)
+    chained = ChainedOptimizer(optimizers)
     agree_found_inf_once_per_step(chained, config)
     return chained
+
+
+def _distributed_optimizer(config, model_chunks, pgroups, buffer_attr, part, mp, vote):
+    """Megatron's DistributedOptimizer over ``pgroups``' buffers, sharded over ``part`` (this
+    rank's instance), with one leaf per shard (:func:`_leaf_shards`)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    # DistributedOptimizer accepts only Adam as the inner optimizer at construction (its
+    # checkpoint code); it is a placeholder without state, replaced by LionCub once Megatron has
+    # cut the groups into this rank's shards.
+    placeholder = torch.optim.AdamW([dict(g, params=list(g["params"])) for g in pgroups], lr=config.lr)
+    buffers = {i: list(getattr(chunk, buffer_attr)) for i, chunk in enumerate(model_chunks)}
+    dopt = DistributedOptimizer(placeholder, config, _grad_scaler(config), _init_state_fn, model_chunks=model_chunks,
+                                per_model_buffers=buffers, data_parallel_group=part, data_parallel_group_gloo=None,
+                                data_parallel_group_idx=dist.get_rank(mp),
+                                distributed_optimizer_instance_id=dist.get_rank(vote) if vote is not None else 0)
+    _leaf_shards(dopt)
+    return dopt
+
+
+def _shard_groups(dopt, pgroups, names):
+    """LionCub's parameter groups over the shards of ``dopt`` (Megatron's groups' settings, the
+    model parameters' names), and the piece of which parameter each shard is."""
+    shard_groups, pieces = [], []
+    for gi, rng in enumerate(dopt.opt_group_ranges):
+        models = [*dopt.model_fp32_groups[gi], *dopt.model_float16_groups[gi]]
+        g = {key: v for key, v in pgroups[gi].items() if key not in ("params", "param_names")}
+        g["params"] = list(rng["orig_group"]["params"])
+        g["param_names"] = [names.get(p) for p in models]
+        shard_groups.append(g)
+        for model_param, shard in zip(models, g["params"]):  # which piece of which parameter each shard is
+            start = int(_compat.shard_range(dopt, model_param).start)
+            pieces.append((names.get(model_param), start, shard.numel()))
+            # the hash tie rule keys on the element's index inside the model parameter, not the shard
+            setattr(shard, ELEMENT_START, start)
+    return shard_groups, pieces
 
 
 def _dump_param_map(model_chunks, param_groups, path):
