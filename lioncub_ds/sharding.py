@@ -349,6 +349,10 @@ class NodeVoters(_MasterShardsMixin):
     group's reduce-scatter, the shard buckets the plan votes on, the all-gather."""
 
     holds_shards = True
+    # every rank of the step holds the full parameters (the all-gather puts them back): the drift
+    # check compares all of them, as in flat voting
+    replicas = Flat.replicas
+    agree_found = Flat.agree_found
 
     def __init__(self, opt, topology):
         cfg = opt.config
