@@ -121,7 +121,7 @@ class MomentumSync:
         from the signals observed so far; :meth:`synced` after averaging)."""
         cfg = self.cfg
         if cfg.drift:
-            return self.world if self.trigger.due(s + 1) and (cfg.until is None or s < cfg.until) else None
+            return self.world if drift_due(cfg, self.trigger, s) else None
         if cfg.per_node:
             if cfg.inter_every is not None and (cfg.until is None or s < cfg.until) and s % cfg.inter_every == 0:
                 return self.world
@@ -187,6 +187,12 @@ def disagreement_units(counts: torch.Tensor, world_size: int) -> torch.Tensor:
     fraction in units of :func:`drift_scale` (floored; 0 where it cast no vote), on the device."""
     differ, both = counts[..., 0], counts[..., 1]
     return torch.where(both > 0, differ * drift_scale(world_size) // both.clamp(min=1), torch.zeros_like(both))
+
+
+def drift_due(cfg: MomentumSyncConfig, trigger: "DriftTrigger", s: int) -> bool:
+    """schedule="drift": whether the sync at 0-based step index ``s`` runs (the trigger's rule,
+    within ``until``); LionCub and the simulation both ask this."""
+    return trigger.due(s + 1) and (cfg.until is None or s < cfg.until)
 
 
 class DriftTrigger:

@@ -155,3 +155,72 @@ def test_drift_decisions_agree_and_track_the_rule(n, comm):
 
 def _drift_rank_all(rank, n, settings_list, steps, comm):
     return [_fixed_grads_rank(rank, n, s, steps, comm) for s in settings_list]
+
+
+# ----------------------------------------------------------------------------- the simulation == real LionCub
+# early in training the disagreement mostly falls (the momenta gather history), so syncs are rare;
+# these seeds and the tiny threshold give a few syncs in 12 steps (the decisions are what is compared)
+SIM_SYNC = {"schedule": "drift", "threshold": 0.001, "min_every": 2, "dtype": "int8"}
+SIM_STEPS = 12
+
+
+def _sim_cfg():
+    from benchmarks import converge as C
+    return C.make_cfg(steps=SIM_STEPS, n_layer=1, n_head=2, d_model=32, seq_len=16, batch_size=2, warmup=2,
+                      lion_wd=0.1)
+
+
+def _real_drift_rank(rank, n, seed, lr):
+    """Rank ``rank`` of real LionCub on the simulation's small GPT: per step whether it synced."""
+    from benchmarks import converge as C
+    from benchmarks.data import load_dataset
+    from benchmarks.models.gpt import param_digest
+
+    cfg = _sim_cfg()
+    ds = load_dataset(cfg["data"])
+    model = C.build_model_for(cfg, seed)
+    opt = LionCub(model.optim_groups(cfg["lion_wd"]), lr=lr, betas=tuple(cfg["betas"]), comm="1bit",
+                  tie_break=cfg["tie_break"], momentum_sync=SIM_SYNC)
+    synced = []
+    for step in range(cfg["steps"]):
+        for g in opt.param_groups:
+            g["lr"] = C.lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])
+        x, y = ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], rank, n, step=step, seed=seed)
+        opt.zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+        opt.step()
+        if opt.comm_stats()["last_step"]["by_algorithm"].get("momentum_sync", 0) > 0:
+            synced.append(step + 1)
+    cs = opt.comm_stats()
+    return synced, param_digest(model), cs["cumulative"]["bytes_sent"], cs["momentum_sync"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("n,seed", [(3, 7), (4, 2)])
+def test_simulation_syncs_where_real_lioncub_does(n, seed):
+    """(b) bench converge's SimLionCub with the same drift settings takes the same decisions (the
+    same DriftTrigger fed with the same integer sums) and ends with the same parameters and bytes."""
+    from benchmarks import converge as C
+    from benchmarks.data import load_dataset
+    from benchmarks.models.gpt import param_digest
+
+    lr = 3e-3
+    real = run_ranks(_real_drift_rank, n, seed, lr, timeout=400)
+    assert all(r[:3] == real[0][:3] for r in real)  # every rank: the same syncs, parameters and bytes
+    cfg = _sim_cfg()
+    ds = load_dataset(cfg["data"])
+    model = C.build_model_for(cfg, seed)
+    opt = C.SimLionCub(model.optim_groups(cfg["lion_wd"]), n, lr=lr, betas=tuple(cfg["betas"]), comm="1bit",
+                       tie_break=cfg["tie_break"], momentum_sync=SIM_SYNC)
+    grads = C.WorkerGrads(model, cfg)
+    for step in range(cfg["steps"]):
+        for g in opt.param_groups:
+            g["lr"] = C.lr_at(step, cfg["steps"], lr, cfg["warmup"], cfg["min_lr_ratio"])
+        opt.step(grads([ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], i, n, step=step, seed=seed)
+                        for i in range(n)]))
+    synced, digest, sent, stats = real[0]
+    assert len(synced) >= 2, synced  # the threshold is low enough to sync in this run
+    assert opt.sync_steps == synced
+    assert param_digest(model) == digest
+    assert opt.bytes_sent == sent
+    assert opt.trigger.state_dict()["signal"][0] == SIM_STEPS and stats["signal_step"] == SIM_STEPS - 1
