@@ -54,6 +54,16 @@ def test_drift_setting_and_what_it_refuses():
 
 
 @pytest.mark.unit
+def test_drift_is_refused_under_megatron_with_the_setting_named():
+    from lioncub_ds.megatron.optimizer import lioncub_settings
+    for voters in ("rank", "node"):  # node: Megatron's instances run a flat inner LionCub
+        with pytest.raises(LionCubConfigError, match=r"momentum_sync schedule='drift'.*not supported under Megatron.*"
+                                                     r"allowed: momentum_sync schedule 'every' or 'geometric'"):
+            lioncub_settings({"voters": voters, "momentum_sync": {"schedule": "drift", "threshold": 0.05}})
+    assert lioncub_settings({"momentum_sync": {"every": 20, "dtype": "int8"}})["momentum_sync"]["every"] == 20
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("numel", [8, 136, 1000])
 def test_vote_disagreement_counts_against_a_plain_count(numel):
     gen = torch.Generator().manual_seed(numel)
