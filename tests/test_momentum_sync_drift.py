@@ -234,3 +234,28 @@ def test_simulation_syncs_where_real_lioncub_does(n, seed):
     assert param_digest(model) == digest
     assert opt.bytes_sent == sent
     assert opt.trigger.state_dict()["signal"][0] == SIM_STEPS and stats["signal_step"] == SIM_STEPS - 1
+
+
+def _master_only_rank(rank, n):
+    torch.manual_seed(0)
+    model = SmallNet().to(torch.bfloat16)
+    opt = LionCub(model.parameters(), lr=0.01, comm="1bit", node_size=2, bucket_size_mb=0.0002,
+                  momentum_sync={"schedule": "drift", "threshold": 1e-6, "min_every": 1})
+    for step in range(1, 7):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        idx, y = torch.randint(0, 6, (4, 3), generator=gen), torch.randn(4, 3, generator=gen)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(idx).float(), y).backward()
+        opt.step()
+    return opt.comm_stats()["momentum_sync"], [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.dist
+def test_drift_with_master_only_sharding_agrees():
+    """voters="rank" with node_size (bf16 parameters, fp32 master sharded in pairs of ranks): the
+    vote is flat, so is the signal; every rank decides alike and ends bit-identical."""
+    res = run_ranks(_master_only_rank, 4, timeout=300)
+    assert res[0][0]["syncs"] >= 1
+    for stats, params in res[1:]:
+        assert stats == res[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(params, res[0][1]))
