@@ -32,10 +32,12 @@ word, summed over the ranks with the flags: no collective and no host read of th
 step t+1 reads the sum D(t) of every rank's units with its flags, and every rank decides alike
 from it (:class:`DriftTrigger`). The sync after step t (1-based, after its momentum update) is
 decided from D(t−1), the signal of the step before (which is also what the simulation uses): it
-runs when t − (the last sync's step) ≥ ``min_every`` and D(t−1) − D(S+1) ≥ τ·N·scale, where S is
-the last sync's step (0 before the first) and D(S+1) the signal of the first step after it (its
-votes are the first made with the averaged momenta). D(S+1) is known at step S+2, so two syncs are
-at least 3 steps apart whatever ``min_every``.
+runs when t − (the last sync's step) ≥ ``min_every`` and D(t−1) − B ≥ τ·N·scale, where S is
+the last sync's step (0 before the first) and the baseline B the lowest signal since it, min D(u)
+over S < u ≤ t−1 (D(S+1), the first, is from votes made with the averaged momenta). The drift
+is a *rise* of the disagreement from its low point: early in training the disagreement falls as
+the momenta fill, and a baseline fixed at D(S+1) would then never be exceeded. B is known from
+step S+2 on, so two syncs are at least 3 steps apart whatever ``min_every``.
 """
 from __future__ import annotations
 
@@ -204,14 +206,14 @@ class DriftTrigger:
         self.min_every = min_every
         self.needed = threshold * world_size * drift_scale(world_size)  # τ in units of summed fractions
         self.last_sync = 0       # the step of the last sync (0: none yet)
-        self.baseline = None     # D of the first step after it, once known
+        self.baseline = None     # the lowest D since it, once one is known
         self.signal = None       # (step, D) of the latest observed step
 
     def observe(self, step: int, summed: int) -> None:
         """D of applied step ``step`` (known at the next step, from its flags)."""
         self.signal = (step, int(summed))
-        if self.baseline is None and step > self.last_sync:
-            self.baseline = int(summed)
+        if step > self.last_sync:  # the low point since the last sync (module docstring)
+            self.baseline = int(summed) if self.baseline is None else min(self.baseline, int(summed))
 
     def due(self, step: int) -> bool:
         """Whether the sync after applied step ``step`` runs (from D of step − 1)."""

@@ -82,8 +82,8 @@ def test_vote_disagreement_counts_against_a_plain_count(numel):
 
 @pytest.mark.unit
 def test_trigger_rule():
-    """The sync after step t uses D(t−1); the baseline is D of the first step after the last sync;
-    at least max(min_every, 3) steps apart."""
+    """The sync after step t uses D(t−1); the baseline is the lowest D since the last sync (from
+    the first step after it); at least max(min_every, 3) steps apart."""
     t = DriftTrigger(0.25, 2, 1)
     unit = drift_scale(1)
     signals = {1: 0.1, 2: 0.1, 3: 0.4, 4: 0.2, 5: 0.2, 6: 0.2, 7: 0.5, 8: 0.9}
@@ -99,6 +99,17 @@ def test_trigger_rule():
     t2 = DriftTrigger(0.25, 2, 1)
     t2.load_state_dict(t.state_dict())
     assert t2.state_dict() == t.state_dict()
+    # a falling signal (momenta filling) then a rise: the rise counts from the low point (0.1), not
+    # from the first signal after the sync (0.5, never exceeded)
+    t3, falling = DriftTrigger(0.25, 2, 1), {1: 0.5, 2: 0.3, 3: 0.1, 4: 0.2, 5: 0.4, 6: 0.4}
+    fired = []
+    for step in range(1, 8):
+        if step > 1:
+            t3.observe(step - 1, int(falling[step - 1] * unit))
+        if t3.due(step):
+            t3.synced(step)
+            fired.append(step)
+    assert fired == [6]  # D(5) − min(D(1..5)) = 0.4 − 0.1 ≥ 0.25
 
 
 # ----------------------------------------------------------------------------- real ranks
