@@ -88,11 +88,12 @@ VARIANTS = {
     "cub_1bit_sync1": dict(family="cub", comm="1bit", sync={"every": 1}, label="1bit + fp32 sync every step"),
     "cub_1bit_sync5_int8": dict(family="cub", comm="1bit", sync={"every": 5, "dtype": "int8"},
                                 label="1bit + int8 sync/5"),
-    # drift-scheduled int8 sync (screening, simulation only): sync when the mean disagreement of the
-    # workers' votes with Δ has risen by τ since the step after the last sync (SimLionCub.drift_sync)
-    **{f"cub_1bit_drift{int(t * 100):02d}_int8": dict(family="cub", comm="1bit", sync={"every": 10 ** 9, "dtype": "int8"},
-                                                      drift={"threshold": t, "min_every": 2},
-                                                      label=f"1bit + int8 sync when drift > {t:g} (sim)")
+    # drift-scheduled int8 sync (LionCub's momentum_sync schedule="drift"): sync when the workers'
+    # mean fraction of votes that disagree with Δ has risen by τ since the step after the last sync
+    **{f"cub_1bit_drift{int(t * 100):02d}_int8": dict(family="cub", comm="1bit",
+                                                      sync={"schedule": "drift", "threshold": t, "min_every": 2,
+                                                            "dtype": "int8"},
+                                                      label=f"1bit + int8 sync when drift > {t:g}")
        for t in (0.03, 0.05, 0.07)},
     "cub_b2_sync20_int8": _bbit(quant="l1", bits=2, rounding="dither",
                                sync={"every": 20, "dtype": "int8"}, label="bbit b=2 + int8 sync/20"),
@@ -287,7 +288,7 @@ class SimLionCub:
 
     def __init__(self, groups, n, *, lr, betas, vote="majority", comm="1bit", quant="sign", tie_break="hash",
                  momentum_sync=None, bucket_size_mb=25.0, vote_bits=None, rounding=None,
-                 error_feedback=False, owner_ema=0.0, vote_every=1, node_size=1, drift_sync=None):
+                 error_feedback=False, owner_ema=0.0, vote_every=1, node_size=1):
         from lioncub_ds.config import LionCubConfig
         from lioncub_ds.layout import build_buckets
         from lioncub_ds.momentum_sync import select_params
@@ -312,13 +313,16 @@ class SimLionCub:
         self.error_feedback, self.residual = error_feedback, {}
         self.owner_ema, self.owner_sums = owner_ema, {}
         self.vote_every, self.last_delta = vote_every, {}
-        # drift-scheduled momentum sync (screening): {"threshold": τ, "dtype": ..., "min_every": k}.
-        # The drift signal is free: the fraction of a worker's votes that disagree with the agreed Δ
-        # (where both are nonzero), averaged over workers. It rises as local momenta drift apart.
-        # The decision after step t uses step t−1's signal (in LionCub it would ride in step t's
-        # flags): sync when it exceeds the signal of the first step after the last sync by τ.
-        self.drift_sync, self.disagreement = drift_sync, []
-        self._drift_base, self._last_sync = None, 0
+        # momentum_sync schedule="drift": LionCub's own signal and decision (lioncub_ds.momentum_sync):
+        # each worker's fraction of votes that disagree with the agreed Δ (where both are nonzero),
+        # in fixed-point units, summed over the workers; the sync after step t is decided from step
+        # t−1's sum (in LionCub it rides in step t's flags) by the same DriftTrigger
+        from lioncub_ds.momentum_sync import DriftTrigger
+
+        ms = cfg.momentum_sync
+        self.trigger = (DriftTrigger(ms.threshold, ms.min_every, n)
+                        if ms is not None and ms.drift else None)
+        self.sync_steps = []  # the steps after which momenta were averaged
         from lioncub_ds.comm import make_algorithm
 
         self.algorithm = make_algorithm(comm, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1], quant=cfg.quant)
@@ -380,7 +384,7 @@ class SimLionCub:
             grads = self.node_means(grads)
             self.intra_bytes += self._node_bytes()
         from lioncub_ds.kernels import reference
-        from lioncub_ds.momentum_sync import on_schedule
+        from lioncub_ds.momentum_sync import disagreement_units, drift_due, on_schedule, vote_disagreement
 
         from lioncub_ds.comm import make_algorithm
         from lioncub_ds.comm.abstain import list_capacity, real_mask
@@ -391,13 +395,15 @@ class SimLionCub:
         step = self.step_count + 1
         # the control flags (int32, flags.flag_bytes): carried in the first phase of 1bit /
         # allgather (LionCub without overlap), else their own all-reduce
-        control = {name: flag_bytes(len(self.buckets), n, not cfg.overlap and make_algorithm(name).carries_flags)
+        drift = self.trigger is not None  # one more flag word: the previous step's disagreement
+        control = {name: flag_bytes(len(self.buckets), n, not cfg.overlap and make_algorithm(name).carries_flags,
+                                    drift)
                    for name in ("allgather", "pbit", "1bit", "int8", "bbit")}
         voting = self.vote_every <= 1 or (step - 1) % self.vote_every == 0 or not self.last_delta
         if not voting:
-            control = {k: flag_bytes(len(self.buckets), n, False) for k in control}
+            control = {k: flag_bytes(len(self.buckets), n, False, drift) for k in control}
         sent = control[self.comm]
-        disagree = [0, 0]
+        disagree = torch.zeros(n, 2, dtype=torch.int64)  # per worker [disagree, both] (drift)
         if self.comm not in ("int8", "bbit"):  # bytes_if: the sign comms, each with its own way of sending the flags
             for k in ("allgather", "pbit", "1bit"):
                 self.alt_bytes[k] = self.alt_bytes.get(k, 0) + control[k] - control[self.comm]
@@ -454,10 +460,10 @@ class SimLionCub:
                     plus = (c > 0).sum(0, dtype=torch.int32)
                     cnt = (c != 0).sum(0, dtype=torch.int32) if abstain else torch.full_like(plus, n)
                     delta = reference.decide(plus, cnt, n, cfg.vote, cfg.tie_break, step, segs)
-                    if self.drift_sync is not None:
-                        both = (c != 0) & (delta != 0).view(1, -1)
-                        disagree[0] += int(((torch.sign(c) != delta.view(1, -1)) & both).sum())
-                        disagree[1] += int(both.sum())
+                    if drift:  # each worker's packed votes against Δ, as LionCub counts them
+                        disagree += vote_disagreement(reference.pack_bits((c > 0).reshape(-1)).view(n, -1),
+                                                      reference.pack_bits((c != 0).reshape(-1)).view(n, -1),
+                                                      delta).cpu()
                     # this rank's shard (every shard has the same size, mode and flags: the same bytes)
                     by = {name: make_algorithm(name).wire_bytes(shard, n, mode=mode, vote=cfg.vote,
                                                                 tie_break=cfg.tie_break, abstain=abstain,
@@ -473,27 +479,19 @@ class SimLionCub:
                 reference.momentum_update(self.momenta[p], grads[p], b2)
         self.step_count = step
         ms = cfg.momentum_sync
-        if ms is not None and (on_schedule(ms, step - 1) if self.drift_sync is None else self._drift_due(step)):
+        if ms is not None and (on_schedule(ms, step - 1) if not drift else drift_due(ms, self.trigger, step - 1)):
             sync = self._sync_momenta() if self.node_size == 1 else self._sync_node_momenta()
             sent += sync
             self.sync_bytes += sync
-            self._last_sync, self._drift_base = step, None
-        if self.drift_sync is not None:
-            self.disagreement.append(disagree[0] / max(1, disagree[1]))
-            if self._drift_base is None and step > self._last_sync:
-                self._drift_base = self.disagreement[-1]
-            sent += 4 * (n - 1)  # one more int32 flag word to every rank (the drift count)
+            self.sync_steps.append(step)
+            if drift:
+                self.trigger.synced(step)
+        if drift:  # step's signal: LionCub reads it with the next step's flags
+            self.trigger.observe(step, int(disagreement_units(disagree, n).sum()))
         if n <= 1:
             sent = 0  # one voter (flat N = 1, or Nn = 1): its vote group sends nothing (telemetry's ring model)
         self.bytes_sent += sent
         return sent
-
-    def _drift_due(self, step):
-        """Drift-scheduled sync: the previous step's disagreement exceeds the post-sync baseline by τ."""
-        d = self.drift_sync
-        if len(self.disagreement) < 1 or self._drift_base is None or step - self._last_sync < d.get("min_every", 2):
-            return False
-        return self.disagreement[-1] - self._drift_base >= d["threshold"]
 
     def _bbit_delta(self, c, params, offsets, step, abstain, segs):
         """Δ of comm="bbit" over a bucket's c [N, total]: each worker's b-bit codes (its own
@@ -752,8 +750,7 @@ def build_variant(name, model, n, cfg, lrs):
                      momentum_sync=spec.get("sync"),
                      vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
                      error_feedback=spec.get("ef", False), owner_ema=spec.get("ema", 0.0),
-                     vote_every=spec.get("vote_every", 1), node_size=spec.get("node", 1),
-                     drift_sync=spec.get("drift"))
+                     vote_every=spec.get("vote_every", 1), node_size=spec.get("node", 1))
     return opt, fam, False
 
 

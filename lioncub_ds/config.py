@@ -25,9 +25,12 @@ BBIT_DEFAULTS = {"vote_bits": 2, "rounding": "dither"}
 NONFINITE_POLICIES = ("skip", "raise")
 DRIFT_ACTIONS = ("raise", "resync")
 MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
-SYNC_KEYS = ("every", "until", "schedule", "k", "layers", "group", "group_size", "inter_every", "dtype")
+SYNC_KEYS = ("every", "until", "schedule", "k", "threshold", "min_every", "layers", "group", "group_size", "inter_every",
+             "dtype")
 SYNC_DTYPES = ("fp32", "bf16", "int8")
-SYNC_SCHEDULES = ("every", "geometric")
+SYNC_SCHEDULES = ("every", "geometric", "drift")
+# the keys schedule="drift" uses (the others choose fixed steps or node subgroups)
+DRIFT_SYNC_KEYS = ("schedule", "threshold", "min_every", "until", "layers", "dtype")
 SYNC_GROUPS = ("world", "node")
 VOTERS = ("rank", "node")
 
@@ -126,9 +129,17 @@ def setting(default=MISSING, *, type, help, choices=None, allowed=None, default_
 class MomentumSyncConfig:
     """When to average momenta across ranks (docs/conventions.md, lever 3)."""
     schedule: str = setting("every", type=str, choices=SYNC_SCHEDULES,
-                            help="`every`: every K steps; `geometric`: T0 = 0, T(j+1) = T(j) + ⌊2^(j/k)⌋")
+                            help="`every`: every K steps; `geometric`: T0 = 0, T(j+1) = T(j) + ⌊2^(j/k)⌋; `drift`: "
+                                 "when the votes' disagreement with Δ has risen by `threshold`")
     every: int = setting(1, type=int, allowed="int ≥ 1", help="K: average momenta every K steps (schedule `every`)")
     k: float = setting(1.0, type=float, allowed="> 0", help="geometric schedule: the gap doubles every k syncs")
+    threshold: float | None = setting(None, type=float, allowed="0 < τ < 1",
+                                      help="τ of schedule `drift` (required there): sync when the ranks' mean "
+                                           "fraction of votes that disagree with Δ has risen by τ since the first "
+                                           "step after the last sync")
+    min_every: int = setting(2, type=int, allowed="int ≥ 1",
+                             help="schedule `drift`: at least this many steps between syncs (the signal allows "
+                                  "3 at the least)")
     until: int | None = setting(None, type=int, allowed="int ≥ 0",
                                 help="sync only on 0-based steps < until")
     layers: tuple = setting((), type=list, allowed="fnmatch patterns",
@@ -153,9 +164,11 @@ class MomentumSyncConfig:
             if key not in SYNC_KEYS:
                 raise unknown_key_error(key, SYNC_KEYS, "momentum_sync")
         v = dict(value)
-        schedule = v.get("schedule", "geometric" if "k" in v and "every" not in v else "every")
+        schedule = v.get("schedule", "geometric" if "k" in v and "every" not in v else
+                         "drift" if "threshold" in v and "every" not in v else "every")
         if schedule not in SYNC_SCHEDULES:
             raise _err("momentum_sync.schedule", schedule, " | ".join(SYNC_SCHEDULES))
+        threshold, min_every = cls._drift_keys(v, schedule)
         every = v.get("every", 1)
         if not _is_int(every) or every < 1:
             raise _err("momentum_sync.every", every, "an integer >= 1")
@@ -184,7 +197,38 @@ class MomentumSyncConfig:
         dtype = v.get("dtype", "fp32")
         if dtype not in SYNC_DTYPES:
             raise _err("momentum_sync.dtype", dtype, " | ".join(repr(d) for d in SYNC_DTYPES))
-        return cls(schedule, int(every), float(k), until, tuple(layers), group, group_size, inter_every, dtype)
+        return cls(schedule=schedule, every=int(every), k=float(k), threshold=threshold, min_every=min_every,
+                   until=until, layers=tuple(layers), group=group, group_size=group_size, inter_every=inter_every,
+                   dtype=dtype)
+
+    @staticmethod
+    def _drift_keys(v: dict, schedule: str):
+        """(threshold, min_every) of schedule="drift"; the drift keys are refused elsewhere, and the
+        keys that choose fixed steps or node subgroups are refused with it."""
+        if schedule != "drift":
+            for key in ("threshold", "min_every"):
+                if key in v:
+                    raise LionCubConfigError(f"LionCub: momentum_sync.{key} is only used with schedule='drift' "
+                                             f"(got schedule={schedule!r})")
+            return None, 2
+        for key in v:
+            if key not in DRIFT_SYNC_KEYS:
+                raise LionCubConfigError(f"LionCub: momentum_sync.{key} is not used with schedule='drift' (it syncs "
+                                         "when the votes' disagreement with Δ rises, over the whole vote group); "
+                                         f"allowed keys: {', '.join(DRIFT_SYNC_KEYS)}")
+        threshold = v.get("threshold")
+        if not _is_real(threshold) or not 0.0 < threshold < 1.0:
+            raise _err("momentum_sync.threshold", threshold, "a number strictly between 0 and 1 (a rise of the "
+                       "fraction of votes that disagree with Δ; required with schedule='drift')")
+        min_every = v.get("min_every", 2)
+        if not _is_int(min_every) or min_every < 1:
+            raise _err("momentum_sync.min_every", min_every, "an integer >= 1 (steps between syncs)")
+        return float(threshold), int(min_every)
+
+    @property
+    def drift(self) -> bool:
+        """Syncs decided from the votes' disagreement with Δ (``schedule="drift"``)."""
+        return self.schedule == "drift"
 
     @property
     def per_node(self) -> bool:
@@ -355,6 +399,12 @@ class LionCubConfig:
             if not isinstance(getattr(self, key), bool):
                 raise _err(key, getattr(self, key), "True or False")
         self._check_voters()
+        ms = self.momentum_sync
+        if ms is not None and ms.drift and self.quant != "sign":
+            raise LionCubConfigError(f"LionCub: momentum_sync schedule='drift' counts the 1-bit sign votes that "
+                                     f"disagree with Δ; comm={self.comm!r} with quant={self.quant!r} sends scaled "
+                                     "codes; allowed: quant='sign' with comm '1bit', 'allgather', 'pbit' or 'auto', "
+                                     "or schedule 'every' / 'geometric'")
         if self.timeout_s is not None and (not _is_real(self.timeout_s) or not 0 < self.timeout_s < math.inf):
             raise _err("timeout_s", self.timeout_s, "None or a number of seconds > 0")
 
@@ -375,6 +425,10 @@ class LionCubConfig:
             raise LionCubConfigError("LionCub: with voters='node' the momentum sync averages every momentum shard "
                                      "over the voters; allowed: momentum_sync without 'layers' and with "
                                      "group='world'")
+        if ms is not None and ms.drift:
+            raise LionCubConfigError("LionCub: momentum_sync schedule='drift' is not supported with voters='node' "
+                                     "(its signal is defined and tested for flat votes only); allowed: "
+                                     "voters='rank', or schedule 'every' / 'geometric' with voters='node'")
 
     @property
     def node_voters(self) -> bool:

@@ -22,6 +22,9 @@ from .telemetry import ring_bytes
 # then per bucket [ranks whose abstention list overflowed, ranks with an abstention].
 # On the wire every entry but the non-finite value count is a count of ranks (≤ N), so two share
 # one int32 word in 16-bit lanes (N < 2**15: the sums never carry into the next lane).
+# With momentum_sync schedule="drift" one more full word follows the count: this rank's vote
+# disagreement with the previous applied step's Δ (momentum_sync.disagreement_units, ≤ 2**31/N),
+# summed like the rest; unpacked, it comes last (index FLAG_HEAD + 2·buckets).
 NONFINITE_RANKS, UNUSABLE_RANKS, NONFINITE_VALUES, MISSING_RANKS, CHANGED_RANKS, HYPER = range(6)
 HYPER_BITS = 8
 FLAG_HEAD = HYPER + HYPER_BITS
@@ -37,21 +40,24 @@ def host_values_on(values: list, device) -> torch.Tensor:
     return pinned.to(device, non_blocking=True)
 
 
-def flag_words(n_buckets: int, world_size: int) -> int:
-    """int32 words of the packed flag vector."""
+def flag_words(n_buckets: int, world_size: int, drift: bool = False) -> int:
+    """int32 words of the packed flag vector (``drift``: with the drift schedule's word)."""
     lanes = 2 if world_size < PACKED_BELOW else 1
-    return 1 + (FLAG_HEAD - 1 + 2 * n_buckets + lanes - 1) // lanes
+    return 1 + int(drift) + (FLAG_HEAD - 1 + 2 * n_buckets + lanes - 1) // lanes
 
 
-def flag_head_words(world_size: int) -> int:
+def flag_head_words(world_size: int, drift: bool = False) -> int:
     """The packed words that hold the step-wide head (the per-bucket entries follow, word-aligned:
     FLAG_HEAD - 1 is even)."""
-    return 1 + (FLAG_HEAD - 1) // (2 if world_size < PACKED_BELOW else 1)
+    return 1 + int(drift) + (FLAG_HEAD - 1) // (2 if world_size < PACKED_BELOW else 1)
 
 
-def pack_flags(logical: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The flag vector as sent: the non-finite value count, then the rank counts two per word."""
+def pack_flags(logical: torch.Tensor, world_size: int, drift: torch.Tensor | None = None) -> torch.Tensor:
+    """The flag vector as sent: the non-finite value count, the drift word (``drift``: int32 [1],
+    schedule="drift" only), then the rank counts two per word."""
     count = logical[NONFINITE_VALUES:NONFINITE_VALUES + 1]
+    if drift is not None:
+        count = torch.cat([count, drift.reshape(1).to(count.dtype)])
     rest = torch.cat([logical[:NONFINITE_VALUES], logical[NONFINITE_VALUES + 1:]])
     if world_size >= PACKED_BELOW:
         return torch.cat([count, rest])
@@ -61,19 +67,25 @@ def pack_flags(logical: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.cat([count, pairs[:, 0] + pairs[:, 1] * 65536])
 
 
-def unpack_flags(words: list, n_buckets: int, world_size: int) -> list:
-    """The summed packed words -> the logical flag list (indices as named above)."""
-    count, rest = words[0], words[1:]
+def unpack_flags(words: list, n_buckets: int, world_size: int, drift: bool = False) -> list:
+    """The summed packed words -> the logical flag list (indices as named above; ``drift``: the
+    summed drift word last, at :func:`drift_index`)."""
+    count, rest = words[0], words[1 + int(drift):]
     if world_size < PACKED_BELOW:
         rest = [x for w in rest for x in (w & 0xFFFF, w >> 16)]
     rest = rest[:FLAG_HEAD - 1 + 2 * n_buckets]
-    return rest[:NONFINITE_VALUES] + [count] + rest[NONFINITE_VALUES:]
+    return rest[:NONFINITE_VALUES] + [count] + rest[NONFINITE_VALUES:] + ([words[1]] if drift else [])
 
 
-def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
+def drift_index(n_buckets: int) -> int:
+    """Where the unpacked flag list holds the summed drift word (schedule="drift")."""
+    return FLAG_HEAD + 2 * n_buckets
+
+
+def flag_bytes(n_buckets: int, world_size: int, carried: bool, drift: bool = False) -> int:
     """Bytes one rank sends per step for the flags: carried in a gather-like first phase (to every
-    other rank), or in their own all-reduce (ring)."""
-    words = 4 * flag_words(n_buckets, world_size)
+    other rank), or in their own all-reduce (ring); ``drift``: with the drift schedule's word."""
+    words = 4 * flag_words(n_buckets, world_size, drift)
     return (world_size - 1) * words if carried else ring_bytes("all_reduce", words, world_size)
 
 

@@ -12,6 +12,8 @@ happens right after that step's local momentum update:
   ``inter_every`` K', every K'-th step (s % K' == 0, same ``until``) averages across the whole
   group instead.
 
+* ``schedule="drift"``: when the votes' disagreement with Δ has risen by ``threshold`` (below).
+
 ``dtype="fp32"`` (default): all-reduce(SUM) then divide (ReduceOp.AVG does not exist on gloo).
 ``dtype="bf16"`` / ``"int8"``: a two-phase average in that format, like the ``1bit`` vote: each
 rank encodes its chunk (bf16; int8 = round(m·127/a) with its own a = max|m|, sent along),
@@ -20,6 +22,22 @@ fp32 in rank order, divides by N, encodes the mean shard (int8: with the shard's
 ``all_gather`` returns every shard to every rank. Wire bytes per rank: 2·(N−1)/N·P·w (+ scales),
 w = 2 or 1: 2x or 4x fewer than the fp32 all-reduce; the sum's order is the project's own, so
 every rank (and the simulation in bench converge) gets the same bits at any N.
+
+The drift schedule (``schedule="drift"``, sign votes, flat voters). A free signal of how far the
+local momenta have drifted apart: the fraction of a rank's votes that disagree with the agreed Δ
+where both are nonzero (:func:`vote_disagreement`). Each rank turns its own fraction into
+fixed-point units (:func:`disagreement_units`, :func:`drift_scale` per whole fraction) on the
+device while it applies step t's Δ; the units ride in step t+1's flag vector (one more int32
+word, summed over the ranks with the flags: no collective and no host read of their own), so
+step t+1 reads the sum D(t) of every rank's units with its flags, and every rank decides alike
+from it (:class:`DriftTrigger`). The sync after step t (1-based, after its momentum update) is
+decided from D(t−1), the signal of the step before (which is also what the simulation uses): it
+runs when t − (the last sync's step) ≥ ``min_every`` and D(t−1) − B ≥ τ·N·scale, where S is
+the last sync's step (0 before the first) and the baseline B the lowest signal since it, min D(u)
+over S < u ≤ t−1 (D(S+1), the first, is from votes made with the averaged momenta). The drift
+is a *rise* of the disagreement from its low point: early in training the disagreement falls as
+the momenta fill, and a baseline fixed at D(S+1) would then never be exceeded. B is known from
+step S+2 on, so two syncs are at least 3 steps apart whatever ``min_every``.
 """
 from __future__ import annotations
 
@@ -91,14 +109,21 @@ def sync_group_size(cfg, n: int) -> int | None:
 class MomentumSync:
     """Decides, per step, whether and where momenta are averaged, and does it."""
 
-    def __init__(self, cfg: MomentumSyncConfig, collectives, node_collectives=None):
+    def __init__(self, cfg: MomentumSyncConfig, collectives, node_collectives=None, ranks: int | None = None):
         self.cfg = cfg
         self.world = collectives
         self.node = node_collectives
+        # schedule="drift": the decision state, the same on every rank (fed from the flags summed
+        # over the ``ranks`` of the step, default the group's)
+        self.trigger = (DriftTrigger(cfg.threshold, cfg.min_every, ranks or collectives.world_size) if cfg.drift
+                        else None)
 
     def scope(self, s: int):
-        """None, or the Collectives to average over at step index s."""
+        """None, or the Collectives to average over at step index s (drift: as the trigger decides
+        from the signals observed so far; :meth:`synced` after averaging)."""
         cfg = self.cfg
+        if cfg.drift:
+            return self.world if drift_due(cfg, self.trigger, s) else None
         if cfg.per_node:
             if cfg.inter_every is not None and (cfg.until is None or s < cfg.until) and s % cfg.inter_every == 0:
                 return self.world
@@ -134,6 +159,78 @@ class MomentumSync:
         mean = shard_mean(coll.all_to_all(rows, "momentum_sync"), dtype)
         gathered = coll.all_gather(sync_encode(mean.view(1, -1), dtype)[0], "momentum_sync")
         return sync_decode(gathered, dtype).reshape(-1)[:length]
+
+
+# ----------------------------------------------------------------------------- the drift schedule
+DRIFT_UNITS = 1 << 16  # fixed-point units of one rank's whole disagreement fraction
+
+
+def drift_scale(world_size: int) -> int:
+    """Units of one rank's whole fraction: 2**16, less past 2**15 ranks, so the sum over the ranks
+    fits the int32 flag word (sums of raw counts would not: N·P passes 2**31 on large models)."""
+    return min(DRIFT_UNITS, (2 ** 31 - 1) // max(1, world_size))
+
+
+def vote_disagreement(sign: torch.Tensor, nonzero: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """int64 [..., 2] on the device: [this voter's votes that disagree with Δ where both are
+    nonzero, the coordinates where both are nonzero]. ``sign`` / ``nonzero``: the voter's packed
+    planes (uint8 [..., B], LSB first: c > 0, c ≠ 0), ``delta``: the agreed Δ [8·B] (any real
+    values: only their signs count, so an averaged Δ works alike)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=sign.device)
+    pos = ((sign.unsqueeze(-1) >> shifts) & 1).flatten(-2).bool()
+    voted = ((nonzero.unsqueeze(-1) >> shifts) & 1).flatten(-2).bool()
+    both = voted & (delta != 0)
+    differ = both & (pos != (delta > 0))
+    return torch.stack([differ.sum(-1), both.sum(-1)], dim=-1)
+
+
+def disagreement_units(counts: torch.Tensor, world_size: int) -> torch.Tensor:
+    """int64 counts [..., 2] ([disagree, both], summed over a voter's buckets) -> the voter's
+    fraction in units of :func:`drift_scale` (floored; 0 where it cast no vote), on the device."""
+    differ, both = counts[..., 0], counts[..., 1]
+    return torch.where(both > 0, differ * drift_scale(world_size) // both.clamp(min=1), torch.zeros_like(both))
+
+
+def drift_due(cfg: MomentumSyncConfig, trigger: "DriftTrigger", s: int) -> bool:
+    """schedule="drift": whether the sync at 0-based step index ``s`` runs (the trigger's rule,
+    within ``until``); LionCub and the simulation both ask this."""
+    return trigger.due(s + 1) and (cfg.until is None or s < cfg.until)
+
+
+class DriftTrigger:
+    """When schedule="drift" syncs (module docstring): host state fed with the summed signal
+    D (every rank's :func:`disagreement_units`) of each applied step, the same on every rank (the
+    sums are the step's agreed flags) and in the simulation (which calls it with the same sums)."""
+
+    def __init__(self, threshold: float, min_every: int, world_size: int):
+        self.min_every = min_every
+        self.needed = threshold * world_size * drift_scale(world_size)  # τ in units of summed fractions
+        self.last_sync = 0       # the step of the last sync (0: none yet)
+        self.baseline = None     # the lowest D since it, once one is known
+        self.signal = None       # (step, D) of the latest observed step
+
+    def observe(self, step: int, summed: int) -> None:
+        """D of applied step ``step`` (known at the next step, from its flags)."""
+        self.signal = (step, int(summed))
+        if step > self.last_sync:  # the low point since the last sync (module docstring)
+            self.baseline = int(summed) if self.baseline is None else min(self.baseline, int(summed))
+
+    def due(self, step: int) -> bool:
+        """Whether the sync after applied step ``step`` runs (from D of step − 1)."""
+        if self.baseline is None or self.signal is None or step - self.last_sync < self.min_every:
+            return False
+        return self.signal[1] - self.baseline >= self.needed
+
+    def synced(self, step: int) -> None:
+        self.last_sync, self.baseline = step, None
+
+    def state_dict(self) -> dict:
+        return {"last_sync": self.last_sync, "baseline": self.baseline,
+                "signal": None if self.signal is None else list(self.signal)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.last_sync, self.baseline = int(sd["last_sync"]), sd["baseline"]
+        self.signal = None if sd["signal"] is None else tuple(int(x) for x in sd["signal"])
 
 
 # ----------------------------------------------------------------------------- bf16 / int8 averaging

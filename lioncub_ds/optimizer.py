@@ -461,6 +461,8 @@ class LionCub(Optimizer):
         snap = self.stats.snapshot()
         snap["skipped_steps"] = self._skipped_steps
         snap["overlap"] = dict(self.overlap_counts)
+        # syncs run (and schedule="drift"'s signal) since the step plan was built; None: no sync set
+        snap["momentum_sync"] = self._plan.momentum_sync_stats() if self._plan is not None else None
         return snap
 
     # ------------------------------------------------------------------ state

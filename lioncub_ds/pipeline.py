@@ -41,12 +41,12 @@ from . import kernels
 from .comm import Collectives, VoteJob
 from .errors import ReplicaDriftError, StepInputError
 from .flags import (CHANGED_RANKS, FLAG_HEAD, MISSING_RANKS, NONFINITE_RANKS, NONFINITE_VALUES, UNUSABLE_RANKS,
-                    flag_words, host_values_on, hyper_bits, hyper_disagree, hyper_values, pack_flags,
+                    drift_index, flag_words, host_values_on, hyper_bits, hyper_disagree, hyper_values, pack_flags,
                     unpack_flags)
 from .kernels.reference import dither_seed, int8_levels
 from .layout import assign_algorithms, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
-from .momentum_sync import MomentumSync, select_params
+from .momentum_sync import MomentumSync, disagreement_units, drift_scale, select_params, vote_disagreement
 from .sharding import make_sharding
 
 log = logging.getLogger("lioncub_ds")
@@ -89,10 +89,16 @@ class StepPlan:
         self.device = next((p.device for g in opt.param_groups for p in g["params"]), torch.device("cpu"))
         self.msync, self.sync_params = None, []
         ms = cfg.momentum_sync
+        # momentum_sync schedule="drift": this rank's vote disagreement with the last applied Δ
+        # (int32 [1] on the device, disagreement_units) and that step's number; it rides in the
+        # next step's flags (momentum_sync module docstring)
+        self.drift = ms is not None and ms.drift
+        self.drift_units, self.drift_step = None, 0
+        self.syncs, self.last_sync = 0, 0
         if ms is not None:
             node = (Collectives(topology.sync_node_group, opt.stats, cfg.timeout_s)
                     if topology.sync_node_group is not None else None)
-            self.msync = MomentumSync(ms, self.coll, node)
+            self.msync = MomentumSync(ms, self.coll, node, topology.ranks)
             named = [(nm, p) for g in opt.param_groups for p, nm in zip(g["params"], group_names(g))
                      if p.requires_grad]
             self.sync_params = select_params(ms, named)
@@ -141,7 +147,7 @@ class StepPlan:
         read), and this rank's input error."""
         words, input_error = self.pipe.finish(frozen_error, changed)
         words = self.sharding.agree(words).tolist()  # the one host read of the step
-        return unpack_flags(words, len(self.buckets), self.ranks), input_error
+        return unpack_flags(words, len(self.buckets), self.ranks, self.drift), input_error
 
     # ------------------------------------------------------------------ the step
     def _frozen_param_error(self) -> str | None:
@@ -188,6 +194,10 @@ class StepPlan:
             count = f"{flags[NONFINITE_VALUES]}{'+' if flags[NONFINITE_VALUES] >= 2**20 else ''}"
             return StepOutcome(False, f"non-finite gradient or momentum on {flags[NONFINITE_RANKS]} of {n} ranks at "
                                       f"step {step} (non-finite values in all: {count})")
+        if self.drift and self.drift_step == step - 1 > 0:
+            # the summed disagreement of the previous applied step, read with this step's flags:
+            # it decides this step's sync (below), the same on every rank
+            self.msync.trigger.observe(step - 1, flags[drift_index(len(self.buckets))])
         # Parameters without a gradient on every rank stay as they are (as in Lion): their votes
         # (c = β1·m, from g = 0) ran with everyone else's and are undone here.
         idle = pipe.idle_everywhere(flags)
@@ -201,12 +211,28 @@ class StepPlan:
             if id(p) not in idle_ids and "step" in opt.state[p]:
                 opt.state[p]["step"] += 1
         if self.msync is not None:
-            where = self.msync.scope(step - 1)
+            where = self.msync.scope(step - 1)  # drift: from the previous step's signal (observed above)
             if where is not None:
                 MomentumSync.average_over(where, self.sharding.synced_momenta(self.sync_params), self.config.bucket_numel,
                                           self.config.momentum_sync.dtype)
+                self.syncs, self.last_sync = self.syncs + 1, step
+                if self.drift:
+                    self.msync.trigger.synced(step)
         opt.stats.end_step()
         return StepOutcome(True)
+
+    def momentum_sync_stats(self) -> dict | None:
+        """The momentum sync so far (host values, no read): syncs run, the last one's step, and with
+        schedule="drift" the latest signal and its baseline as mean fractions over the ranks."""
+        if self.msync is None:
+            return None
+        out = {"schedule": self.config.momentum_sync.schedule, "syncs": self.syncs, "last_sync_step": self.last_sync}
+        if self.drift:
+            trig, unit = self.msync.trigger, self.ranks * drift_scale(self.ranks)
+            out["signal_step"] = None if trig.signal is None else trig.signal[0]
+            out["signal"] = None if trig.signal is None else trig.signal[1] / unit
+            out["baseline"] = None if trig.baseline is None else trig.baseline / unit
+        return out
 
     def _hyper_mismatch(self, step: int) -> str:
         """The error message for hyper-parameters that differ across ranks: gathers every rank's
@@ -339,7 +365,7 @@ class VotePipeline:
         dev = b.device_dtype()[0]
         be = kernels.backend_for(dev.type)
         job = VoteJob(b.params, b.offsets, b.numel, b.param_starts, lr_value(g["lr"]), g["weight_decay"],
-                      opt.step_count + 1, cfg.tie_break, cfg.vote)
+                      opt.step_count + 1, cfg.tie_break, cfg.vote, keep_delta=plan.drift)
         grads, momenta, missing, problem = plan.sharding.inputs(i)
         if problem is not None:
             # This rank cannot vote: send well-formed zeros so every rank's collectives still
@@ -467,7 +493,7 @@ class VotePipeline:
         if self.flags_carried:  # they came with the last batch's phase 1
             last = len(plan.batches) - 1
             algorithm = plan.buckets[plan.batches[last][0]].algorithm
-            width = flag_words(len(self.local), plan.ranks)
+            width = flag_words(len(self.local), plan.ranks, plan.drift)
             rows = algorithm.flag_rows(self.launched[last], width)
             return rows.sum(0, dtype=torch.int64), self.carried_error
         error = frozen_error or self.error
@@ -488,8 +514,12 @@ class VotePipeline:
         host = host_values_on(host, dev)
         head = torch.cat([(nonfinite > 0).to(torch.int32).reshape(1), host[:1], nonfinite.to(torch.int32).reshape(1),
                           host[1:]])
+        # schedule="drift": the previous applied step's disagreement (0 before the first: not read)
+        drift = None
+        if plan.drift:
+            drift = plan.drift_units if plan.drift_units is not None else torch.zeros(1, dtype=torch.int32, device=dev)
         # packed for every rank of the step: with node voters or instances the sums go on over them
-        return pack_flags(torch.cat([head] + [loc.flags.to(dev) for loc in self.local]), plan.ranks)
+        return pack_flags(torch.cat([head] + [loc.flags.to(dev) for loc in self.local]), plan.ranks, drift)
 
     def idle_everywhere(self, flags) -> list:
         """The voting parameters that have no gradient on ANY rank this step (Lion leaves such a
@@ -544,9 +574,17 @@ class VotePipeline:
             else:
                 loc.backend.momentum_update_list(loc.momenta, loc.grads, opt.param_groups[b.group_index]["betas"][1])
             opt.stats.add_baseline(*plan.sharding.baseline(i))
+        disagreement = torch.zeros(2, dtype=torch.int64, device=plan.device) if plan.drift else None
         for k, batch in enumerate(plan.batches):
             jobs = [self.local[i].job for i in batch]
             for i, job in zip(batch, jobs):  # where the counted Δ is applied (e.g. a master shard)
                 plan.sharding.redirect(i, job)
             plan.buckets[batch[0]].algorithm.complete(counted[k], jobs, coll, self.local[batch[0]].backend)
+            if disagreement is not None:  # this rank's votes against the applied Δ (on the device)
+                for job in jobs:
+                    disagreement += vote_disagreement(job.sign, job.nonzero, job.delta).to(plan.device)
+                    job.delta = None
+        if disagreement is not None:  # rides in the next step's flags (the sync after that step uses it)
+            plan.drift_units = disagreement_units(disagreement, plan.ranks).to(torch.int32).reshape(1)
+            plan.drift_step = step
         self.reset()

@@ -881,7 +881,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="NAME",
                    help=f"which strategies (default all): {', '.join(STRATEGIES)}")
     p.add_argument("--sync-every", type=int, default=SYNC_EVERY, metavar="K",
-                   help="LionCub's int8 momentum sync every K steps (the recommended 20; 0: none)")
+                   help="LionCub's int8 momentum sync every K steps (the recommended 20; 0: none). For "
+                        "momentum_sync schedule='drift', whose rate the planner cannot predict, give the mean gap "
+                        "between syncs of a run (steps / comm_stats()['momentum_sync']['syncs'])")
     p.add_argument("--min-speedup", type=_float_arg("--min-speedup"), default=1.1,
                    help="recommend a LionCub strategy only when this much faster than the best exact one")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

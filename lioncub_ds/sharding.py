@@ -270,7 +270,8 @@ class Instances(Flat):
         this rank's shard layout, which its shard peers share but its instance peers do not. In
         int64: the non-finite count (2**20 per rank at most) grows with every rank summed."""
         words = words.to(torch.int64)
-        head = words[:flag_head_words(self.topology.ranks)]  # a prefix: reduced in place
+        ms = self.opt.config.momentum_sync  # schedule="drift": its word is part of the head
+        head = words[:flag_head_words(self.topology.ranks, ms is not None and ms.drift)]  # a prefix: reduced in place
         self.agree_coll.all_reduce_(head, "instance_flags")
         return words
 

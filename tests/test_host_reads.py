@@ -20,6 +20,9 @@ STEPS = 3
 MODES = [
     ("flat-1bit-carried", torch.float32, dict(comm="1bit")),
     ("flat-int8-allreduce", torch.float32, dict(comm="int8", quant="l1")),
+    # schedule="drift": the disagreement rides in the next step's flags (no read of its own)
+    ("flat-pbit-drift", torch.float32, dict(comm="pbit", momentum_sync={"schedule": "drift", "threshold": 1e-6,
+                                                                        "min_every": 1})),
     ("master-only-bf16", torch.bfloat16, dict(comm="1bit", node_size=2)),
     ("node-1bit-fp32", torch.float32, dict(comm="1bit", voters="node", node_size=2)),
     ("node-int8-bf16", torch.bfloat16, dict(comm="int8", quant="l1", voters="node", node_size=2)),

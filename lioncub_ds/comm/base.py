@@ -171,6 +171,10 @@ class VoteJob:
     # this rank's shard of every rank's plane [N, numel/8/N] (algorithms that shard planes)
     planes: torch.Tensor | None = None
     planes_sharded: bool = False
+    # keep_delta (momentum_sync schedule="drift"): ``complete`` leaves the applied Δ of the bucket
+    # (fp32 [numel]) in ``delta``, for the vote-disagreement signal; else nothing is materialised
+    keep_delta: bool = False
+    delta: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.param_starts is not None and not isinstance(self.param_starts, (list, tuple)):
@@ -212,7 +216,8 @@ class VoteAlgorithm:
       what must be counted before a phase 2 and launch that phase asynchronously, if the
       algorithm has one; returns the state ``complete`` takes (default: ``state`` itself). The
       pipeline runs the momentum update while a phase 2 is in flight;
-    * ``complete(state, jobs, coll, backend)``: wait for phase 2 if any, apply Δ to the parameters.
+    * ``complete(state, jobs, coll, backend)``: wait for phase 2 if any, apply Δ to the parameters
+      (a job with ``keep_delta`` keeps the applied Δ in ``job.delta``).
 
     ``wire_bytes(...)`` and ``messages(...)`` state the cost (telemetry tests, α-β model)."""
 

@@ -28,8 +28,8 @@ class Int8Vote(VoteAlgorithm):
     def complete(self, pending, jobs, coll, backend):
         summed, off = pending.wait(), 0
         for j in jobs:
-            backend.int8_apply(summed[off:off + j.numel], j.params, j.offsets, j.lr, j.weight_decay,
-                               return_delta=False)
+            j.delta = backend.int8_apply(summed[off:off + j.numel], j.params, j.offsets, j.lr, j.weight_decay,
+                                         return_delta=j.keep_delta)
             off += j.numel
 
     def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False,
