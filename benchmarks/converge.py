@@ -89,12 +89,12 @@ VARIANTS = {
     "cub_1bit_sync5_int8": dict(family="cub", comm="1bit", sync={"every": 5, "dtype": "int8"},
                                 label="1bit + int8 sync/5"),
     # drift-scheduled int8 sync (LionCub's momentum_sync schedule="drift"): sync when the workers'
-    # mean fraction of votes that disagree with Δ has risen by τ since the step after the last sync
+    # mean fraction of votes that disagree with Δ has risen by τ from its low point since the last sync
     **{f"cub_1bit_drift{int(t * 100):02d}_int8": dict(family="cub", comm="1bit",
                                                       sync={"schedule": "drift", "threshold": t, "min_every": 2,
                                                             "dtype": "int8"},
                                                       label=f"1bit + int8 sync when drift > {t:g}")
-       for t in (0.03, 0.05, 0.07)},
+       for t in (0.01, 0.02, 0.03, 0.05, 0.07)},
     "cub_b2_sync20_int8": _bbit(quant="l1", bits=2, rounding="dither",
                                sync={"every": 20, "dtype": "int8"}, label="bbit b=2 + int8 sync/20"),
     "cub_int8": dict(family="cub", comm="int8", quant="l1", label="int8 L1"),
