@@ -80,20 +80,25 @@ def test_vote_disagreement_counts_against_a_plain_count(numel):
     assert drift_scale(2 ** 15) * 2 ** 15 < 2 ** 31 and drift_scale(3) == 65536
 
 
+def _drive(trigger, signals):
+    """Feed one rank's signal D(t) (a mean fraction per applied step t) to ``trigger`` as a step does
+    (D(t−1) observed at step t, then the sync decision): the steps that synced, up to one past the last signal."""
+    unit, synced = drift_scale(1), []
+    for step in range(1, len(signals) + 2):
+        if step > 1:
+            trigger.observe(step - 1, int(signals[step - 1] * unit))
+        if trigger.due(step):
+            trigger.synced(step)
+            synced.append(step)
+    return synced
+
+
 @pytest.mark.unit
 def test_trigger_rule():
     """The sync after step t uses D(t−1); the baseline is the lowest D since the last sync (from
     the first step after it); at least max(min_every, 3) steps apart."""
     t = DriftTrigger(0.25, 2, 1)
-    unit = drift_scale(1)
-    signals = {1: 0.1, 2: 0.1, 3: 0.4, 4: 0.2, 5: 0.2, 6: 0.2, 7: 0.5, 8: 0.9}
-    synced = []
-    for step in range(1, 10):
-        if step > 1:
-            t.observe(step - 1, int(signals[step - 1] * unit))
-        if t.due(step):
-            t.synced(step)
-            synced.append(step)
+    synced = _drive(t, {1: 0.1, 2: 0.1, 3: 0.4, 4: 0.2, 5: 0.2, 6: 0.2, 7: 0.5, 8: 0.9})
     # 4: D(3) − D(1) ≥ .25; then baseline D(5) = .2, and D(7) − .2 ≥ .25 at step 8; step 9 is 1 after it
     assert synced == [4, 8]
     t2 = DriftTrigger(0.25, 2, 1)
@@ -101,14 +106,7 @@ def test_trigger_rule():
     assert t2.state_dict() == t.state_dict()
     # a falling signal (momenta filling) then a rise: the rise counts from the low point (0.1), not
     # from the first signal after the sync (0.5, never exceeded)
-    t3, falling = DriftTrigger(0.25, 2, 1), {1: 0.5, 2: 0.3, 3: 0.1, 4: 0.2, 5: 0.4, 6: 0.4}
-    fired = []
-    for step in range(1, 8):
-        if step > 1:
-            t3.observe(step - 1, int(falling[step - 1] * unit))
-        if t3.due(step):
-            t3.synced(step)
-            fired.append(step)
+    fired = _drive(DriftTrigger(0.25, 2, 1), {1: 0.5, 2: 0.3, 3: 0.1, 4: 0.2, 5: 0.4, 6: 0.4})
     assert fired == [6]  # D(5) − min(D(1..5)) = 0.4 − 0.1 ≥ 0.25
 
 
