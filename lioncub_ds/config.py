@@ -154,6 +154,13 @@ class MomentumSyncConfig:
     dtype: str = setting("fp32", type=str, choices=SYNC_DTYPES,
                          help="what travels: `fp32` (all-reduce), or `bf16` / `int8` (a two-phase average, 2x / 4x fewer bytes)")
 
+    def __repr__(self):
+        # Only what differs from the defaults, as a user writes it: the full form outgrows the
+        # settings-agreement error's cut (agreement.MAX_VALUE_CHARS) and hides the one field that differs.
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                   if getattr(self, f.name) != f.default]
+        return f"MomentumSyncConfig({', '.join(changed)})"
+
     @classmethod
     def from_value(cls, value):
         if value is None or isinstance(value, cls):
