@@ -508,8 +508,15 @@ class NodeVoters(_MasterShardsMixin):
         return [shards[i] for i in sorted(shards)]
 
     def synced_momenta(self, selected) -> list:
-        """Every momentum shard (averaged over the shard peers; ``layers`` is refused with node voters)."""
-        return self.momenta()
+        """What the momentum sync averages over the shard peers: every momentum shard, or with
+        ``layers`` the pieces of the selected parameters in this rank's shards (the shard peers
+        hold the same pieces, so every voter sends the same lengths in the same order)."""
+        ms = self.opt.config.momentum_sync
+        if ms is None or not ms.layers:
+            return self.momenta()
+        ids = {id(p) for p in selected}
+        return [self._momentum(i)[at:at + length] for i, pieces in enumerate(self.pieces)
+                for p, _, length, at in pieces if id(p) in ids and length > 0]
 
     def master_pieces(self):
         masters = self.store.shards["master"]
