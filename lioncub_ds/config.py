@@ -423,10 +423,10 @@ class LionCubConfig:
         if self.voters == "rank":
             return  # with node_size: master-only sharding (every rank votes; the fp32 master is sharded)
         ms = self.momentum_sync
-        if ms is not None and (ms.layers or ms.group != "world"):
-            raise LionCubConfigError("LionCub: with voters='node' the momentum sync averages every momentum shard "
-                                     "over the voters; allowed: momentum_sync without 'layers' and with "
-                                     "group='world'")
+        if ms is not None and ms.group != "world":
+            raise LionCubConfigError("LionCub: momentum_sync group='node' has nothing to average with voters='node' "
+                                     "(the ranks of a node hold one voter's momentum, sharded, not copies of it); "
+                                     "allowed: group='world' (the sync averages over the voters)")
         if ms is not None and ms.drift:
             raise LionCubConfigError("LionCub: momentum_sync schedule='drift' is not supported with voters='node' "
                                      "(its signal is defined and tested for flat votes only); allowed: "

@@ -263,7 +263,9 @@ class LionCub(Optimizer):
         in the group: refused before anything changes). After the first distributed step the new
         parameters need a new step plan: the current one is dropped (votes started in backward are
         drained: collective, so add the group on every rank, as the same program does) and the next
-        step builds the plan again."""
+        step builds the plan again. Sharded state (node voters, master-only sharding) carries over:
+        buckets are cut group by group, so the new group's buckets come after the existing ones,
+        whose shards (kept by bucket index) the new plan finds unchanged."""
         params = check_param_group(param_group, "LionCub")
         seen = set()
         for i, p in enumerate(params):
@@ -273,11 +275,6 @@ class LionCub(Optimizer):
                                          "than once; allowed: each parameter once (it would be stepped twice)")
             seen.add(id(p))
         if getattr(self, "_plan", None) is not None:
-            if self._plan.sharding.holds_shards:
-                raise LionCubConfigError("LionCub.add_param_group after the first step is not supported with "
-                                         f"{describe_layout(self._plan.sharding.layout())} (the shards follow "
-                                         "the bucket layout); allowed: add every group before the first step; "
-                                         "nothing was changed")
             if self._plan.pipe.busy:
                 self._plan.pipe.drain()
             self._drop_plan()

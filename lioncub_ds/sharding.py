@@ -112,11 +112,13 @@ def reconcile_master(flat, pieces) -> None:
         master.copy_(torch.where(master.to(value.dtype) == value, master, value.to(master.dtype)))
 
 
-def gather_into_params(coll, buckets, shards) -> None:
+def gather_into_params(coll, buckets, shards, workspace=None) -> None:
     """All-gather every bucket's shard inside the group (in the parameters' dtype) and copy the
-    whole bucket into its parameters."""
-    pending = [coll.all_gather(flat.to(b.params[0].dtype), "node_all_gather", async_op=True)
-               for b, flat in zip(buckets, shards)]
+    whole bucket into its parameters. ``workspace``: a :class:`Workspace` to receive into."""
+    pending = [coll.all_gather(flat.to(b.params[0].dtype), "node_all_gather", async_op=True,
+                               out=None if workspace is None else
+                               workspace.get("gathered", i, b.numel, b.params[0].dtype, flat.device))
+               for i, (b, flat) in enumerate(zip(buckets, shards))]
     for b, pend in zip(buckets, pending):
         full = pend.wait().reshape(-1)
         for p, off in zip(b.params, b.offsets):
@@ -321,6 +323,27 @@ class Instances(Flat):
         return words
 
 
+class Workspace:
+    """A step's bucket-sized buffers, kept from one step to the next. A fresh CPU buffer costs an
+    allocation and its first touch (~0.4 GB/s here against ~12 GB/s for a reused one: node voters
+    spent a third of their step on it, docs/planner.md); a GPU's caching allocator hides that, but
+    holds the same memory. A buffer is remade when its size, dtype or device changes. What a
+    buffer held at the last step is never read: its user writes all of it, or writes every
+    element but the padding, which nothing writes and stays zero from the buffer's creation."""
+
+    def __init__(self):
+        self.bufs: dict = {}
+
+    def get(self, name: str, i: int, numel: int, dtype, device, zero: bool = False) -> torch.Tensor:
+        buf = self.bufs.get((name, i))
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = torch.zeros(numel, dtype=dtype, device=device)
+            self.bufs[(name, i)] = buf
+        elif zero:
+            buf.zero_()
+        return buf
+
+
 class _MasterShardsMixin:
     """The persistent fp32 master shards of bf16/fp16 buckets (``store.shard("master", i)``)."""
 
@@ -351,6 +374,7 @@ class MasterOnly(_MasterShardsMixin, Flat):
         self.size, self.local_rank = topology.node_size, topology.local_rank
         self.sharded = [i for i, b in enumerate(self.buckets) if b.params[0].dtype != torch.float32]
         self.pieces = {i: shard_pieces(self.buckets[i], self.size, self.local_rank) for i in self.sharded}
+        self.workspace = Workspace()  # the all-gather's receive buffers, kept across steps
 
     def master(self, i: int) -> torch.Tensor:
         b = self.buckets[i]
@@ -388,7 +412,7 @@ class MasterOnly(_MasterShardsMixin, Flat):
 
     def finish(self) -> None:
         gather_into_params(self.node_coll, [self.buckets[i] for i in self.sharded],
-                           [self.master(i) for i in self.sharded])
+                           [self.master(i) for i in self.sharded], self.workspace)
 
 
 class NodeVoters(_MasterShardsMixin):
@@ -430,6 +454,7 @@ class NodeVoters(_MasterShardsMixin):
         # the order the group's reduce-scatters are issued in: the plan's vote launch order
         # (launch_order; last buckets first, as backward produces them)
         self.order = list(reversed(range(len(self.full))))
+        self.workspace = Workspace()  # the buffers behind grads, work and the group's collectives
         self.abandon()
 
     def low_precision(self, i: int) -> bool:
@@ -446,7 +471,8 @@ class NodeVoters(_MasterShardsMixin):
         if self.low_precision(i):
             return self.store.shard("master", i, sb.numel, torch.float32, self.device,
                                     fill=lambda flat: copy_pieces_from_params(self.pieces[i], flat))
-        return torch.zeros(sb.numel, dtype=torch.float32, device=self.device)
+        # redirect() writes the pieces every step; the padding between them stays zero from the start
+        return self.workspace.get("work", i, sb.numel, torch.float32, self.device)
 
     @staticmethod
     def _views(flat, pieces):
@@ -501,8 +527,9 @@ class NodeVoters(_MasterShardsMixin):
     def _reduce_scatter(self, i: int) -> None:
         """Send bucket ``i``'s gradients to their shards' owners in the group (an all_to_all in the
         gradients' dtype). A rank whose gradients are unusable sends zeros (the flags make every
-        rank refuse the step)."""
-        fb = self.full[i]
+        rank refuse the step). Its buffers are bucket ``i``'s in the workspace: the previous
+        step's (or a drained vote's) reduce-scatter of the bucket is done (:meth:`abandon`)."""
+        fb, ws = self.full[i], self.workspace
         problem = self.problems[i] = grad_problem(fb)
         # indices (in the full bucket) of the parameters without a gradient on this rank: the
         # step leaves a parameter that has none on ANY rank alone, as flat voting does
@@ -510,12 +537,15 @@ class NodeVoters(_MasterShardsMixin):
         self.versions[i] = grad_versions(fb.params)  # what was read (a later change: vote again)
         # the gradients travel in their own dtype (torch keeps p.grad in p's dtype, the same on
         # every rank): bf16 halves the group's bytes, and the fp32 sum below is the same
-        flat = torch.zeros(fb.numel, dtype=fb.params[0].dtype, device=self.device)
+        # (every parameter's slot is written below, the padding stays zero from the start)
+        flat = ws.get("send", i, fb.numel, fb.params[0].dtype, self.device, zero=problem is not None)
         if problem is None:
             for p, off in zip(fb.params, fb.offsets):
-                if p.grad is not None:
-                    flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
-        self.rs[i] = self.node_coll.all_to_all(flat.view(self.size, -1), "node_reduce_scatter", async_op=True)
+                slot = flat[off:off + p.numel()]
+                slot.copy_(p.grad.reshape(-1)) if p.grad is not None else slot.zero_()
+        rows = ws.get("received", i, fb.numel, fb.params[0].dtype, self.device).view(self.size, -1)
+        self.rs[i] = self.node_coll.all_to_all(flat.view(self.size, -1), "node_reduce_scatter", async_op=True,
+                                               out=rows)
 
     def inputs(self, i: int):
         """Views of ḡ and of the momentum shard, piece by piece; the parameters without a gradient
@@ -526,7 +556,7 @@ class NodeVoters(_MasterShardsMixin):
             self.begin()
         if self.grads[i] is None:
             rows = self.rs[i].wait()
-            acc = rows[0].to(torch.float32, copy=True)
+            acc = self.workspace.get("grad", i, rows.shape[1], torch.float32, self.device).copy_(rows[0])
             for row in rows[1:]:  # local-rank order: the documented sum, in fp32
                 acc.add_(row.to(torch.float32))
             acc.div_(self.size)
@@ -577,8 +607,15 @@ class NodeVoters(_MasterShardsMixin):
         return [shards[i] for i in sorted(shards)]
 
     def synced_momenta(self, selected) -> list:
-        """Every momentum shard (averaged over the shard peers; ``layers`` is refused with node voters)."""
-        return self.momenta()
+        """What the momentum sync averages over the shard peers: every momentum shard, or with
+        ``layers`` the pieces of the selected parameters in this rank's shards (the shard peers
+        hold the same pieces, so every voter sends the same lengths in the same order)."""
+        ms = self.opt.config.momentum_sync
+        if ms is None or not ms.layers:
+            return self.momenta()
+        ids = {id(p) for p in selected}
+        return [self._momentum(i)[at:at + length] for i, pieces in enumerate(self.pieces)
+                for p, _, length, at in pieces if id(p) in ids and length > 0]
 
     def master_pieces(self):
         masters = self.store.shards["master"]
@@ -600,7 +637,7 @@ class NodeVoters(_MasterShardsMixin):
     def finish(self) -> None:
         """All-gather the updated shards inside the group (in the parameters' dtype) and copy
         them into the parameters; drop the step's buffers."""
-        gather_into_params(self.node_coll, self.full, self.work)
+        gather_into_params(self.node_coll, self.full, self.work, self.workspace)
         self.abandon()
 
     def abandon(self) -> None:

@@ -384,8 +384,8 @@ def test_lioncub_config_error_is_a_value_error():
     (dict(voters="nodes"), r"invalid voters='nodes'; allowed: 'rank' \| 'node'"),
     (dict(voters="node", node_size=0), r"invalid node_size=0; allowed: None \(LOCAL_WORLD_SIZE\) or an integer >= 1"),
     (dict(voters="node", node_size=2.5), r"invalid node_size=2.5"),
-    (dict(voters="node", momentum_sync={"every": 5, "layers": ["*.w"]}), r"voters='node'.*without 'layers'"),
-    (dict(voters="node", momentum_sync={"every": 5, "group": "node"}), r"voters='node'.*group='world'"),
+    (dict(voters="node", momentum_sync={"every": 5, "group": "node"}), r"group='node' has nothing to average with "
+                                                                        r"voters='node'.*allowed: group='world'"),
 ])
 def test_node_voter_settings_are_checked_before_any_state(kw, match):
     p = torch.nn.Parameter(torch.zeros(3))

@@ -53,7 +53,7 @@ def _init(k, tp=1, pp=1, ep=1):
                                  expert_model_parallel_size=ep, num_distributed_optimizer_instances=k)
 
 
-def _build(k, seed=1234, dtype=torch.float32, overlap=False, experts=None):
+def _build(k, seed=1234, dtype=torch.float32, overlap=False, experts=None, param_gather=False):
     """A tiny GPTModel in Megatron's DDP with the distributed optimizer's K instances, at the
     tensor / pipeline / expert parallel sizes of the current parallel state (the pipeline's two
     stages untie the embeddings: each stage's gradient is then its own)."""
@@ -82,7 +82,8 @@ def _build(k, seed=1234, dtype=torch.float32, overlap=False, experts=None):
         model = Float16Module(cfg, model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=True, num_distributed_optimizer_instances=k,
-        grad_reduce_in_fp32=dtype != torch.float32, overlap_grad_reduce=overlap, bucket_size=2000 if overlap else None),
+        grad_reduce_in_fp32=dtype != torch.float32, overlap_grad_reduce=overlap, bucket_size=2000 if overlap else None,
+        overlap_param_gather=param_gather),
         model)
     cfg.finalize_model_grads_func = finalize_model_grads
     return cfg, ddp
@@ -119,6 +120,14 @@ def _fwd_bwd(ddp, tokens):
     res = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=[ddp],
                                       num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS)
     return float(res[0]["loss"]) if res else 0.0  # (the loss is on the last pipeline stage)
+
+
+def _forward(ddp):
+    """A forward pass without gradients: with --overlap-param-gather its pre-hooks wait for the
+    parameters' all-gather (Megatron's own path), as the next training step's forward would."""
+    with torch.no_grad():
+        x = _batch(0)
+        ddp(x[:, :-1], torch.arange(SEQ).unsqueeze(0).expand(MBS, -1), None)
 
 
 def _local_grads(cfg, ddp, step):
@@ -161,7 +170,8 @@ def _hyper(config, ddp):
     return out
 
 
-def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", masters=None, sync=(), scale=None):
+def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", masters=None, sync=(), scale=None,
+                  settle=None):
     """Train steps first..last; before each, compute the expected parameters by brute force: k
     voters, voter j with the mean gradient of instance j (the instance's ranks holding the
     parameter, over the instance's data-parallel size L; expert parameters: its part of the expert
@@ -169,7 +179,7 @@ def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", mas
     vote (ties: "zero", or "hash" on the element's index inside its parameter and the step).
     ``masters``: {name: fp32 master} for 16-bit parameters (updated); ``sync``: groups of voters
     whose momenta are averaged after every step (fp32); ``scale``: the loss scale (gradients are
-    unscaled by it)."""
+    unscaled by it); ``settle``: called after each step, before the parameters are read."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from lioncub_ds.kernels import reference
@@ -216,6 +226,8 @@ def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", mas
                 for j in voters:
                     momenta[n][j].copy_(acc)
         _train_step(ddp, opt, s)
+        if settle is not None:
+            settle(ddp)
         for n, p in ddp.named_parameters():
             e, mv = expected[n]
             if masters is not None:
@@ -254,16 +266,19 @@ def _momentum_mismatches(opt, momenta):
     return bad
 
 
-def _oracle_run(k, steps, overlap=False, extra=None, dtype=torch.float32, experts=None, sync=(), scale=None):
+def _oracle_run(k, steps, overlap=False, extra=None, dtype=torch.float32, experts=None, sync=(), scale=None,
+                param_gather=False):
     """Train ``steps`` steps; before each, compute the expected parameters by brute force. With
     ``overlap`` Megatron's reduce-scatter of each bucket starts during backward (several buckets);
-    ``extra``: more lioncub settings; ``scale``: fp16 with Megatron's constant loss scale."""
+    ``extra``: more lioncub settings; ``scale``: fp16 with Megatron's constant loss scale;
+    ``param_gather``: --overlap-param-gather (the all-gather waits for the next forward: a
+    forward pass without gradients then runs before the parameters are read)."""
     import torch.distributed as dist
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
-    cfg, ddp = _build(k, overlap=overlap, dtype=dtype, experts=experts)
+    cfg, ddp = _build(k, overlap=overlap, dtype=dtype, experts=experts, param_gather=param_gather)
     half = {torch.bfloat16: dict(bf16=True, params_dtype=dtype), torch.float16: dict(
         fp16=True, params_dtype=dtype, loss_scale=scale)}.get(dtype, {})
-    config = _opt_config(**half)
+    config = _opt_config(**half, overlap_param_gather=param_gather)
     settings = {"voters": "node", "comm": "1bit", "tie_break": "zero", **(extra or {})}
     opt = get_megatron_lioncub_optimizer(config, [ddp], lioncub=settings)
     if scale is not None:
@@ -273,7 +288,7 @@ def _oracle_run(k, steps, overlap=False, extra=None, dtype=torch.float32, expert
         if dtype != torch.float32 else None
     mismatched, moved, elements, fps = _oracle_steps(cfg, ddp, opt, k, momenta, 0, steps - 1, _hyper(config, ddp),
                                                      tie=settings["tie_break"], masters=masters, sync=sync,
-                                                     scale=scale)
+                                                     scale=scale, settle=_forward if param_gather else None)
     lc = lioncub_optimizers(opt)[0]
     # Lion's step is blind to a common scale of g and m, the momenta are not: this rank's momentum
     # shard must be its instance's oracle momentum over the same elements (instance-mean scaling)
@@ -642,6 +657,16 @@ def _scenario(rank, world, tmpdir):
     return out
 
 
+def _param_gather_scenario(rank, world):
+    """--overlap-grad-reduce with --overlap-param-gather (K = 2 instances of 2 ranks), fp32 and bf16."""
+    from lioncub_ds.testing import megatron_cpu_shim
+    megatron_cpu_shim.install()
+    warnings.filterwarnings("ignore")
+    _init(2)
+    return {dtype: _oracle_run(2, steps=3, overlap=True, param_gather=True, dtype=dtype)
+            for dtype in (torch.float32, torch.bfloat16)}
+
+
 # ----------------------------------------------------------------------------- parent side
 @pytest.fixture(scope="module")
 def results():
@@ -712,6 +737,19 @@ def test_overlapped_reduce_scatter_matches_the_oracle(results):
         assert o["buckets"] > 1, o["buckets"]
         assert o["mismatched"] == 0 and o["moved"] > 0 and o["momentum_mismatched"] == 0, (r["rank"], o)
         assert o["fps"] == results[0]["oracle_overlap"]["fps"], r["rank"]
+
+
+@needs_megatron
+def test_overlapped_parameter_all_gather_matches_the_oracle():
+    """--overlap-param-gather: Megatron's all-gather of the instance's updated shards waits for the
+    next forward's pre-hooks; the parameters the forward sees equal the oracle's, on every rank."""
+    res = run_ranks(_param_gather_scenario, 4, timeout=600)
+    for dtype in (torch.float32, torch.bfloat16):
+        for r, out in enumerate(res):
+            o = out[dtype]
+            assert o["buckets"] > 1, o["buckets"]
+            assert o["mismatched"] == 0 and o["moved"] > 0 and o["momentum_mismatched"] == 0, (r, str(dtype), o)
+            assert o["fps"] == res[0][dtype]["fps"], (r, str(dtype))
 
 
 @needs_megatron
@@ -826,10 +864,10 @@ def test_megatron_lm_flags_for_node_voters(standins):  # noqa: F811
     plain = megatron_args_problems(p(argv=GOOD + dist_opt))
     assert any(x.startswith("--use-distributed-optimizer") and "--lioncub-voters node" in x for x in plain), plain
     assert any(x.startswith("--num-distributed-optimizer-instances 2") for x in plain), plain
-    # what node voters still do not support stays in the one early error
-    still = megatron_args_problems(p(argv=node + dist_opt + ["--overlap-param-gather", "--overlap-grad-reduce"]))
-    assert any(x.startswith("--overlap-param-gather") for x in still), still
-    assert not any(x.startswith("--overlap-grad-reduce") for x in still), still  # the instance's reduce-scatter
+    # Megatron's own overlaps of the instance's reduce-scatter and all-gather are accepted
+    overlaps = ["--overlap-param-gather", "--overlap-grad-reduce"]
+    assert megatron_args_problems(p(argv=node + dist_opt + overlaps)) == []
+    assert megatron_args_problems(p(argv=GOOD + ["--overlap-param-gather"])) != []  # flat LionCub: no all-gather
     # node_size must be DP / K once Megatron has derived the data-parallel size
     args = p(argv=node + dist_opt + ["--lioncub-node-size", "4"])
     args.data_parallel_size = 4

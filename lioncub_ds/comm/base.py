@@ -80,10 +80,14 @@ class Collectives:
             raise self._failed(kind, purpose, t, tensor.numel() * tensor.element_size(), tensor.device, exc) from exc
         return Pending(self, kind, purpose, work, out, tensor, sent_nbytes, t, riders)
 
-    def all_gather(self, inp: torch.Tensor, purpose: str, async_op: bool = False, riders: dict | None = None):
+    def all_gather(self, inp: torch.Tensor, purpose: str, async_op: bool = False, riders: dict | None = None,
+                   out: torch.Tensor | None = None):
         """[k] -> [N, k] (row i = rank i's input); with ``async_op`` a :class:`Pending`. ``riders``:
-        {purpose: bytes of each rank's input} that serve another purpose (counted under it)."""
-        out = torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
+        {purpose: bytes of each rank's input} that serve another purpose (counted under it); ``out``:
+        a contiguous buffer of N·k elements to receive into (reused across steps), else a new one."""
+        if out is None:
+            out = torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
+        out = out.view(-1)
         src = inp.reshape(-1).contiguous()
         pending = self._launch("all_gather", purpose, inp,
                                lambda: _all_gather_single(out, src, group=self.group, async_op=True),
@@ -91,10 +95,13 @@ class Collectives:
                                {k: self.world_size * v for k, v in (riders or {}).items()})
         return pending if async_op else pending.wait()
 
-    def all_to_all(self, inp: torch.Tensor, purpose: str, async_op: bool = False, riders: dict | None = None):
+    def all_to_all(self, inp: torch.Tensor, purpose: str, async_op: bool = False, riders: dict | None = None,
+                   out: torch.Tensor | None = None):
         """[N, k] (row j goes to rank j) -> [N, k] (row i came from rank i). ``riders``: {purpose:
-        bytes of each row} that serve another purpose (counted under it)."""
-        out = torch.empty_like(inp)
+        bytes of each row} that serve another purpose (counted under it); ``out``: a contiguous
+        [N, k] buffer to receive into (reused across steps), else a new one."""
+        if out is None:
+            out = torch.empty_like(inp)
         src = inp.contiguous()
         pending = self._launch("all_to_all", purpose, inp,
                                lambda: dist.all_to_all_single(out, src, group=self.group, async_op=True),

@@ -263,8 +263,8 @@ def check_optimizer_config(config, node_voters: bool = False) -> None:
     if node_voters and not getattr(config, "use_distributed_optimizer", False):
         raise LocalMomentumConfigError(NODE_VOTERS_NEED_DIST_OPT)
     for name, why in _UNSUPPORTED:
-        if node_voters and name == "use_distributed_optimizer":
-            continue  # the instances are the voters
+        if node_voters and name in ("use_distributed_optimizer", "overlap_param_gather"):
+            continue  # the instances are the voters; Megatron's own all-gather may overlap the next forward
         if getattr(config, name, False):
             raise LocalMomentumConfigError(f"lioncub_ds.megatron: OptimizerConfig.{name}=True is not supported with "
                                            f"LionCub ({why}); set it to False")

@@ -105,7 +105,9 @@ INCOMPATIBLE_FLAGS = (
     ("lioncub_checkpoint_mode", lambda a: _node(a) and getattr(a, "lioncub_checkpoint_mode", None) == "sync",
      "with --lioncub-voters node Megatron's checkpoint holds no optimizer tensors: the momentum and fp32 main "
      "shards are in the per-rank files; allowed: --lioncub-checkpoint-mode per_rank (the default)"),
-    ("overlap_param_gather", _on("overlap_param_gather"), _NEEDS_DIST_OPT),
+    # with node voters Megatron's distributed optimizer all-gathers the parameters after LionCub's
+    # step; --overlap-param-gather defers that to the next forward's pre-hooks (Megatron's own)
+    ("overlap_param_gather", lambda a: _on("overlap_param_gather")(a) and not _node(a), _NEEDS_DIST_OPT),
     ("overlap_param_gather_with_optimizer_step", _on("overlap_param_gather_with_optimizer_step"), _NEEDS_DIST_OPT),
     ("fp8_param_gather", _on("fp8_param_gather"), "the fp8 parameter all-gather " + _NEEDS_DIST_OPT_OR_FSDP),
     ("fp4_param_gather", _on("fp4_param_gather"), "the fp4 parameter all-gather " + _NEEDS_DIST_OPT_OR_FSDP),
