@@ -130,3 +130,35 @@ def test_overlap_and_double_buffer_equal_the_plain_node_voter_step(n_groups, siz
     world = n_groups * size
     res = run_ranks(_variants, world, size, comm, dtypes, timeout=400, env=ENV)
     _check(res, world, dtypes)
+
+
+def _host_reads(rank, world):
+    """Backward (whose hooks issue the reduce-scatters and start the votes) and step() together
+    read the host once per step, as the plain step does (tests/test_host_reads.py)."""
+    from lioncub_ds.testing import host_reads
+
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    model.unused.requires_grad_(False)  # (a parameter without a gradient anywhere costs a read of its own)
+    opt = LionCub(model.parameters(), lr=1e-2, comm="1bit", voters="node", node_size=2, bucket_size_mb=0.0004,
+                  comm_bucket_mb=0.00002, overlap=True, momentum_double_buffer=True)
+    gen = torch.Generator().manual_seed(7 + rank)
+    per_step = []
+    for _ in range(3):
+        opt.zero_grad()
+        idx = torch.randint(0, 30, (5, 3), generator=gen)
+        with host_reads.counting() as reads:
+            model(idx, True).backward()
+            opt.step()
+        per_step.append(list(reads))
+    return {"reads": per_step, "overlap": opt.comm_stats()["overlap"], "steps": opt.step_count}
+
+
+def test_overlapped_node_voters_read_the_host_once_per_step():
+    res = run_ranks(_host_reads, 4, timeout=300, env=ENV)
+    for r in range(4):
+        assert res[r]["steps"] == 3 and res[r]["overlap"]["batches_launched_in_backward"] > 0, res[r]
+        for step, reads in enumerate(res[r]["reads"], 1):
+            assert len(reads) == 1, f"rank {r} step {step}: {len(reads)} host reads: {reads}"
+            method, where, _ = reads[0]
+            assert method == "tolist" and where.startswith("pipeline.py"), (r, reads)
