@@ -125,7 +125,8 @@ def _check(res, world, dtypes):
 @pytest.mark.parametrize("n_groups,size,comm,dtypes", [
     (2, 2, "1bit", (torch.float32, torch.bfloat16)),
     (2, 3, "pbit", (torch.float32,)),
-], ids=["2x2-1bit-fp32-bf16", "2x3-pbit-fp32"])
+    (1, 2, "allgather", (torch.bfloat16,)),  # one voter: no votes cross a node, the node still reduce-scatters
+], ids=["2x2-1bit-fp32-bf16", "2x3-pbit-fp32", "1x2-allgather-bf16"])
 def test_overlap_and_double_buffer_equal_the_plain_node_voter_step(n_groups, size, comm, dtypes):
     world = n_groups * size
     res = run_ranks(_variants, world, size, comm, dtypes, timeout=400, env=ENV)
