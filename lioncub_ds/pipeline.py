@@ -16,7 +16,9 @@ batch is launched asynchronously as soon as every bucket in it has its local ste
 Batches launch in one fixed order on every rank (last parameters first: backward produces
 their gradients first), so every rank issues the same collectives in the same order, whenever
 each becomes ready. With ``overlap=True`` the local steps run from gradient-ready hooks during
-backward; otherwise at the start of ``step()``. ``finish`` then sums the step's flag vector
+backward (node voters: the hooks issue the node group's reduce-scatters, and the local steps
+follow one bucket behind, :meth:`lioncub_ds.sharding.NodeVoters.take`); otherwise at the start
+of ``step()``. ``finish`` then sums the step's flag vector
 over the vote group: every rank's flags ride in the last batch's first-phase message when that
 algorithm sends every rank's message to every rank (1bit, allgather) and the launch happens in
 ``step()``; otherwise one small all-reduce agrees on them. The sharding sums them over the

@@ -36,7 +36,11 @@ asks which one it holds:
 * what the step votes on: ``full`` (the buckets of the real parameters), ``buckets`` (what the
   pipeline votes on), ``frozen``; the collectives ``coll`` (the vote) and ``world_coll`` (every
   rank of the step);
-* what the step's inputs are: :meth:`begin` (before the local steps), :meth:`inputs`;
+* what the step's inputs are: :meth:`launch_order` (the order collectives of its own follow),
+  :meth:`take` (a bucket's gradients are complete in backward, overlap=True: what may run now),
+  :meth:`taken` / :meth:`started` / :meth:`changed` (what it read, and whether that changed since),
+  :meth:`begin` (at the start of step()), :meth:`inputs`; :meth:`next_momenta` /
+  :meth:`commit_momenta` (momentum_double_buffer);
 * how the step's decisions are agreed by every rank of the step: :meth:`agree` (the flags),
   :meth:`count_everywhere` (the parameters without a gradient);
 * what is kept: :meth:`keep` (an idle parameter's state), :meth:`momenta` (which momenta exist),
