@@ -177,7 +177,7 @@ class StepPlan:
         flags, input_error = self._agreed_flags(frozen_error, changed)
         if flags[CHANGED_RANKS] > 0:
             if not self.warned_revote:
-                log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward on %d of %d "
+                log.warning("LionCub(overlap=True): gradients changed after backward started their votes on %d of %d "
                             "ranks (a second backward without opt.no_sync(), or in-place clipping); voting again in "
                             "step(), on every rank", flags[CHANGED_RANKS], n)
                 self.warned_revote = True
