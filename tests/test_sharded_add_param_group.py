@@ -56,14 +56,25 @@ def _run(rank, world_size, voters, dtype, late):
             "grew": None if state_before is None else sum(opt.state_bytes().values()) > state_before}
 
 
-@pytest.mark.parametrize("voters,dtype", [("node", torch.float32), ("node", torch.bfloat16),
-                                          ("rank", torch.bfloat16)],
-                         ids=["node-voters-fp32", "node-voters-bf16", "master-only-bf16"])
-def test_a_group_added_after_steps_equals_the_group_there_from_the_start(voters, dtype):
-    late = run_ranks(_run, 4, voters, dtype, True, timeout=300, env=ENV)
-    early = run_ranks(_run, 4, voters, dtype, False, timeout=300, env=ENV)
+CASES = {"node-voters-fp32": ("node", torch.float32), "node-voters-bf16": ("node", torch.bfloat16),
+         "master-only-bf16": ("rank", torch.bfloat16)}
+
+
+def _all(rank, world_size):
+    return {case: {late: _run(rank, world_size, voters, dtype, late) for late in (True, False)}
+            for case, (voters, dtype) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all, 4, timeout=400, env=ENV)  # one launch: process start-up dominates
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_group_added_after_steps_equals_the_group_there_from_the_start(results, case):
     for r in range(4):
-        assert late[r]["replicas"] and early[r]["replicas"], r
-        assert late[r]["moved"], r
-        assert late[r]["grew"], r  # the new buckets got their shards
-        assert torch.equal(late[r]["flat"], early[r]["flat"]), r
+        late, early = results[r][case][True], results[r][case][False]
+        assert late["replicas"] and early["replicas"], r
+        assert late["moved"], r
+        assert late["grew"], r  # the new buckets got their shards
+        assert torch.equal(late["flat"], early["flat"]), r
