@@ -37,7 +37,11 @@ fused Lion kernels):
 * ``lioncub_1bit``: flat LionCub ``comm="1bit"``, every rank a voter;
 * ``lioncub_1bit_node``: LionCub ``comm="1bit", voters="node", node_size=L`` (SPEC §7). Where this
   LionCub refuses the setting (:class:`LionCubConfigError`, found by constructing it on the ranks)
-  the variant is reported as ``unavailable`` (with the error) and the others still run.
+  the variant is reported as ``unavailable`` (with the error) and the others still run;
+* ``lioncub_1bit_node_overlap``: the same with ``overlap=True``: the node's reduce-scatter of each
+  bucket is issued from the gradient-ready hooks during backward and its vote follows one bucket
+  behind (docs/node_voters.md); its exposed communication is step()'s wait plus what backward did
+  not hide (the barrier after it), as for ``bench netns``'s overlap variants. Optional like the above.
 """
 from __future__ import annotations
 
@@ -61,8 +65,9 @@ from .netns import summarize as summarize_times
 NAME = "netns_nodes"
 TWO_LEVEL = "two_level_bf16"
 NODE_VOTERS = "lioncub_1bit_node"
-VARIANTS = (FLOOR_VARIANT, DDP_BASELINE, TWO_LEVEL, "lioncub_1bit", NODE_VOTERS)
-OPTIONAL = (NODE_VOTERS,)  # reported "unavailable" when this LionCub refuses its settings
+NODE_OVERLAP = "lioncub_1bit_node_overlap"
+VARIANTS = (FLOOR_VARIANT, DDP_BASELINE, TWO_LEVEL, "lioncub_1bit", NODE_VOTERS, NODE_OVERLAP)
+OPTIONAL = (NODE_VOTERS, NODE_OVERLAP)  # reported "unavailable" when this LionCub refuses its settings
 IFNAMES = ("lcn-a", "lcn-b")  # the veth ends, one inside each namespace
 ADDRS = ("10.77.0.1", "10.77.0.2")  # exist only inside the two namespaces
 QDISC = "tbf rate {rate} burst 512kb latency 100ms"
@@ -74,8 +79,8 @@ def lioncub_kw(variant: str, ranks_per_node: int) -> dict | None:
     """LionCub's settings for a variant, or None when the variant is not a LionCub."""
     if variant == "lioncub_1bit":
         return dict(comm="1bit")
-    if variant == NODE_VOTERS:
-        return dict(comm="1bit", voters="node", node_size=ranks_per_node)
+    if variant in (NODE_VOTERS, NODE_OVERLAP):
+        return dict(comm="1bit", voters="node", node_size=ranks_per_node, overlap=variant == NODE_OVERLAP)
     return None
 
 
@@ -375,6 +380,11 @@ def check_goal(records) -> list[str]:
             out.append(f"{pre} {NODE_VOTERS} unavailable ({rs[NODE_VOTERS].get('reason', '')[:80]}...): "
                        "the node-voter goals are not measured")
             continue
+        over = ok.get(NODE_OVERLAP)
+        if node and over and over["step_time_s"]:
+            out.append(f"{pre} node voters with overlap=True: {node['step_time_s'] / over['step_time_s']:.2f}x "
+                       f"the speed of node voters without (exposed comm {over['comm_time_s'] or 0:.3f} s vs "
+                       f"{node['comm_time_s'] or 0:.3f} s)")
         if not node or not node["inter_node_bytes_per_rank"]:
             continue
         # (what, ratio, goal, strict): issue 24's goals for node voters (the step times at 1 Gbit/s)
@@ -449,7 +459,7 @@ def build_parser():
                    help="tbf rate of the veth between the nodes, Gbit/s (each direction)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="L: ranks in each of the 2 namespaces")
     add_run_args(p)
-    p.set_defaults(steps=8)  # ~2 min for 5 variants x 2 bandwidths on 2 cores; 4 rounds were noisy
+    p.set_defaults(steps=8)  # ~2.5 min for 6 variants x 2 bandwidths on 2 cores; 4 rounds were noisy
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per bandwidth before giving up")
     for hidden in ("--node", "--ifname", "--init", "--result"):

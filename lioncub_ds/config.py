@@ -422,11 +422,6 @@ class LionCubConfig:
             raise _err("node_size", self.node_size, "None (LOCAL_WORLD_SIZE) or an integer >= 1")
         if self.voters == "rank":
             return  # with node_size: master-only sharding (every rank votes; the fp32 master is sharded)
-        for key, bad, why in (("overlap", self.overlap, "votes start after the node's gradient reduce-scatter"),
-                              ("momentum_double_buffer", self.momentum_double_buffer, "the momenta are shards")):
-            if bad:
-                raise LionCubConfigError(f"LionCub: {key}=True is not supported with voters='node' ({why}); "
-                                         f"allowed: {key}=False, or voters='rank'")
         ms = self.momentum_sync
         if ms is not None and ms.group != "world":
             raise LionCubConfigError("LionCub: momentum_sync group='node' has nothing to average with voters='node' "

@@ -51,6 +51,7 @@ class MomentumStore:
     def __init__(self, opt):
         self.opt = opt
         self.spares = {}
+        self.shard_spares = {}  # node voters' momentum_double_buffer: {(kind, bucket index): spare shard}
         # node_size > 1: this rank's flat shards per bucket index, {"momentum": {i: tensor},
         # "master": {i: tensor}} (saved in state_dict()["lioncub"]["node"])
         self.shards = {"momentum": {}, "master": {}}
@@ -80,7 +81,8 @@ class MomentumStore:
                         for st in self.opt.state.values() if "exp_avg" in st)
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"momentum": per_param + size(self.shards["momentum"].values()),
-                "master": size(self.shards["master"].values()), "spare": size(self.spares.values())}
+                "master": size(self.shards["master"].values()),
+                "spare": size(self.spares.values()) + size(self.shard_spares.values())}
 
     def get(self, p):
         state = self.opt.state[p]
@@ -101,6 +103,21 @@ class MomentumStore:
         state = self.opt.state[p]
         self.spares[p] = state["exp_avg"]
         state["exp_avg"] = new
+
+    def next_shard(self, kind: str, i: int):
+        """``next`` for bucket ``i``'s ``kind`` shard (which must exist): a spare of its size.
+        Made with zeros: the local pass writes the pieces only, the padding between them stays 0
+        in both buffers."""
+        cur = self.shards[kind][i]
+        buf = self.shard_spares.get((kind, i))
+        if buf is None or buf.dtype != cur.dtype or buf.shape != cur.shape or buf.device != cur.device:
+            buf = self.shard_spares[(kind, i)] = torch.zeros_like(cur)
+        return buf
+
+    def commit_shard(self, kind: str, i: int):
+        """``commit`` for a shard: :meth:`next_shard`'s spare becomes the shard, the old one the spare."""
+        key = (kind, i)
+        self.shards[kind][i], self.shard_spares[key] = self.shard_spares[key], self.shards[kind][i]
 
 
 def check_world_size(cfg: LionCubConfig, n: int) -> None:

@@ -16,7 +16,9 @@ batch is launched asynchronously as soon as every bucket in it has its local ste
 Batches launch in one fixed order on every rank (last parameters first: backward produces
 their gradients first), so every rank issues the same collectives in the same order, whenever
 each becomes ready. With ``overlap=True`` the local steps run from gradient-ready hooks during
-backward; otherwise at the start of ``step()``. ``finish`` then sums the step's flag vector
+backward (node voters: the hooks issue the node group's reduce-scatters, and the local steps
+follow one bucket behind, :meth:`lioncub_ds.sharding.NodeVoters.take`); otherwise at the start
+of ``step()``. ``finish`` then sums the step's flag vector
 over the vote group: every rank's flags ride in the last batch's first-phase message when that
 algorithm sends every rank's message to every rank (1bit, allgather) and the launch happens in
 ``step()``; otherwise one small all-reduce agrees on them. The sharding sums them over the
@@ -47,7 +49,7 @@ from .kernels.reference import dither_seed, int8_levels
 from .layout import assign_algorithms, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
 from .momentum_sync import MomentumSync, disagreement_units, drift_scale, select_params, vote_disagreement
-from .sharding import make_sharding
+from .sharding import grad_versions, make_sharding, versions_differ
 
 log = logging.getLogger("lioncub_ds")
 
@@ -81,6 +83,7 @@ class StepPlan:
         self.coll, self.world_coll = self.sharding.coll, self.sharding.world_coll
         assign_algorithms(self.buckets, cfg, self.world_size)
         self.batches = comm_batches(self.buckets, cfg.comm_bucket_mb, self.world_size)
+        self.sharding.launch_order([i for batch in self.batches for i in batch])
         # The step's flags ride in the last batch's phase 1 when its algorithm delivers every
         # rank's message to every rank, and when nothing can be launched before step() knows every
         # input problem (overlap launches during backward: a separate flag all-reduce then).
@@ -105,8 +108,8 @@ class StepPlan:
         self.pipe = VotePipeline(self)
         self.may_launch = may_launch
         self.hooks = []
-        if cfg.overlap:
-            for i, b in enumerate(self.buckets):
+        if cfg.overlap:  # on the real parameters (node voters vote on shards of them)
+            for i, b in enumerate(self.sharding.full):
                 for p in b.params:
                     self.hooks.append(p.register_post_accumulate_grad_hook(lambda q, i=i: self._grad_ready(i, q)))
         self.warned_revote = False
@@ -166,19 +169,21 @@ class StepPlan:
         opt, pipe, n = self.opt, self.pipe, self.ranks
         frozen_error = self._frozen_param_error()
         self.sharding.begin()
-        # A gradient changed after its bucket voted during backward (a second backward without
-        # no_sync(), or clipping in place, maybe on some ranks only): this rank's view goes into
-        # the flags, and if any rank saw a change every rank votes again.
+        # A gradient changed after its bucket voted (or, with node voters, was reduce-scattered)
+        # during backward (a second backward without no_sync(), or clipping in place, maybe on
+        # some ranks only): this rank's view goes into the flags, and if any rank saw a change
+        # every rank votes again (node voters: reduce-scatter again first).
         changed = pipe.stale or (pipe.busy and pipe.changed_since_vote())
         flags, input_error = self._agreed_flags(frozen_error, changed)
         if flags[CHANGED_RANKS] > 0:
             if not self.warned_revote:
-                log.warning("LionCub(overlap=True): gradients changed after they were voted on in backward on %d of %d "
+                log.warning("LionCub(overlap=True): gradients changed after backward started their votes on %d of %d "
                             "ranks (a second backward without opt.no_sync(), or in-place clipping); voting again in "
                             "step(), on every rank", flags[CHANGED_RANKS], n)
                 self.warned_revote = True
             opt.overlap_counts["revotes"] += 1
             pipe.drain()
+            self.sharding.begin()
             flags, input_error = self._agreed_flags(frozen_error, False)
         if flags[UNUSABLE_RANKS] > 0:
             self._abandon()
@@ -353,7 +358,7 @@ class VotePipeline:
 
     @property
     def busy(self) -> bool:
-        return any(x is not None for x in self.local)
+        return any(x is not None for x in self.local) or self.plan.sharding.started()
 
     # ------------------------------------------------------------------ local step
     def prepare(self, i: int) -> None:
@@ -364,9 +369,9 @@ class VotePipeline:
         b1, b2 = g["betas"]
         dev = b.device_dtype()[0]
         be = kernels.backend_for(dev.type)
+        grads, momenta, missing, problem = plan.sharding.inputs(i)  # first: it may set b.params (shards)
         job = VoteJob(b.params, b.offsets, b.numel, b.param_starts, lr_value(g["lr"]), g["weight_decay"],
                       opt.step_count + 1, cfg.tie_break, cfg.vote, keep_delta=plan.drift)
-        grads, momenta, missing, problem = plan.sharding.inputs(i)
         if problem is not None:
             # This rank cannot vote: send well-formed zeros so every rank's collectives still
             # match, and say why through the flags (every rank raises together).
@@ -389,7 +394,7 @@ class VotePipeline:
         else:
             # momentum_double_buffer: the next momenta are written in this same pass over g and m
             # (into spare buffers: a skipped step must leave m unchanged), saving a second pass later
-            nxt = [opt.momenta.next(p) for p in b.params] if cfg.momentum_double_buffer else None
+            nxt = plan.sharding.next_momenta(i) if cfg.momentum_double_buffer else None
             al = b.algorithm
             if al.name == "bbit":  # b-bit codes as bit planes (job.sign), dithered per rank and step
                 sign, nz, nonfinite, _ = be.bbit_local_step(grads, momenta, b.offsets, b.numel, b1, b2, al.quant,
@@ -400,7 +405,7 @@ class VotePipeline:
                 sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, nxt is not None,
                                                        device_counts=True, momenta_out=nxt)
             flags = self._payload(job, b, sign, nz, be)
-        versions = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
+        versions = grad_versions(b.params)  # (node voters' shards have none: the sharding checks)
         self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt, missing)
 
     @staticmethod
@@ -415,13 +420,15 @@ class VotePipeline:
 
     # ------------------------------------------------------------------ launch
     def grad_ready(self, i: int, p) -> None:
-        """A gradient-ready hook fired for parameter ``p`` of bucket ``i``."""
-        if self.local[i] is not None:  # a second backward after this bucket voted: redo at step()
-            self.stale = True
+        """A gradient-ready hook fired for parameter ``p`` of bucket ``i`` (of the real parameters)."""
+        sharding = self.plan.sharding
+        if self.local[i] is not None or sharding.taken(i):  # a second backward after this bucket's
+            self.stale = True                                 # gradients were read: redo at step()
             return
         self.ready[i].add(id(p))
-        if len(self.ready[i]) == len(self.plan.buckets[i].params):
-            self.prepare(i)
+        if len(self.ready[i]) == len(sharding.full[i].params):
+            for k in sharding.take(i):  # the buckets whose local step may run now
+                self.prepare(k)
             before = self.next_batch
             self.launch_ready()
             self.plan.opt.overlap_counts["batches_launched_in_backward"] += self.next_batch - before
@@ -457,15 +464,12 @@ class VotePipeline:
             self.launch_ready(carry_flags, frozen_error, changed)
 
     def changed_since_vote(self) -> bool:
-        """A gradient replaced or modified in place (e.g. clipped) after its bucket voted."""
-        for i, loc in enumerate(self.local):
-            if loc is None:
-                continue
-            b = self.plan.buckets[i]
-            now = [(p.grad, p.grad._version) for p in b.params if p.grad is not None]
-            if len(now) != len(loc.versions) or any(a is not c or v != w for (a, v), (c, w) in zip(now, loc.versions)):
-                return True
-        return False
+        """A gradient replaced or modified in place (e.g. clipped) after its bucket voted (or the
+        sharding read it: node voters' reduce-scatter)."""
+        if self.plan.sharding.changed():
+            return True
+        return any(loc is not None and versions_differ(loc.versions, grad_versions(self.plan.buckets[i].params))
+                   for i, loc in enumerate(self.local))
 
     def drain(self) -> None:
         """Discard this step's votes and start over. Every batch is launched first: ranks may have
@@ -477,6 +481,7 @@ class VotePipeline:
             if state is not None:
                 batch = plan.batches[k]
                 plan.buckets[batch[0]].algorithm.received(state, [self.local[i].job for i in batch], plan.coll)
+        plan.sharding.abandon()  # its own collectives (node voters' reduce-scatters) are done too
         self.reset()
 
     # ------------------------------------------------------------------ finish
@@ -569,8 +574,7 @@ class VotePipeline:
         for i, loc in enumerate(self.local):
             b = plan.buckets[i]
             if loc.next_momenta is not None:
-                for p, m in zip(b.params, loc.next_momenta):
-                    opt.momenta.commit(p, m)
+                plan.sharding.commit_momenta(i, loc.next_momenta)
             else:
                 loc.backend.momentum_update_list(loc.momenta, loc.grads, opt.param_groups[b.group_index]["betas"][1])
             opt.stats.add_baseline(*plan.sharding.baseline(i))

@@ -36,7 +36,11 @@ asks which one it holds:
 * what the step votes on: ``full`` (the buckets of the real parameters), ``buckets`` (what the
   pipeline votes on), ``frozen``; the collectives ``coll`` (the vote) and ``world_coll`` (every
   rank of the step);
-* what the step's inputs are: :meth:`begin` (before the local steps), :meth:`inputs`;
+* what the step's inputs are: :meth:`launch_order` (the order collectives of its own follow),
+  :meth:`take` (a bucket's gradients are complete in backward, overlap=True: what may run now),
+  :meth:`taken` / :meth:`started` / :meth:`changed` (what it read, and whether that changed since),
+  :meth:`begin` (at the start of step()), :meth:`inputs`; :meth:`next_momenta` /
+  :meth:`commit_momenta` (momentum_double_buffer);
 * how the step's decisions are agreed by every rank of the step: :meth:`agree` (the flags),
   :meth:`count_everywhere` (the parameters without a gradient);
 * what is kept: :meth:`keep` (an idle parameter's state), :meth:`momenta` (which momenta exist),
@@ -81,10 +85,23 @@ def copy_pieces_from_params(pieces, flat) -> None:
         flat[at:at + length].copy_(p.detach().reshape(-1)[start:start + length])
 
 
-def keep_pieces(flat, pieces, ids) -> list:
-    """(flat, offset, copy) of the pieces of ``flat`` that belong to the parameters whose ``id``
-    is in ``ids``, for :meth:`Kept.restore_pieces` after the step."""
-    return [(flat, at, flat[at:at + length].clone()) for q, _, length, at in pieces if id(q) in ids]
+def keep_pieces(get_flat, pieces, ids) -> list:
+    """(get_flat, offset, copy) of the pieces of the flat shard ``get_flat()`` that belong to the
+    parameters whose ``id`` is in ``ids``, for :meth:`Kept.restore_pieces` after the step (which
+    asks ``get_flat()`` again: with momentum_double_buffer the step replaces the momentum shard)."""
+    flat = get_flat()
+    return [(get_flat, at, flat[at:at + length].clone()) for q, _, length, at in pieces if id(q) in ids]
+
+
+def grad_versions(params) -> list:
+    """(gradient, its in-place version) of every parameter that has a gradient: what a step read."""
+    return [(p.grad, p.grad._version) for p in params if p.grad is not None]
+
+
+def versions_differ(then, now) -> bool:
+    """A gradient replaced, removed, added or modified in place (e.g. clipped) between two
+    :func:`grad_versions` of the same parameters."""
+    return len(now) != len(then) or any(a is not c or v != w for (a, v), (c, w) in zip(now, then))
 
 
 def reconcile_master(flat, pieces) -> None:
@@ -142,12 +159,12 @@ class Kept:
     their values and per-parameter momenta (restored after)."""
 
     def __init__(self, pieces=(), params=()):
-        self.pieces = list(pieces)   # (flat, offset, copy)
+        self.pieces = list(pieces)   # (get_flat, offset, copy): keep_pieces
         self.params = list(params)   # (param, value, momentum or None)
 
     def restore_pieces(self) -> None:
-        for flat, at, values in self.pieces:
-            flat[at:at + values.numel()].copy_(values)
+        for get_flat, at, values in self.pieces:
+            get_flat()[at:at + values.numel()].copy_(values)
 
     def restore_params(self, store) -> None:
         for p, value, m in self.params:
@@ -171,8 +188,30 @@ class Flat:
         self.full = self.buckets
 
     # ------------------------------------------------------------------ the step's inputs
+    def launch_order(self, order) -> None:
+        """The order the plan launches the buckets' votes in (its communication batches'): a
+        strategy that issues collectives of its own for the step's inputs issues them in it."""
+
+    def take(self, i: int) -> list:
+        """Bucket ``i``'s gradients are all there (overlap=True: the gradient-ready hooks in
+        backward): start what reads them. Returns the buckets whose local step may run now:
+        here bucket ``i`` itself (its local step reads its gradients)."""
+        return [i]
+
+    def taken(self, i: int) -> bool:
+        """Whether bucket ``i``'s gradients were read outside its local step this step (none here)."""
+        return False
+
+    def started(self) -> bool:
+        """Whether this step's inputs are being gathered by collectives of the strategy's own."""
+        return False
+
+    def changed(self) -> bool:
+        """A gradient changed after the strategy read it (the local steps check their own)."""
+        return False
+
     def begin(self) -> None:
-        """Before the local steps (nothing to prepare: each bucket reads its own gradients)."""
+        """At the start of step() (nothing to prepare: each bucket reads its own gradients)."""
 
     def inputs(self, i: int):
         """(gradients, momenta, indices of parameters without a gradient here, this rank's reason
@@ -183,6 +222,16 @@ class Flat:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         momenta = [self.store.get(p) for p in b.params]
         return grads, momenta, [k for k, p in enumerate(b.params) if p.grad is None], grad_problem(b)
+
+    def next_momenta(self, i: int) -> list:
+        """momentum_double_buffer: where bucket ``i``'s local pass writes the next momenta (spares,
+        one per momentum :meth:`inputs` gives)."""
+        return [self.store.next(p) for p in self.buckets[i].params]
+
+    def commit_momenta(self, i: int, nxt) -> None:
+        """momentum_double_buffer: the step is agreed, :meth:`next_momenta`'s become the momenta."""
+        for p, m in zip(self.buckets[i].params, nxt):
+            self.store.commit(p, m)
 
     def baseline(self, i: int) -> tuple[int, int]:
         """(gradients, ranks) of the fp32 all-reduce bucket ``i`` stands in for (telemetry)."""
@@ -345,7 +394,8 @@ class MasterOnly(_MasterShardsMixin, Flat):
         kept = super().keep(idle)
         if idle:
             ids = {id(p) for p in idle}
-            kept.pieces = [k for i, pieces in self.pieces.items() for k in keep_pieces(self.master(i), pieces, ids)]
+            kept.pieces = [k for i, pieces in self.pieces.items()
+                           for k in keep_pieces(lambda i=i: self.master(i), pieces, ids)]
         return kept
 
     def layout(self) -> dict:
@@ -405,11 +455,11 @@ class NodeVoters(_MasterShardsMixin):
                                        lengths=[q[2] for q in pieces] or [0],
                                        kind=(fb.params[0].device, torch.float32)))
         self.device = self.full[0].params[0].device if self.full else torch.device("cpu")
-        self.missing: list = []  # per bucket: this step's parameters without a gradient on this rank
-        self.grads: list = []   # this step's ḡ shard per bucket
-        self.work: list = []    # this step's fp32 parameter shard per bucket (the master, or a copy)
-        self.problems: list = []
+        # the order the group's reduce-scatters are issued in: the plan's vote launch order
+        # (launch_order; last buckets first, as backward produces them)
+        self.order = list(reversed(range(len(self.full))))
         self.workspace = Workspace()  # the buffers behind grads, work and the group's collectives
+        self.abandon()
 
     def low_precision(self, i: int) -> bool:
         return self.full[i].params[0].dtype != torch.float32
@@ -419,60 +469,113 @@ class NodeVoters(_MasterShardsMixin):
 
     def _work(self, i: int) -> torch.Tensor:
         """Bucket ``i``'s flat fp32 shard of parameter values: the persistent master for bf16/fp16
-        parameters (made from their values the first time), a copy for the step otherwise."""
+        parameters (made from their values the first time); for fp32 parameters a buffer that
+        :meth:`redirect` fills with their values just before the apply."""
         sb = self.buckets[i]
         if self.low_precision(i):
             return self.store.shard("master", i, sb.numel, torch.float32, self.device,
                                     fill=lambda flat: copy_pieces_from_params(self.pieces[i], flat))
-        # the pieces are rewritten every step; the padding between them stays zero from the start
-        work = self.workspace.get("work", i, sb.numel, torch.float32, self.device)
-        copy_pieces_from_params(self.pieces[i], work)
-        return work
+        # redirect() writes the pieces every step; the padding between them stays zero from the start
+        return self.workspace.get("work", i, sb.numel, torch.float32, self.device)
 
     @staticmethod
     def _views(flat, pieces):
         return [flat[at:at + length] for _, _, length, at in pieces] or [flat]
 
     # ------------------------------------------------------------------ the step's inputs
+    # Every bucket's gradients go through the group's reduce-scatter (an all_to_all), issued in
+    # the vote launch order on every rank whenever they are ready: from the gradient-ready hooks
+    # during backward (overlap=True, :meth:`take`) or at the start of step() (:meth:`begin`).
+    # A bucket's ḡ (and its local step) is made once the reduce-scatter of the bucket after it in
+    # that order is in flight too (one bucket behind: the wait finds it done or nearly, and on a
+    # GPU it only orders the stream), or at step(). Each group's collectives thus come in one
+    # order on every rank, whatever the timing, and the sums are the same as without overlap.
+    def launch_order(self, order) -> None:
+        self.order = list(order)
+
+    def take(self, i: int) -> list:
+        """Bucket ``i``'s gradients are all there: issue the reduce-scatters of every bucket whose
+        turn has come (in the launch order, each once its gradients are there); return the
+        buckets whose local step may run now (those whose successor's reduce-scatter is issued)."""
+        if self.rs[i] is not None:
+            return []
+        self.complete[i] = True
+        return self._issue()
+
+    def taken(self, i: int) -> bool:
+        return self.rs[i] is not None
+
+    def started(self) -> bool:
+        return self.issued > 0
+
+    def changed(self) -> bool:
+        """A gradient of a bucket whose reduce-scatter was issued was replaced or modified since."""
+        return any(v is not None and versions_differ(v, grad_versions(fb.params))
+                   for v, fb in zip(self.versions, self.full))
+
     def begin(self) -> None:
-        """Reduce-scatter every bucket's gradients inside the group (launched together, then
-        summed in local-rank order) and point each shard bucket at this step's buffers. A rank
-        whose gradients are unusable sends zeros (the flags make every rank refuse the step)."""
-        pending, self.problems, self.missing = [], [], []
-        ws = self.workspace
-        for i, fb in enumerate(self.full):
-            problem = grad_problem(fb)
-            self.problems.append(problem)
-            # indices (in the full bucket) of the parameters without a gradient on this rank: the
-            # step leaves a parameter that has none on ANY rank alone, as flat voting does
-            self.missing.append(tuple(k for k, p in enumerate(fb.params) if p.grad is None))
-            # the gradients travel in their own dtype (torch keeps p.grad in p's dtype, the same on
-            # every rank): bf16 halves the group's bytes, and the fp32 sum below is the same
-            # (every parameter's slot is written below, the padding stays zero from the start)
-            flat = ws.get("send", i, fb.numel, fb.params[0].dtype, self.device, zero=problem is not None)
-            if problem is None:
-                for p, off in zip(fb.params, fb.offsets):
-                    slot = flat[off:off + p.numel()]
-                    slot.copy_(p.grad.reshape(-1)) if p.grad is not None else slot.zero_()
-            rows = ws.get("received", i, fb.numel, fb.params[0].dtype, self.device).view(self.size, -1)
-            pending.append(self.node_coll.all_to_all(flat.view(self.size, -1), "node_reduce_scatter",
-                                                     async_op=True, out=rows))
-        self.grads, self.work = [], []
-        for i, pend in enumerate(pending):
-            rows = pend.wait()
-            acc = ws.get("grad", i, rows.shape[1], torch.float32, self.device).copy_(rows[0])
-            for row in rows[1:]:  # local-rank order: the documented sum, in fp32
-                acc.add_(row.to(torch.float32))
-            acc.div_(self.size)
-            self.grads.append(acc)
-            self.work.append(self._work(i))
-            self.buckets[i].params = self._views(self.work[i], self.pieces[i])
+        """Issue the reduce-scatter of every bucket not issued yet (in the launch order)."""
+        for i in self.order:
+            self.complete[i] = True
+        self._issue()
+
+    def _issue(self) -> list:
+        out = []
+        while self.issued < len(self.order) and self.complete[self.order[self.issued]]:
+            self._reduce_scatter(self.order[self.issued])
+            if self.issued > 0:
+                out.append(self.order[self.issued - 1])
+            self.issued += 1
+        return out
+
+    def _reduce_scatter(self, i: int) -> None:
+        """Send bucket ``i``'s gradients to their shards' owners in the group (an all_to_all in the
+        gradients' dtype). A rank whose gradients are unusable sends zeros (the flags make every
+        rank refuse the step). Its buffers are bucket ``i``'s in the workspace: the previous
+        step's (or a drained vote's) reduce-scatter of the bucket is done (:meth:`abandon`)."""
+        fb, ws = self.full[i], self.workspace
+        problem = self.problems[i] = grad_problem(fb)
+        # indices (in the full bucket) of the parameters without a gradient on this rank: the
+        # step leaves a parameter that has none on ANY rank alone, as flat voting does
+        self.missing[i] = tuple(k for k, p in enumerate(fb.params) if p.grad is None)
+        self.versions[i] = grad_versions(fb.params)  # what was read (a later change: vote again)
+        # the gradients travel in their own dtype (torch keeps p.grad in p's dtype, the same on
+        # every rank): bf16 halves the group's bytes, and the fp32 sum below is the same
+        # (every parameter's slot is written below, the padding stays zero from the start)
+        flat = ws.get("send", i, fb.numel, fb.params[0].dtype, self.device, zero=problem is not None)
+        if problem is None:
+            for p, off in zip(fb.params, fb.offsets):
+                slot = flat[off:off + p.numel()]
+                slot.copy_(p.grad.reshape(-1)) if p.grad is not None else slot.zero_()
+        rows = ws.get("received", i, fb.numel, fb.params[0].dtype, self.device).view(self.size, -1)
+        self.rs[i] = self.node_coll.all_to_all(flat.view(self.size, -1), "node_reduce_scatter", async_op=True,
+                                               out=rows)
 
     def inputs(self, i: int):
         """Views of ḡ and of the momentum shard, piece by piece; the parameters without a gradient
-        here and the problem index the full bucket."""
+        here and the problem index the full bucket. ḡ: the L rows the reduce-scatter brought,
+        summed in fp32 in local-rank order and divided by L; the shard bucket's parameters become
+        views of its work buffer."""
+        if self.rs[i] is None:
+            self.begin()
+        if self.grads[i] is None:
+            rows = self.rs[i].wait()
+            acc = self.workspace.get("grad", i, rows.shape[1], torch.float32, self.device).copy_(rows[0])
+            for row in rows[1:]:  # local-rank order: the documented sum, in fp32
+                acc.add_(row.to(torch.float32))
+            acc.div_(self.size)
+            self.grads[i] = acc
+            self.work[i] = self._work(i)
+            self.buckets[i].params = self._views(self.work[i], self.pieces[i])
         return (self._views(self.grads[i], self.pieces[i]), self._views(self._momentum(i), self.pieces[i]),
                 self.missing[i], self.problems[i])
+
+    def next_momenta(self, i: int) -> list:
+        """momentum_double_buffer: views of the spare momentum shard, piece by piece."""
+        return self._views(self.store.next_shard("momentum", i), self.pieces[i])
+
+    def commit_momenta(self, i: int, nxt) -> None:
+        self.store.commit_shard("momentum", i)
 
     def baseline(self, i: int) -> tuple[int, int]:
         return self.full[i].real_numel, self.topology.ranks
@@ -498,9 +601,9 @@ class NodeVoters(_MasterShardsMixin):
         for i, pieces in enumerate(self.pieces):
             if not any(id(q[0]) in ids for q in pieces):
                 continue
-            kept.pieces += keep_pieces(self._momentum(i), pieces, ids)
+            kept.pieces += keep_pieces(lambda i=i: self._momentum(i), pieces, ids)
             if self.low_precision(i):
-                kept.pieces += keep_pieces(self.work[i], pieces, ids)  # the persistent master shard
+                kept.pieces += keep_pieces(lambda i=i: self.work[i], pieces, ids)  # the persistent master shard
         return kept
 
     def momenta(self) -> list:
@@ -530,7 +633,10 @@ class NodeVoters(_MasterShardsMixin):
 
     # ------------------------------------------------------------------ how it finishes
     def redirect(self, i: int, job) -> None:
-        """The shard bucket's parameters are the work buffer already."""
+        """The shard bucket's parameters are the work buffer already; for fp32 parameters it takes
+        their values now, just before the apply (the master of bf16/fp16 ones is kept)."""
+        if not self.low_precision(i):
+            copy_pieces_from_params(self.pieces[i], self.work[i])
 
     def finish(self) -> None:
         """All-gather the updated shards inside the group (in the parameters' dtype) and copy
@@ -539,8 +645,20 @@ class NodeVoters(_MasterShardsMixin):
         self.abandon()
 
     def abandon(self) -> None:
-        """Forget the step's gradient and work buffers (the master shards stay)."""
-        self.grads, self.work = [], []
+        """Forget the step's gradient and work buffers (the master shards stay), once every
+        reduce-scatter issued is done (its buffers may be reused)."""
+        for pend in getattr(self, "rs", ()):
+            if pend is not None:
+                pend.wait()
+        n = len(self.full)
+        self.complete = [False] * n   # per bucket: its gradients are all there (take, begin)
+        self.issued = 0               # reduce-scatters issued this step: a prefix of self.order
+        self.rs: list = [None] * n    # per bucket: its reduce-scatter (a Pending)
+        self.versions: list = [None] * n  # per bucket: the gradients it read (grad_versions)
+        self.missing: list = [()] * n  # per bucket: this step's parameters without a gradient on this rank
+        self.problems: list = [None] * n
+        self.grads: list = [None] * n  # this step's ḡ shard per bucket
+        self.work: list = [None] * n   # this step's fp32 parameter shard per bucket (the master, or a buffer)
         for sb in self.buckets:
             sb.params = []
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.dist
 
 FIELDS = {"bench", "variant", "status", "bandwidth_gbit", "nodes", "ranks_per_node", "world_size", "params",
           "step_time_s", "inter_node_bytes_per_rank", "intra_node_bytes_per_rank", "formula_bytes_per_rank"}
-COMM = ("ddp_lion_bf16", "two_level_bf16", "lioncub_1bit", "lioncub_1bit_node")
+COMM = ("ddp_lion_bf16", "two_level_bf16", "lioncub_1bit", "lioncub_1bit_node", "lioncub_1bit_node_overlap")
 
 
 def _why_not() -> str | None:
@@ -55,13 +55,18 @@ def test_netns_nodes_tiny_run(tmp_path):
     quiet = by["no_comm"]["inter_node_bytes_per_rank"]
     assert by["no_comm"]["formula_bytes_per_rank"] == 0 and quiet < 4096
     for v in COMM:
-        if v != "lioncub_1bit_node":
+        if not v.startswith("lioncub_1bit_node"):
             assert by[v]["inter_node_bytes_per_rank"] > max(4 * quiet, 0), v
     # node voters: one voter per node on the slow link (fewer veth bytes than flat 1bit, more than
     # the barriers), the group's gradients and parameters on the loopback
     node, flat = by["lioncub_1bit_node"], by["lioncub_1bit"]
     assert quiet < node["inter_node_bytes_per_rank"] < flat["inter_node_bytes_per_rank"]
     assert node["intra_node_bytes_per_rank"] > flat["intra_node_bytes_per_rank"]
+    # with overlap=True the same collectives, started earlier: the same bytes on each link
+    over = by["lioncub_1bit_node_overlap"]
+    assert over["formula_bytes_per_rank"] == node["formula_bytes_per_rank"]
+    assert over["inter_node_bytes_per_rank"] == pytest.approx(node["inter_node_bytes_per_rank"], rel=0.1, abs=4 * quiet)
+    assert over["intra_node_bytes_per_rank"] == pytest.approx(node["intra_node_bytes_per_rank"], rel=0.1)
     # the topology: the two-level baseline sends 1/L of the bf16 gradient across nodes, flat DDP more
     two, ddp = by["two_level_bf16"], by["ddp_lion_bf16"]
     assert two["inter_node_bytes_per_rank"] < ddp["inter_node_bytes_per_rank"]

@@ -384,8 +384,6 @@ def test_lioncub_config_error_is_a_value_error():
     (dict(voters="nodes"), r"invalid voters='nodes'; allowed: 'rank' \| 'node'"),
     (dict(voters="node", node_size=0), r"invalid node_size=0; allowed: None \(LOCAL_WORLD_SIZE\) or an integer >= 1"),
     (dict(voters="node", node_size=2.5), r"invalid node_size=2.5"),
-    (dict(voters="node", overlap=True), r"overlap=True is not supported with voters='node'.*allowed: overlap=False"),
-    (dict(voters="node", momentum_double_buffer=True), r"momentum_double_buffer=True is not supported with voters='node'"),
     (dict(voters="node", momentum_sync={"every": 5, "group": "node"}), r"group='node' has nothing to average with "
                                                                         r"voters='node'.*allowed: group='world'"),
 ])
