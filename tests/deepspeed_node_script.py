@@ -221,6 +221,17 @@ def expect_error(cfg, client=None):
         return {"error_type": type(exc).__name__, "error": str(exc)}
 
 
+def overlap_scenario(rank):
+    """fp32 node voters with "overlap": true (the group's reduce-scatter from backward's hooks; the
+    engine's gradient clipping after them makes every rank redo it): the same parameters as the
+    plain-torch reference without overlap."""
+    import torch
+    engine = initialize(cfg_for(torch.float32, **NODE, overlap=True))
+    losses = train(engine, rank, 0, STEPS, torch.float32)
+    return {"losses": losses, "digest": digest(engine.module.parameters()),
+            "reference": reference(rank, torch.float32), "summary": engine.lioncub.summary()}
+
+
 def main():
     args = ds_script.parse_args()
     ds_script.instrument()
@@ -238,6 +249,7 @@ def main():
     scenarios = {
         "node_fp32": lambda: node_scenario(torch.float32, rank, args.out),
         "node_bf16": lambda: node_scenario(torch.bfloat16, rank, args.out),
+        "node_overlap_fp32": lambda: overlap_scenario(rank),
         "default_node_size": lambda: default_node_size(rank),
         "shipped_config": lambda: shipped_config(rank),
         "err_zero1": lambda: expect_error(dict(cfg_for(torch.float32, **NODE), zero_optimization={"stage": 1})),

@@ -15,6 +15,7 @@ stage 0, fp32 and bf16, ``gradient_clipping`` on. The tests check its per-rank J
   initialised engine resumes bit-exactly;
 * without ``node_size`` a group is the launcher's machine (``LOCAL_SIZE``; the deepspeed
   launcher sets no ``LOCAL_WORLD_SIZE``);
+* ``"overlap": true`` (fp32): bit-identical to plain LionCub without overlap;
 * ZeRO stage 1/2 and fp16 are refused in ``deepspeed.initialize``, naming the setting.
 """
 from __future__ import annotations
@@ -77,6 +78,18 @@ def test_node_voters_train_like_plain_lioncub_with_identical_replicas(runs, dtyp
         assert "node voters" in x["summary"] and "N=4 (2 node groups x 2 ranks)" in x["summary"], x["summary"]
         assert ("fp32 master" in x["summary"]) == (dtype == "bf16")
     assert len({x["grad_norm"] for x in res}) == WORLD  # each rank clipped by its own local norm
+
+
+@deepspeed_missing
+def test_node_voters_with_overlap_train_like_plain_lioncub(runs):
+    """"overlap": true (fp32, gradient clipping on): bit-identical to plain LionCub without overlap."""
+    res, _ = runs
+    out = [r["node_overlap_fp32"] for r in res]
+    for r, x in enumerate(out):
+        assert "exception" not in x, f"rank {r}: {x.get('traceback', x)}"
+        assert x["digest"] == x["reference"], r
+        assert x["digest"] == out[0]["digest"], r
+        assert "overlap=on" in x["summary"], x["summary"]
 
 
 @deepspeed_missing
