@@ -306,10 +306,10 @@ class SimLionCub:
                              f"({', '.join(self.SIGN_COMMS)}; got comm={comm!r}), without the screening keys ef / "
                              "ema / vote_every: the real int8 / bbit per-tensor scales are per (parameter ∩ shard) "
                              "piece, which the simulation does not model")
-        if node_size > 1 and cfg.momentum_sync is not None and cfg.momentum_sync.layers:
+        if node_size > 1 and cfg.momentum_sync is not None and (cfg.momentum_sync.layers or cfg.momentum_sync.drift):
             raise ValueError(f"SimLionCub: node voters (node_size={node_size}) are simulated with a momentum sync of "
-                             "every shard; momentum_sync layers (which LionCub supports with node voters) is not "
-                             "modelled here")
+                             "every shard on a fixed schedule; momentum_sync layers and schedule 'drift' (which "
+                             "LionCub supports with node voters: a per-shard signal) are not modelled here")
         # self.n: the voters (Nn = N/L with node voters); self.workers: the N gradients of a step
         self.workers, self.node_size = n, node_size
         n = n // node_size

@@ -427,10 +427,6 @@ class LionCubConfig:
             raise LionCubConfigError("LionCub: momentum_sync group='node' has nothing to average with voters='node' "
                                      "(the ranks of a node hold one voter's momentum, sharded, not copies of it); "
                                      "allowed: group='world' (the sync averages over the voters)")
-        if ms is not None and ms.drift:
-            raise LionCubConfigError("LionCub: momentum_sync schedule='drift' is not supported with voters='node' "
-                                     "(its signal is defined and tested for flat votes only); allowed: "
-                                     "voters='rank', or schedule 'every' / 'geometric' with voters='node'")
 
     @property
     def node_voters(self) -> bool:

@@ -23,9 +23,10 @@ fp32 in rank order, divides by N, encodes the mean shard (int8: with the shard's
 w = 2 or 1: 2x or 4x fewer than the fp32 all-reduce; the sum's order is the project's own, so
 every rank (and the simulation in bench converge) gets the same bits at any N.
 
-The drift schedule (``schedule="drift"``, sign votes, flat voters). A free signal of how far the
-local momenta have drifted apart: the fraction of a rank's votes that disagree with the agreed Δ
-where both are nonzero (:func:`vote_disagreement`). Each rank turns its own fraction into
+The drift schedule (``schedule="drift"``, sign votes). A free signal of how far the local momenta
+have drifted apart: the fraction of a rank's votes that disagree with the agreed Δ where both are
+nonzero (:func:`vote_disagreement`); with node voters a rank casts its voter's votes on its shard,
+so its fraction is over that shard, and the sum runs over the Nn·L ranks. Each rank turns its own fraction into
 fixed-point units (:func:`disagreement_units`, :func:`drift_scale` per whole fraction) on the
 device while it applies step t's Δ; the units ride in step t+1's flag vector (one more int32
 word, summed over the ranks with the flags: no collective and no host read of their own), so

@@ -229,8 +229,9 @@ def test_node_voters_refuse_what_the_simulation_does_not_model():
         C.SimLionCub(grp, 4, lr=0.01, betas=(0.9, 0.99), comm="int8", quant="l1", node_size=2)
     with pytest.raises(ValueError, match="dividing the 6 workers"):
         C.SimLionCub(grp, 6, lr=0.01, betas=(0.9, 0.99), node_size=4)
-    with pytest.raises(ValueError, match="momentum_sync layers .* is not modelled"):
-        C.SimLionCub(grp, 4, lr=0.01, betas=(0.9, 0.99), node_size=2, momentum_sync={"every": 5, "layers": ["w"]})
+    for sync in ({"every": 5, "layers": ["w"]}, {"schedule": "drift", "threshold": 0.05}):
+        with pytest.raises(ValueError, match="layers and schedule 'drift' .* are not modelled"):
+            C.SimLionCub(grp, 4, lr=0.01, betas=(0.9, 0.99), node_size=2, momentum_sync=sync)
     from lioncub_ds.config import LionCubConfigError
     with pytest.raises(LionCubConfigError, match="group='node' has nothing to average"):  # LionCub's own rule
         C.SimLionCub(grp, 4, lr=0.01, betas=(0.9, 0.99), node_size=2, momentum_sync={"every": 5, "group": "node"})

@@ -49,8 +49,9 @@ def test_drift_setting_and_what_it_refuses():
         LionCubConfig.from_kwargs(comm="int8", quant="l1", momentum_sync={"schedule": "drift", "threshold": 0.1})
     with pytest.raises(LionCubConfigError, match=r"schedule='drift' counts the 1-bit sign votes.*comm='bbit'"):
         LionCubConfig.from_kwargs(comm="bbit", quant="l1", momentum_sync={"schedule": "drift", "threshold": 0.1})
-    with pytest.raises(LionCubConfigError, match=r"schedule='drift' is not supported with voters='node'"):
-        LionCubConfig.from_kwargs(voters="node", node_size=2, momentum_sync={"schedule": "drift", "threshold": 0.1})
+    # node voters: accepted (each rank's signal is over its shard, tests/test_node_voters_drift.py)
+    assert LionCubConfig.from_kwargs(voters="node", node_size=2,
+                                     momentum_sync={"schedule": "drift", "threshold": 0.1}).momentum_sync.drift
 
 
 @pytest.mark.unit

@@ -40,10 +40,11 @@ def _grads(model, rank, step):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _simulate(n_groups, size, dtype, first, last, momenta, master, tie_break="hash"):
+def _simulate(n_groups, size, dtype, first, last, momenta, master, tie_break="hash", record=None):
     """Steps first..last of plain Distributed Lion over node-mean gradients: Nn = ``n_groups``
     voters of ``size`` ranks, voter j's momenta ``momenta[j][k]`` (fp32, changed in place), fp32
-    ``master`` values. Returns the parameters (in ``dtype``) after each step and the final masters."""
+    ``master`` values. Returns the parameters (in ``dtype``) after each step and the final masters;
+    ``record``: a list that gets, per step, every parameter's (voters' sign votes, Δ)."""
     ref = Net().to(dtype)  # the gradients come from a model in the parameters' dtype, as in the run
     out = []
     for step in range(first, last + 1):
@@ -71,6 +72,8 @@ def _simulate(n_groups, size, dtype, first, last, momenta, master, tie_break="ha
             else:
                 tie = torch.zeros(theta.numel())
             delta = torch.where(ties, tie, delta)
+            if record is not None:
+                record.append((step, k, votes, delta))
             e = theta.clone()
             e.mul_(1.0 - LR * WD)
             e.add_(delta.view_as(e).mul(-LR))
