@@ -41,6 +41,10 @@ FOUR_RANKS = {
     "node_voters_2x2_1bit": dict(comm="1bit", voters="node", node_size=2),
     "node_voters_2x2_bbit": dict(comm="bbit", quant="l1", voters="node", node_size=2),
     "master_only_1bit_bf16": dict(comm="1bit", node_size=2, dtype=torch.bfloat16),
+    # node voters' overlap path (its reduce-scatters issued at step(): the gradients here are set,
+    # not accumulated by a backward) with double-buffered momentum shards, bf16 with fp32 masters
+    "node_voters_2x2_overlap_bf16": dict(comm="1bit", voters="node", node_size=2, overlap=True,
+                                         momentum_double_buffer=True, dtype=torch.bfloat16),
 }
 
 
