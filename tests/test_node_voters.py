@@ -85,6 +85,18 @@ def _simulate(n_groups, size, dtype, first, last, momenta, master, tie_break="ha
     return out, master
 
 
+def _average_voters(momenta, ks):
+    """momentum_sync over the voters in the oracle: parameter k's momenta (for k in ``ks``) become
+    their fp32 mean (sum in voter order, then / Nn)."""
+    for k in ks:
+        mean = momenta[0][k].clone()
+        for m in momenta[1:]:
+            mean.add_(m[k])
+        mean.div_(len(momenta))
+        for m in momenta:
+            m[k].copy_(mean)
+
+
 def _oracle(n_groups, size, dtype, tie_break, steps):
     """The parameters after each step, by plain Distributed Lion over node-mean gradients."""
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from lioncub_ds import LionCub
 from lioncub_ds.config import MomentumSyncConfig
 from lioncub_ds.momentum_sync import DriftTrigger, drift_due, drift_scale
 from dist_helpers import SmallNet as Net, run_ranks
-from test_node_voters import BETAS, ENV, LR, WD, _grads, _simulate
+from test_node_voters import BETAS, ENV, LR, WD, _average_voters, _grads, _simulate
 
 pytestmark = pytest.mark.dist
 
@@ -75,9 +75,7 @@ def _oracle(pieces):
         if step > 1:  # read with this step's flags
             trigger.observe(step - 1, signals[-1])
         if drift_due(cfg, trigger, step - 1):  # after this step's momentum update
-            for k in range(len(master)):
-                mean = (momenta[0][k] + momenta[1][k]) / 2
-                momenta[0][k].copy_(mean), momenta[1][k].copy_(mean)
+            _average_voters(momenta, range(len(master)))
             trigger.synced(step)
             syncs, last = syncs + 1, step
         rows.append((step - 1, signals[-1], syncs, last) if step > 1 else (None, None, syncs, last))

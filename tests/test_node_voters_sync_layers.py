@@ -11,7 +11,7 @@ import torch
 
 from lioncub_ds import LionCub
 from dist_helpers import SmallNet as Net, run_ranks
-from test_node_voters import BETAS, ENV, LR, STEPS, WD, _grads, _simulate
+from test_node_voters import BETAS, ENV, LR, STEPS, WD, _average_voters, _grads, _simulate
 
 pytestmark = pytest.mark.dist
 
@@ -28,9 +28,7 @@ def _oracle(selected):
     for step in range(1, STEPS + 1):
         after, master = _simulate(2, 2, torch.float32, step, step, momenta, master)
         out += after
-        for k in selected:
-            mean = (momenta[0][k] + momenta[1][k]) / 2
-            momenta[0][k].copy_(mean), momenta[1][k].copy_(mean)
+        _average_voters(momenta, selected)
     return out
 
 
