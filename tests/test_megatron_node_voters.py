@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -46,17 +47,51 @@ FLOAT = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
 
 
 # ----------------------------------------------------------------------------- rank side
-def _init(k, tp=1, pp=1, ep=1):
+def _init(k, tp=1, pp=1, ep=1, vp=None):
     from megatron.core import parallel_state as ps
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp,
                                  expert_model_parallel_size=ep, num_distributed_optimizer_instances=k)
+
+
+class _Chunks(list):
+    """A virtual pipeline's model chunks (each in Megatron's DDP), which the oracle reads as one
+    model: parameters named "chunk{i}.<name>", as the optimizer names them."""
+
+    def named_parameters(self):
+        for i, chunk in enumerate(self):
+            for name, p in chunk.named_parameters():
+                yield f"chunk{i}.{name}", p
+
+    def parameters(self):
+        return (p for _, p in self.named_parameters())
+
+    def zero_grad_buffer(self):
+        for chunk in self:
+            chunk.zero_grad_buffer()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for chunk in self:
+                stack.enter_context(chunk.no_sync())
+            yield
+
+    @property
+    def bucket_groups(self):
+        return [b for chunk in self for b in chunk.bucket_groups]
+
+
+def _chunks(ddp) -> list:
+    return list(ddp) if isinstance(ddp, _Chunks) else [ddp]
 
 
 def _build(k, seed=1234, dtype=torch.float32, overlap=False, experts=None, param_gather=False):
     """A tiny GPTModel in Megatron's DDP with the distributed optimizer's K instances, at the
     tensor / pipeline / expert parallel sizes of the current parallel state (the pipeline's two
-    stages untie the embeddings: each stage's gradient is then its own)."""
+    stages untie the embeddings: each stage's gradient is then its own). With a virtual pipeline
+    (V chunks per pipeline rank): a :class:`_Chunks` of V such models, one layer each."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -66,27 +101,32 @@ def _build(k, seed=1234, dtype=torch.float32, overlap=False, experts=None, param
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    vp = ps.get_virtual_pipeline_model_parallel_world_size()
     moe = dict(num_moe_experts=experts, moe_router_topk=1, moe_router_pre_softmax=True, add_bias_linear=False,
                moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
                expert_model_parallel_size=ps.get_expert_model_parallel_world_size()) if experts else {}
-    cfg = TransformerConfig(num_layers=pp, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=2 * HIDDEN,
+    cfg = TransformerConfig(num_layers=pp * (vp or 1), hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=2 * HIDDEN,
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+                            virtual_pipeline_model_parallel_size=vp, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
                             fp16=dtype == torch.float16, **moe)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts),
-                     vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=pp == 1)
-    if dtype != torch.float32:
-        from megatron.core.transformer.module import Float16Module
-        model = Float16Module(cfg, model)
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+    ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=True, num_distributed_optimizer_instances=k,
         grad_reduce_in_fp32=dtype != torch.float32, overlap_grad_reduce=overlap, bucket_size=2000 if overlap else None,
-        overlap_param_gather=param_gather),
-        model)
+        overlap_param_gather=param_gather)
+    chunks = []
+    for stage in range(vp or 1):
+        where = dict(ignore_virtual=False, vp_stage=stage) if vp else {}
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts),
+                         vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(**where),
+                         post_process=ps.is_pipeline_last_stage(**where), share_embeddings_and_output_weights=pp == 1,
+                         **({"vp_stage": stage} if vp else {}))
+        if dtype != torch.float32:
+            from megatron.core.transformer.module import Float16Module
+            model = Float16Module(cfg, model)
+        chunks.append(DistributedDataParallel(cfg, ddp_cfg, model))
     cfg.finalize_model_grads_func = finalize_model_grads
-    return cfg, ddp
+    return cfg, (_Chunks(chunks) if vp else chunks[0])
 
 
 def _opt_config(**kw):
@@ -117,14 +157,30 @@ def _fwd_bwd(ddp, tokens):
         out = model(x[:, :-1], pos, None, labels=x[:, 1:])
         return out, lambda output: (output.float().mean(), {"loss": output.float().mean().detach()})
 
-    res = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=[ddp],
-                                      num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS)
+    chunks = _chunks(ddp)
+    # the interleaved schedule (a virtual pipeline) runs whole rounds of the pipeline's microbatches
+    micro = 1 if len(chunks) == 1 else _pp_size()
+    data = [iter([tokens] * micro) for _ in chunks]
+    res = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0],
+                                      model=chunks, num_microbatches=micro, seq_length=SEQ, micro_batch_size=MBS)
     return float(res[0]["loss"]) if res else 0.0  # (the loss is on the last pipeline stage)
+
+
+def _pp_size():
+    from megatron.core import parallel_state as ps
+    return ps.get_pipeline_model_parallel_world_size()
 
 
 def _forward(ddp):
     """A forward pass without gradients: with --overlap-param-gather its pre-hooks wait for the
-    parameters' all-gather (Megatron's own path), as the next training step's forward would."""
+    parameters' all-gather (Megatron's own path), as the next training step's forward would.
+    Model chunks of a pipeline (whose forward needs the previous stage's activations): Megatron's
+    forced parameter sync instead (what Megatron-LM runs before evaluation and checkpoints), which
+    waits for an all-gather in flight (the first chunk's, started by the optimizer step)."""
+    if isinstance(ddp, _Chunks):
+        for chunk in ddp:
+            chunk.start_param_sync(force_sync=True)
+        return
     with torch.no_grad():
         x = _batch(0)
         ddp(x[:, :-1], torch.arange(SEQ).unsqueeze(0).expand(MBS, -1), None)
@@ -164,7 +220,7 @@ def _hyper(config, ddp):
     from lioncub_ds.megatron import _compat
     names = {p: n for n, p in ddp.named_parameters()}
     out = {}
-    for g in _get_param_groups([ddp], config, _compat.standard_overrides(config)):
+    for g in _get_param_groups(_chunks(ddp), config, _compat.standard_overrides(config)):
         for p in g["params"]:
             out[names[p]] = (LR * g.get("lr_mult", 1.0), WD * g.get("wd_mult", 1.0))
     return out
@@ -267,20 +323,22 @@ def _momentum_mismatches(opt, momenta):
 
 
 def _oracle_run(k, steps, overlap=False, extra=None, dtype=torch.float32, experts=None, sync=(), scale=None,
-                param_gather=False):
+                param_gather=False, with_step=False):
     """Train ``steps`` steps; before each, compute the expected parameters by brute force. With
     ``overlap`` Megatron's reduce-scatter of each bucket starts during backward (several buckets);
     ``extra``: more lioncub settings; ``scale``: fp16 with Megatron's constant loss scale;
     ``param_gather``: --overlap-param-gather (the all-gather waits for the next forward: a
-    forward pass without gradients then runs before the parameters are read)."""
+    forward pass without gradients then runs before the parameters are read); ``with_step``:
+    --overlap-param-gather-with-optimizer-step (a virtual pipeline's first chunk has its own
+    optimizer, and its all-gather starts while the other chunks' optimizer steps)."""
     import torch.distributed as dist
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
     cfg, ddp = _build(k, overlap=overlap, dtype=dtype, experts=experts, param_gather=param_gather)
     half = {torch.bfloat16: dict(bf16=True, params_dtype=dtype), torch.float16: dict(
         fp16=True, params_dtype=dtype, loss_scale=scale)}.get(dtype, {})
-    config = _opt_config(**half, overlap_param_gather=param_gather)
+    config = _opt_config(**half, overlap_param_gather=param_gather, overlap_param_gather_with_optimizer_step=with_step)
     settings = {"voters": "node", "comm": "1bit", "tie_break": "zero", **(extra or {})}
-    opt = get_megatron_lioncub_optimizer(config, [ddp], lioncub=settings)
+    opt = get_megatron_lioncub_optimizer(config, _chunks(ddp), lioncub=settings)
     if scale is not None:
         cfg.grad_scale_func = opt.scale_loss  # as Megatron-LM's training loop does
     momenta = {n: [torch.zeros(p.numel()) for _ in range(k)] for n, p in ddp.named_parameters()}
@@ -292,9 +350,23 @@ def _oracle_run(k, steps, overlap=False, extra=None, dtype=torch.float32, expert
     lc = lioncub_optimizers(opt)[0]
     # Lion's step is blind to a common scale of g and m, the momenta are not: this rank's momentum
     # shard must be its instance's oracle momentum over the same elements (instance-mean scaling)
+    momentum_mismatched = _momentum_mismatches(opt, momenta)
+    dispatched = None
+    if with_step:  # one step more: when step() returns, which chunks' all-gathers has it started?
+        _train_step(ddp, opt, steps)
+        dispatched = [all(b.param_gather_dispatched for b in chunk.bucket_groups) for chunk in _chunks(ddp)]
+        _forward(ddp)
     return {"mismatched": mismatched, "moved": moved, "elements": elements, "fps": fps,
-            "momentum_mismatched": _momentum_mismatches(opt, momenta),
+            "momentum_mismatched": momentum_mismatched,
             "kinds": [o.optimizer.megatron_kind for o in opt.chained_optimizers],
+            # which model chunks each optimizer steps ("chunk{i}." of the parameter names; "" = the only one)
+            "chunks_by_kind": {o.optimizer.megatron_kind: sorted({(n or "").partition(".")[0] if len(_chunks(ddp)) > 1
+                                                                  else "" for g in o.optimizer.param_groups
+                                                                  for n in g["param_names"]})
+                               for o in opt.chained_optimizers},
+            "dispatched_in_step": dispatched,
+            "starts_with_step": [bool(getattr(c, "overlap_param_gather_with_optimizer_step", False))
+                                 for c in _chunks(ddp)],
             "buckets": len(ddp.bucket_groups),
             "scopes": lc.comm_stats()["cumulative"]["by_scope"],
             "vote_group": tuple(dist.get_process_group_ranks(lc.vote_group)),
@@ -597,13 +669,17 @@ def _errors():
     out = {}
     cfg, ddp = _build(2)
     for name, config, lioncub in (("no_dist_opt", _opt_config(use_distributed_optimizer=False), {"voters": "node"}),
-                                  ("node_size", _opt_config(), {"voters": "node", "node_size": 4})):
+                                  ("node_size", _opt_config(), {"voters": "node", "node_size": 4}),
+                                  ("one_chunk_with_step", _opt_config(overlap_param_gather=True,
+                                                                      overlap_param_gather_with_optimizer_step=True),
+                                   {"voters": "node"})):
         try:
             get_megatron_lioncub_optimizer(config, [ddp], lioncub=lioncub)
         except (LionCubConfigError, ValueError) as exc:
             out[name] = str(exc)
     from lioncub_ds.megatron.ddp import instance_votes_enabled
-    out["untouched"] = not instance_votes_enabled(ddp)  # the errors came before any change
+    # the errors came before any change
+    out["untouched"] = not instance_votes_enabled(ddp) and not ddp.overlap_param_gather_with_optimizer_step
     return out
 
 
@@ -840,6 +916,9 @@ def test_flag_errors(results):
         assert "--use-distributed-optimizer" in e["no_dist_opt"], e
         assert "--lioncub-node-size 4" in e["node_size"] and "--num-distributed-optimizer-instances 2" in \
             e["node_size"] and "allowed: --lioncub-node-size 2" in e["node_size"], e
+        # Megatron splits the first of several model chunks off: one chunk has nothing to overlap with
+        assert "--overlap-param-gather-with-optimizer-step" in e["one_chunk_with_step"] and \
+            "virtual pipeline" in e["one_chunk_with_step"] and "got one model chunk" in e["one_chunk_with_step"], e
         assert e["untouched"]
 
 
@@ -868,6 +947,11 @@ def test_megatron_lm_flags_for_node_voters(standins):  # noqa: F811
     overlaps = ["--overlap-param-gather", "--overlap-grad-reduce"]
     assert megatron_args_problems(p(argv=node + dist_opt + overlaps)) == []
     assert megatron_args_problems(p(argv=GOOD + ["--overlap-param-gather"])) != []  # flat LionCub: no all-gather
+    # the first model chunk's all-gather during the other chunks' optimizer steps: node voters only
+    with_step = overlaps + ["--overlap-param-gather-with-optimizer-step"]
+    assert megatron_args_problems(p(argv=node + dist_opt + with_step)) == []
+    assert any(x.startswith("--overlap-param-gather-with-optimizer-step") for x in megatron_args_problems(
+        p(argv=GOOD + ["--overlap-param-gather-with-optimizer-step"])))
     # node_size must be DP / K once Megatron has derived the data-parallel size
     args = p(argv=node + dist_opt + ["--lioncub-node-size", "4"])
     args.data_parallel_size = 4

@@ -9,7 +9,8 @@ test shim:
   parameters);
   fp16 with Megatron's loss scale (gradients unscaled by it, fp32 main shards), and an inf on one
   rank that makes every rank skip the step;
-* 8 ranks: TP = 2 and PP = 2 with K = 2 instances of L = 2 data-parallel ranks each.
+* 8 ranks: TP = 2 and PP = 2 with K = 2 instances of L = 2 data-parallel ranks each; PP = 2
+  with a virtual pipeline of 2 chunks and --overlap-param-gather-with-optimizer-step (fp32, bf16).
 
 After every step every parameter equals the oracle bit for bit, and every momentum shard its
 voter's oracle momentum; replicas (the ranks at one model-parallel position) stay identical.
@@ -17,6 +18,9 @@ voter's oracle momentum; replicas (the ranks at one model-parallel position) sta
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -56,7 +60,51 @@ def _four(rank, world):
     return out
 
 
-def _eight(rank, world):
+def _with_step_resume(ckpt):
+    """--overlap-param-gather-with-optimizer-step: each of the two dense optimizers writes and reads
+    its own per-rank files (a resume is exact); a run without the flag refuses them, naming it,
+    before anything is loaded."""
+    import torch.distributed as dist
+    from lioncub_ds.checkpoint import CheckpointError
+    from lioncub_ds.megatron import after_checkpoint_load, before_checkpoint_save, get_megatron_lioncub_optimizer
+    from lioncub_ds.megatron import lioncub_optimizers
+    from test_megatron_node_voters import _build, _chunks, _opt_config, _train_step
+
+    def make(with_step):
+        _, ddp = _build(2, overlap=True, param_gather=True)
+        config = _opt_config(overlap_param_gather=True, overlap_param_gather_with_optimizer_step=with_step)
+        return ddp, get_megatron_lioncub_optimizer(config, _chunks(ddp), lioncub={"voters": "node"})
+
+    def momenta(opt):
+        return {lc.megatron_kind: [lc.state[p]["exp_avg"].clone() for g in lc.param_groups for p in g["params"]
+                                   if "exp_avg" in lc.state.get(p, {})] for lc in lioncub_optimizers(opt)}
+
+    ddp, opt = make(True)
+    for step in range(2):
+        _train_step(ddp, opt, step)
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    before_checkpoint_save(opt, "per_rank", checkpoint_dir=ckpt)
+    dist.barrier()
+    out = {"saved": sorted(os.listdir(os.path.join(ckpt, "lioncub")))}
+    want = momenta(opt)
+    _, back = make(True)
+    after_checkpoint_load(back, ckpt)
+    got = momenta(back)
+    out["resumed_exact"] = want.keys() == got.keys() and all(
+        len(want[k]) == len(got[k]) > 0 and all(torch.equal(a, b) for a, b in zip(want[k], got[k])) for k in want)
+    _, other = make(False)
+    try:
+        after_checkpoint_load(other, ckpt)
+        out["refused"] = None
+    except CheckpointError as exc:
+        out["refused"] = str(exc)
+    out["untouched"] = all(not v for v in momenta(other).values())
+    return out
+
+
+def _eight(rank, world, tmpdir):
     from lioncub_ds.testing import megatron_cpu_shim
     megatron_cpu_shim.install()
     warnings.filterwarnings("ignore")
@@ -65,6 +113,12 @@ def _eight(rank, world):
     out["tp2"] = dict(_oracle_run(2, steps=2, extra={"tie_break": "hash"}), **_position())
     _init(2, pp=2)
     out["pp2"] = dict(_oracle_run(2, steps=2), **_position())
+    # a virtual pipeline (2 chunks per stage) with --overlap-param-gather-with-optimizer-step
+    _init(2, pp=2, vp=2)
+    for dtype in (torch.float32, torch.bfloat16):
+        out[f"vp2_with_step_{str(dtype)[6:]}"] = dict(
+            _oracle_run(2, steps=2, overlap=True, param_gather=True, with_step=True, dtype=dtype), **_position())
+    out["vp2_with_step_resume"] = _with_step_resume(os.path.join(tmpdir, "vp2"))
     return out
 
 
@@ -79,7 +133,11 @@ def four():
 def eight():
     if not HAVE_MEGATRON:
         pytest.skip("megatron-core is not installed")
-    return run_ranks(_eight, 8, timeout=900)
+    tmpdir = tempfile.mkdtemp(prefix="lioncub-megatron-vp-")
+    try:
+        yield run_ranks(_eight, 8, tmpdir, timeout=900)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _check(results, case, kinds):
@@ -112,6 +170,33 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(four):
         x = r["fp16_overflow"]
         assert x["ok"] is False and x["unchanged"] and x["trained_after"] and x["skipped"] == 0, (r["rank"], x)
         assert x["fp"] == four[0]["fp16_overflow"]["fp"], r["rank"]
+
+
+@needs_megatron
+@pytest.mark.parametrize("case", ["vp2_with_step_float32", "vp2_with_step_bfloat16"])
+def test_param_gather_overlapped_with_the_optimizer_step_matches_the_oracle(eight, case):
+    """--overlap-param-gather-with-optimizer-step (PP = 2, 2 virtual chunks per stage): the first
+    chunk's dense parameters have an optimizer of their own, stepped first; Megatron starts that
+    chunk's all-gather when it returns, and the other chunk's optimizer steps (and votes) while it
+    runs. Both equal the oracle, which knows nothing of the split."""
+    _check(eight, case, ["dense_chunk0", "dense_later_chunks"])
+    for r in eight:
+        o = r[case]
+        assert o["chunks_by_kind"] == {"dense_chunk0": ["chunk0"], "dense_later_chunks": ["chunk1"]}, o
+        assert o["starts_with_step"] == [True, False], o
+        # when step() returns, the first chunk's all-gather has started, the other waits for its forward
+        assert o["dispatched_in_step"] == [True, False], o
+
+
+@needs_megatron
+def test_param_gather_overlapped_with_the_optimizer_step_resumes_and_refuses_the_other_split(eight):
+    for r in eight:
+        x = r["vp2_with_step_resume"]
+        assert x["saved"] == ["dense_chunk0", "dense_later_chunks"], x
+        assert x["resumed_exact"], x
+        assert x["refused"] and "--overlap-param-gather-with-optimizer-step" in x["refused"] and \
+            "--no-load-optim" in x["refused"], x
+        assert x["untouched"], x
 
 
 @needs_megatron

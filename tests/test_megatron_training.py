@@ -65,6 +65,7 @@ def _megatron_lm_flags(parser):
     a("--use-distributed-optimizer", action="store_true")
     a("--overlap-grad-reduce", action="store_true")
     a("--overlap-param-gather", action="store_true")
+    a("--overlap-param-gather-with-optimizer-step", action="store_true")
     a("--fp8-param-gather", action="store_true")
     a("--optimizer-cpu-offload", action="store_true")
     a("--num-distributed-optimizer-instances", type=int, default=1)

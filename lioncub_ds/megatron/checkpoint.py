@@ -127,6 +127,30 @@ def missing_lioncub_files(optimizer, checkpoint_dir: str) -> list[str]:
     return out
 
 
+def split_mismatch(optimizer, checkpoint_dir: str) -> str | None:
+    """Why the checkpoint's dense optimizers are not this run's, or None.
+
+    --overlap-param-gather-with-optimizer-step gives the first model chunk an optimizer of its
+    own (files under ``dense_chunk0/`` and ``dense_later_chunks/``); without it one optimizer
+    holds every chunk (``dense/``). Each file holds its own optimizer's shards, so files of the
+    other split are not loaded piecewise; the error says so instead of "files missing"."""
+    root = os.path.join(checkpoint_dir, SUBDIR)
+    try:
+        saved = sorted(d for d in os.listdir(root) if d.startswith("dense") and os.path.isdir(os.path.join(root, d)))
+    except OSError:
+        return None
+    mine = sorted({getattr(o, "megatron_kind", "dense") for o in lioncub_optimizers(optimizer)} - {"expert"})
+    if not saved or not mine or saved == mine:
+        return None
+    def text(kinds):
+        return ("the first model chunk's optimizer apart (--overlap-param-gather-with-optimizer-step)"
+                if "dense_chunk0" in kinds else "one optimizer for every model chunk")
+    return (f"LionCub: {checkpoint_dir} was saved with {text(saved)} (per-rank files under {', '.join(saved)}), this "
+            f"run has {text(mine)} ({', '.join(mine)}); each file holds the shards of its own optimizer; allowed: "
+            "resume with the --overlap-param-gather-with-optimizer-step setting of the saving run (change it after "
+            "the next save), or --no-load-optim to start the optimizer fresh. No rank loaded anything")
+
+
 def missing_files_message(checkpoint_dir: str, n_missing_ranks: int, example: str | None,
                           iteration=None) -> str:
     it = f" (iteration {iteration})" if iteration is not None else ""
@@ -159,8 +183,12 @@ def load_lioncub_states(optimizer, checkpoint_dir: str, reshard: str = "average"
     a failure there is again agreed over the world before anyone raises.
     """
     device = _flag_device(optimizer)
+    split = split_mismatch(optimizer, checkpoint_dir)
     missing = missing_lioncub_files(optimizer, checkpoint_dir)
-    n_missing, = _world_max([1 if missing else 0], device)
+    any_split, n_missing = _world_max([1 if split else 0, 1 if missing else 0], device)
+    if any_split:
+        raise lc_checkpoint.CheckpointError(split or f"LionCub: another rank found {checkpoint_dir}'s optimizers split "
+                                            "otherwise than this run's (see that rank's error); no rank loaded")
     if n_missing:
         count = 1
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

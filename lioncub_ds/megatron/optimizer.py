@@ -106,6 +106,13 @@ OVERLAP_UNSUPPORTED = (
     "parameters fires during backward, so no vote can start there; overlap would only vote twice. Use "
     "overlap=False (the default): the votes start in step(), one vote per optimizer step (Megatron's gradient "
     "accumulation only fills main_grad).")
+# --overlap-param-gather-with-optimizer-step splits the first model chunk off (Megatron's design).
+OVERLAP_WITH_STEP_NEEDS_CHUNKS = (
+    "LionCub: OptimizerConfig.overlap_param_gather_with_optimizer_step (--overlap-param-gather-with-optimizer-step) "
+    "with voters='node' needs two or more model chunks (a virtual pipeline: "
+    "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank): the first chunk's "
+    "optimizer steps first and its all-gather overlaps the other chunks' steps; got one model chunk; allowed: a "
+    "virtual pipeline, or --overlap-param-gather alone (the all-gather overlaps the next forward)")
 # LionCub settings that come from OptimizerConfig instead.
 _FROM_MEGATRON = {"lr": "OptimizerConfig.lr (--lr)", "weight_decay": "OptimizerConfig.weight_decay (--weight-decay)",
                   "process_group": "Megatron's data-parallel groups",
@@ -263,8 +270,11 @@ def check_optimizer_config(config, node_voters: bool = False) -> None:
     if node_voters and not getattr(config, "use_distributed_optimizer", False):
         raise LocalMomentumConfigError(NODE_VOTERS_NEED_DIST_OPT)
     for name, why in _UNSUPPORTED:
-        if node_voters and name in ("use_distributed_optimizer", "overlap_param_gather"):
-            continue  # the instances are the voters; Megatron's own all-gather may overlap the next forward
+        if node_voters and name in ("use_distributed_optimizer", "overlap_param_gather",
+                                    "overlap_param_gather_with_optimizer_step"):
+            # the instances are the voters; Megatron's own all-gather may overlap the next forward,
+            # or (the first model chunk's, split into an optimizer of its own) the rest of the step
+            continue
         if getattr(config, name, False):
             raise LocalMomentumConfigError(f"lioncub_ds.megatron: OptimizerConfig.{name}=True is not supported with "
                                            f"LionCub ({why}); set it to False")
@@ -475,7 +485,7 @@ def _wrap(config, inner, stats_group, tp_group, expert_tp_group):
 
 def _model_parallel_tag(kind, groups):
     """Where this rank sits outside its vote group (names the per-rank checkpoint folder)."""
-    if kind == "dense":
+    if kind.startswith("dense"):
         return f"mp{dist.get_rank(groups['mp']):05d}"
     ep = groups.get("ep")
     ep_rank = dist.get_rank(ep) if ep is not None else 0
@@ -692,15 +702,25 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     inner_settings = {key: v for key, v in settings.items() if key not in ("betas", "voters", "node_size")}
     all_groups = _get_param_groups(model_chunks, config, config_overrides)
     names = _param_names(model_chunks)
-    # (kind, param groups, Megatron's buffers, the instance's part of the DP group, the whole DP
-    # group, the group Megatron indexes the optimizer by)
-    kinds = [(kind, _prepare_groups([g for g in all_groups if g["is_expert_parallel"] == expert], names, config),
-              attr, part, whole, mp)
-             for kind, expert, attr, part, whole, mp in (
-                 ("dense", False, "buffers", instance, dp_group, groups["mp"]),
-                 ("expert", True, "expert_parallel_buffers", pgs["intra_expt_dp_group"], pgs["expt_dp_group"],
-                  pgs["expt_tp_pp_group"]))]
-    kinds = [x for x in kinds if x[1]]  # a rank without expert parameters has no expert optimizer (as in Megatron)
+    # --overlap-param-gather-with-optimizer-step: as Megatron does, the first model chunk's dense
+    # parameters get an optimizer of their own, stepped first; Megatron's ChainedOptimizer then
+    # starts that chunk's all-gather while the other chunks' optimizer steps (and votes)
+    first_apart = bool(getattr(config, "overlap_param_gather_with_optimizer_step", False))
+    if first_apart and len(model_chunks) < 2:
+        raise LionCubConfigError(OVERLAP_WITH_STEP_NEEDS_CHUNKS)
+    dense_parts = ([("dense_chunk0", 0, 1), ("dense_later_chunks", 1, len(model_chunks))] if first_apart
+                   else [("dense", 0, len(model_chunks))])
+    # (kind, param groups, its model chunks and the first one's index, Megatron's buffers, the
+    # instance's part of the DP group, the whole DP group, the group Megatron indexes the optimizer by)
+    kinds = [(kind, _prepare_groups([g for g in _get_param_groups(model_chunks[lo:hi], config, config_overrides)
+                                     if not g["is_expert_parallel"]], names, config),
+              (model_chunks[lo:hi], lo), "buffers", instance, dp_group, groups["mp"])
+             for kind, lo, hi in dense_parts]
+    kinds.append(("expert", _prepare_groups([g for g in all_groups if g["is_expert_parallel"]], names, config),
+                  (model_chunks, 0), "expert_parallel_buffers", pgs["intra_expt_dp_group"], pgs["expt_dp_group"],
+                  pgs["expt_tp_pp_group"]))
+    # a rank without expert parameters has no expert optimizer (as in Megatron)
+    kinds = [x for x in kinds if x[1] or x[0] != "expert"]
     cfg = LionCubConfig.from_kwargs(where="lioncub setting", lr=config.lr, betas=betas,
                                     weight_decay=config.weight_decay, **inner_settings)
 
@@ -726,9 +746,11 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
 
     # --- Megatron's side: no all-reduce across instances, then its distributed optimizers
     vote_across_instances(model_chunks)
+    for i, chunk in enumerate(model_chunks):  # what Megatron's own factory sets (its DDP reads it)
+        chunk.overlap_param_gather_with_optimizer_step = first_apart and i == 0
     optimizers = []
-    for kind, pgroups, attr, part, whole, mp in kinds:
-        dopt = _distributed_optimizer(config, model_chunks, pgroups, attr, part, mp, vote if k > 1 else None)
+    for kind, pgroups, chunks, attr, part, whole, mp in kinds:
+        dopt = _distributed_optimizer(config, chunks, pgroups, attr, part, mp, vote if k > 1 else None)
         shard_groups, pieces = _shard_groups(dopt, pgroups, names)
         premade = {"vote": vote, "agree": part, "full": whole, "node": sync_node}
         inner = MegatronLionCub(shard_groups, config=cfg, process_group=vote, megatron_groups=premade)
@@ -758,15 +780,17 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     return chained
 
 
-def _distributed_optimizer(config, model_chunks, pgroups, buffer_attr, part, mp, vote):
+def _distributed_optimizer(config, chunks, pgroups, buffer_attr, part, mp, vote):
     """Megatron's DistributedOptimizer over ``pgroups``' buffers, sharded over ``part`` (this
-    rank's instance), with one leaf per shard (:func:`_leaf_shards`)."""
+    rank's instance), with one leaf per shard (:func:`_leaf_shards`). ``chunks``: (its model
+    chunks, the index of the first one among all chunks: Megatron's key for their buffers)."""
+    model_chunks, first = chunks
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     # DistributedOptimizer accepts only Adam as the inner optimizer at construction (its
     # checkpoint code); it is a placeholder without state, replaced by LionCub once Megatron has
     # cut the groups into this rank's shards.
     placeholder = torch.optim.AdamW([dict(g, params=list(g["params"])) for g in pgroups], lr=config.lr)
-    buffers = {i: list(getattr(chunk, buffer_attr)) for i, chunk in enumerate(model_chunks)}
+    buffers = {first + i: list(getattr(chunk, buffer_attr)) for i, chunk in enumerate(model_chunks)}
     dopt = DistributedOptimizer(placeholder, config, _grad_scaler(config), _init_state_fn, model_chunks=model_chunks,
                                 per_model_buffers=buffers, data_parallel_group=part, data_parallel_group_gloo=None,
                                 data_parallel_group_idx=dist.get_rank(mp),

@@ -108,7 +108,10 @@ INCOMPATIBLE_FLAGS = (
     # with node voters Megatron's distributed optimizer all-gathers the parameters after LionCub's
     # step; --overlap-param-gather defers that to the next forward's pre-hooks (Megatron's own)
     ("overlap_param_gather", lambda a: _on("overlap_param_gather")(a) and not _node(a), _NEEDS_DIST_OPT),
-    ("overlap_param_gather_with_optimizer_step", _on("overlap_param_gather_with_optimizer_step"), _NEEDS_DIST_OPT),
+    # with node voters Megatron splits the first model chunk's optimizer off (virtual pipeline: its
+    # own validation asks for one) and starts that chunk's all-gather while the others step
+    ("overlap_param_gather_with_optimizer_step",
+     lambda a: _on("overlap_param_gather_with_optimizer_step")(a) and not _node(a), _NEEDS_DIST_OPT),
     ("fp8_param_gather", _on("fp8_param_gather"), "the fp8 parameter all-gather " + _NEEDS_DIST_OPT_OR_FSDP),
     ("fp4_param_gather", _on("fp4_param_gather"), "the fp4 parameter all-gather " + _NEEDS_DIST_OPT_OR_FSDP),
     ("reuse_grad_buf_for_mxfp8_param_ag", _on("reuse_grad_buf_for_mxfp8_param_ag"), _NEEDS_DIST_OPT),
