@@ -384,11 +384,7 @@ def _save(ddp, opt, ckpt):
     """Megatron's dist-checkpointing save, with LionCub's per-rank files written first."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from lioncub_ds.megatron import before_checkpoint_save
-    if dist.get_rank() == 0:
-        os.makedirs(ckpt, exist_ok=True)
-    dist.barrier()
-    before_checkpoint_save(opt, "per_rank", checkpoint_dir=ckpt)
+    _train_then_write_files(ddp, opt, 0, ckpt)
     dist_checkpointing.save(_ckpt_state(ddp, opt), ckpt)
     dist.barrier()
 
@@ -545,6 +541,19 @@ def _contract_run(k, steps, overlap=False):
     return {"log": [tuple(e) for e in nccl_contract.log()[start:]], "losses": losses}
 
 
+def _train_then_write_files(ddp, opt, steps, ckpt):
+    """``steps`` training steps, then every rank writes its LionCub per-rank files into ``ckpt``
+    (as before Megatron's save)."""
+    import torch.distributed as dist
+    from lioncub_ds.megatron import before_checkpoint_save
+    for s in range(steps):
+        _train_step(ddp, opt, s)
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    before_checkpoint_save(opt, "per_rank", checkpoint_dir=ckpt)
+
+
 def _ckpt_state(ddp, opt, is_loading=False):
     model_sd = ddp.module.sharded_state_dict()
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
@@ -569,12 +578,7 @@ def _resume_run(k, tmpdir, dtype=torch.float32):
         sync_error = None
     except ValueError as exc:
         sync_error = str(exc)
-    for s in range(3):
-        _train_step(ddp, opt, s)
-    if dist.get_rank() == 0:
-        os.makedirs(ckpt, exist_ok=True)
-    dist.barrier()
-    before_checkpoint_save(opt, "per_rank", checkpoint_dir=ckpt)
+    _train_then_write_files(ddp, opt, 3, ckpt)
     dist_checkpointing.save(_ckpt_state(ddp, opt), ckpt)
     # Megatron-LM's legacy format (--ckpt-format torch) also asks for the parameter state file
     legacy = os.path.join(ckpt, f"distrib_optim_{dist.get_rank()}.pt")

@@ -66,9 +66,8 @@ def _with_step_resume(ckpt):
     before anything is loaded."""
     import torch.distributed as dist
     from lioncub_ds.checkpoint import CheckpointError
-    from lioncub_ds.megatron import after_checkpoint_load, before_checkpoint_save, get_megatron_lioncub_optimizer
-    from lioncub_ds.megatron import lioncub_optimizers
-    from test_megatron_node_voters import _build, _chunks, _opt_config, _train_step
+    from lioncub_ds.megatron import after_checkpoint_load, get_megatron_lioncub_optimizer, lioncub_optimizers
+    from test_megatron_node_voters import _build, _chunks, _opt_config, _train_then_write_files
 
     def make(with_step):
         _, ddp = _build(2, overlap=True, param_gather=True)
@@ -80,12 +79,7 @@ def _with_step_resume(ckpt):
                                    if "exp_avg" in lc.state.get(p, {})] for lc in lioncub_optimizers(opt)}
 
     ddp, opt = make(True)
-    for step in range(2):
-        _train_step(ddp, opt, step)
-    if dist.get_rank() == 0:
-        os.makedirs(ckpt, exist_ok=True)
-    dist.barrier()
-    before_checkpoint_save(opt, "per_rank", checkpoint_dir=ckpt)
+    _train_then_write_files(ddp, opt, 2, ckpt)
     dist.barrier()
     out = {"saved": sorted(os.listdir(os.path.join(ckpt, "lioncub")))}
     want = momenta(opt)
