@@ -106,6 +106,11 @@ def test_lioncub_settings_validation():
         lioncub_settings({"tie_brake": "zero"})
     with pytest.raises(LionCubConfigError, match="given twice"):
         lioncub_settings({"comm": "1bit"}, comm="pbit")
+    # the drift-scheduled momentum sync: with node voters (tests/test_megatron_node_voters.py), not per rank
+    drift = {"schedule": "drift", "threshold": 0.02}
+    with pytest.raises(LionCubConfigError, match="schedule='drift'.*allowed.*--lioncub-voters node"):
+        lioncub_settings({"momentum_sync": drift})
+    assert lioncub_settings({"voters": "node", "momentum_sync": drift})["momentum_sync"] == drift
 
 
 @pytest.mark.unit

@@ -92,11 +92,12 @@ MASTER_ONLY_UNSUPPORTED = (
     "Megatron: Megatron's fp32 main parameters are Megatron's own; allowed: leave node_size unset with "
     "voters='rank', or use voters='node' with --use-distributed-optimizer (the main parameters are then "
     "sharded 1/L by Megatron)")
-# momentum_sync schedule="drift" is built and tested for LionCub's own flat step only.
+# momentum_sync schedule="drift" under Megatron: tested with node voters (the instances vote).
 DRIFT_SYNC_UNSUPPORTED = (
     "LionCub: momentum_sync schedule='drift' (--lioncub-momentum-sync-schedule drift) is not supported under "
-    "Megatron: its signal is tested for LionCub's own flat step, not for Megatron's dense / expert optimizers "
-    "and instances; allowed: momentum_sync schedule 'every' or 'geometric'")
+    "Megatron with voters='rank' (not yet tested with Megatron's per-rank dense and expert optimizers); allowed: "
+    "momentum_sync schedule 'every' or 'geometric', or the drift schedule with --lioncub-voters node "
+    "(the distributed optimizer's instances vote)")
 # overlap=True (votes started from gradient-ready hooks during backward) cannot be real here.
 OVERLAP_UNSUPPORTED = (
     "LionCub: overlap=True (--lioncub-overlap, lioncub={'overlap': True}) is not supported under Megatron: "
@@ -259,7 +260,7 @@ def lioncub_settings(lioncub=None, **kwargs) -> dict:
     if settings.get("overlap"):
         raise LionCubConfigError(OVERLAP_UNSUPPORTED)
     sync = MomentumSyncConfig.from_value(settings.get("momentum_sync"))
-    if sync is not None and sync.drift:
+    if sync is not None and sync.drift and not is_node_voters(settings.get("voters")):
         raise LionCubConfigError(DRIFT_SYNC_UNSUPPORTED)
     if not is_node_voters(settings.get("voters")) and settings.get("node_size") is not None:
         raise LionCubConfigError(MASTER_ONLY_UNSUPPORTED)
