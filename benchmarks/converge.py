@@ -913,13 +913,38 @@ def _dlion_from_1bit(r):
     return out
 
 
+def finished_runs(path, cfg, protocol) -> dict:
+    """{(N, seed, variant): (record, its curve records)} of the runs already in the --partial file
+    ``path`` that belong to this study: the same protocol name and preset settings (the lr is
+    checked per run by the caller). A missing file has none."""
+    if not path or not os.path.exists(path):
+        return {}
+    same = {k: json.loads(json.dumps(cfg[k])) for k in PRESET_KEYS}
+    runs, curves = {}, {}
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            key = (r.get("world_size"), r.get("seed"), r.get("variant"))
+            if r.get("bench") == NAME and r.get("protocol") == protocol and all(r.get(k) == v for k, v in same.items()):
+                runs.setdefault(key, r)
+            elif r.get("bench") == "converge_curve":
+                curves.setdefault(key, {}).setdefault(r["step"], r)
+    return {key: (r, [curves[key][s] for s in sorted(curves.get(key, {}))]) for key, r in runs.items()}
+
+
 def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=None, device="cpu", verbose=True,
         ds=None, partial=None, protocol="custom", **kw):
-    """Paired runs. ``lrs``: {N: {family: lr}} (or one {family: lr} for every N). Returns records, curves."""
+    """Paired runs. ``lrs``: {N: {family: lr}} (or one {family: lr} for every N). Returns records, curves.
+    ``partial``: a JSONL file each finished run is appended to; a run already there (the same
+    protocol, preset settings, N, seed, variant and lr) is taken from it instead of run again, so
+    a stopped study resumes where it stopped."""
     cfg = make_cfg(**kw)
     torch.set_num_threads(cfg["threads"])
     ds = ds or _load(cfg)
     records, curves = [], []
+    kept = finished_runs(partial, cfg, protocol)
     for n in world_sizes:
         lr_n = dict(DEFAULT_LR)
         if lrs:
@@ -928,6 +953,14 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
             done = {}
             order = sorted(variants, key=lambda v: v == "dlion")  # dlion reuses cub_1bit when both are asked
             for v in order:
+                old = kept.get((n, seed, v))
+                if old is not None and old[0]["lr"] == lr_n[spec_of(v)["family"]]:
+                    records.append(old[0])
+                    curves += old[1]
+                    if verbose:
+                        print(f"[bench converge] N={n:2d} seed {seed} {v:22s} val {old[0]['val_loss']:.4f}  "
+                              f"(kept from {partial})", flush=True)
+                    continue
                 if v == "dlion" and "cub_1bit" in done:
                     r = _dlion_from_1bit(done["cub_1bit"])
                 else:

@@ -419,3 +419,32 @@ def test_trend_pairs_with_global_lions_best_lr_per_shape(tmp_path):
     apart, _, _ = C.run(("lion",), seeds=(5,), lrs=dict(LRS, lion=3 * LRS["lion"]), **common)
     with pytest.raises(SystemExit, match="no common seed"):
         C.trend(base + apart)
+
+
+def test_partial_resumes_a_stopped_study(tmp_path):
+    """--partial: the runs a stopped study appended are taken from the file (not run again, not
+    appended again) when it is started again; a run of another lr or preset is a new run."""
+    part = tmp_path / "study.jsonl"
+    argv = ["--world-sizes", "2", "--variants", "lion", "cub_1bit", "--steps", "2", "--n-layer", "1",
+            "--d-model", "32", "--seq-len", "16", "--batch-size", "2", "--eval-every", "2", "--eval-iters", "1",
+            "--eval-batch", "2", "--partial", str(part)]
+
+    def runs():
+        return [(r["seed"], r["variant"], r["lr"]) for r in (json.loads(x) for x in part.read_text().splitlines())
+                if r["bench"] == "converge"]
+
+    assert C.main(argv + ["--seeds", "0", "--json", str(tmp_path / "a.json")]) == 0
+    first = runs()
+    assert C.main(argv + ["--seeds", "0", "1", "--json", str(tmp_path / "b.json")]) == 0
+    assert runs()[:2] == first and sorted(r[:2] for r in runs()) == [(0, "cub_1bit"), (0, "lion"), (1, "cub_1bit"),
+                                                                      (1, "lion")]
+    a = {r["variant"]: r for r in json.loads((tmp_path / "a.json").read_text()) if r["bench"] == "converge"}
+    b = [r for r in json.loads((tmp_path / "b.json").read_text()) if r["bench"] == "converge"]
+    assert len(b) == 4 and all(r == a[r["variant"]] for r in b if r["seed"] == 0)  # the kept runs, whole
+    curves = [r for r in json.loads((tmp_path / "b.json").read_text()) if r["bench"] == "converge_curve"]
+    assert {(c["seed"], c["variant"]) for c in curves} == {(0, "lion"), (0, "cub_1bit"), (1, "lion"), (1, "cub_1bit")}
+    lion_lr = first[[v for _, v, _ in first].index("lion")][2]
+    assert C.main(argv + ["--seeds", "0", "--lr", f"lion={2 * lion_lr}"]) == 0  # another lr: run again
+    assert runs().count((0, "lion", 2 * lion_lr)) == 1 and len(runs()) == 5
+    assert C.main(argv + ["--seeds", "0", "--d-model", "16", "--n-head", "2"]) == 0  # another shape: run again
+    assert len(runs()) == 7
