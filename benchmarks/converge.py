@@ -1137,14 +1137,42 @@ def trend(records):
     out = []
     for rs in groups.values():
         r0 = rs[0]
+        rs, bracket = best_lion_lr(rs)
         for s in summarize(rs):
-            out.append(dict(s, bench="converge_trend", protocol=r0.get("protocol", ""),
+            lion_lr = sorted({r["lr"] for r in rs if r["variant"] == "lion" and r["world_size"] == s["world_size"]})
+            out.append(dict(s, bench="converge_trend", protocol=r0.get("protocol", ""), lion_lr_bracket=bracket,
+                            lion_lr=lion_lr[0] if len(lion_lr) == 1 else None,
                             **{k: r0.get(k) for k in ("batch_size", "d_model", "n_layer", "n_head", "seq_len", "steps")}))
     return sorted(out, key=lambda s: (s["world_size"], s["variant"], s["d_model"] or 0, s["batch_size"] or 0))
 
 
+def best_lion_lr(records):
+    """One preset's records with global Lion at ONE lr: where its runs have several lrs (an lr
+    bracket per shape), the lr whose mean final loss is lowest over the seeds that every lr has
+    (per N); the other lrs' runs are left out. Picked on the seeds the gaps are measured on, so it
+    favours global Lion: the gaps to it are upper bounds of the gaps to a Lion tuned apart.
+    -> (records, {N: {"lrs": {lr: {seed: loss}}, "seeds": common seeds, "best": lr}} or None)."""
+    bracket, drop = {}, set()
+    for n in sorted({r["world_size"] for r in records}):
+        lion = [r for r in records if r["variant"] == "lion" and r["world_size"] == n]
+        by = {}
+        for r in lion:
+            by.setdefault(r["lr"], {})[r["seed"]] = r["val_loss"]
+        if len(by) < 2:
+            continue
+        common = sorted(set.intersection(*(set(d) for d in by.values())))
+        if not common:
+            raise SystemExit(f"--trend: global Lion at N={n} ran at lrs {sorted(by)} on no common seed: no lr can "
+                             "be picked; run every lr of the bracket on at least one common seed")
+        best = min(sorted(by), key=lambda lr: sum(by[lr][s] for s in common) / len(common))
+        bracket[n] = {"lrs": {repr(lr): {str(s): v for s, v in sorted(d.items())} for lr, d in sorted(by.items())},
+                      "seeds": common, "best": best}
+        drop |= {id(r) for r in lion if r["lr"] != best}
+    return [r for r in records if id(r) not in drop], (bracket or None)
+
+
 def trend_table(rows) -> str:
-    head = ["N", "variant", "width (d_model)", "sequences per worker", "tokens per step", "seeds",
+    head = ["N", "variant", "width (d_model)", "sequences per worker", "tokens per step", "global Lion's lr", "seeds",
             "paired gap to global Lion", "95% CI", "x fewer bytes than fp32 all-reduce"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h == "variant" else "---:" for h in head) + "|"]
     for s in rows:
@@ -1152,8 +1180,22 @@ def trend_table(rows) -> str:
             continue
         ci = f"[{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}]" if s["ci95_pct"] == s["ci95_pct"] else "n/a"
         lines.append("| " + " | ".join([str(s["world_size"]), f"`{s['variant']}`", str(s["d_model"]), str(s["batch_size"]),
-                                        f"{s['world_size'] * s['batch_size'] * s['seq_len']:,}", str(len(s["seeds"])),
+                                        f"{s['world_size'] * s['batch_size'] * s['seq_len']:,}",
+                                        f"{s['lion_lr']:g}" if s.get("lion_lr") else "–", str(len(s["seeds"])),
                                         f"{s['gap_pct']:+.2f}%", ci, f"{s['bytes_ratio_vs_fp32']:.1f}x"]) + " |")
+    brackets = {}
+    for s in rows:
+        for n, b in (s.get("lion_lr_bracket") or {}).items():
+            brackets[(s["d_model"], s["batch_size"], n)] = b
+    if brackets:
+        lines += ["", "Global Lion's lr per shape (mean final loss over the seeds every lr has; the lowest is used above):",
+                  "", "| width (d_model) | sequences per worker | N | seeds | " + " | ".join(["lr: mean loss"]) + " |",
+                  "|---:|---:|---:|---|---|"]
+        for (d, b, n), br in sorted(brackets.items()):
+            means = ", ".join(f"{'**' if float(lr) == br['best'] else ''}{float(lr):g}: "
+                              f"{sum(v[str(x)] for x in br['seeds']) / len(br['seeds']):.4f}"
+                              f"{'**' if float(lr) == br['best'] else ''}" for lr, v in br["lrs"].items())
+            lines.append(f"| {d} | {b} | {n} | {', '.join(map(str, br['seeds']))} | {means} |")
     return "\n".join(lines) + "\n"
 
 

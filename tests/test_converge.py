@@ -392,3 +392,30 @@ def test_hybrid_screening_variants_split_the_parameters(ds):
             o.step()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), (on, name)
+
+
+def test_trend_pairs_with_global_lions_best_lr_per_shape(tmp_path):
+    """--trend with global Lion at several lrs in one preset (an lr bracket per shape): the lr with
+    the lowest mean loss over the seeds every lr has is the baseline, the gaps pair with its runs,
+    the bracket is in the rows and the table; a bracket without a common seed is refused."""
+    kw = dict(TINY, steps=2, eval_every=2)
+    common = dict(world_sizes=(2,), verbose=False, ds=None, **kw)
+    base, _, _ = C.run(("lion", "cub_1bit"), seeds=(0, 1), lrs=LRS, **common)
+    high, _, _ = C.run(("lion",), seeds=(0, 1), lrs=dict(LRS, lion=30 * LRS["lion"]), **common)
+    lion = {}
+    for x in base + high:
+        if x.get("bench") == "converge" and x["variant"] == "lion":
+            lion.setdefault(x["lr"], {})[x["seed"]] = x["val_loss"]
+    assert len(lion) == 2
+    best = min(lion, key=lambda lr: sum(lion[lr].values()))
+    (cub,) = [r for r in C.trend(base + high) if r["variant"] == "cub_1bit"]
+    assert cub["lion_lr"] == best and cub["lion_lr_bracket"][2]["best"] == best
+    assert cub["lion_lr_bracket"][2]["seeds"] == [0, 1]
+    gaps = [100 * (x["val_loss"] / lion[best][x["seed"]] - 1) for x in base
+            if x.get("bench") == "converge" and x["variant"] == "cub_1bit"]
+    assert cub["gap_pct"] == pytest.approx(sum(gaps) / 2)
+    table = C.trend_table(C.trend(base + high))
+    assert "Global Lion's lr per shape" in table and f"**{best:g}: " in table
+    apart, _, _ = C.run(("lion",), seeds=(5,), lrs=dict(LRS, lion=3 * LRS["lion"]), **common)
+    with pytest.raises(SystemExit, match="no common seed"):
+        C.trend(base + apart)

@@ -9,7 +9,8 @@ launch runs several checks and the parent asserts on what every rank reports:
 * no data-parallel gradient all-reduce / reduce-scatter happens (collectives wrapped and
   counted), while the same model with DDP's reduction on does send its gradients;
 * tensor-parallel peers keep consistent shards (replicated parameters identical, split ones not);
-* momentum sync every K steps, and the two-level form (node every step, all every K');
+* momentum sync every K steps, the two-level form (node every step, all every K'), and the drift
+  schedule (per optimizer: its signal and syncs against an oracle);
 * save / resume through Megatron's dist-checkpointing plus per-rank LionCub files (and the
   ``sync`` mode) continues bit-identically;
 * bf16 parameters through ``Float16OptimizerWithFloat16Params`` (LionCub on fp32 main params).
@@ -407,6 +408,96 @@ def _bruteforce_run(tp, experts, comm, steps=3):
     return out
 
 
+DRIFT = {"schedule": "drift", "threshold": 0.01, "min_every": 2}
+
+
+def _drift_sync_run(tp, experts, steps=8):
+    """momentum_sync schedule="drift" with per-rank voters: every LionCub (dense, expert) has its
+    own vote group, signal and trigger. Before each step, from a literal vote (c_i = β1·m_i +
+    (1−β1)·g_i, Δ the majority over the vote group, ties by the hash rule on the element's index
+    and the step): this rank's share of votes that disagree with Δ where both are nonzero, in the
+    drift units of lioncub_ds.momentum_sync, summed over the vote group (an all-reduce of the
+    test's own); the same DriftTrigger rule on those sums says when to sync. Reports per step and
+    kind: what comm_stats says and what the oracle says (the step whose signal was read, that
+    summed signal, syncs so far, the last sync's step), and the momenta: bit-identical over the
+    vote group and within float rounding of the group's mean of the updated momenta after a sync,
+    bit-equal to this rank's own update otherwise."""
+    import torch.distributed as dist
+    from lioncub_ds.config import MomentumSyncConfig
+    from lioncub_ds.kernels import reference
+    from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
+    from lioncub_ds.momentum_sync import DriftTrigger, drift_due, drift_scale
+    cfg, ddp = _build(tp, experts)
+    opt = get_megatron_lioncub_optimizer(_opt_config(clip_grad=0.0), [ddp],
+                                         lioncub={"comm": "1bit", "tie_break": "hash", "momentum_sync": DRIFT})
+    rule = MomentumSyncConfig.from_value(DRIFT)
+    lcs = {lc.megatron_kind: lc for lc in lioncub_optimizers(opt)}
+    size = {k: dist.get_world_size(lc.vote_group) for k, lc in lcs.items()}
+    trig = {k: DriftTrigger(rule.threshold, rule.min_every, size[k]) for k in lcs}
+    prev, state = {k: None for k in lcs}, {k: [0, 0] for k in lcs}  # state: syncs, last sync step
+    out = {"rows": {k: [] for k in lcs}, "seen": {k: [] for k in lcs}, "sync_equal": [], "own_equal": [],
+           "sync_close": []}
+    for s in range(steps):
+        step = s + 1
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        _fwd_bwd(ddp, _batch(s))
+        updated, synced = {}, {}
+        for kind, lc in lcs.items():
+            b1, b2 = lc.param_groups[0]["betas"]
+            differ = both = 0
+            mine = []
+            for g in lc.param_groups:
+                for p in g["params"]:
+                    grad = (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).float().reshape(-1)
+                    m = lc.state[p]["exp_avg"].reshape(-1).clone() if "exp_avg" in lc.state[p] else torch.zeros_like(grad)
+                    vote = torch.sign(reference.lion_direction(m, grad, b1))
+                    every = [torch.zeros_like(vote) for _ in range(size[kind])]
+                    dist.all_gather(every, vote, group=lc.vote_group)
+                    votes = torch.stack(every)
+                    plus, cnt = (votes > 0).sum(0), (votes != 0).sum(0)
+                    delta = torch.sign(plus * 2 - cnt).float()
+                    ties = (plus * 2 == cnt) & (cnt > 0)
+                    delta = torch.where(ties, reference.tie_hash_sign(step, torch.arange(delta.numel())).float(), delta)
+                    cast = (vote != 0) & (delta != 0)
+                    differ += int((cast & (vote != delta)).sum())
+                    both += int(cast.sum())
+                    reference.momentum_update(m, grad, b2)
+                    mine.append(m)
+            updated[kind] = mine
+            summed = torch.tensor([differ * drift_scale(size[kind]) // both if both else 0], dtype=torch.int64)
+            dist.all_reduce(summed, group=lc.vote_group)
+            t, (syncs, last) = trig[kind], state[kind]
+            if step > 1:  # read with this step's flags
+                t.observe(step - 1, prev[kind])
+            synced[kind] = drift_due(rule, t, step - 1)
+            if synced[kind]:
+                t.synced(step)
+                syncs, last = syncs + 1, step
+            state[kind] = [syncs, last]
+            out["rows"][kind].append((step - 1, prev[kind], syncs, last) if step > 1 else (None, None, syncs, last))
+            prev[kind] = int(summed)
+        ok, _, _ = opt.step()
+        assert ok
+        for kind, lc in lcs.items():
+            st = lc.comm_stats()["momentum_sync"]
+            unit = size[kind] * drift_scale(size[kind])
+            out["seen"][kind].append((st["signal_step"], None if st["signal"] is None else round(st["signal"] * unit),
+                                      st["syncs"], st["last_sync_step"]))
+            got = [lc.state[p]["exp_avg"].reshape(-1) for g in lc.param_groups for p in g["params"]]
+            if synced[kind]:
+                flat, own = torch.cat(got), torch.cat(updated[kind])
+                every = [torch.zeros_like(flat) for _ in range(size[kind])]
+                dist.all_gather(every, flat, group=lc.vote_group)
+                owns = [torch.zeros_like(own) for _ in range(size[kind])]
+                dist.all_gather(owns, own, group=lc.vote_group)
+                out["sync_equal"].append(all(torch.equal(e, flat) for e in every))
+                out["sync_close"].append(bool(torch.allclose(flat, torch.stack(owns).mean(0), rtol=1e-6, atol=1e-9)))
+            else:
+                out["own_equal"].append(all(torch.equal(a, b) for a, b in zip(got, updated[kind])))
+    return out
+
+
 def _bf16_run(tp, experts, steps=3):
     """bf16 params: Float16OptimizerWithFloat16Params around LionCub (fp32 main params)."""
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
@@ -496,6 +587,7 @@ def _scenario(rank, world, tp, ep, experts, tmpdir, lioncub):
 
     timing["sync"] = time.perf_counter() - t0
     out["bruteforce"] = _bruteforce_run(tp, experts, lioncub.get("comm", "1bit"))
+    out["drift_sync"] = _drift_sync_run(tp, experts)
     out["bf16"] = _bf16_run(tp, experts)
     timing["bf16"] = time.perf_counter() - t0
     # Save / resume.
@@ -572,6 +664,11 @@ def _check_common(res, tp):
     for r in res:
         bf = r["bruteforce"]
         assert bf["steps"] == 3 and bf["mismatched"] == 0 and bf["moved"] > 0, (r["rank"], bf)
+    # the drift-scheduled momentum sync: the signal read and the syncs, per optimizer, are the oracle's
+    for r in res:
+        d = r["drift_sync"]
+        assert d["seen"] == d["rows"], (r["rank"], d["seen"], d["rows"])
+        assert all(d["sync_equal"]) and all(d["sync_close"]) and all(d["own_equal"]), d
     # bf16 through Float16OptimizerWithFloat16Params: LionCub steps fp32 main params, replicas stay equal
     for r in res:
         b = r["bf16"]
@@ -608,6 +705,11 @@ def test_megatron_tp1_dp4_with_experts():
     assert r0["wrappers"] == ["FP32Optimizer", "FP32Optimizer"]
     assert dict(r0["vote_groups"]) == {"dense": (0, 1, 2, 3), "expert": (0, 2)}
     assert r0["expert_params"], "the MoE model should have expert parameters"
+    # the drift schedule both synced and waited, in the dense and in the expert optimizer
+    for r in res:
+        rows = r["drift_sync"]["rows"]
+        assert all(0 < rows[kind][-1][2] < len(rows[kind]) - 1 for kind in ("dense", "expert")), rows
+        assert r["drift_sync"]["sync_equal"], r["drift_sync"]
     # two-level, dense (DP group 0..3): node groups {0,1} and {2,3}; across nodes after step indices 0 and 3
     assert {r["sync_two_level"]["group_size"] for r in res} == {2}
     fp = [[f["dense"] for f in r["sync_two_level"]["fps"]] for r in res]

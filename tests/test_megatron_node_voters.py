@@ -15,7 +15,8 @@
 * K = 1 (one instance of 4): Lion on the DP-mean gradient, no votes (0 inter-node bytes);
 * the hash tie rule on the index inside the model parameter, momentum_double_buffer,
   drift_check_every (a drifted shard is found by its shard peer and every rank raises or
-  re-synchronizes together) and momentum_sync over the voters of a node, against the oracle;
+  re-synchronizes together), momentum_sync over the voters of a node, and the drift-scheduled
+  momentum_sync (the signal, the syncs), against the oracle;
 * the flag errors (voters='node' without the distributed optimizer, a node_size that is not DP/K).
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
 needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed")
 
 VOCAB, SEQ, MBS, HIDDEN = 64, 16, 4, 16
+DRIFT_SYNC = {"schedule": "drift", "threshold": 0.01, "min_every": 2}
 LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.99)
 FLOAT = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
 
@@ -227,7 +229,7 @@ def _hyper(config, ddp):
 
 
 def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", masters=None, sync=(), scale=None,
-                  settle=None):
+                  settle=None, drift=None):
     """Train steps first..last; before each, compute the expected parameters by brute force: k
     voters, voter j with the mean gradient of instance j (the instance's ranks holding the
     parameter, over the instance's data-parallel size L; expert parameters: its part of the expert
@@ -235,7 +237,8 @@ def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", mas
     vote (ties: "zero", or "hash" on the element's index inside its parameter and the step).
     ``masters``: {name: fp32 master} for 16-bit parameters (updated); ``sync``: groups of voters
     whose momenta are averaged after every step (fp32); ``scale``: the loss scale (gradients are
-    unscaled by it); ``settle``: called after each step, before the parameters are read."""
+    unscaled by it); ``settle``: called after each step, before the parameters are read;
+    ``drift``: a :class:`_DriftOracle` (momentum_sync with schedule "drift", all voters, fp32)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from lioncub_ds.kernels import reference
@@ -243,9 +246,10 @@ def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", mas
                 True: ps.get_expert_data_parallel_group()}
     size = dist.get_world_size(dp_group[False]) // k
     mismatched, moved, elements, fps = 0, 0, 0, []
+    oracle = drift
     for s in range(first, last + 1):
         local = _local_grads(cfg, ddp, s)
-        expected = {}
+        expected, cast = {}, {}
         for n, p in ddp.named_parameters():
             group = dp_group[not getattr(p, "allreduce", True)]  # Megatron marks expert parameters allreduce=False
             every = [torch.zeros_like(local[n]) for _ in range(dist.get_world_size(group))]
@@ -272,16 +276,16 @@ def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", mas
             e.mul_(1.0 - lr * wd)
             e.add_(delta.mul(-lr))
             expected[n] = (e, int((delta != 0).sum()))
+            cast[n] = (votes, delta)
             for j in range(k):
                 reference.momentum_update(momenta[n][j], gbar[j], BETAS[1])
             for voters in sync:  # momentum_sync: the voters' mean, summed in fp32
-                acc = momenta[n][voters[0]].clone()
-                for j in voters[1:]:
-                    acc.add_(momenta[n][j])
-                acc.div_(len(voters))
-                for j in voters:
-                    momenta[n][j].copy_(acc)
+                _average_voters(momenta[n], voters)
+        if oracle is not None:
+            oracle.after_update(s + 1, cast, momenta, k)
         _train_step(ddp, opt, s)
+        if oracle is not None:
+            oracle.read(opt)
         if settle is not None:
             settle(ddp)
         for n, p in ddp.named_parameters():
@@ -293,6 +297,71 @@ def _oracle_steps(cfg, ddp, opt, k, momenta, first, last, hyper, tie="zero", mas
             elements += e.numel()
         fps.append(_fingerprints(ddp))
     return mismatched, moved, elements, fps
+
+
+class _DriftOracle:
+    """momentum_sync schedule="drift" with node voters, by brute force: each rank's signal is its
+    voter's share of votes that disagree with the agreed Δ on this rank's shard (where both are
+    nonzero), in the fixed-point units of lioncub_ds.momentum_sync, summed over the data-parallel
+    ranks (the oracle sums them with an all-reduce of its own); the same DriftTrigger rule decides
+    the syncs, which average the K voters' momenta. ``rows``: per step, what LionCub's
+    comm_stats()["momentum_sync"] should say after it (the step whose signal was read, that summed
+    signal, syncs so far, the last sync's step); ``seen``: what it said."""
+
+    def __init__(self, sync, opt):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from lioncub_ds.config import MomentumSyncConfig
+        from lioncub_ds.momentum_sync import DriftTrigger, drift_scale
+        self.group = ps.get_data_parallel_group(with_context_parallel=True)
+        ranks = dist.get_world_size(self.group)
+        self.cfg = MomentumSyncConfig.from_value(sync)
+        self.trigger = DriftTrigger(self.cfg.threshold, self.cfg.min_every, ranks)
+        self.scale, self.unit = drift_scale(ranks), ranks * drift_scale(ranks)
+        self.pieces = [(name, start, shard.numel()) for _, name, start, shard in _shards(opt)]
+        self.voter = _voter(_shards(opt)[0][0])
+        self.signals, self.rows, self.seen, self.syncs, self.last = [], [], [], 0, 0
+
+    def after_update(self, step, cast, momenta, k):
+        """Step ``step`` (1-based) was voted (``cast``: {name: (votes [K, n], Δ)}) and the momenta updated."""
+        import torch.distributed as dist
+        from lioncub_ds.momentum_sync import drift_due
+        differ = both = 0
+        for name, start, length in self.pieces:
+            votes, delta = cast[name]
+            mine, d = votes[self.voter][start:start + length], delta[start:start + length]
+            voted = (mine != 0) & (d != 0)
+            differ += int((voted & (mine != d)).sum())
+            both += int(voted.sum())
+        summed = torch.tensor([differ * self.scale // both if both else 0], dtype=torch.int64)
+        dist.all_reduce(summed, group=self.group)
+        if step > 1:  # read with this step's flags
+            self.trigger.observe(step - 1, self.signals[-1])
+        if drift_due(self.cfg, self.trigger, step - 1):  # after this step's momentum update
+            for per_voter in momenta.values():
+                _average_voters(per_voter, range(k))
+            self.trigger.synced(step)
+            self.syncs, self.last = self.syncs + 1, step
+        self.rows.append((step - 1, self.signals[-1], self.syncs, self.last) if step > 1
+                         else (None, None, self.syncs, self.last))
+        self.signals.append(int(summed))
+
+    def read(self, opt):
+        from lioncub_ds.megatron import lioncub_optimizers
+        st = lioncub_optimizers(opt)[0].comm_stats()["momentum_sync"]
+        self.seen.append((st["signal_step"], None if st["signal"] is None else round(st["signal"] * self.unit),
+                          st["syncs"], st["last_sync_step"]))
+
+
+def _average_voters(per_voter, voters):
+    """One parameter's momenta of ``voters`` replaced by their mean, summed in fp32 (a momentum sync)."""
+    voters = list(voters)
+    acc = per_voter[voters[0]].clone()
+    for j in voters[1:]:
+        acc.add_(per_voter[j])
+    acc.div_(len(voters))
+    for j in voters:
+        per_voter[j].copy_(acc)
 
 
 def _shards(opt):
@@ -344,9 +413,12 @@ def _oracle_run(k, steps, overlap=False, extra=None, dtype=torch.float32, expert
     momenta = {n: [torch.zeros(p.numel()) for _ in range(k)] for n, p in ddp.named_parameters()}
     masters = {n: p.detach().float().reshape(-1).clone() for n, p in ddp.named_parameters()} \
         if dtype != torch.float32 else None
+    ms = settings.get("momentum_sync")
+    drift = _DriftOracle(ms, opt) if isinstance(ms, dict) and ms.get("schedule") == "drift" else None
     mismatched, moved, elements, fps = _oracle_steps(cfg, ddp, opt, k, momenta, 0, steps - 1, _hyper(config, ddp),
                                                      tie=settings["tie_break"], masters=masters, sync=sync,
-                                                     scale=scale, settle=_forward if param_gather else None)
+                                                     scale=scale, settle=_forward if param_gather else None,
+                                                     drift=drift)
     lc = lioncub_optimizers(opt)[0]
     # Lion's step is blind to a common scale of g and m, the momenta are not: this rank's momentum
     # shard must be its instance's oracle momentum over the same elements (instance-mean scaling)
@@ -365,6 +437,7 @@ def _oracle_run(k, steps, overlap=False, extra=None, dtype=torch.float32, expert
                                                                   for n in g["param_names"]})
                                for o in opt.chained_optimizers},
             "dispatched_in_step": dispatched,
+            "drift": None if drift is None else {"rows": drift.rows, "seen": drift.seen},
             "starts_with_step": [bool(getattr(c, "overlap_param_gather_with_optimizer_step", False))
                                  for c in _chunks(ddp)],
             "buckets": len(ddp.bucket_groups),
@@ -703,6 +776,7 @@ def _scenario(rank, world, tmpdir):
     out["oracle_hash_double_buffer"] = _oracle_run(2, steps=3, extra={"tie_break": "hash",
                                                                       "momentum_double_buffer": True})
     out["oracle_drift_check"] = _oracle_run(2, steps=2, extra={"drift_check_every": 1})
+    out["oracle_drift_sync"] = _oracle_run(2, steps=10, extra={"tie_break": "hash", "momentum_sync": DRIFT_SYNC})
     out["drift_raise"] = _drift_run("raise")
     out["drift_resync"] = _drift_run("resync")
     out["contract"] = _contract_run(2, steps=2)
@@ -796,6 +870,22 @@ def test_hash_ties_double_buffer_drift_check_and_node_sync_match_the_oracle(resu
         o = r[case]
         assert o["mismatched"] == 0 and o["moved"] > 0 and o["momentum_mismatched"] == 0, (r["rank"], case, o)
         assert o["fps"] == results[0][case]["fps"], (r["rank"], case)
+
+
+@needs_megatron
+def test_drift_scheduled_momentum_sync_matches_the_oracle(results):
+    """momentum_sync schedule="drift": a rank's signal is its voter's disagreeing votes on its
+    shard, summed over the 4 data-parallel ranks; the oracle computes it from its own votes and
+    decides with the same rule (hash ties: with 2 voters every disagreement is a tie, which
+    Δ = 0 would leave out). After every step: the parameters, the momentum shards, and what
+    comm_stats says (the signal read, syncs so far, the last sync's step); replicas identical."""
+    for r in results:
+        o = r["oracle_drift_sync"]
+        assert o["mismatched"] == 0 and o["moved"] > 0 and o["momentum_mismatched"] == 0, (r["rank"], o)
+        rows, seen = o["drift"]["rows"], o["drift"]["seen"]
+        assert seen == rows, (r["rank"], seen, rows)
+        assert 0 < rows[-1][2] < len(rows) - 1, rows  # the schedule both synced and waited
+        assert o["fps"] == results[0]["oracle_drift_sync"]["fps"], r["rank"]
 
 
 @needs_megatron

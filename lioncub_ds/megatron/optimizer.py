@@ -55,7 +55,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from ..config import LionCubConfig, LionCubConfigError, MomentumSyncConfig, is_node_voters
+from ..config import LionCubConfig, LionCubConfigError, is_node_voters
 from ..groups import Topology, consecutive_blocks, create_on_all_ranks, group_ranks, resolve_ranks_per_node
 from ..layout import ELEMENT_START
 from ..momentum_sync import node_group_size
@@ -92,11 +92,6 @@ MASTER_ONLY_UNSUPPORTED = (
     "Megatron: Megatron's fp32 main parameters are Megatron's own; allowed: leave node_size unset with "
     "voters='rank', or use voters='node' with --use-distributed-optimizer (the main parameters are then "
     "sharded 1/L by Megatron)")
-# momentum_sync schedule="drift" is built and tested for LionCub's own flat step only.
-DRIFT_SYNC_UNSUPPORTED = (
-    "LionCub: momentum_sync schedule='drift' (--lioncub-momentum-sync-schedule drift) is not supported under "
-    "Megatron: its signal is tested for LionCub's own flat step, not for Megatron's dense / expert optimizers "
-    "and instances; allowed: momentum_sync schedule 'every' or 'geometric'")
 # overlap=True (votes started from gradient-ready hooks during backward) cannot be real here.
 OVERLAP_UNSUPPORTED = (
     "LionCub: overlap=True (--lioncub-overlap, lioncub={'overlap': True}) is not supported under Megatron: "
@@ -258,9 +253,6 @@ def lioncub_settings(lioncub=None, **kwargs) -> dict:
         LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, **settings)
     if settings.get("overlap"):
         raise LionCubConfigError(OVERLAP_UNSUPPORTED)
-    sync = MomentumSyncConfig.from_value(settings.get("momentum_sync"))
-    if sync is not None and sync.drift:
-        raise LionCubConfigError(DRIFT_SYNC_UNSUPPORTED)
     if not is_node_voters(settings.get("voters")) and settings.get("node_size") is not None:
         raise LionCubConfigError(MASTER_ONLY_UNSUPPORTED)
     return settings
