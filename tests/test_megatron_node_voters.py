@@ -49,12 +49,12 @@ FLOAT = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
 
 
 # ----------------------------------------------------------------------------- rank side
-def _init(k, tp=1, pp=1, ep=1, vp=None):
+def _init(k, tp=1, pp=1, ep=1, vp=None, etp=None):
     from megatron.core import parallel_state as ps
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vp,
-                                 expert_model_parallel_size=ep, num_distributed_optimizer_instances=k)
+                                 virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp, num_distributed_optimizer_instances=k)
 
 
 class _Chunks(list):

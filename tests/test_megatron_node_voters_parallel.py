@@ -10,7 +10,9 @@ test shim:
   fp16 with Megatron's loss scale (gradients unscaled by it, fp32 main shards), and an inf on one
   rank that makes every rank skip the step;
 * 8 ranks: TP = 2 and PP = 2 with K = 2 instances of L = 2 data-parallel ranks each; PP = 2
-  with a virtual pipeline of 2 chunks and --overlap-param-gather-with-optimizer-step (fp32, bf16).
+  with a virtual pipeline of 2 chunks and --overlap-param-gather-with-optimizer-step (fp32, bf16);
+  the same split at TP = 2 with an expert tensor-parallel size of 1 (its gradient norm, Megatron's
+  checkpoint calls on the chain).
 
 After every step every parameter equals the oracle bit for bit, and every momentum shard its
 voter's oracle momentum; replicas (the ranks at one model-parallel position) stay identical.
@@ -116,6 +118,66 @@ def _eight(rank, world, tmpdir):
     return out
 
 
+def _split_tp2_etp1(rank, world, tmpdir):
+    """TP = 2 with an expert tensor-parallel size of 1, PP = 2 x 2 virtual chunks: one step with
+    and without the first chunk's optimizer apart (Megatron's gradient norm, for clipping and the
+    log); then Megatron-LM's legacy checkpoint call (--ckpt-format torch) for the distributed
+    optimizer's parameter-state file, on the ChainedOptimizer of the split."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from lioncub_ds.megatron import get_megatron_lioncub_optimizer
+    from lioncub_ds.testing import megatron_cpu_shim
+    from test_megatron_node_voters import _batch, _build, _chunks, _forward, _fwd_bwd, _opt_config
+    megatron_cpu_shim.install()
+    warnings.filterwarnings("ignore")
+    _init(2, tp=2, pp=2, vp=2, etp=1)
+    out, opts = {}, {}
+    for with_step in (False, True):
+        _, ddp = _build(2, overlap=True, param_gather=True)
+        config = _opt_config(overlap_param_gather=True, overlap_param_gather_with_optimizer_step=with_step)
+        opt = opts[with_step] = get_megatron_lioncub_optimizer(config, _chunks(ddp), lioncub={"voters": "node"})
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        _fwd_bwd(ddp, _batch(0))
+        ok, norm, _ = opt.step()
+        _forward(ddp)  # the first chunk's all-gather (started in step) completes
+        out[with_step] = {"ok": ok, "norm": norm, "kinds": [o.optimizer.megatron_kind for o in opt.chained_optimizers]}
+    # one file per model-parallel position, as Megatron-LM names it
+    path = os.path.join(tmpdir, f"distrib_optim_tp{ps.get_tensor_model_parallel_rank()}"
+                                f"_pp{ps.get_pipeline_model_parallel_rank()}.pt")
+    try:
+        opt.save_parameter_state(path)
+        dist.barrier()
+        opt.load_parameter_state(path)
+        out["parameter_state"] = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["parameter_state"] = f"{type(exc).__name__}: {exc}"
+    # Megatron's optimizer checkpoint (the common state) of one split loaded into the other
+    for saved, into in ((True, False), (False, True), (True, True)):
+        try:
+            opts[into].load_state_dict(opts[saved].state_dict())
+            out[f"load_{saved}_into_{into}"] = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[f"load_{saved}_into_{into}"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _eight_ranks_with_tmpdir(fn, prefix):
+    """fn on 8 ranks with a scratch directory (removed afterwards)."""
+    if not HAVE_MEGATRON:
+        pytest.skip("megatron-core is not installed")
+    tmpdir = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield run_ranks(fn, 8, tmpdir, timeout=900)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def split_tp2_etp1():
+    yield from _eight_ranks_with_tmpdir(_split_tp2_etp1, "lioncub-megatron-split-")
+
+
 @pytest.fixture(scope="module")
 def four():
     if not HAVE_MEGATRON:
@@ -125,13 +187,7 @@ def four():
 
 @pytest.fixture(scope="module")
 def eight():
-    if not HAVE_MEGATRON:
-        pytest.skip("megatron-core is not installed")
-    tmpdir = tempfile.mkdtemp(prefix="lioncub-megatron-vp-")
-    try:
-        yield run_ranks(_eight, 8, tmpdir, timeout=900)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    yield from _eight_ranks_with_tmpdir(_eight, "lioncub-megatron-vp-")
 
 
 def _check(results, case, kinds):
@@ -191,6 +247,45 @@ def test_param_gather_overlapped_with_the_optimizer_step_resumes_and_refuses_the
         assert x["refused"] and "--overlap-param-gather-with-optimizer-step" in x["refused"] and \
             "--no-load-optim" in x["refused"], x
         assert x["untouched"], x
+
+
+@needs_megatron
+def test_split_optimizers_count_tensor_parallel_replicas_once_in_the_grad_norm(split_tp2_etp1):
+    """The first chunk's optimizer and the later chunks' are dense: their gradient norm (clipping,
+    the logged grad norm) counts a tensor-parallel replica (a layer norm, a row-parallel bias) once,
+    through the tensor-parallel group, not the expert tensor-parallel group (here of size 1, so
+    every TP rank would count it): the norm equals the one optimizer's without the split."""
+    for r in split_tp2_etp1:
+        whole, split = r[False], r[True]
+        assert whole["ok"] and split["ok"], r
+        assert whole["kinds"] == ["dense"] and split["kinds"] == ["dense_chunk0", "dense_later_chunks"], r
+        assert whole["norm"] > 0 and split["norm"] == pytest.approx(whole["norm"], rel=1e-5), r
+
+
+@needs_megatron
+def test_split_optimizers_save_and_load_megatrons_parameter_state_file(split_tp2_etp1):
+    """Megatron-LM's --ckpt-format torch saves and loads the distributed optimizers' parameter
+    state through the ChainedOptimizer: with two of them its own code gathers Adam's state (which
+    LionCub's have not); the file says where the state is (the per-rank files) and loads."""
+    for r in split_tp2_etp1:
+        assert r["parameter_state"] == {"lioncub_node_voters": True,
+                                        "state": "in the LionCub per-rank files (lioncub/)"}, r
+
+
+@needs_megatron
+def test_megatrons_optimizer_checkpoint_of_the_other_split_is_refused_naming_the_flag(split_tp2_etp1):
+    """Megatron's optimizer state_dict of the split (a list, one entry per optimizer) loaded
+    without it, and the one optimizer's loaded with it: refused, naming the flag, both ways (its
+    ChainedOptimizer would otherwise hand the entries to the wrong optimizers); the same split loads."""
+    for r in split_tp2_etp1:
+        for key, kinds in (("load_True_into_False", "2 LionCub optimizer(s) (dense_chunk0, dense_later_chunks), this "
+                                                    "run has 1 (dense)"),
+                           ("load_False_into_True", "1 LionCub optimizer(s) (dense), this run has 2 (dense_chunk0, "
+                                                    "dense_later_chunks)")):
+            msg = r[key]
+            assert msg and msg.startswith("LionCubConfigError") and kinds in msg, (key, msg)
+            assert "--overlap-param-gather-with-optimizer-step" in msg and "--no-load-optim" in msg, (key, msg)
+        assert r["load_True_into_True"] is None, r
 
 
 @needs_megatron

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import types
@@ -676,6 +677,64 @@ def test_real_megatron_lm_node_voters_on_cpu(tmp_path):
     out = bad.stdout + bad.stderr
     assert bad.returncode != 0 and "LionCubMegatronArgsError" in out and "--lioncub-voters node:" in out
     assert "building GPT model" not in out
+
+
+def _lm_losses(out):
+    """{iteration: lm loss} from Megatron-LM's training log lines."""
+    import re
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eE]+|nan|inf)", out)}
+
+
+@needs_megatron_lm[0]
+@needs_megatron_lm[1]
+def test_real_megatron_lm_node_voters_overlap_param_gather_with_optimizer_step_on_cpu(tmp_path):
+    """pretrain_gpt.py on 4 CPU ranks: PP = 2 with a virtual pipeline (4 layers, 1 per virtual
+    stage: 2 model chunks per rank), DP = 2 as 2 distributed-optimizer instances of 1 rank,
+    --lioncub-voters node with --overlap-grad-reduce --overlap-param-gather
+    --overlap-param-gather-with-optimizer-step: the first model chunk's dense parameters have an
+    optimizer (and per-rank files) of their own. Trains 4 of 6 iterations with checkpoints,
+    resumes to 6 from both optimizers' files; a resume without the flag refuses those files."""
+    from dist_helpers import free_port
+    ckpt = str(tmp_path / "ckpt")
+    base, run = _megatron_lm(ckpt)
+    # Megatron-LM's validation: the flag needs --overlap-param-gather (which needs
+    # --overlap-grad-reduce) and a virtual pipeline; its interleaved schedule wants at least PP
+    # micro-batches (8 / (2 x DP 2) = 2)
+    overlap = ["--overlap-grad-reduce", "--overlap-param-gather"]
+    vp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+          "--global-batch-size", "8", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+          "--lioncub-voters", "node"] + overlap
+    with_step = vp + ["--overlap-param-gather-with-optimizer-step"]
+    first = run(4, with_step + ["--exit-interval", "4"], free_port())
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, out[-3000:]
+    assert "Number of virtual stages per pipeline stage: 2" in out
+    log_line = next((ln for ln in out.splitlines() if "voters='node'): 2 instances x 1 ranks" in ln), "")
+    assert "dense_chunk0:" in log_line and "dense_later_chunks:" in log_line, out[-3000:]
+    losses = _lm_losses(out)
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values()), losses
+    for it in (2, 4):
+        for kind in ("dense_chunk0", "dense_later_chunks"):
+            for mp in (0, 1):  # the two pipeline stages
+                for r in (0, 1):  # the data-parallel ranks (one per instance)
+                    assert os.path.isfile(os.path.join(ckpt, f"iter_{it:07d}", "lioncub", kind, f"mp{mp:05d}",
+                                                       f"lioncub-rank{r:05d}-of-00002.pt")), (it, kind, mp, r)
+        assert sorted(os.listdir(os.path.join(ckpt, f"iter_{it:07d}", "lioncub"))) == \
+            ["dense_chunk0", "dense_later_chunks"]
+    second = run(4, with_step + ["--load", ckpt], free_port())
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "restored every rank's momentum from" in out and "iteration        6/       6" in out
+    resumed = _lm_losses(out)
+    assert sorted(resumed) == [5, 6] and all(math.isfinite(v) for v in resumed.values()), resumed
+    # the same checkpoint without the flag: one optimizer for every chunk; the split files are refused
+    other = run(4, vp + ["--load", ckpt], free_port())
+    out = other.stdout + other.stderr
+    assert other.returncode != 0, out[-3000:]
+    assert "--overlap-param-gather-with-optimizer-step" in out and "dense_chunk0" in out and \
+        "--no-load-optim" in out, out[-3000:]
+    assert not _lm_losses(out), out[-3000:]
 
 
 @pytest.mark.unit

@@ -607,7 +607,7 @@ def _common_state_dict(self, *args, **kwargs):
     (``exp_avg``, ``exp_avg_sq``, ``step``); LionCub's momentum shards and fp32 main shards go to
     its per-rank files instead (lioncub_ds.megatron.checkpoint), written and read by every rank."""
     inner = self.optimizer.state_dict()
-    out = {"lioncub_node_voters": True,
+    out = {"lioncub_node_voters": True, "kind": self.optimizer.megatron_kind,
            "param_groups": [{k: v for k, v in g.items() if k not in ("params", "param_names")}
                             for g in inner["param_groups"]]}
     if self.grad_scaler:
@@ -617,6 +617,7 @@ def _common_state_dict(self, *args, **kwargs):
 
 def _load_common_state_dict(self, state_dict):
     """Inverse of :func:`_common_state_dict` (Megatron's load, before the per-rank files are read)."""
+    _check_optimizer_split(state_dict, [self.optimizer.megatron_kind])
     if not isinstance(state_dict, dict) or not state_dict.get("lioncub_node_voters"):
         raise LionCubConfigError(
             "LionCub: this optimizer checkpoint was not written by LionCub with voters='node' (the distributed "
@@ -632,18 +633,61 @@ def _load_common_state_dict(self, state_dict):
         self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
 
+def _writes_parameter_state(dopt) -> bool:
+    """The one writer of the parameter-state file: every instance has a rank 0, and the file name
+    is the same for all of them."""
+    return dopt.data_parallel_group.rank() == 0 and dopt.distributed_optimizer_instance_id == 0
+
+
 def _save_parameter_state(self, filename):
     """Megatron-LM's legacy checkpoints (``--ckpt-format torch``) save the distributed optimizer's
     parameter state to one more file, on the instance's rank 0. Under node voters that state
     (momentum and fp32 main shards) is in LionCub's per-rank files; this file only says so."""
-    # one writer: every instance has a rank 0, and the file name is the same for all of them
-    if self.data_parallel_group.rank() == 0 and self.distributed_optimizer_instance_id == 0:
-        torch.save({"lioncub_node_voters": True, "state": "in the LionCub per-rank files (lioncub/)"}, filename)
+    if _writes_parameter_state(self):
+        torch.save(_PARAMETER_STATE_MARKER, filename)
 
 
 def _load_parameter_state(self, filename, *, update_legacy_format=False):
     """Nothing to read here: the per-rank files are read after Megatron's load (see above)."""
     return None
+
+
+def _chained_save_parameter_state(self, filename):
+    """The same for the ChainedOptimizer of two or more distributed optimizers (the first model
+    chunk's apart, or expert parameters): Megatron's own gathers every optimizer's Adam state to
+    the instance's rank 0 (``get_parameter_state_dp_zero``), which a LionCub optimizer does not have."""
+    if any(_writes_parameter_state(o) for o in self.chained_optimizers):
+        torch.save(_PARAMETER_STATE_MARKER, filename)
+
+
+def _chained_load_state_dict(self, state_dict):
+    """Megatron's ChainedOptimizer.load_state_dict, after the split check: it would give a split's
+    per-optimizer list to the wrong optimizers, or one optimizer's dict entry by entry."""
+    _check_optimizer_split(state_dict, [o.optimizer.megatron_kind for o in self.chained_optimizers])
+    type(self).load_state_dict(self, state_dict)
+
+
+def _check_optimizer_split(state_dict, kinds):
+    """Refuse Megatron's optimizer checkpoint of LionCub node-voter optimizers split otherwise than
+    this run's (``kinds``), naming --overlap-param-gather-with-optimizer-step. A checkpoint that is
+    not LionCub's passes (:func:`_load_common_state_dict` refuses it)."""
+    entries = [state_dict] if isinstance(state_dict, dict) and state_dict.get("lioncub_node_voters") else \
+        list(state_dict) if isinstance(state_dict, (list, tuple)) else []
+    if not entries or not all(isinstance(e, dict) and e.get("lioncub_node_voters") for e in entries):
+        return
+    saved = [e.get("kind", "?") for e in entries]  # "?": saved before the kinds were recorded
+    if len(saved) == len(kinds) and all(a in ("?", b) for a, b in zip(saved, kinds)):
+        return
+    raise LionCubConfigError(
+        f"LionCub: the optimizer checkpoint holds {len(saved)} LionCub optimizer(s) ({', '.join(saved)}), this run "
+        f"has {len(kinds)} ({', '.join(kinds)}); --overlap-param-gather-with-optimizer-step gives the first model "
+        "chunk's dense parameters an optimizer of their own (dense_chunk0, dense_later_chunks), without it one "
+        "optimizer holds every chunk (dense); allowed: resume with the --overlap-param-gather-with-optimizer-step "
+        "setting of the saving run (change it after the next save), or --no-load-optim to start the optimizer fresh. "
+        "The optimizer loaded nothing")
+
+
+_PARAMETER_STATE_MARKER = {"lioncub_node_voters": True, "state": "in the LionCub per-rank files (lioncub/)"}
 
 
 def instance_sync_group_size(vote_ranks, local_world_size=None) -> int:
@@ -758,7 +802,7 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
         # with K instances Megatron reduces gradient statistics (norm for clipping, zeros) inside the
         # instance: the instance's shards are one gradient, the instance mean
         dopt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
-        dopt.tp_group = groups["tp"] if kind == "dense" else groups["expt_tp"]
+        dopt.tp_group = groups["expt_tp"] if kind == "expert" else groups["tp"]
         optimizers.append(dopt)
     if dump_map is not None:
         _dump_param_map(model_chunks, all_groups, dump_map)
@@ -768,6 +812,10 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
         log.info("LionCub (Megatron, voters='node'): %d instances x %d ranks; %s voting over %d instances; betas=%s; "
                  "settings=%s", k, size, sizes, k, betas, inner_settings)
     chained = ChainedOptimizer(optimizers)
+    # Megatron's checkpoint calls on the chain: its own would hand them to Adam's code paths
+    chained.save_parameter_state = types.MethodType(_chained_save_parameter_state, chained)
+    chained.load_parameter_state = types.MethodType(_load_parameter_state, chained)
+    chained.load_state_dict = types.MethodType(_chained_load_state_dict, chained)
     agree_found_inf_once_per_step(chained, config)
     return chained
 
