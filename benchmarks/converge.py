@@ -1205,14 +1205,15 @@ def best_lion_lr(records):
 
 
 def trend_table(rows) -> str:
-    head = ["N", "variant", "width (d_model)", "sequences per worker", "tokens per step", "global Lion's lr", "seeds",
+    head = ["N", "variant", "lr", "width (d_model)", "sequences per worker", "tokens per step", "global Lion's lr", "seeds",
             "paired gap to global Lion", "95% CI", "x fewer bytes than fp32 all-reduce"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h == "variant" else "---:" for h in head) + "|"]
     for s in rows:
         if s["variant"] == "lion":
             continue
         ci = f"[{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}]" if s["ci95_pct"] == s["ci95_pct"] else "n/a"
-        lines.append("| " + " | ".join([str(s["world_size"]), f"`{s['variant']}`", str(s["d_model"]), str(s["batch_size"]),
+        lines.append("| " + " | ".join([str(s["world_size"]), f"`{s['variant']}`", f"{s['lr']:g}" if s.get("lr") else "–",
+                                        str(s["d_model"]), str(s["batch_size"]),
                                         f"{s['world_size'] * s['batch_size'] * s['seq_len']:,}",
                                         f"{s['lion_lr']:g}" if s.get("lion_lr") else "–", str(len(s["seeds"])),
                                         f"{s['gap_pct']:+.2f}%", ci, f"{s['bytes_ratio_vs_fp32']:.1f}x"]) + " |")
