@@ -913,48 +913,93 @@ def _dlion_from_1bit(r):
     return out
 
 
-def finished_runs(path, cfg, protocol) -> dict:
-    """{(N, seed, variant): (record, its curve records)} of the runs already in the --partial file
-    ``path`` that belong to this study: the same protocol name and preset settings (the lr is
-    checked per run by the caller). A missing file has none."""
+def append_jsonl(path, records) -> None:
+    """Append ``records`` to the JSONL file ``path``, one per line (a last line that a killed writer
+    left unfinished is closed first, so it stays one unreadable line instead of spoiling the next)."""
+    torn = False
+    if os.path.exists(path) and os.path.getsize(path):
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+    with open(path, "a") as f:
+        if torn:
+            f.write("\n")
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def study_settings(cfg, protocol, corpus, device) -> str:
+    """Everything that decides a run's result besides N, seed, variant and the lrs (threads do not)."""
+    return json.dumps({"cfg": {k: v for k, v in cfg.items() if k != "threads"}, "protocol": protocol,
+                       "corpus": corpus, "device": device}, sort_keys=True)
+
+
+def finished_runs(path, settings: str, lrs_of) -> dict:
+    """{(N, seed, variant, lr): (record, its curve records)} of the runs in the --partial file
+    ``path`` that this study would make: each run counts under the ``converge_config`` line that its
+    invocation wrote before it, whose :func:`study_settings` must equal ``settings`` and whose lrs
+    for N must equal ``lrs_of(N)`` (every family's: AdamW's lr enters Lion's weight decay); its
+    curve lines are the ones written right after it. Unreadable lines (a run cut off mid-write) are
+    skipped, with a warning. A missing file has none."""
     if not path or not os.path.exists(path):
         return {}
-    same = {k: json.loads(json.dumps(cfg[k])) for k in PRESET_KEYS}
-    runs, curves = {}, {}
+    out, cur, rec, bad = {}, None, None, 0
     with open(path) as f:
         for line in f:
             if not line.strip():
                 continue
-            r = json.loads(line)
-            key = (r.get("world_size"), r.get("seed"), r.get("variant"))
-            if r.get("bench") == NAME and r.get("protocol") == protocol and all(r.get(k) == v for k, v in same.items()):
-                runs.setdefault(key, r)
-            elif r.get("bench") == "converge_curve":
-                curves.setdefault(key, {}).setdefault(r["step"], r)
-    return {key: (r, [curves[key][s] for s in sorted(curves.get(key, {}))]) for key, r in runs.items()}
+            try:
+                r = json.loads(line)
+            except ValueError:
+                bad, rec = bad + 1, None
+                continue
+            kind = r.get("bench")
+            if kind == "converge_config":
+                same = study_settings({k: r.get(k) for k in json.loads(settings)["cfg"]}, r.get("protocol"),
+                                      r.get("corpus"), r.get("device", "cpu")) == settings
+                cur, rec = (r.get("lrs", {}) if same else None), None
+            elif kind == NAME:
+                n, rec = r.get("world_size"), None
+                lrs = None if cur is None else cur.get(str(n))
+                if lrs is not None and json.dumps(lrs, sort_keys=True) == json.dumps(lrs_of(n), sort_keys=True):
+                    rec = out.setdefault((n, r["seed"], r["variant"], r["lr"]), (r, []))
+                    rec = rec if rec[0] is r else None  # a second copy of a kept run: its curves are not wanted
+            elif kind == "converge_curve" and rec is not None and \
+                    (r.get("world_size"), r.get("seed"), r.get("variant")) == (rec[0]["world_size"], rec[0]["seed"],
+                                                                              rec[0]["variant"]):
+                rec[1].append(r)
+    if bad:
+        print(f"[bench converge] --partial {path}: skipped {bad} unreadable line(s) (a run cut off mid-write)",
+              file=sys.stderr, flush=True)
+    return out
 
 
 def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=None, device="cpu", verbose=True,
         ds=None, partial=None, protocol="custom", **kw):
     """Paired runs. ``lrs``: {N: {family: lr}} (or one {family: lr} for every N). Returns records, curves.
-    ``partial``: a JSONL file each finished run is appended to; a run already there (the same
-    protocol, preset settings, N, seed, variant and lr) is taken from it instead of run again, so
-    a stopped study resumes where it stopped."""
+    ``partial``: a JSONL file each finished run is appended to; a run already there with the same
+    settings and lrs (:func:`finished_runs`: written by ``main``, which records them first) is
+    taken from it instead of run again, so a stopped study resumes where it stopped."""
     cfg = make_cfg(**kw)
     torch.set_num_threads(cfg["threads"])
     ds = ds or _load(cfg)
     records, curves = [], []
-    kept = finished_runs(partial, cfg, protocol)
-    for n in world_sizes:
+
+    def lrs_of(n):
         lr_n = dict(DEFAULT_LR)
         if lrs:
             lr_n.update(lrs.get(n, lrs) if all(isinstance(k, int) for k in lrs) else lrs)
+        return lr_n
+
+    kept = finished_runs(partial, study_settings(cfg, protocol, ds.name, device), lrs_of)
+    for n in world_sizes:
+        lr_n = lrs_of(n)
         for seed in seeds:
             done = {}
             order = sorted(variants, key=lambda v: v == "dlion")  # dlion reuses cub_1bit when both are asked
             for v in order:
-                old = kept.get((n, seed, v))
-                if old is not None and old[0]["lr"] == lr_n[spec_of(v)["family"]]:
+                old = kept.get((n, seed, v, lr_n[spec_of(v)["family"]]))
+                if old is not None:
                     records.append(old[0])
                     curves += old[1]
                     if verbose:
@@ -987,9 +1032,7 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
                          "val_loss": loss, "bytes_per_rank": int(sent)} for step, loss, sent in r["curve"]]
                 curves += mine
                 if partial:
-                    with open(partial, "a") as f:
-                        for x in [rec] + mine:
-                            f.write(json.dumps(x) + "\n")
+                    append_jsonl(partial, [rec] + mine)
                 if verbose:
                     print(f"[bench converge] N={n:2d} seed {seed} {v:22s} val {rec['val_loss']:.4f}  "
                           f"{rec['bytes_ratio_vs_fp32']:6.1f}x fewer bytes than fp32  {r['wall_s']:.0f} s", flush=True)
@@ -1197,7 +1240,10 @@ def best_lion_lr(records):
         if not common:
             raise SystemExit(f"--trend: global Lion at N={n} ran at lrs {sorted(by)} on no common seed: no lr can "
                              "be picked; run every lr of the bracket on at least one common seed")
-        best = min(sorted(by), key=lambda lr: sum(by[lr][s] for s in common) / len(common))
+        def mean(lr):  # a diverged run (inf / NaN) makes its lr the worst, never the best
+            m = sum(by[lr][s] for s in common) / len(common)
+            return m if math.isfinite(m) else math.inf
+        best = min(sorted(by), key=mean)
         bracket[n] = {"lrs": {repr(lr): {str(s): v for s, v in sorted(d.items())} for lr, d in sorted(by.items())},
                       "seeds": common, "best": best}
         drop |= {id(r) for r in lion if r["lr"] != best}
@@ -1491,17 +1537,14 @@ def main(argv=None) -> int:
                   flush=True)
         if args.tune_only:
             if args.partial:
-                with open(args.partial, "a") as f:
-                    for r in tune_recs:
-                        f.write(json.dumps(r) + "\n")
+                append_jsonl(args.partial, tune_recs)
             finish(NAME, args, tune_recs)
             return 0
-    if args.partial:
-        with open(args.partial, "a") as f:
-            f.write(json.dumps({"bench": "converge_config", "protocol": args.protocol_name, "argv": list(sys.argv[1:] if argv is None else argv),
-                                "corpus": ds.name, "lrs": {str(n): v for n, v in lrs.items()}, **cfg}) + "\n")
-            for r in tune_recs:
-                f.write(json.dumps(r) + "\n")
+    if args.partial:  # the settings the runs after it were made with (finished_runs reads them)
+        append_jsonl(args.partial, [{"bench": "converge_config", "protocol": args.protocol_name,
+                                     "argv": list(sys.argv[1:] if argv is None else argv), "corpus": ds.name,
+                                     "device": args.device, "lrs": {str(n): v for n, v in lrs.items()}, **cfg},
+                                    *tune_recs])
     records, curves, cfg = run(tuple(args.variants), tuple(args.seeds), tuple(args.world_sizes), lrs, args.device,
                                protocol=args.protocol_name,
                                ds=ds, partial=args.partial, **kw)
