@@ -152,13 +152,19 @@ def _split_tp2_etp1(rank, world, tmpdir):
         out["parameter_state"] = torch.load(path, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["parameter_state"] = f"{type(exc).__name__}: {exc}"
-    # Megatron's optimizer checkpoint (the common state) of one split loaded into the other
+    # Megatron's optimizer checkpoint (the common state) of one split loaded into the other: as
+    # state_dict() writes it (--ckpt-format torch: a list with the split), and as torch_dist's
+    # sharded_state_dict keys it (one entry per optimizer under 0, 1, ...)
     for saved, into in ((True, False), (False, True), (True, True)):
-        try:
-            opts[into].load_state_dict(opts[saved].state_dict())
-            out[f"load_{saved}_into_{into}"] = None
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[f"load_{saved}_into_{into}"] = f"{type(exc).__name__}: {exc}"
+        for form in ("list", "keyed"):
+            sd = opts[saved].state_dict()
+            if form == "keyed":
+                sd = dict(enumerate(sd)) if isinstance(sd, list) else {0: sd}
+            try:
+                opts[into].load_state_dict(sd)
+                out[f"load_{saved}_into_{into}_{form}"] = None
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out[f"load_{saved}_into_{into}_{form}"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -274,18 +280,23 @@ def test_split_optimizers_save_and_load_megatrons_parameter_state_file(split_tp2
 
 @needs_megatron
 def test_megatrons_optimizer_checkpoint_of_the_other_split_is_refused_naming_the_flag(split_tp2_etp1):
-    """Megatron's optimizer state_dict of the split (a list, one entry per optimizer) loaded
-    without it, and the one optimizer's loaded with it: refused, naming the flag, both ways (its
-    ChainedOptimizer would otherwise hand the entries to the wrong optimizers); the same split loads."""
+    """Megatron's optimizer state_dict of the split (one entry per optimizer, as a list or keyed
+    0, 1 as torch_dist keeps it) loaded without it, and the one optimizer's loaded with it: refused,
+    naming the flag, both ways (its ChainedOptimizer would otherwise hand the entries to the wrong
+    optimizers); the same split loads."""
+    split, whole = "(dense_chunk0, dense_later_chunks)", "(dense)"
     for r in split_tp2_etp1:
-        for key, kinds in (("load_True_into_False", "2 LionCub optimizer(s) (dense_chunk0, dense_later_chunks), this "
-                                                    "run has 1 (dense)"),
-                           ("load_False_into_True", "1 LionCub optimizer(s) (dense), this run has 2 (dense_chunk0, "
-                                                    "dense_later_chunks)")):
-            msg = r[key]
-            assert msg and msg.startswith("LionCubConfigError") and kinds in msg, (key, msg)
-            assert "--overlap-param-gather-with-optimizer-step" in msg and "--no-load-optim" in msg, (key, msg)
-        assert r["load_True_into_True"] is None, r
+        for form in ("list", "keyed"):
+            for key, kinds in ((f"load_True_into_False_{form}", f"saved with the first model chunk's dense optimizer "
+                                                                f"apart {split}, this run has one dense optimizer for "
+                                                                f"every model chunk {whole}"),
+                               (f"load_False_into_True_{form}", f"saved with one dense optimizer for every model "
+                                                                f"chunk {whole}, this run has the first model "
+                                                                f"chunk's dense optimizer apart {split}")):
+                msg = r[key]
+                assert msg and msg.startswith("LionCubConfigError") and kinds in msg, (key, msg)
+                assert "--overlap-param-gather-with-optimizer-step" in msg and "--no-load-optim" in msg, (key, msg)
+            assert r[f"load_True_into_True_{form}"] is None, r
 
 
 @needs_megatron

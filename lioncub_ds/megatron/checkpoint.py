@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as lc_checkpoint
-from .optimizer import lioncub_optimizers
+from .optimizer import lioncub_optimizers, split_refusal
 
 CHECKPOINT_MODES = ("per_rank", "sync")
 SUBDIR = "lioncub"
@@ -142,13 +142,7 @@ def split_mismatch(optimizer, checkpoint_dir: str) -> str | None:
     mine = sorted({getattr(o, "megatron_kind", "dense") for o in lioncub_optimizers(optimizer)} - {"expert"})
     if not saved or not mine or saved == mine:
         return None
-    def text(kinds):
-        return ("the first model chunk's optimizer apart (--overlap-param-gather-with-optimizer-step)"
-                if "dense_chunk0" in kinds else "one optimizer for every model chunk")
-    return (f"LionCub: {checkpoint_dir} was saved with {text(saved)} (per-rank files under {', '.join(saved)}), this "
-            f"run has {text(mine)} ({', '.join(mine)}); each file holds the shards of its own optimizer; allowed: "
-            "resume with the --overlap-param-gather-with-optimizer-step setting of the saving run (change it after "
-            "the next save), or --no-load-optim to start the optimizer fresh. No rank loaded anything")
+    return split_refusal(f"the per-rank files of {checkpoint_dir}", saved, mine) + " No rank loaded anything"
 
 
 def missing_files_message(checkpoint_dir: str, n_missing_ranks: int, example: str | None,

@@ -669,22 +669,38 @@ def _chained_load_state_dict(self, state_dict):
 
 def _check_optimizer_split(state_dict, kinds):
     """Refuse Megatron's optimizer checkpoint of LionCub node-voter optimizers split otherwise than
-    this run's (``kinds``), naming --overlap-param-gather-with-optimizer-step. A checkpoint that is
-    not LionCub's passes (:func:`_load_common_state_dict` refuses it)."""
-    entries = [state_dict] if isinstance(state_dict, dict) and state_dict.get("lioncub_node_voters") else \
-        list(state_dict) if isinstance(state_dict, (list, tuple)) else []
+    this run's (``kinds``), naming --overlap-param-gather-with-optimizer-step. Megatron's chain
+    saves one dict (one optimizer), a list (``state_dict``) or a dict keyed 0, 1, ...
+    (``sharded_state_dict``, the torch_dist format). A checkpoint that is not LionCub's passes
+    (:func:`_load_common_state_dict` refuses it)."""
+    if isinstance(state_dict, dict) and state_dict.get("lioncub_node_voters"):
+        entries = [state_dict]
+    elif isinstance(state_dict, dict) and state_dict and all(isinstance(k, int) for k in state_dict):
+        entries = [v for _, v in sorted(state_dict.items())]
+    elif isinstance(state_dict, (list, tuple)):
+        entries = list(state_dict)
+    else:
+        return
     if not entries or not all(isinstance(e, dict) and e.get("lioncub_node_voters") for e in entries):
         return
     saved = [e.get("kind", "?") for e in entries]  # "?": saved before the kinds were recorded
     if len(saved) == len(kinds) and all(a in ("?", b) for a, b in zip(saved, kinds)):
         return
-    raise LionCubConfigError(
-        f"LionCub: the optimizer checkpoint holds {len(saved)} LionCub optimizer(s) ({', '.join(saved)}), this run "
-        f"has {len(kinds)} ({', '.join(kinds)}); --overlap-param-gather-with-optimizer-step gives the first model "
-        "chunk's dense parameters an optimizer of their own (dense_chunk0, dense_later_chunks), without it one "
-        "optimizer holds every chunk (dense); allowed: resume with the --overlap-param-gather-with-optimizer-step "
-        "setting of the saving run (change it after the next save), or --no-load-optim to start the optimizer fresh. "
-        "The optimizer loaded nothing")
+    raise LionCubConfigError(split_refusal("the optimizer checkpoint", saved, kinds) + " The optimizer loaded nothing")
+
+
+def split_refusal(what: str, saved, mine) -> str:
+    """The refusal of a checkpoint whose LionCub optimizers (``saved`` kinds) are split otherwise
+    than this run's (``mine``): Megatron's optimizer checkpoint, or the per-rank files."""
+    def text(kinds):
+        apart = "the first model chunk's dense optimizer apart" if "dense_chunk0" in kinds else \
+            "one dense optimizer for every model chunk"
+        return f"{apart} ({', '.join(kinds)})"
+    return (f"LionCub: {what} was saved with {text(saved)}, this run has {text(mine)}: "
+            "--overlap-param-gather-with-optimizer-step gives the first model chunk's dense parameters an optimizer "
+            "of their own, and each optimizer's state holds its own shards; allowed: resume with the "
+            "--overlap-param-gather-with-optimizer-step setting of the saving run (change it after the next save), "
+            "or --no-load-optim to start the optimizer fresh.")
 
 
 _PARAMETER_STATE_MARKER = {"lioncub_node_voters": True, "state": "in the LionCub per-rank files (lioncub/)"}
