@@ -943,6 +943,7 @@ def finished_runs(path, settings: str, lrs_of) -> dict:
     skipped, with a warning. A missing file has none."""
     if not path or not os.path.exists(path):
         return {}
+    keys = json.loads(settings)["cfg"]  # the settings a config line is compared on
     out, cur, rec, bad = {}, None, None, 0
     with open(path) as f:
         for line in f:
@@ -955,7 +956,7 @@ def finished_runs(path, settings: str, lrs_of) -> dict:
                 continue
             kind = r.get("bench")
             if kind == "converge_config":
-                same = study_settings({k: r.get(k) for k in json.loads(settings)["cfg"]}, r.get("protocol"),
+                same = study_settings({k: r.get(k) for k in keys}, r.get("protocol"),
                                       r.get("corpus"), r.get("device", "cpu")) == settings
                 cur, rec = (r.get("lrs", {}) if same else None), None
             elif kind == NAME:
@@ -1269,7 +1270,7 @@ def trend_table(rows) -> str:
             brackets[(s["d_model"], s["batch_size"], n)] = b
     if brackets:
         lines += ["", "Global Lion's lr per shape (mean final loss over the seeds every lr has; the lowest is used above):",
-                  "", "| width (d_model) | sequences per worker | N | seeds | " + " | ".join(["lr: mean loss"]) + " |",
+                  "", "| width (d_model) | sequences per worker | N | seeds | lr: mean loss |",
                   "|---:|---:|---:|---|---|"]
         for (d, b, n), br in sorted(brackets.items()):
             means = ", ".join(f"{'**' if float(lr) == br['best'] else ''}{float(lr):g}: "
