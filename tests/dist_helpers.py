@@ -42,6 +42,47 @@ def recording_optimizer_inits():
         torch.optim.Optimizer.__init__ = orig
 
 
+def disagreement(votes: torch.Tensor, delta: torch.Tensor) -> tuple[int, int]:
+    """A voter's drift-signal counts by plain comparison (an oracle's, not lioncub_ds's packed
+    planes): (its votes that disagree with Δ where both are nonzero, the coordinates where both are)."""
+    cast = (votes != 0) & (delta != 0)
+    return int((cast & (votes != delta)).sum()), int(cast.sum())
+
+
+class DriftDecisions:
+    """momentum_sync schedule="drift" replayed by an oracle over ``world_size`` ranks: :meth:`step`
+    takes each applied step's summed signal (every rank's :meth:`units`) and says whether the sync
+    after that step runs; ``rows`` keeps per step what comm_stats()["momentum_sync"] should say after
+    it: (the step whose signal was read, that summed signal, syncs so far, the last sync's step).
+    The rule is lioncub_ds's own DriftTrigger; the signal is the oracle's."""
+
+    def __init__(self, sync, world_size: int):
+        from lioncub_ds.config import MomentumSyncConfig
+        from lioncub_ds.momentum_sync import DriftTrigger, drift_scale
+        self.cfg = MomentumSyncConfig.from_value(sync)
+        self.trigger = DriftTrigger(self.cfg.threshold, self.cfg.min_every, world_size)
+        self.scale = drift_scale(world_size)
+        self.unit = world_size * self.scale  # comm_stats' signal (a mean fraction) times this = the sum
+        self.rows, self.prev, self.syncs, self.last = [], None, 0, 0
+
+    def units(self, differ: int, both: int) -> int:
+        """One rank's disagreement fraction in drift units (floored; 0 where it cast no vote)."""
+        return differ * self.scale // both if both else 0
+
+    def step(self, step: int, summed: int) -> bool:
+        """Applied step ``step`` (1-based) had the summed signal ``summed``: whether its sync runs."""
+        from lioncub_ds.momentum_sync import drift_due
+        if step > 1:  # the previous step's signal is read with this step's flags
+            self.trigger.observe(step - 1, self.prev)
+        synced = drift_due(self.cfg, self.trigger, step - 1)  # after this step's momentum update
+        if synced:
+            self.trigger.synced(step)
+            self.syncs, self.last = self.syncs + 1, step
+        self.rows.append((step - 1, self.prev, self.syncs, self.last) if step > 1
+                         else (None, None, self.syncs, self.last))
+        self.prev = int(summed)
+        return synced
+
 
 class SmallNet(torch.nn.Module):
     """A tiny model with odd sizes whose embedding rows 6..10 no batch uses (c == 0: abstentions)."""

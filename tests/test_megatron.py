@@ -423,20 +423,17 @@ def _drift_sync_run(tp, experts, steps=8):
     vote group and within float rounding of the group's mean of the updated momenta after a sync,
     bit-equal to this rank's own update otherwise."""
     import torch.distributed as dist
-    from lioncub_ds.config import MomentumSyncConfig
+    from dist_helpers import DriftDecisions, disagreement
     from lioncub_ds.kernels import reference
     from lioncub_ds.megatron import get_megatron_lioncub_optimizer, lioncub_optimizers
-    from lioncub_ds.momentum_sync import DriftTrigger, drift_due, drift_scale
     cfg, ddp = _build(tp, experts)
     opt = get_megatron_lioncub_optimizer(_opt_config(clip_grad=0.0), [ddp],
                                          lioncub={"comm": "1bit", "tie_break": "hash", "momentum_sync": DRIFT})
-    rule = MomentumSyncConfig.from_value(DRIFT)
     lcs = {lc.megatron_kind: lc for lc in lioncub_optimizers(opt)}
     size = {k: dist.get_world_size(lc.vote_group) for k, lc in lcs.items()}
-    trig = {k: DriftTrigger(rule.threshold, rule.min_every, size[k]) for k in lcs}
-    prev, state = {k: None for k in lcs}, {k: [0, 0] for k in lcs}  # state: syncs, last sync step
-    out = {"rows": {k: [] for k in lcs}, "seen": {k: [] for k in lcs}, "sync_equal": [], "own_equal": [],
-           "sync_close": []}
+    decisions = {k: DriftDecisions(DRIFT, size[k]) for k in lcs}
+    out = {"rows": {k: d.rows for k, d in decisions.items()}, "seen": {k: [] for k in lcs}, "sync_equal": [],
+           "own_equal": [], "sync_close": []}
     for s in range(steps):
         step = s + 1
         ddp.zero_grad_buffer()
@@ -459,29 +456,19 @@ def _drift_sync_run(tp, experts, steps=8):
                     delta = torch.sign(plus * 2 - cnt).float()
                     ties = (plus * 2 == cnt) & (cnt > 0)
                     delta = torch.where(ties, reference.tie_hash_sign(step, torch.arange(delta.numel())).float(), delta)
-                    cast = (vote != 0) & (delta != 0)
-                    differ += int((cast & (vote != delta)).sum())
-                    both += int(cast.sum())
+                    a, b = disagreement(vote, delta)
+                    differ, both = differ + a, both + b
                     reference.momentum_update(m, grad, b2)
                     mine.append(m)
             updated[kind] = mine
-            summed = torch.tensor([differ * drift_scale(size[kind]) // both if both else 0], dtype=torch.int64)
+            summed = torch.tensor([decisions[kind].units(differ, both)], dtype=torch.int64)
             dist.all_reduce(summed, group=lc.vote_group)
-            t, (syncs, last) = trig[kind], state[kind]
-            if step > 1:  # read with this step's flags
-                t.observe(step - 1, prev[kind])
-            synced[kind] = drift_due(rule, t, step - 1)
-            if synced[kind]:
-                t.synced(step)
-                syncs, last = syncs + 1, step
-            state[kind] = [syncs, last]
-            out["rows"][kind].append((step - 1, prev[kind], syncs, last) if step > 1 else (None, None, syncs, last))
-            prev[kind] = int(summed)
+            synced[kind] = decisions[kind].step(step, int(summed))
         ok, _, _ = opt.step()
         assert ok
         for kind, lc in lcs.items():
             st = lc.comm_stats()["momentum_sync"]
-            unit = size[kind] * drift_scale(size[kind])
+            unit = decisions[kind].unit
             out["seen"][kind].append((st["signal_step"], None if st["signal"] is None else round(st["signal"] * unit),
                                       st["syncs"], st["last_sync_step"]))
             got = [lc.state[p]["exp_avg"].reshape(-1) for g in lc.param_groups for p in g["params"]]

@@ -311,45 +311,33 @@ class _DriftOracle:
     def __init__(self, sync, opt):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        from lioncub_ds.config import MomentumSyncConfig
-        from lioncub_ds.momentum_sync import DriftTrigger, drift_scale
+        from dist_helpers import DriftDecisions
         self.group = ps.get_data_parallel_group(with_context_parallel=True)
-        ranks = dist.get_world_size(self.group)
-        self.cfg = MomentumSyncConfig.from_value(sync)
-        self.trigger = DriftTrigger(self.cfg.threshold, self.cfg.min_every, ranks)
-        self.scale, self.unit = drift_scale(ranks), ranks * drift_scale(ranks)
+        self.decisions = DriftDecisions(sync, dist.get_world_size(self.group))
+        self.rows = self.decisions.rows
         self.pieces = [(name, start, shard.numel()) for _, name, start, shard in _shards(opt)]
         self.voter = _voter(_shards(opt)[0][0])
-        self.signals, self.rows, self.seen, self.syncs, self.last = [], [], [], 0, 0
+        self.seen = []
 
     def after_update(self, step, cast, momenta, k):
         """Step ``step`` (1-based) was voted (``cast``: {name: (votes [K, n], Δ)}) and the momenta updated."""
         import torch.distributed as dist
-        from lioncub_ds.momentum_sync import drift_due
+        from dist_helpers import disagreement
         differ = both = 0
         for name, start, length in self.pieces:
             votes, delta = cast[name]
-            mine, d = votes[self.voter][start:start + length], delta[start:start + length]
-            voted = (mine != 0) & (d != 0)
-            differ += int((voted & (mine != d)).sum())
-            both += int(voted.sum())
-        summed = torch.tensor([differ * self.scale // both if both else 0], dtype=torch.int64)
+            a, b = disagreement(votes[self.voter][start:start + length], delta[start:start + length])
+            differ, both = differ + a, both + b
+        summed = torch.tensor([self.decisions.units(differ, both)], dtype=torch.int64)
         dist.all_reduce(summed, group=self.group)
-        if step > 1:  # read with this step's flags
-            self.trigger.observe(step - 1, self.signals[-1])
-        if drift_due(self.cfg, self.trigger, step - 1):  # after this step's momentum update
+        if self.decisions.step(step, int(summed)):  # after this step's momentum update
             for per_voter in momenta.values():
                 _average_voters(per_voter, range(k))
-            self.trigger.synced(step)
-            self.syncs, self.last = self.syncs + 1, step
-        self.rows.append((step - 1, self.signals[-1], self.syncs, self.last) if step > 1
-                         else (None, None, self.syncs, self.last))
-        self.signals.append(int(summed))
 
     def read(self, opt):
         from lioncub_ds.megatron import lioncub_optimizers
         st = lioncub_optimizers(opt)[0].comm_stats()["momentum_sync"]
-        self.seen.append((st["signal_step"], None if st["signal"] is None else round(st["signal"] * self.unit),
+        self.seen.append((st["signal_step"], None if st["signal"] is None else round(st["signal"] * self.decisions.unit),
                           st["syncs"], st["last_sync_step"]))
 
 

@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from lioncub_ds import LionCub
-from lioncub_ds.config import MomentumSyncConfig
-from lioncub_ds.momentum_sync import DriftTrigger, drift_due, drift_scale
-from dist_helpers import SmallNet as Net, run_ranks
+from dist_helpers import DriftDecisions, SmallNet as Net, disagreement, run_ranks
 from test_node_voters import BETAS, ENV, LR, WD, _average_voters, _grads, _simulate
 
 pytestmark = pytest.mark.dist
@@ -53,10 +51,8 @@ def _oracle(pieces):
     ranks = GROUPS * SIZE
     master = [p.detach().float().clone() for p in Net().parameters()]
     momenta = [[torch.zeros_like(m) for m in master] for _ in range(GROUPS)]
-    cfg = MomentumSyncConfig.from_value(SYNC)
-    trigger = DriftTrigger(cfg.threshold, cfg.min_every, ranks)
-    scale = drift_scale(ranks)
-    out, rows, signals, syncs, last = [], [], [], 0, 0
+    decisions = DriftDecisions(SYNC, ranks)
+    out = []
     for step in range(1, STEPS + 1):
         record = []
         after, master = _simulate(GROUPS, SIZE, torch.float32, step, step, momenta, master, "hash", record)
@@ -67,20 +63,12 @@ def _oracle(pieces):
             differ = both = 0
             for k, start, length in pieces[r]:
                 v, d = votes[k]
-                mine, delta = v[r // SIZE][start:start + length], d[start:start + length]
-                cast = (mine != 0) & (delta != 0)
-                differ += int((cast & (mine != delta)).sum())
-                both += int(cast.sum())
-            summed += differ * scale // both if both else 0
-        if step > 1:  # read with this step's flags
-            trigger.observe(step - 1, signals[-1])
-        if drift_due(cfg, trigger, step - 1):  # after this step's momentum update
+                a, b = disagreement(v[r // SIZE][start:start + length], d[start:start + length])
+                differ, both = differ + a, both + b
+            summed += decisions.units(differ, both)
+        if decisions.step(step, summed):  # after this step's momentum update
             _average_voters(momenta, range(len(master)))
-            trigger.synced(step)
-            syncs, last = syncs + 1, step
-        rows.append((step - 1, signals[-1], syncs, last) if step > 1 else (None, None, syncs, last))
-        signals.append(summed)
-    return out, rows, ranks * scale
+    return out, decisions.rows, decisions.unit
 
 
 def test_drift_sync_with_node_voters_matches_the_oracle():
