@@ -472,3 +472,17 @@ def test_partial_resumes_a_stopped_study(tmp_path):
     assert C.main(argv + ["--seeds", "2", "--variants", "lion"]) == 0
     assert [r["seed"] for r in lines("converge")][-1] == 2
     assert len(part.read_text().splitlines()) == len(readable()) + 1  # only the cut line is unreadable
+
+
+def test_lion_w150_is_the_lion_preset_with_a_longer_warmup():
+    """The chosen preset differs from `lion` in its warm-up only, and `lion` stays as its records ran
+    (old presets stay reproducible); a run under it names it, with no 'changed' keys."""
+    old, new = C.PROTOCOLS["lion"], C.PROTOCOLS["lion_w150"]
+    assert old["settings"]["warmup"] == 30 and new["settings"]["warmup"] == 150
+    assert {k: v for k, v in new["settings"].items() if k != "warmup"} == \
+           {k: v for k, v in old["settings"].items() if k != "warmup"}
+    assert new["lr"] == old["lr"]
+    args = C.apply_protocol(C.build_parser().parse_args(["--protocol", "lion_w150", "--seeds", "3"]))
+    assert args.protocol_name == "lion_w150" and args.settings["warmup"] == 150 and args.seeds == [3]
+    args = C.apply_protocol(C.build_parser().parse_args(["--protocol", "lion", "--warmup", "150"]))
+    assert args.protocol_name == "lion (with warmup changed)"
