@@ -921,6 +921,21 @@ def _dlion_from_1bit(r):
     return out
 
 
+def _run_from_kept(rec, curves):
+    """A kept run (its record and curve lines from --partial) in :func:`train_one`'s form, so that
+    ``dlion`` can be derived from a kept ``cub_1bit`` instead of run again; None when its curves do
+    not carry the all-gather bytes (files written before they did)."""
+    pts = sorted(curves, key=lambda c: c["step"])
+    if not pts or any("allgather_bytes_per_rank" not in c for c in pts):
+        return None
+    return {"curve": [(c["step"], c["val_loss"], c["bytes_per_rank"]) for c in pts],
+            "alt_curve": [{"allgather": c["allgather_bytes_per_rank"]} for c in pts],
+            "bytes": rec["bytes_per_rank"], "sync_bytes": rec["sync_bytes_per_rank"],
+            "intra_bytes": rec.get("intra_node_bytes_per_rank", 0), "node_size": rec.get("node_size", 1),
+            "params": rec["params"], "wall_s": rec["wall_s"], "digest": rec["digest"], "lr": rec["lr"],
+            "family": rec["family"], "fp32_allreduce_bytes_per_step": rec["fp32_allreduce_bytes"] / rec["steps"]}
+
+
 def append_jsonl(path, records) -> None:
     """Append ``records`` to the JSONL file ``path``, one per line (a last line that a killed writer
     left unfinished is closed first, so it stays one unreadable line instead of spoiling the next)."""
@@ -1011,11 +1026,13 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
                 if old is not None:
                     records.append(old[0])
                     curves += old[1]
+                    if v == "cub_1bit":
+                        done[v] = _run_from_kept(*old)
                     if verbose:
                         print(f"[bench converge] N={n:2d} seed {seed} {v:22s} val {old[0]['val_loss']:.4f}  "
                               f"(kept from {partial})", flush=True)
                     continue
-                if v == "dlion" and "cub_1bit" in done:
+                if v == "dlion" and done.get("cub_1bit") is not None:
                     r = _dlion_from_1bit(done["cub_1bit"])
                 else:
                     r = train_one(v, seed, n, cfg, lr_n, ds, device)
@@ -1039,6 +1056,9 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
                 records.append(rec)
                 mine = [{"bench": "converge_curve", "variant": v, "world_size": n, "seed": seed, "step": step,
                          "val_loss": loss, "bytes_per_rank": int(sent)} for step, loss, sent in r["curve"]]
+                if v == "cub_1bit":  # what D-Lion's all-gather would have sent: dlion from a kept cub_1bit
+                    for c, a in zip(mine, r["alt_curve"]):
+                        c["allgather_bytes_per_rank"] = int(a["allgather"])
                 curves += mine
                 if partial:
                     append_jsonl(partial, [rec] + mine)

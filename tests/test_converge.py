@@ -486,3 +486,29 @@ def test_lion_w150_is_the_lion_preset_with_a_longer_warmup():
     assert args.protocol_name == "lion_w150" and args.settings["warmup"] == 150 and args.seeds == [3]
     args = C.apply_protocol(C.build_parser().parse_args(["--protocol", "lion", "--warmup", "150"]))
     assert args.protocol_name == "lion (with warmup changed)"
+
+
+def test_dlion_comes_from_a_kept_cub_1bit(tmp_path, monkeypatch):
+    """dlion (the same Δ as cub_1bit, other bytes) is derived from a cub_1bit that --partial kept,
+    not trained again, and equals the dlion of a study that ran both at once."""
+    argv = ["--world-sizes", "2", "--seeds", "0", "--steps", "2", "--n-layer", "1", "--d-model", "32",
+            "--seq-len", "16", "--batch-size", "2", "--eval-every", "1", "--eval-iters", "1", "--eval-batch", "2"]
+    assert C.main(argv + ["--variants", "cub_1bit", "dlion", "--json", str(tmp_path / "both.json")]) == 0
+    part = tmp_path / "study.jsonl"
+    assert C.main(argv + ["--variants", "cub_1bit", "--partial", str(part)]) == 0
+    trained = []
+    real_train_one = C.train_one
+    monkeypatch.setattr(C, "train_one", lambda v, *a, **k: trained.append(v) or real_train_one(v, *a, **k))
+    assert C.main(argv + ["--variants", "cub_1bit", "dlion", "--partial", str(part),
+                          "--json", str(tmp_path / "resumed.json")]) == 0
+    assert trained == []
+
+    def dlion(name):
+        recs = json.loads((tmp_path / name).read_text())
+        (rec,) = [r for r in recs if r["bench"] == "converge" and r["variant"] == "dlion"]
+        curve = [(c["step"], c["val_loss"], c["bytes_per_rank"]) for c in recs
+                 if c["bench"] == "converge_curve" and c["variant"] == "dlion"]
+        return {k: v for k, v in rec.items() if k != "wall_s"}, curve
+
+    both, resumed = dlion("both.json"), dlion("resumed.json")
+    assert resumed == both and both[0]["bytes_per_rank"] > 0 and len(both[1]) == 3
