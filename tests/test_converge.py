@@ -483,7 +483,7 @@ def test_lion_w150_is_the_lion_preset_with_a_longer_warmup():
     assert {k: v for k, v in new["settings"].items() if k != "warmup"} == \
            {k: v for k, v in old["settings"].items() if k != "warmup"}
     assert old["lr"] == {"adamw": 4e-3, "lion": 1e-3, "cub": 1e-3, "avg": 2e-3, "bbit": 1e-3}
-    assert new["lr"] == {"adamw": 8e-3, "lion": 2e-3, "cub": 2.8e-3, "avg": 4e-3, "bbit": 2.8e-3}
+    assert new["lr"] == {"adamw": 8e-3, "lion": 2e-3, "cub": 2e-3, "avg": 4e-3, "bbit": 2e-3}
     args = C.apply_protocol(C.build_parser().parse_args(["--protocol", "lion_w150", "--seeds", "3"]))
     assert args.protocol_name == "lion_w150" and args.settings["warmup"] == 150 and args.seeds == [3]
     args = C.apply_protocol(C.build_parser().parse_args(["--protocol", "lion", "--warmup", "150"]))
