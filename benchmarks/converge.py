@@ -209,9 +209,9 @@ PROTOCOLS = {
     # (seed 1000, N = 16: Lion 1e-3 / 2e-3 / 4e-3 -> 1.299 / 1.214 / 1.232; AdamW 4e-3 / 8e-3 /
     # 1.6e-2 -> 1.287 / 1.228 / 1.238). Lion Cub runs at global Lion's lr: its own bracket on seed
     # 1000 favoured 2.8e-3 (N = 16, 1.4e-3 / 2e-3 / 2.8e-3 / 4e-3: `1bit` 1.296 / 1.245 / 1.243 /
-    # 1.235, `1bit` + int8 sync/20 1.279 / 1.247 / 1.215 / 1.226), but in the study Lion Cub still
-    # starts slowly on some seeds, at 2.8e-3 as often as at 2e-3 (docs/convergence.md), where
-    # global Lion does not: no lr gain pays for that.
+    # 1.235, `1bit` + int8 sync/20 1.279 / 1.247 / 1.215 / 1.226), but in the study the slow start
+    # came back more often at 2.8e-3 (3 of 16 Lion Cub runs) than at 2e-3 (2 of 33; global Lion 1 of
+    # 18), and one slow start costs more than the lr gains (docs/convergence.md).
     "lion_w150": dict(world_sizes=[8, 16, 32], seeds=list(range(10)),
                       lr={"adamw": 8e-3, "lion": 2e-3, "cub": 2e-3, "avg": 4e-3, "bbit": 2e-3},
                       variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_1bit_sync10_int8",
