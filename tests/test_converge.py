@@ -105,7 +105,7 @@ def test_same_command_same_numbers(ds):
 @pytest.mark.parametrize("n,variants", [(2, ("cub_1bit", "dlion", "cub_int8", "cub_avg", "cub_1bit_sync5_small",
                                              "cub_1bit_geo", "cub_b2", "cub_b3_nearest", "cub_1bit_sync20_bf16")),
                                         (4, ("cub_1bit", "cub_int8", "cub_b2", "cub_b2_l0", "cub_1bit_sync10_int8",
-                                             "cub_1bit_sync10_bf16")),
+                                             "cub_1bit_sync10_bf16", "cub_1bit_w300")),
                                         (4, ("cub_1bit_node2", "cub_1bit_sync20_int8_node2", "cub_1bit_node2_tz",
                                              "cub_avg_node2")),
                                         (8, ("cub_1bit_node4", "cub_1bit_sync20_int8_node2", "cub_1bit_node4_alt",
@@ -339,6 +339,25 @@ def test_a_record_reruns_from_itself(tmp_path):
     assert C.main(again) == 0
     (rec2,) = [r for r in json.loads((tmp_path / "b.json").read_text()) if r["bench"] == "converge"]
     assert rec2["digest"] == rec["digest"] and rec2["protocol"] == rec["protocol"]
+
+
+def test_a_variant_with_its_own_warmup(tmp_path):
+    """``*_w300``: that run alone warms up over 300 steps (its record says so; the preset and the
+    other runs keep theirs), and command_for re-runs it without a --warmup of the preset's."""
+    shape = ["--world-sizes", "2", "--seeds", "3", "--steps", "3", "--n-layer", "1", "--d-model", "32",
+             "--seq-len", "16", "--batch-size", "2", "--eval-every", "3", "--eval-iters", "1", "--eval-batch", "2"]
+    assert C.main(["--protocol", "lion_w150", *shape, "--variants", "lion", "cub_1bit", "cub_1bit_w300",
+                   "--json", str(tmp_path / "a.json")]) == 0
+    recs = {r["variant"]: r for r in json.loads((tmp_path / "a.json").read_text()) if r["bench"] == "converge"}
+    assert recs["cub_1bit_w300"]["warmup"] == 300 and recs["cub_1bit"]["warmup"] == 150 == recs["lion"]["warmup"]
+    assert recs["cub_1bit_w300"]["digest"] != recs["cub_1bit"]["digest"]  # a lower lr on steps 0-2
+    again = C.command_for(recs["cub_1bit_w300"])
+    assert "--warmup" not in again
+    assert C.main(again + ["--eval-every", "3", "--eval-iters", "1", "--eval-batch", "2",
+                           "--json", str(tmp_path / "b.json")]) == 0
+    (rec2,) = [r for r in json.loads((tmp_path / "b.json").read_text()) if r["bench"] == "converge"]
+    assert rec2["digest"] == recs["cub_1bit_w300"]["digest"] and rec2["warmup"] == 300
+    assert C.lr_at(2, 1200, 2.8e-3, C.warmup_of("cub_1bit_w300", C.make_cfg())) == pytest.approx(2.8e-3 * 3 / 300)
 
 
 def test_trend_pairs_within_each_preset(tmp_path):
