@@ -509,6 +509,15 @@ def test_lion_w150_is_the_lion_preset_with_a_longer_warmup():
     assert args.protocol_name == "lion (with warmup changed)"
 
 
+def test_lion_w300_is_lion_w150_with_a_300_step_warmup():
+    """lion_w300 differs from lion_w150 in the warm-up and the lrs only; Lion Cub at global Lion's lr."""
+    old, new = C.PROTOCOLS["lion_w150"], C.PROTOCOLS["lion_w300"]
+    assert new["settings"] == dict(old["settings"], warmup=300)
+    assert new["lr"]["cub"] == new["lr"]["lion"] == 4e-3 and new["lr"]["adamw"] == old["lr"]["adamw"]
+    args = C.apply_protocol(C.build_parser().parse_args(["--protocol", "lion_w300", "--seeds", "3"]))
+    assert args.protocol_name == "lion_w300" and args.settings["warmup"] == 300
+
+
 def test_dlion_comes_from_a_kept_cub_1bit(tmp_path, monkeypatch):
     """dlion (the same Δ as cub_1bit, other bytes) is derived from a cub_1bit that --partial kept,
     not trained again, and equals the dlion of a study that ran both at once."""
