@@ -229,9 +229,10 @@ PROTOCOLS = {
     # 4e-3 / 5.6e-3 -> 1.218 / 1.199 / 1.195 / 1.200 (lion_w150's optimum: 1.214); `1bit` + int8
     # sync/20 2.8e-3 / 4e-3 / 5.6e-3 -> 1.215 / 1.209 / 1.223; AdamW 8e-3 / 1.1e-2 -> 1.221 / 1.218
     # (8e-3 kept: within noise, and AdamW's lr sets Lion's weight decay). Lion Cub at global Lion's lr.
-    "lion_w300": dict(world_sizes=[8, 16], seeds=list(range(10)),
+    "lion_w300": dict(world_sizes=[8, 16, 32], seeds=list(range(10)),
                       lr={"adamw": 8e-3, "lion": 4e-3, "cub": 4e-3, "avg": 8e-3, "bbit": 4e-3},
-                      variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8"],
+                      variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_1bit_sync10_int8",
+                                "cub_1bit_sync20_int8_node2", "cub_1bit_sync20_int8_node4", "cub_b3", "cub_int8"],
                       settings=dict(_SMALL, steps=1200, betas=[0.8, 0.9], warmup=300, grads="vmap")),
 }
 # Used when neither a flag nor --protocol sets them.
