@@ -189,6 +189,9 @@ _SMALL = dict(warmup=30, batch_size=4, seq_len=64, n_layer=2, n_head=2, d_model=
 # Named protocols (docs/convergence.md): one command reproduces each study; flags given explicitly
 # override a protocol's values. "lr" is the per-family lr the study used (tuned on seed 1000 at that
 # horizon, --tune); "settings" every make_cfg setting that defines the preset.
+# The rows of the β (0.8, 0.9) studies (`lion`, `lion_w150`, `lion_w300`): issue 34's list.
+_LION_STUDY_VARIANTS = ("adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_1bit_sync10_int8",
+                        "cub_1bit_sync20_int8_node2", "cub_1bit_sync20_int8_node4", "cub_b3", "cub_int8")
 PROTOCOLS = {
     "short": dict(world_sizes=[8], seeds=[0, 1, 2, 3, 4],
                   lr={"adamw": 8e-3, "lion": 5e-4, "cub": 1e-3, "avg": 1e-3, "bbit": 1e-3},
@@ -207,8 +210,7 @@ PROTOCOLS = {
     # AdamW here (beta2 = 0.9; beta2 >= 0.98 trails by 16-35%); gradients by the vectorized pass.
     "lion": dict(world_sizes=[8, 16, 32], seeds=list(range(10)),
                  lr={"adamw": 4e-3, "lion": 1e-3, "cub": 1e-3, "avg": 2e-3, "bbit": 1e-3},
-                 variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_1bit_sync10_int8",
-                           "cub_1bit_sync20_int8_node2", "cub_1bit_sync20_int8_node4", "cub_b3", "cub_int8"],
+                 variants=list(_LION_STUDY_VARIANTS),
                  settings=dict(_SMALL, steps=1200, betas=[0.8, 0.9], grads="vmap")),
     # `lion` with a 150-step warm-up (docs/convergence.md "The chosen preset"): the 30-step warm-up
     # left global Lion and LionCub crawling through a ~2.4 nats/byte plateau on some seeds (1 in 5
@@ -221,8 +223,7 @@ PROTOCOLS = {
     # 18), and one slow start costs more than the lr gains (docs/convergence.md).
     "lion_w150": dict(world_sizes=[8, 16, 32], seeds=list(range(10)),
                       lr={"adamw": 8e-3, "lion": 2e-3, "cub": 2e-3, "avg": 4e-3, "bbit": 2e-3},
-                      variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_1bit_sync10_int8",
-                                "cub_1bit_sync20_int8_node2", "cub_1bit_sync20_int8_node4", "cub_b3", "cub_int8"],
+                      variants=list(_LION_STUDY_VARIANTS),
                       settings=dict(_SMALL, steps=1200, betas=[0.8, 0.9], warmup=150, grads="vmap")),
     # `lion_w150` with a 300-step warm-up for every optimizer (docs/convergence.md "The chosen preset"):
     # the 150-step warm-up left global Lion short of its best. Seed 1000, N = 16: Lion 2e-3 / 2.8e-3 /
@@ -231,8 +232,7 @@ PROTOCOLS = {
     # (8e-3 kept: within noise, and AdamW's lr sets Lion's weight decay). Lion Cub at global Lion's lr.
     "lion_w300": dict(world_sizes=[8, 16, 32], seeds=list(range(10)),
                       lr={"adamw": 8e-3, "lion": 4e-3, "cub": 4e-3, "avg": 8e-3, "bbit": 4e-3},
-                      variants=["adamw", "lion", "cub_1bit", "cub_1bit_sync20_int8", "cub_1bit_sync10_int8",
-                                "cub_1bit_sync20_int8_node2", "cub_1bit_sync20_int8_node4", "cub_b3", "cub_int8"],
+                      variants=list(_LION_STUDY_VARIANTS),
                       settings=dict(_SMALL, steps=1200, betas=[0.8, 0.9], warmup=300, grads="vmap")),
 }
 # Used when neither a flag nor --protocol sets them.
@@ -882,9 +882,10 @@ def real_lioncub_rank(rank, n, variants, seed, cfg, lrs):
                       tie_break=spec.get("tie_break", cfg["tie_break"]), momentum_sync=spec.get("sync"),
                       vote_bits=spec.get("bits"), rounding=spec.get("rounding"),
                       **(dict(voters="node", node_size=spec["node"]) if "node" in spec else {}))
+        warmup = warmup_of(variant, cfg)
         for step in range(cfg["steps"]):
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg["steps"], lr, warmup_of(variant, cfg), cfg["min_lr_ratio"])
+                g["lr"] = lr_at(step, cfg["steps"], lr, warmup, cfg["min_lr_ratio"])
             x, y = ds.get_batch("train", cfg["batch_size"], cfg["seq_len"], rank, n, step=step, seed=seed)
             opt.zero_grad(set_to_none=True)
             model(x, y)[1].backward()
