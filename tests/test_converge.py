@@ -172,7 +172,8 @@ def test_variant_with_another_familys_lr():
 def test_recommended_config_is_valid_and_is_the_studied_one():
     """configs/ds_lioncub_recommended.json: a valid LionCub config, and the variant the long-horizon
     study recommends (docs/convergence.md): 1-bit majority votes with hash ties and an int8 momentum
-    sync every 20 steps, at the long protocol's betas, lr and lr*wd (= AdamW's)."""
+    sync every 20 steps, at the chosen preset's (lion_w300) betas, lr (global Lion's), lr*wd (= AdamW's)
+    and schedule."""
     import json
     import pathlib
 
@@ -183,12 +184,17 @@ def test_recommended_config_is_valid_and_is_the_studied_one():
     assert ds_cfg["optimizer"]["type"] == "LionCub"
     cfg = LionCubConfig.from_kwargs(**ds_cfg["optimizer"]["params"])
     spec = C.spec_of("cub_1bit_sync20_int8")
-    proto = C.PROTOCOLS["long"]
+    proto = C.PROTOCOLS["lion_w300"]
     assert (cfg.comm, cfg.vote, cfg.tie_break) == (spec["comm"], "majority", "hash")
     assert cfg.momentum_sync == MomentumSyncConfig.from_value(spec["sync"])
     assert list(cfg.betas) == proto["settings"]["betas"] and cfg.lr == proto["lr"]["cub"]
     assert cfg.weight_decay == pytest.approx(0.1 * proto["lr"]["adamw"] / proto["lr"]["cub"])
-    assert ds_cfg["scheduler"]["params"]["total_num_steps"] == proto["settings"]["steps"]
+    assert cfg.lr == proto["lr"]["lion"]
+    sched = ds_cfg["scheduler"]["params"]
+    assert ds_cfg["scheduler"]["type"] == "WarmupCosineLR" and sched["warmup_type"] == "linear"
+    assert (sched["total_num_steps"], sched["warmup_num_steps"]) == (proto["settings"]["steps"],
+                                                                     proto["settings"]["warmup"])
+    assert sched["cos_min_ratio"] == 0.1 and sched["warmup_min_ratio"] == 0.0  # lr_at's floor and start
 
 
 # ----------------------------------------------------------------------------- node voters in the simulation
