@@ -171,6 +171,27 @@ def test_deepspeed_configs_table_lists_every_config_as_it_is():
     assert table["ds_lioncub_node_voters.json"]["momentum sync"] == '`{"every": 20, "dtype": "int8"}`'
 
 
+def test_deepspeed_configs_table_quotes_the_files_lr_betas_and_decay():
+    """Where a row of the table quotes `lr X`, `betas [a, b]` or `weight_decay X`, they are the file's
+    (the recommended config's moved with the chosen preset once; its row must move with it)."""
+    import re
+
+    quoted = 0
+    for name, row in _configs_table().items():
+        params = _configs()[name]["optimizer"]["params"]
+        cell = row["other LionCub params"]
+        for key, pattern in (("lr", r"`lr ([0-9.e+-]+)`"), ("weight_decay", r"`weight_decay ([0-9.e+-]+)`")):
+            m = re.search(pattern, cell)
+            if m:
+                assert float(m.group(1)) == pytest.approx(float(params[key])), (name, key, cell)
+                quoted += 1
+        m = re.search(r"`betas \[([0-9.]+), ([0-9.]+)\]`", cell)
+        if m:
+            assert [float(m.group(1)), float(m.group(2))] == list(params["betas"]), (name, cell)
+            quoted += 1
+    assert quoted >= 9  # the demo's and the recommended config's three, and the GPU bf16 config's
+
+
 # ----------------------------------------------------------------------------- the pretraining script: --steps
 def _lr_trace(scheduler_cfg: dict, steps: int) -> list[float]:
     """The lr DeepSpeed's own scheduler gives after each of ``steps`` optimizer steps (what the script logs)."""
