@@ -192,9 +192,9 @@ def test_recommended_config_is_valid_and_is_the_studied_one():
     assert cfg.lr == proto["lr"]["lion"]
     sched = ds_cfg["scheduler"]["params"]
     assert ds_cfg["scheduler"]["type"] == "WarmupCosineLR" and sched["warmup_type"] == "linear"
-    assert (sched["total_num_steps"], sched["warmup_num_steps"]) == (proto["settings"]["steps"],
-                                                                     proto["settings"]["warmup"])
-    assert sched["cos_min_ratio"] == 0.1 and sched["warmup_min_ratio"] == 0.0  # lr_at's floor and start
+    study = C.make_cfg(**proto["settings"])  # the bench's schedule, its defaults filled in
+    assert (sched["total_num_steps"], sched["warmup_num_steps"]) == (study["steps"], study["warmup"])
+    assert sched["cos_min_ratio"] == study["min_lr_ratio"] and sched["warmup_min_ratio"] == 0.0
 
 
 # ----------------------------------------------------------------------------- node voters in the simulation

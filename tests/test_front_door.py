@@ -174,11 +174,10 @@ def test_deepspeed_configs_table_lists_every_config_as_it_is():
 def test_deepspeed_configs_table_quotes_the_files_lr_betas_and_decay():
     """Where a row of the table quotes `lr X`, `betas [a, b]` or `weight_decay X`, they are the file's
     (the recommended config's moved with the chosen preset once; its row must move with it)."""
-    import re
-
+    configs = _configs()
     quoted = 0
     for name, row in _configs_table().items():
-        params = _configs()[name]["optimizer"]["params"]
+        params = configs[name]["optimizer"]["params"]
         cell = row["other LionCub params"]
         for key, pattern in (("lr", r"`lr ([0-9.e+-]+)`"), ("weight_decay", r"`weight_decay ([0-9.e+-]+)`")):
             m = re.search(pattern, cell)
