@@ -1,0 +1,196 @@
+"""The tables of a ``bench converge`` study, from its merged JSON: what docs/convergence.md quotes.
+
+A study's merged JSON (``bench converge --merge ... --json X``) holds every run; this module turns it
+into the per-seed tables of docs/convergence.md (final validation loss per seed, paired gap to global
+Lion with its 95% interval, bytes saved), the frontier per N (worst seed, and a post-hoc interval
+without named seeds, shown beside the result, never as it) and the slow starts (runs still above a
+validation loss at an early step, from the curve records). No training; nothing here is hand-typed
+into the docs: ``--doc`` rewrites the block between ``<!-- MARKER -->`` and ``<!-- /MARKER -->``,
+``--check`` fails when that block is not what the JSON gives (tests/test_converge_report.py).
+
+    python -m benchmarks.converge_report docs/lion_w300/converge.json --doc docs/convergence.md --marker w300-tables
+    python -m benchmarks.converge_report docs/lion_w300/converge.json --drop-seed 8:6 --slow-step 150 --slow-above 2.45
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .converge import summarize, t_interval
+
+# Row order of the per-seed tables: the controls, then the recommendation and its neighbours, then the
+# variants that send more or less (issue 34's list); any other variant follows by name.
+ROW_ORDER = ("lion", "adamw", "cub_1bit_sync20_int8", "cub_1bit_sync10_int8", "cub_1bit_sync20_int8_node2",
+             "cub_1bit_sync20_int8_node4", "cub_1bit", "cub_b3", "cub_int8")
+
+
+def load(path) -> list[dict]:
+    """The records of a merged JSON (a list) or of a JSONL file (one record per line)."""
+    text = Path(path).read_text()
+    return [json.loads(x) for x in text.splitlines() if x.strip()] if str(path).endswith(".jsonl") else json.loads(text)
+
+
+def runs_of(records) -> list[dict]:
+    return [r for r in records if r.get("bench") == "converge"]
+
+
+def fmt_lr(x: float) -> str:
+    """0.004 -> '4e-3', 0.011 -> '1.1e-2' (how the docs write lrs)."""
+    mant, exp = f"{x:.1e}".split("e")
+    return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
+
+
+def _order(variant: str):
+    return (ROW_ORDER.index(variant), "") if variant in ROW_ORDER else (len(ROW_ORDER), variant)
+
+
+def seed_table(records, n: int) -> str:
+    """One N's markdown table: a row per variant, a column per seed (final val loss), the paired gap
+    to global Lion over the seeds both have, and x fewer bytes than an fp32 all-reduce (node voters:
+    the inter-node link's)."""
+    runs = [r for r in runs_of(records) if r["world_size"] == n]
+    if not runs:
+        raise ValueError(f"no runs at N = {n} (N with runs: {sorted({r['world_size'] for r in runs_of(records)})})")
+    seeds = sorted({r["seed"] for r in runs})
+    summary = {s["variant"]: s for s in summarize(runs)}
+    head = [f"N = {n}", *map(str, seeds), "paired gap to global Lion [95% CI]", "x fewer bytes"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for v in sorted({r["variant"] for r in runs}, key=_order):
+        mine = {r["seed"]: r for r in runs if r["variant"] == v}
+        r0 = mine[min(mine)]
+        s = summary.get(v)
+        if v == "lion":
+            gap = "—"
+        elif s is None:
+            gap = "no paired seed"
+        elif len(s["seeds"]) < 2:
+            gap = f"{s['gap_pct']:+.2f}% (1 seed)"
+        else:
+            gap = f"{s['gap_pct']:+.2f}% [{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}] ({len(s['seeds'])} seeds)"
+        cells = [f"`{v}`, lr {fmt_lr(r0['lr'])}", *(f"{mine[k]['val_loss']:.3f}" if k in mine else "" for k in seeds),
+                 gap, f"{r0['bytes_ratio_vs_fp32']:.1f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def seed_tables(records) -> str:
+    """Every N's table, smallest N first, a blank line between them."""
+    return "\n".join(seed_table(records, n) for n in sorted({r["world_size"] for r in runs_of(records)}))
+
+
+def frontier(records, n: int, drop_seeds=()) -> list[dict]:
+    """Per variant other than global Lion at N: x fewer bytes, the paired gap [95% CI], the worst seed,
+    and (when ``drop_seeds`` is given) the same interval without those seeds: post hoc, for beside."""
+    runs = [r for r in runs_of(records) if r["world_size"] == n]
+    ref = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == "lion"}
+    out = []
+    for v in sorted({r["variant"] for r in runs} - {"lion"}, key=_order):
+        gaps = {r["seed"]: 100.0 * (r["val_loss"] / ref[r["seed"]] - 1.0)
+                for r in runs if r["variant"] == v and r["seed"] in ref}
+        if not gaps:
+            continue
+        row = {"world_size": n, "variant": v, "seeds": len(gaps),
+               "bytes_ratio_vs_fp32": next(r for r in runs if r["variant"] == v)["bytes_ratio_vs_fp32"]}
+        row["gap_pct"], half, _ = t_interval(list(gaps.values()))
+        row["ci_lo_pct"], row["ci_hi_pct"] = row["gap_pct"] - half, row["gap_pct"] + half
+        row["worst_seed"] = max(gaps, key=gaps.get)
+        row["worst_gap_pct"] = gaps[row["worst_seed"]]
+        kept = [g for s, g in gaps.items() if s not in drop_seeds]
+        if drop_seeds and len(kept) >= 2:
+            m, h, _ = t_interval(kept)
+            row.update(post_hoc_gap_pct=m, post_hoc_lo_pct=m - h, post_hoc_hi_pct=m + h, post_hoc_seeds=len(kept))
+        out.append(row)
+    return out
+
+
+def slow_starts(records, step: int, above: float) -> list[dict]:
+    """The runs whose validation loss at ``step`` (a curve record) is above ``above``, and every
+    run's value there: [{world_size, variant, seed, val_loss_at_step, final val_loss, slow}]."""
+    final = {(r["world_size"], r["variant"], r["seed"]): r["val_loss"] for r in runs_of(records)}
+    at = {(c["world_size"], c["variant"], c["seed"]): c["val_loss"] for c in records
+          if c.get("bench") == "converge_curve" and c["step"] == step}
+    missing = sorted(k for k in final if k not in at)
+    if missing:
+        raise ValueError(f"no curve record at step {step} for {len(missing)} runs, e.g. {missing[0]}: "
+                         f"pick a step the study evaluated (its eval_every)")
+    return [{"world_size": k[0], "variant": k[1], "seed": k[2], "val_loss_at_step": at[k], "val_loss": final[k],
+             "slow": at[k] > above} for k in sorted(final)]
+
+
+def replace_block(doc: str, marker: str, body: str) -> str:
+    """``doc`` with the text between ``<!-- marker -->`` and ``<!-- /marker -->`` replaced by ``body``."""
+    start, end = f"<!-- {marker} -->\n", f"<!-- /{marker} -->"
+    i, j = doc.find(start), doc.find(end)
+    if i < 0 or j < 0 or j < i:
+        raise ValueError(f"--marker {marker!r}: the doc needs the lines '<!-- {marker} -->' and '<!-- /{marker} -->' "
+                         "around the block, in that order")
+    return doc[:i + len(start)] + body + doc[j:]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.converge_report", description=__doc__.split("\n\n")[0])
+    p.add_argument("json", help="a study's merged JSON (bench converge --merge ... --json) or a JSONL of runs")
+    p.add_argument("--doc", help="a markdown file whose block between the --marker lines gets the per-seed tables")
+    p.add_argument("--marker", default="w300-tables", help="the block's name (default w300-tables)")
+    p.add_argument("--check", action="store_true", help="with --doc: write nothing; exit 1 if the block differs")
+    p.add_argument("--drop-seed", nargs="*", default=[], metavar="N:SEED",
+                   help="the frontier's post-hoc column: the interval without these seeds at that N")
+    p.add_argument("--slow-step", type=int, default=None, help="count slow starts: val loss at this step ...")
+    p.add_argument("--slow-above", type=float, default=2.45, help="... above this (nats/byte; default 2.45)")
+    args = p.parse_args(argv)
+    drop = {}
+    for item in args.drop_seed:
+        n, _, s = item.partition(":")
+        if not (n.isdigit() and s.isdigit()):
+            p.error(f"--drop-seed {item!r}: expected N:SEED, e.g. 8:6")
+        drop.setdefault(int(n), set()).add(int(s))
+    records = load(args.json)
+    if not runs_of(records):
+        p.error(f"{args.json}: no converge run records in it")
+    tables = seed_tables(records)
+    if args.doc:
+        old = Path(args.doc).read_text()
+        new = replace_block(old, args.marker, tables)
+        if args.check:
+            if new != old:
+                print(f"{args.doc}: the {args.marker} block is not what {args.json} gives; regenerate with "
+                      f"python -m benchmarks.converge_report {args.json} --doc {args.doc} --marker {args.marker}")
+                return 1
+            print(f"{args.doc}: the {args.marker} block matches {args.json}")
+        elif new != old:
+            Path(args.doc).write_text(new)
+            print(f"{args.doc}: rewrote the {args.marker} block")
+    else:
+        print(tables)
+    for n in sorted({r["world_size"] for r in runs_of(records)}):
+        print(f"\nN = {n}: frontier (paired gap to global Lion)" + (f"; post hoc without seeds {sorted(drop[n])}"
+                                                                    if n in drop else ""))
+        for f in frontier(records, n, drop.get(n, ())):
+            line = (f"  {f['variant']:<30} {f['bytes_ratio_vs_fp32']:6.1f}x  {f['gap_pct']:+.2f}% "
+                    f"[{f['ci_lo_pct']:+.2f}, {f['ci_hi_pct']:+.2f}] ({f['seeds']} seeds)  worst seed "
+                    f"{f['worst_seed']}: {f['worst_gap_pct']:+.1f}%")
+            if "post_hoc_gap_pct" in f:
+                line += (f"  | post hoc {f['post_hoc_gap_pct']:+.2f}% [{f['post_hoc_lo_pct']:+.2f}, "
+                         f"{f['post_hoc_hi_pct']:+.2f}] ({f['post_hoc_seeds']} seeds)")
+            print(line)
+    if args.slow_step is not None:
+        rows = slow_starts(records, args.slow_step, args.slow_above)
+        slow = [r for r in rows if r["slow"]]
+        rest = [r["val_loss_at_step"] for r in rows if not r["slow"]]
+        print(f"\nslow starts (val loss at step {args.slow_step} > {args.slow_above}): {len(slow)} of {len(rows)} runs"
+              + (f"; the others at most {max(rest):.3f} there" if rest else ""))
+        for fam in ("lion", "adamw"):
+            mine = [r for r in rows if r["variant"] == fam]
+            print(f"  {fam}: {sum(r['slow'] for r in mine)} of {len(mine)}")
+        cub = [r for r in rows if r["variant"] not in ("lion", "adamw")]
+        print(f"  Lion Cub: {sum(r['slow'] for r in cub)} of {len(cub)}")
+        for r in slow:
+            print(f"    N = {r['world_size']} {r['variant']} seed {r['seed']}: {r['val_loss_at_step']:.3f} at step "
+                  f"{args.slow_step}, final {r['val_loss']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

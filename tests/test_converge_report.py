@@ -1,0 +1,99 @@
+"""``benchmarks.converge_report``: the per-seed tables, frontier and slow starts of a study, and that
+docs/convergence.md quotes the committed study's JSON, which holds exactly the committed runs."""
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import converge as C
+from benchmarks import converge_report as R
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+W300 = ROOT / "docs" / "lion_w300"
+
+
+def run(v, n, seed, loss, ratio=1.0, lr=4e-3):
+    return {"bench": "converge", "variant": v, "world_size": n, "seed": seed, "val_loss": loss, "lr": lr,
+            "bytes_per_rank": 1, "bytes_ratio_vs_fp32": ratio, "steps": 10}
+
+
+def curve(v, n, seed, step, loss):
+    return {"bench": "converge_curve", "variant": v, "world_size": n, "seed": seed, "step": step, "val_loss": loss}
+
+
+def test_fmt_lr():
+    assert [R.fmt_lr(x) for x in (4e-3, 8e-3, 1.1e-2, 5e-4, 2.8e-3)] == ["4e-3", "8e-3", "1.1e-2", "5e-4", "2.8e-3"]
+
+
+def test_seed_table_by_hand():
+    recs = [run("lion", 8, 0, 1.0), run("lion", 8, 1, 2.0), run("lion", 8, 2, 4.0),
+            run("cub_1bit", 8, 0, 1.01, ratio=31.5), run("cub_1bit", 8, 1, 2.04, ratio=31.5),  # seed 2 missing
+            run("adamw", 8, 2, 4.4, lr=8e-3)]
+    lines = R.seed_table(recs, 8).splitlines()
+    assert lines[0] == "| N = 8 | 0 | 1 | 2 | paired gap to global Lion [95% CI] | x fewer bytes |"
+    # rows: global Lion first, AdamW next, then Lion Cub; a seed a variant has not run is an empty cell
+    assert lines[2] == "| `lion`, lr 4e-3 | 1.000 | 2.000 | 4.000 | — | 1.0x |"
+    assert lines[3] == "| `adamw`, lr 8e-3 |  |  | 4.400 | +10.00% (1 seed) | 1.0x |"
+    # gaps +1% and +2%: mean 1.5, sd 0.7071, t(1) = 12.7062 -> half-width 6.353
+    assert lines[4] == "| `cub_1bit`, lr 4e-3 | 1.010 | 2.040 |  | +1.50% [-4.85, +7.85] (2 seeds) | 31.5x |"
+    with pytest.raises(ValueError, match="no runs at N = 16"):
+        R.seed_table(recs, 16)
+
+
+def test_frontier_worst_seed_and_post_hoc():
+    recs = [run("lion", 8, s, 1.0) for s in range(4)] + [run("cub_1bit", 8, s, x, 30.0)
+                                                         for s, x in enumerate((1.01, 1.02, 1.10, 1.03))]
+    (row,) = R.frontier(recs, 8, drop_seeds={2})
+    assert row["variant"] == "cub_1bit" and row["seeds"] == 4 and row["worst_seed"] == 2
+    assert row["worst_gap_pct"] == pytest.approx(10.0)
+    mean, half, _ = C.t_interval([1.0, 2.0, 3.0])
+    assert row["post_hoc_seeds"] == 3 and row["post_hoc_gap_pct"] == pytest.approx(mean)
+    assert row["post_hoc_hi_pct"] == pytest.approx(mean + half)
+    assert "post_hoc_gap_pct" not in R.frontier(recs, 8)[0]
+
+
+def test_slow_starts_need_a_curve_at_the_step():
+    recs = [run("lion", 8, 0, 1.3), run("cub_1bit", 8, 0, 1.4), curve("lion", 8, 0, 150, 2.40),
+            curve("cub_1bit", 8, 0, 150, 2.60)]
+    rows = {r["variant"]: r for r in R.slow_starts(recs, 150, 2.45)}
+    assert not rows["lion"]["slow"] and rows["cub_1bit"]["slow"] and rows["cub_1bit"]["val_loss"] == 1.4
+    with pytest.raises(ValueError, match="no curve record at step 100"):
+        R.slow_starts(recs, 100, 2.45)
+
+
+def test_replace_block_needs_both_markers():
+    doc = "a\n<!-- t -->\nold\n<!-- /t -->\nb\n"
+    assert R.replace_block(doc, "t", "new\n") == "a\n<!-- t -->\nnew\n<!-- /t -->\nb\n"
+    with pytest.raises(ValueError, match="--marker 'u'"):
+        R.replace_block(doc, "u", "new\n")
+
+
+def test_bad_drop_seed_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        R.main([str(W300 / "converge.json"), "--drop-seed", "8-6"])
+    assert "--drop-seed '8-6': expected N:SEED" in capsys.readouterr().err
+
+
+def test_the_docs_quote_the_lion_w300_json():
+    """docs/convergence.md's lion_w300 per-seed tables are what the committed JSON gives, and that
+    JSON holds exactly the runs committed in docs/lion_w300/runs/ (same N, variant, seed, loss, digest)."""
+    assert R.main([str(W300 / "converge.json"), "--doc", str(ROOT / "docs" / "convergence.md"),
+                   "--marker", "w300-tables", "--check"]) == 0
+    key = lambda r: (r["world_size"], r["variant"], r["seed"], r["val_loss"], r["digest"])
+    merged = sorted(map(key, R.runs_of(R.load(W300 / "converge.json"))))
+    _, runs, _, _ = C.merge(sorted(glob.glob(str(W300 / "runs" / "*.jsonl"))))
+    assert merged == sorted(map(key, runs))
+
+
+def test_check_fails_on_a_stale_block(tmp_path):
+    doc = (ROOT / "docs" / "convergence.md").read_text().replace("| 1.285 |", "| 1.286 |", 1)
+    assert doc != (ROOT / "docs" / "convergence.md").read_text()
+    (tmp_path / "c.md").write_text(doc)
+    args = [str(W300 / "converge.json"), "--doc", str(tmp_path / "c.md"), "--marker", "w300-tables"]
+    assert R.main(args + ["--check"]) == 1
+    assert R.main(args) == 0 and R.main(args + ["--check"]) == 0  # rewritten: now it matches
