@@ -1,0 +1,125 @@
+"""Run a ``bench converge`` study as a queue of one-run jobs, a few at a time, resumable.
+
+A 10-seed study is tens of CPU-hours of single-threaded runs. This runs each (N, variant, seed) as its
+own ``python -m benchmarks converge`` process (one torch thread: part of what makes runs repeatable)
+with ``--partial DIR/<tag>.jsonl``, ``--workers`` of them at once, rows in order (every seed of the
+first variant, then the next), so a stopped queue leaves whole rows behind. Run it again with the
+same arguments and it skips every run already in a ``*.jsonl`` of ``--dir`` or of a ``--done`` folder
+(e.g. the study's committed runs), and a run cut off mid-way starts again from its step 0 (its
+partial file keeps what finished). Then merge: ``python -m benchmarks converge --merge DIR/*.jsonl``.
+
+    python -m benchmarks.converge_queue --protocol lion_w300 --world-sizes 32 --seeds 0 1 2 3 4 5 6 7 8 9 \\
+        --variants cub_b3 cub_int8 --dir runs/w3 --done docs/lion_w300/runs --workers 2
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from . import converge as C
+
+
+def jobs(world_sizes, variants, seeds) -> list[tuple[int, str, int]]:
+    """(N, variant, seed) in queue order: per N, every seed of one variant before the next variant."""
+    return [(n, v, s) for n in world_sizes for v in variants for s in seeds]
+
+
+def tag(n: int, variant: str, seed: int) -> str:
+    return f"n{n}_{variant}_s{seed}"
+
+
+def finished(folders, protocol: str) -> set[tuple[int, str, int]]:
+    """(N, variant, seed) of the runs of ``protocol`` recorded in any ``*.jsonl`` of ``folders``
+    (unreadable lines, from a run cut off mid-write, are skipped)."""
+    done = set()
+    for folder in folders:
+        for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
+                        continue
+                    if r.get("bench") == "converge" and r.get("protocol") == protocol:
+                        done.add((r["world_size"], r["variant"], r["seed"]))
+    return done
+
+
+def command(protocol: str, n: int, variant: str, seed: int, folder: str, extra=()) -> list[str]:
+    return [sys.executable, "-m", "benchmarks", "converge", "--protocol", protocol, "--threads", "1",
+            "--world-sizes", str(n), "--seeds", str(seed), "--variants", variant,
+            "--partial", os.path.join(folder, tag(n, variant, seed) + ".jsonl"), *extra]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.converge_queue", description=__doc__.split("\n\n")[0])
+    p.add_argument("--protocol", required=True, choices=sorted(C.PROTOCOLS))
+    p.add_argument("--world-sizes", type=int, nargs="+", required=True)
+    p.add_argument("--seeds", type=int, nargs="+", required=True)
+    p.add_argument("--variants", nargs="+", required=True)
+    p.add_argument("--dir", required=True, help="where each run's <tag>.jsonl and <tag>.log go")
+    p.add_argument("--done", nargs="*", default=[], metavar="DIR",
+                   help="more folders of *.jsonl whose runs count as done (e.g. docs/<study>/runs)")
+    p.add_argument("--workers", type=int, default=2, help="runs at once (default 2: one per core of a 2-core machine)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands of the runs still to do, run none")
+    p.add_argument("extra", nargs="*", help="after --: more bench converge flags for every run (they change the "
+                                            "preset: the records say so)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers {args.workers}: must be >= 1")
+    for v in args.variants:
+        try:
+            C.spec_of(v)
+        except ValueError as exc:
+            p.error(f"--variants: {exc}")
+    if any(n < 1 for n in args.world_sizes):
+        p.error(f"--world-sizes {args.world_sizes}: each must be >= 1")
+    # the name the runs' records will carry: the protocol's, or "NAME (with ... changed)" under extra flags
+    try:
+        conv = C.build_parser().parse_args(["--protocol", args.protocol, *args.extra])
+    except SystemExit:
+        p.error(f"the flags after -- ({' '.join(args.extra)}) are not bench converge flags")
+    protocol_name = C.apply_protocol(conv).protocol_name
+    done = finished([args.dir, *args.done], protocol_name)
+    todo = [j for j in jobs(args.world_sizes, args.variants, args.seeds) if j not in done]
+    print(f"[converge_queue] {len(todo)} runs to do, {len(jobs(args.world_sizes, args.variants, args.seeds)) - len(todo)}"
+          f" already done; {args.workers} at a time; logs in {args.dir}/", flush=True)
+    if args.dry_run:
+        for j in todo:
+            print(" ".join(command(args.protocol, *j, args.dir, args.extra)))
+        return 0
+    os.makedirs(args.dir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def one(job):
+        t0 = time.time()
+        print(f"[converge_queue] {time.strftime('%H:%M:%S')} start {tag(*job)}", flush=True)
+        with open(os.path.join(args.dir, tag(*job) + ".log"), "w") as log:
+            rc = subprocess.call(command(args.protocol, *job, args.dir, args.extra), stdout=log,
+                                 stderr=subprocess.STDOUT, env=env)
+        print(f"[converge_queue] {time.strftime('%H:%M:%S')} end {tag(*job)} rc={rc} ({time.time() - t0:.0f} s)",
+              flush=True)
+        return rc
+
+    with ThreadPoolExecutor(args.workers) as pool:
+        rcs = list(pool.map(one, todo))
+    failed = [tag(*j) for j, rc in zip(todo, rcs) if rc != 0]
+    if failed:
+        print(f"[converge_queue] {len(failed)} runs failed (see their .log): {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
