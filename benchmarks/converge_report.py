@@ -42,14 +42,16 @@ def fmt_lr(x: float) -> str:
     return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
 
 
-def _order(variant: str):
-    return (ROW_ORDER.index(variant), "") if variant in ROW_ORDER else (len(ROW_ORDER), variant)
+def _order(order):
+    order = tuple(order)
+    return lambda v: (order.index(v), "") if v in order else (len(order), v)
 
 
-def seed_table(records, n: int) -> str:
+def seed_table(records, n: int, order=ROW_ORDER) -> str:
     """One N's markdown table: a row per variant, a column per seed (final val loss), the paired gap
     to global Lion over the seeds both have, and x fewer bytes than an fp32 all-reduce (node voters:
-    the inter-node link's)."""
+    the inter-node link's). Rows in ``order``, then any other variant by name; a seed a variant has
+    not run is '–'."""
     runs = [r for r in runs_of(records) if r["world_size"] == n]
     if not runs:
         raise ValueError(f"no runs at N = {n} (N with runs: {sorted({r['world_size'] for r in runs_of(records)})})")
@@ -57,7 +59,7 @@ def seed_table(records, n: int) -> str:
     summary = {s["variant"]: s for s in summarize(runs)}
     head = [f"N = {n}", *map(str, seeds), "paired gap to global Lion [95% CI]", "x fewer bytes"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for v in sorted({r["variant"] for r in runs}, key=_order):
+    for v in sorted({r["variant"] for r in runs}, key=_order(order)):
         mine = {r["seed"]: r for r in runs if r["variant"] == v}
         r0 = mine[min(mine)]
         s = summary.get(v)
@@ -69,30 +71,31 @@ def seed_table(records, n: int) -> str:
             gap = f"{s['gap_pct']:+.2f}% (1 seed)"
         else:
             gap = f"{s['gap_pct']:+.2f}% [{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}] ({len(s['seeds'])} seeds)"
-        cells = [f"`{v}`, lr {fmt_lr(r0['lr'])}", *(f"{mine[k]['val_loss']:.3f}" if k in mine else "" for k in seeds),
+        cells = [f"`{v}`, lr {fmt_lr(r0['lr'])}", *(f"{mine[k]['val_loss']:.3f}" if k in mine else "–" for k in seeds),
                  gap, f"{r0['bytes_ratio_vs_fp32']:.1f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def seed_tables(records) -> str:
+def seed_tables(records, order=ROW_ORDER) -> str:
     """Every N's table, smallest N first, a blank line between them."""
-    return "\n".join(seed_table(records, n) for n in sorted({r["world_size"] for r in runs_of(records)}))
+    return "\n".join(seed_table(records, n, order) for n in sorted({r["world_size"] for r in runs_of(records)}))
 
 
 def frontier(records, n: int, drop_seeds=()) -> list[dict]:
-    """Per variant other than global Lion at N: x fewer bytes, the paired gap [95% CI], the worst seed,
+    """Per variant other than global Lion at N: x fewer bytes (its lowest seed's, as in the tables),
+    the paired gap [95% CI], the worst seed,
     and (when ``drop_seeds`` is given) the same interval without those seeds: post hoc, for beside."""
     runs = [r for r in runs_of(records) if r["world_size"] == n]
     ref = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == "lion"}
     out = []
-    for v in sorted({r["variant"] for r in runs} - {"lion"}, key=_order):
+    for v in sorted({r["variant"] for r in runs} - {"lion"}, key=_order(ROW_ORDER)):
         gaps = {r["seed"]: 100.0 * (r["val_loss"] / ref[r["seed"]] - 1.0)
                 for r in runs if r["variant"] == v and r["seed"] in ref}
         if not gaps:
             continue
         row = {"world_size": n, "variant": v, "seeds": len(gaps),
-               "bytes_ratio_vs_fp32": next(r for r in runs if r["variant"] == v)["bytes_ratio_vs_fp32"]}
+               "bytes_ratio_vs_fp32": min((r["seed"], r["bytes_ratio_vs_fp32"]) for r in runs if r["variant"] == v)[1]}
         row["gap_pct"], half, _ = t_interval(list(gaps.values()))
         row["ci_lo_pct"], row["ci_hi_pct"] = row["gap_pct"] - half, row["gap_pct"] + half
         row["worst_seed"] = max(gaps, key=gaps.get)
@@ -134,6 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("json", help="a study's merged JSON (bench converge --merge ... --json) or a JSONL of runs")
     p.add_argument("--doc", help="a markdown file whose block between the --marker lines gets the per-seed tables")
     p.add_argument("--marker", default="w300-tables", help="the block's name (default w300-tables)")
+    p.add_argument("--order", nargs="+", default=list(ROW_ORDER), metavar="VARIANT",
+                   help="the tables' row order (default: global Lion, AdamW, then issue 34's list); others follow")
     p.add_argument("--check", action="store_true", help="with --doc: write nothing; exit 1 if the block differs")
     p.add_argument("--drop-seed", nargs="*", default=[], metavar="N:SEED",
                    help="the frontier's post-hoc column: the interval without these seeds at that N")
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
     records = load(args.json)
     if not runs_of(records):
         p.error(f"{args.json}: no converge run records in it")
-    tables = seed_tables(records)
+    tables = seed_tables(records, args.order)
     if args.doc:
         old = Path(args.doc).read_text()
         new = replace_block(old, args.marker, tables)

@@ -38,9 +38,9 @@ def test_seed_table_by_hand():
     assert lines[0] == "| N = 8 | 0 | 1 | 2 | paired gap to global Lion [95% CI] | x fewer bytes |"
     # rows: global Lion first, AdamW next, then Lion Cub; a seed a variant has not run is an empty cell
     assert lines[2] == "| `lion`, lr 4e-3 | 1.000 | 2.000 | 4.000 | — | 1.0x |"
-    assert lines[3] == "| `adamw`, lr 8e-3 |  |  | 4.400 | +10.00% (1 seed) | 1.0x |"
+    assert lines[3] == "| `adamw`, lr 8e-3 | – | – | 4.400 | +10.00% (1 seed) | 1.0x |"
     # gaps +1% and +2%: mean 1.5, sd 0.7071, t(1) = 12.7062 -> half-width 6.353
-    assert lines[4] == "| `cub_1bit`, lr 4e-3 | 1.010 | 2.040 |  | +1.50% [-4.85, +7.85] (2 seeds) | 31.5x |"
+    assert lines[4] == "| `cub_1bit`, lr 4e-3 | 1.010 | 2.040 | – | +1.50% [-4.85, +7.85] (2 seeds) | 31.5x |"
     with pytest.raises(ValueError, match="no runs at N = 16"):
         R.seed_table(recs, 16)
 
@@ -79,14 +79,23 @@ def test_bad_drop_seed_is_refused(capsys):
     assert "--drop-seed '8-6': expected N:SEED" in capsys.readouterr().err
 
 
-def test_the_docs_quote_the_lion_w300_json():
-    """docs/convergence.md's lion_w300 per-seed tables are what the committed JSON gives, and that
-    JSON holds exactly the runs committed in docs/lion_w300/runs/ (same N, variant, seed, loss, digest)."""
-    assert R.main([str(W300 / "converge.json"), "--doc", str(ROOT / "docs" / "convergence.md"),
-                   "--marker", "w300-tables", "--check"]) == 0
+W150_ORDER = ["lion", "adamw", "cub_1bit:lion", "cub_1bit_sync20_int8:lion", "cub_1bit_sync10_int8:lion",
+              "cub_1bit_sync20_int8_node2:lion", "cub_1bit", "cub_1bit_sync20_int8"]
+
+
+@pytest.mark.parametrize("study, marker, order", [("lion_w300", "w300-tables", []),
+                                                  ("lion_w150", "w150-tables", ["--order", *W150_ORDER])])
+def test_the_docs_quote_the_study_json(study, marker, order):
+    """docs/convergence.md's per-seed tables of a study are what its committed JSON gives (the
+    commands the doc shows), and that JSON holds exactly the runs committed in docs/<study>/runs/
+    (same N, variant, seed, loss, digest)."""
+    folder = ROOT / "docs" / study
+    assert R.main([str(folder / "converge.json"), "--doc", str(ROOT / "docs" / "convergence.md"),
+                   "--marker", marker, "--check", *order]) == 0
+    assert f"--marker {marker}" in (ROOT / "docs" / "convergence.md").read_text()
     key = lambda r: (r["world_size"], r["variant"], r["seed"], r["val_loss"], r["digest"])
-    merged = sorted(map(key, R.runs_of(R.load(W300 / "converge.json"))))
-    _, runs, _, _ = C.merge(sorted(glob.glob(str(W300 / "runs" / "*.jsonl"))))
+    merged = sorted(map(key, R.runs_of(R.load(folder / "converge.json"))))
+    _, runs, _, _ = C.merge(sorted(glob.glob(str(folder / "runs" / "*.jsonl"))))
     assert merged == sorted(map(key, runs))
 
 
