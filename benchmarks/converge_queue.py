@@ -92,9 +92,10 @@ def main(argv=None) -> int:
         p.error(f"the flags after -- ({' '.join(args.extra)}) are not bench converge flags")
     protocol_name = C.apply_protocol(conv).protocol_name
     done = finished([args.dir, *args.done], protocol_name)
-    todo = [j for j in jobs(args.world_sizes, args.variants, args.seeds) if j not in done]
-    print(f"[converge_queue] {len(todo)} runs to do, {len(jobs(args.world_sizes, args.variants, args.seeds)) - len(todo)}"
-          f" already done; {args.workers} at a time; logs in {args.dir}/", flush=True)
+    every = jobs(args.world_sizes, args.variants, args.seeds)
+    todo = [j for j in every if j not in done]
+    print(f"[converge_queue] {len(todo)} runs to do, {len(every) - len(todo)} already done; {args.workers} at a "
+          f"time; logs in {args.dir}/", flush=True)
     if args.dry_run:
         for j in todo:
             print(" ".join(command(args.protocol, *j, args.dir, args.extra)))

@@ -14,11 +14,10 @@ into the docs: ``--doc`` rewrites the block between ``<!-- MARKER -->`` and ``<!
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from .converge import summarize, t_interval
+from .converge import merge, summarize, t_interval
 
 # Row order of the per-seed tables: the controls, then the recommendation and its neighbours, then the
 # variants that send more or less (issue 34's list); any other variant follows by name.
@@ -27,9 +26,9 @@ ROW_ORDER = ("lion", "adamw", "cub_1bit_sync20_int8", "cub_1bit_sync10_int8", "c
 
 
 def load(path) -> list[dict]:
-    """The records of a merged JSON (a list) or of a JSONL file (one record per line)."""
-    text = Path(path).read_text()
-    return [json.loads(x) for x in text.splitlines() if x.strip()] if str(path).endswith(".jsonl") else json.loads(text)
+    """The run and curve records of a merged JSON or a JSONL file (read as ``converge --merge`` reads it)."""
+    _, runs, _, curves = merge([str(path)])
+    return runs + curves
 
 
 def runs_of(records) -> list[dict]:
@@ -83,21 +82,15 @@ def seed_tables(records, order=ROW_ORDER) -> str:
 
 
 def frontier(records, n: int, drop_seeds=()) -> list[dict]:
-    """Per variant other than global Lion at N: x fewer bytes (its lowest seed's, as in the tables),
-    the paired gap [95% CI], the worst seed,
-    and (when ``drop_seeds`` is given) the same interval without those seeds: post hoc, for beside."""
+    """Per variant other than global Lion at N: its :func:`summarize` row (x fewer bytes, the paired
+    gap [95% CI]) with the worst seed, and (when ``drop_seeds`` is given) the same interval without
+    those seeds: post hoc, for beside."""
     runs = [r for r in runs_of(records) if r["world_size"] == n]
     ref = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == "lion"}
     out = []
-    for v in sorted({r["variant"] for r in runs} - {"lion"}, key=_order(ROW_ORDER)):
+    for row in sorted((s for s in summarize(runs) if s["variant"] != "lion"), key=lambda s: _order(ROW_ORDER)(s["variant"])):
         gaps = {r["seed"]: 100.0 * (r["val_loss"] / ref[r["seed"]] - 1.0)
-                for r in runs if r["variant"] == v and r["seed"] in ref}
-        if not gaps:
-            continue
-        row = {"world_size": n, "variant": v, "seeds": len(gaps),
-               "bytes_ratio_vs_fp32": min((r["seed"], r["bytes_ratio_vs_fp32"]) for r in runs if r["variant"] == v)[1]}
-        row["gap_pct"], half, _ = t_interval(list(gaps.values()))
-        row["ci_lo_pct"], row["ci_hi_pct"] = row["gap_pct"] - half, row["gap_pct"] + half
+                for r in runs if r["variant"] == row["variant"] and r["seed"] in ref}
         row["worst_seed"] = max(gaps, key=gaps.get)
         row["worst_gap_pct"] = gaps[row["worst_seed"]]
         kept = [g for s, g in gaps.items() if s not in drop_seeds]
@@ -174,7 +167,7 @@ def main(argv=None) -> int:
                                                                     if n in drop else ""))
         for f in frontier(records, n, drop.get(n, ())):
             line = (f"  {f['variant']:<30} {f['bytes_ratio_vs_fp32']:6.1f}x  {f['gap_pct']:+.2f}% "
-                    f"[{f['ci_lo_pct']:+.2f}, {f['ci_hi_pct']:+.2f}] ({f['seeds']} seeds)  worst seed "
+                    f"[{f['ci_lo_pct']:+.2f}, {f['ci_hi_pct']:+.2f}] ({len(f['seeds'])} seeds)  worst seed "
                     f"{f['worst_seed']}: {f['worst_gap_pct']:+.1f}%")
             if "post_hoc_gap_pct" in f:
                 line += (f"  | post hoc {f['post_hoc_gap_pct']:+.2f}% [{f['post_hoc_lo_pct']:+.2f}, "
