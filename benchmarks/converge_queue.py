@@ -103,14 +103,19 @@ def main(argv=None) -> int:
     os.makedirs(args.dir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
+    def say(msg):
+        # one write per line: print() writes the text and the newline apart, so two workers' lines
+        # could run together
+        sys.stdout.write(f"[converge_queue] {time.strftime('%H:%M:%S')} {msg}\n")
+        sys.stdout.flush()
+
     def one(job):
         t0 = time.time()
-        print(f"[converge_queue] {time.strftime('%H:%M:%S')} start {tag(*job)}", flush=True)
+        say(f"start {tag(*job)}")
         with open(os.path.join(args.dir, tag(*job) + ".log"), "w") as log:
             rc = subprocess.call(command(args.protocol, *job, args.dir, args.extra), stdout=log,
                                  stderr=subprocess.STDOUT, env=env)
-        print(f"[converge_queue] {time.strftime('%H:%M:%S')} end {tag(*job)} rc={rc} ({time.time() - t0:.0f} s)",
-              flush=True)
+        say(f"end {tag(*job)} rc={rc} ({time.time() - t0:.0f} s)")
         return rc
 
     with ThreadPoolExecutor(args.workers) as pool:

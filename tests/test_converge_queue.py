@@ -62,12 +62,14 @@ def test_a_queue_runs_its_jobs_and_a_second_call_runs_none(tmp_path, capsys):
     argv = ["--protocol", "lion_w300", "--world-sizes", "2", "--seeds", "0", "--variants", "lion", "cub_1bit",
             "--dir", str(tmp_path), "--workers", "2", "--", *TINY_FLAGS]
     assert Q.main(argv) == 0
+    # two workers' progress lines each stand on their own line
+    progress = [x for x in capsys.readouterr().out.splitlines() if " start " in x or " end " in x]
+    assert len(progress) == 4 and all(x.count("[converge_queue]") == 1 for x in progress)
     recs = {}
     for v in ("lion", "cub_1bit"):
         lines = [json.loads(x) for x in (tmp_path / f"n2_{v}_s0.jsonl").read_text().splitlines()]
         (recs[v],) = [r for r in lines if r["bench"] == "converge"]
         assert recs[v]["variant"] == v and recs[v]["steps"] == 4 and recs[v]["protocol"].startswith("lion_w300 (with ")
     assert recs["lion"]["val_loss"] != recs["cub_1bit"]["val_loss"]
-    capsys.readouterr()
     assert Q.main(argv) == 0
     assert "0 runs to do, 2 already done" in capsys.readouterr().out
