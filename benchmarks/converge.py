@@ -1097,19 +1097,26 @@ def run(variants=DEFAULT_VARIANTS, seeds=(0, 1, 2, 3, 4), world_sizes=(8,), lrs=
     return records, curves, cfg
 
 
+def paired_gaps(runs, variant: str) -> dict[int, float]:
+    """Per seed, in seed order, ``variant``'s final val loss against global Lion's of the same seed, in
+    % (the seeds both ran; ``runs`` all at one N)."""
+    ref = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == "lion"}
+    mine = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == variant}
+    return {s: 100.0 * (mine[s] / ref[s] - 1.0) for s in sorted(mine) if s in ref}
+
+
 def summarize(records):
     """Per (N, variant) the paired gap to global Lion over the seeds that have both."""
     out = []
     for n in sorted({r["world_size"] for r in records}):
         rs = [r for r in records if r["world_size"] == n]
-        ref = {r["seed"]: r["val_loss"] for r in rs if r["variant"] == "lion"}
         for v in dict.fromkeys(r["variant"] for r in rs):
             mine = {r["seed"]: r for r in rs if r["variant"] == v}
-            seeds = sorted(s for s in mine if s in ref)
-            if not seeds:
+            by_seed = paired_gaps(rs, v)
+            if not by_seed:
                 continue
-            gaps = [100.0 * (mine[s]["val_loss"] / ref[s] - 1.0) for s in seeds]
-            mean, half, sd = t_interval(gaps)
+            seeds = list(by_seed)
+            mean, half, sd = t_interval(list(by_seed.values()))
             r0 = mine[seeds[0]]
             out.append({"bench": "converge_summary", "world_size": n, "variant": v, "label": spec_of(v)["label"],
                         "seeds": seeds, "mean_val_loss": sum(mine[s]["val_loss"] for s in seeds) / len(seeds),

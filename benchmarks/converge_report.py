@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .converge import merge, summarize, t_interval
+from .converge import merge, paired_gaps, summarize, t_interval
 
 # Row order of the per-seed tables: the controls, then the recommendation and its neighbours, then the
 # variants that send more or less (issue 34's list); any other variant follows by name.
@@ -86,11 +86,10 @@ def frontier(records, n: int, drop_seeds=()) -> list[dict]:
     gap [95% CI]) with the worst seed, and (when ``drop_seeds`` is given) the same interval without
     those seeds: post hoc, for beside."""
     runs = [r for r in runs_of(records) if r["world_size"] == n]
-    ref = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == "lion"}
+    order = _order(ROW_ORDER)
     out = []
-    for row in sorted((s for s in summarize(runs) if s["variant"] != "lion"), key=lambda s: _order(ROW_ORDER)(s["variant"])):
-        gaps = {r["seed"]: 100.0 * (r["val_loss"] / ref[r["seed"]] - 1.0)
-                for r in runs if r["variant"] == row["variant"] and r["seed"] in ref}
+    for row in sorted((s for s in summarize(runs) if s["variant"] != "lion"), key=lambda s: order(s["variant"])):
+        gaps = paired_gaps(runs, row["variant"])
         row["worst_seed"] = max(gaps, key=gaps.get)
         row["worst_gap_pct"] = gaps[row["worst_seed"]]
         kept = [g for s, g in gaps.items() if s not in drop_seeds]
