@@ -47,6 +47,10 @@ NETWORK_HELP = {"bandwidth_gbit": "network bandwidth in Gbit/s for comm=auto's c
 # Constructor arguments that are not settings: (default, allowed, meaning), for the README table.
 CONSTRUCTOR_ONLY = {"process_group": ("world", "a ProcessGroup",
                                       "the data-parallel group that votes (DeepSpeed and Megatron set it)"),
+                    "shard_groups": ("`None`", "a `lioncub_ds.groups.ShardGroups`",
+                                     "the parameters are this rank's shards of a framework's sharded parameters "
+                                     "(DeepSpeed ZeRO-3, FSDP2): vote with the peers holding the same shard, one voter "
+                                     "per shard group (the integrations set it)"),
                     "config": ("`None`", "a `LionCubConfig`",
                                "every setting at once, already validated (integrations validate once, early); "
                                "then no setting keyword may be given")}

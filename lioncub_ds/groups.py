@@ -133,6 +133,42 @@ def create_on_all_ranks(wanted: list[list[int]], timeout_s: float | None = None)
     return [created[tuple(r)] for r in wanted]
 
 
+@dataclass(frozen=True)
+class ShardGroups:
+    """A framework's 2-D layout of data-parallel ranks (SPEC §7): ``groups`` shard groups of
+    ``shard_size`` consecutive ranks. Inside a shard group the framework shards parameters,
+    gradients and optimizer state (DeepSpeed ZeRO-3 on a node, FSDP2's shard mesh dimension: the
+    fast link); the ``peers`` of a rank are the one rank per shard group holding the same shard
+    (the slow link). LionCub given ``shard_groups=`` steps this rank's shards and votes with its
+    peers (each shard group is one voter); the step's decisions (skip, refuse) are agreed over
+    ``shard`` too, so every rank of the step decides alike. Made by :func:`make_shard_groups`."""
+    shard: object        # the shard_size ranks of this rank's shard group
+    peers: object        # the ``groups`` ranks with this rank's shard_rank, one per shard group
+    world: object        # every rank of the step (None: the world)
+    shard_size: int
+    shard_rank: int      # this rank's place in its shard group: which shard it holds
+    groups: int          # Nn, the voters
+    group_index: int     # which shard group this rank is in
+
+
+def make_shard_groups(shard_size: int | None = None, *, group=None,
+                      timeout_s: float | None = None) -> ShardGroups:
+    """Create the shard groups and peer groups over ``group`` (None: the world) on every rank of
+    the world, in one order (:func:`create_on_all_ranks`). ``shard_size`` None: the ranks per node
+    (:func:`resolve_ranks_per_node`), so a shard group is a machine. Every rank must call it.
+    Raises ValueError naming ``node_size`` when the size cannot be found or does not divide
+    the group."""
+    ranks = group_ranks(group)
+    size = resolve_ranks_per_node(shard_size, "node_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or len(ranks) % size:
+        raise ValueError(f"LionCub: node_size={size!r} (the ranks of one shard group) must be a positive divisor "
+                         f"of the {len(ranks)} data-parallel ranks")
+    me = ranks.index(dist.get_rank())
+    k = me % size
+    shard, peers = create_on_all_ranks([consecutive_blocks(ranks, size)[me // size], ranks[k::size]], timeout_s)
+    return ShardGroups(shard, peers, group, size, k, len(ranks) // size, me // size)
+
+
 def consecutive_blocks(ranks: list[int], size: int) -> list[list[int]]:
     """``ranks`` cut into blocks of ``size`` consecutive members (size divides len(ranks))."""
     return [ranks[i:i + size] for i in range(0, len(ranks), size)]

@@ -209,9 +209,12 @@ class LionCub(Optimizer):
     """
 
     def __init__(self, params, lr=_DEFAULTS["lr"], betas=_DEFAULTS["betas"], weight_decay=_DEFAULTS["weight_decay"], *,
-                 process_group=None, config=None, **settings):
+                 process_group=None, config=None, shard_groups=None, **settings):
         # Validate everything before any state exists (LionCubConfig names a mistyped setting).
         given = {k for k, v in zip(POSITIONAL, (lr, betas, weight_decay)) if v is not _DEFAULTS[k]}
+        if shard_groups is not None:
+            process_group = _check_shard_groups(shard_groups, process_group)
+        self._shard_groups = shard_groups
         if config is not None:
             self.config = _given_config(config, given | set(settings))
             self._setup(params, config.lr, process_group)
@@ -223,10 +226,16 @@ class LionCub(Optimizer):
                                                 **settings)
         self._setup(params, lr_given, process_group)
 
+    #: set by ``shard_groups=`` (a :class:`~lioncub_ds.groups.ShardGroups`): the parameters are
+    #: this rank's shards of a framework's sharded parameters
+    _shard_groups = None
+
     def _setup(self, params, lr_given, process_group):
         """Everything after the settings are validated (``self.config``): groups, topology, state."""
         groups = _split_named(params)
         cfg = self.config
+        if self._shard_groups is not None:
+            _check_shard_settings(cfg)
         defaults = dict(lr=lr_given if isinstance(lr_given, torch.Tensor) else cfg.lr, betas=tuple(cfg.betas),
                         weight_decay=cfg.weight_decay)
         self._process_group = process_group
@@ -343,15 +352,21 @@ class LionCub(Optimizer):
             # differs across ranks, or fails on one rank only, gives every rank the same error
             # naming the setting (never one rank raising alone while the others wait).
             node_size, node_problem = _resolved(node_size_for, cfg, n)
+            if self._shard_groups is not None:  # the framework's shard groups are the layout
+                node_size, node_problem = 1, None
             sync_size, sync_problem = _resolved(sync_group_size, cfg, n)
             # one all-gather: the settings that must match do (else LionCubConfigError on every
             # rank); before the N-dependent checks, which would otherwise fail on some ranks only
+            # with shard groups the shard peers agree (they hold same-shaped shards), as Megatron's instances do
+            peers = self._shard_groups.peers if self._shard_groups is not None else self._process_group
             agree_settings(cfg, getattr(self, "param_groups", None) or self._construction_groups,
-                           self._process_group, resolved={"node_size": node_problem or node_size,
+                           peers, resolved={"node_size": node_problem or node_size,
                                                           "momentum_sync.group_size": sync_problem or sync_size})
             if node_problem or sync_problem:  # the same on every rank (agreed)
                 raise LionCubConfigError(node_problem or sync_problem)
             voters = n // node_size if cfg.node_voters else n
+            if self._shard_groups is not None:
+                voters = self._shard_groups.groups
             check_world_size(cfg, voters)  # N := the voters; before creating anything (the groups below)
             self._topology = self.resolve_topology(self._process_group, node_size, sync_size)
         return self._topology
@@ -365,6 +380,12 @@ class LionCub(Optimizer):
         :func:`lioncub_ds.momentum_sync.sync_group_size`). An integration that makes its groups
         elsewhere (Megatron's factory, on every rank) overrides this to return them and create none."""
         cfg = self.config
+        sg = self._shard_groups
+        if sg is not None:  # a framework's shard groups, made on every rank by the integration
+            settle_at_exit()
+            return Topology(sg.peers, sg.groups, sg.group_index, None, full_group=sg.world,
+                            agree_group=sg.shard, agree_size=sg.shard_size, agree_rank=sg.shard_rank,
+                            vote_scope="inter_node")
         n = dist.get_world_size(group)
         size = node_size
         settle_at_exit()  # a distributed run: let c10d's workers finish before the interpreter's teardown
@@ -685,6 +706,36 @@ class LionCub(Optimizer):
         if not self.distributed:
             return True
         return self.plan.check_replicas(action or self.config.drift_action, self._step_count)
+
+
+def _check_shard_groups(sg, process_group):
+    """``shard_groups=``: a :class:`~lioncub_ds.groups.ShardGroups`; the step's ranks are its
+    ``world`` (a ``process_group`` given as well must be that group)."""
+    from .groups import ShardGroups
+    if not isinstance(sg, ShardGroups):
+        raise LionCubConfigError(f"LionCub: shard_groups={type(sg).__name__} is not a lioncub_ds.groups.ShardGroups; "
+                                 "allowed: None or lioncub_ds.groups.make_shard_groups(...)")
+    if process_group is not None and process_group is not sg.world:
+        raise LionCubConfigError("LionCub: process_group and shard_groups=... both given and the group is not "
+                                 "shard_groups.world; allowed: only shard_groups (the step's ranks are its world)")
+    return sg.world
+
+
+def _check_shard_settings(cfg) -> None:
+    """With ``shard_groups=`` the framework's shard groups are the layout: settings that make one
+    of LionCub's own (or hook the autograd graph of parameters it does not see) are refused."""
+    bad = [(k, v) for k, v in (("voters", cfg.voters if cfg.node_voters else None), ("node_size", cfg.node_size),
+                               ("overlap", cfg.overlap or None))
+           if v is not None]
+    ms = cfg.momentum_sync
+    if ms is not None and ms.per_node:
+        bad.append(("momentum_sync.group", ms.group))
+    if bad:
+        k, v = bad[0]
+        raise LionCubConfigError(f"LionCub: {k}={v!r} with shard_groups=...: the framework's shard groups are the "
+                                 "layout (each shard group is one voter, its peers vote); allowed: leave voters, "
+                                 "node_size and overlap unset and momentum_sync.group='world' (the integration sets "
+                                 "the groups)")
 
 
 def _resolved(resolve, cfg, n):
