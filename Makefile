@@ -62,9 +62,11 @@ bench: setup
 check-cuda-build:
 	PY=$(PY) bash .ci/check_cuda_build.sh
 
-# On the GPU machine: the device call is in docs/kernels.md ("GPU checklist"). GPU_CHECK_DRY=1: the dry run.
+# On the GPU machine (docs/kernels.md, "GPU checklist"). GPU_CHECK_DRY=1: the dry run. The venv's python once
+# `make setup` made it (the system python3 may have no torch); else $(PY). `make gpu-check GPU_PY=...` picks one.
+GPU_PY ?= $(if $(wildcard $(VPY)),$(VPY),$(PY))
 gpu-check:
-	$(PY) -m benchmarks.gpu_check
+	$(GPU_PY) -m benchmarks.gpu_check
 
 gpu-wheels: setup
 	$(VPY) -m benchmarks.gpu_check wheels

@@ -184,6 +184,11 @@ class Ctx:
         self.out, self.dry = out, dry
         self.logs = out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        # A step's log is appended to within one check (install runs pip, then imports), so an earlier
+        # check's logs and junit reports in the same $OUT go first: a second run must not count twice.
+        for st in STEPS:
+            for stale in (self.logs / f"{st.name}.log", out / f"{st.name}.xml"):
+                stale.unlink(missing_ok=True)
         self.deadline = time.monotonic() + budget_s
         self.env = dict(os.environ)
         self.env.update({"PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), self.env.get("PYTHONPATH", "")]),

@@ -48,6 +48,48 @@ def test_dry_run_checks_every_step_and_writes_the_summary(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_second_check_in_the_same_out_starts_with_fresh_logs(tmp_path):
+    """Step logs are appended to within one check; an earlier check's logs and junit reports in the same
+    $OUT are removed first (a second dry run counted every collected test twice: "8 collected, want 4")."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "sync_tests.log").write_text("tests/a.py::test_x\n" * 4)
+    (tmp_path / "cuda_tests.xml").write_text("<testsuites/>")
+    (logs / "notes.log").write_text("not the check's")  # not a step's log: kept
+    gc.Ctx(tmp_path, dry=True, budget_s=10)
+    assert not (logs / "sync_tests.log").exists() and not (tmp_path / "cuda_tests.xml").exists()
+    assert (logs / "notes.log").read_text() == "not the check's"
+
+
+@pytest.mark.dist
+def test_dry_run_twice_in_one_out_counts_once(tmp_path):
+    """The documented dry run, twice in the same output folder (as a checkout's gpu_check_out/ is): the
+    second run collects the same 4 sync tests, not 8."""
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--only", "sync_tests"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        (step,) = json.loads((tmp_path / "summary.json").read_text())["steps"]
+        assert step["figures"]["collected"] == len(gc.SYNC_TESTS) == 4, step
+
+
+@pytest.mark.dist
+def test_make_gpu_check_uses_the_venv_python_once_setup_made_it():
+    """``make gpu-check`` runs the venv's python (it has torch) when .venv exists, else $(PY); the
+    system python3 has no torch, so the documented dry run failed after ``make setup``."""
+    res = subprocess.run(["make", "-n", "gpu-check"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    cmd = [ln for ln in res.stdout.splitlines() if "benchmarks.gpu_check" in ln]
+    assert len(cmd) == 1, res.stdout
+    want = ".venv/bin/python" if (ROOT / ".venv" / "bin" / "python").exists() else "python3"
+    assert cmd[0].split()[0] == want, cmd
+    res = subprocess.run(["make", "-n", "gpu-check", "GPU_PY=python3.12"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert "python3.12 -m benchmarks.gpu_check" in res.stdout, res.stdout
+
+
+@pytest.mark.unit
 def test_wheel_list_covers_what_the_image_lacks_at_this_venvs_versions():
     want = gc.pinned_wheels()
     assert set(GPU_MD_MISSING) <= set(want)
