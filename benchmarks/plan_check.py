@@ -45,14 +45,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLE_PATH = ROOT / "lioncub_ds" / "plan_convergence.json"
 BAND_PCT = 25.0
 
-# The convergence studies the planner quotes, most preferred first: a (configuration, N, L) takes the
-# row of the first study that has it (put a new study, e.g. another preset, at the top and run
-# --write-convergence-table).
-STUDIES = (("docs/long_n8_10seeds/converge.json", "long_n8_10seeds"),
-           ("docs/node_voters_converge/converge.json", "node_voters_converge"),
-           ("docs/long/converge.json", "long"))
-# converge variants -> (planner family, node size L): only the configurations the planner offers
-_NODE = re.compile(r"^cub_1bit(?P<sync>_sync20_int8)?_node(?P<L>[0-9]+)$")
+# The convergence study the planner quotes: the chosen preset's (docs/convergence.md), never a
+# superseded one. A (configuration, N, L) takes the row of the first study listed that has it; new
+# world sizes and node sizes in the study's JSON (e.g. N = 64) are picked up by
+# --write-convergence-table without a change here.
+STUDIES = (("docs/lion_w300/converge.json", "lion_w300"),)
+# converge variants the planner offers: 1bit votes, flat or node voters of L, an int8 momentum sync every K or none
+_VARIANT = re.compile(r"^cub_1bit(?:_sync(?P<every>[0-9]+)_int8)?(?:_node(?P<L>[0-9]+))?$")
 
 # measured variant -> (planner strategy, LionCub's momentum sync period in that run)
 PAIRS = {"netns": {"ddp_lion_bf16": "ddp_bf16", "lion_bf16_allreduce": "ddp_bf16",
@@ -64,15 +63,13 @@ RANKS = {"netns": (1, 4), "netns_nodes": (2, 2)}  # (nodes, ranks per node)
 
 # ----------------------------------------------------------------------------- convergence table
 def family_of(variant: str):
-    """(family, L) of a converge variant the planner quotes, or None."""
-    if variant == "cub_1bit":
-        return "flat_1bit", 1
-    if variant == "cub_1bit_sync20_int8":
-        return "flat_1bit_sync20_int8", 1
-    m = _NODE.match(variant)
-    if m:
-        return ("node_1bit_sync20_int8" if m.group("sync") else "node_1bit"), int(m.group("L"))
-    return None
+    """(family, L) of a converge variant the planner quotes, or None: ``cub_1bit_sync20_int8_node4`` ->
+    ("node_1bit_sync20_int8", 4), ``cub_1bit`` -> ("flat_1bit", 1)."""
+    m = _VARIANT.match(variant)
+    if m is None:
+        return None
+    family = ("node" if m["L"] else "flat") + "_1bit" + (f"_sync{m['every']}_int8" if m["every"] else "")
+    return family, int(m["L"] or 1)
 
 
 def convergence_rows(root: Path = ROOT) -> dict:
@@ -81,10 +78,11 @@ def convergence_rows(root: Path = ROOT) -> dict:
     best, sources = {}, []
     for rel, study in STUDIES:
         recs = json.loads((root / rel).read_text())
-        cfg = next(r for r in recs if r.get("bench") == "converge_config")
+        cfg = next(r for r in recs if r.get("bench") == "converge_config" and r.get("protocol") == study)
         params = next((r["params"] for r in recs if r.get("bench") == "converge"), None)
-        sources.append({"study": study, "file": rel, "preset": cfg.get("preset"), "params": params,
-                        "steps": cfg.get("steps"), "tie_break": cfg.get("tie_break"), "betas": cfg.get("betas")})
+        sources.append({"study": study, "file": rel, "preset": cfg.get("protocol"), "model": cfg.get("preset"),
+                        "params": params, "steps": cfg.get("steps"), "tie_break": cfg.get("tie_break"),
+                        "betas": cfg.get("betas")})
         for r in recs:
             if r.get("bench") != "converge_summary":
                 continue
@@ -92,10 +90,12 @@ def convergence_rows(root: Path = ROOT) -> dict:
             if fam is None or any(isinstance(r.get(k), float) and math.isnan(r[k]) for k in ("ci_lo_pct", "ci_hi_pct")):
                 continue
             key = (fam[0], r["world_size"], fam[1])
-            row = {"family": fam[0], "world_size": r["world_size"], "node_size": fam[1], "variant": r["variant"],
-                   "gap_pct": round(r["gap_pct"], 3), "ci_lo_pct": round(r["ci_lo_pct"], 3),
-                   "ci_hi_pct": round(r["ci_hi_pct"], 3), "seeds": len(r["seeds"]), "study": study,
-                   "bytes_ratio_vs_fp32": round(r["bytes_ratio_vs_fp32"], 2)}
+            row = {"family": fam[0], "world_size": r["world_size"], "node_size": fam[1],
+                   "voters": r["world_size"] // fam[1], "variant": r["variant"],
+                   # as the study has them: the planner rounds once, when it prints
+                   "gap_pct": r["gap_pct"], "ci_lo_pct": r["ci_lo_pct"], "ci_hi_pct": r["ci_hi_pct"],
+                   "seeds": len(r["seeds"]), "study": study,
+                   "preset": cfg.get("protocol"), "bytes_ratio_vs_fp32": round(r["bytes_ratio_vs_fp32"], 2)}
             best.setdefault(key, row)
     rows = sorted(best.values(), key=lambda r: (r["family"], r["node_size"], r["world_size"]))
     return {"generated_by": "python -m benchmarks plan_check --write-convergence-table",
