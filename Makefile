@@ -1,7 +1,7 @@
-# User-facing targets: setup, demo, test (see README). bench runs every benchmark.
+# User-facing targets: setup, demo, test (see README). bench runs every benchmark; docs builds the documentation site.
 # check-cuda-build builds and imports the CUDA extension against a CUDA torch, no GPU needed (docs/kernels.md).
-# gpu-check runs the whole GPU checklist in one call of <= 8 minutes on a lent GPU machine (its own python3,
-# no package index); gpu-wheels prepares here the wheels it installs there (.whl/, carried along).
+# gpu-check runs the whole GPU checklist in one call of <= 8 minutes on a GPU machine (no package index
+# needed); gpu-wheels prepares on a CPU machine the wheels it installs there (.whl/, copied along).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -9,14 +9,17 @@ STAMP   := $(VENV)/.installed
 KSTAMP  := $(VENV)/.kernels
 KSRC    := $(shell find csrc -type f) lioncub_ds/kernels/build.py
 export OMP_NUM_THREADS ?= 1
-# Keep DeepSpeed's JIT-built ops in one cache for the whole run.
+# Keep the JIT-built ops (DeepSpeed's CPU comm op, LionCub's kernels when not prebuilt) in one cache. The README
+# tells a plain shell to export the same, else DeepSpeed's CPU op builds a second time (8-13 min).
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: setup demo test bench clean check-cuda-build gpu-check gpu-wheels
+.PHONY: setup demo test bench clean check-cuda-build gpu-check gpu-wheels docs
 
 setup: $(STAMP) $(KSTAMP)
 
 $(STAMP): requirements.txt setup.py
+	@echo "make setup: one-time: .venv with torch==2.13.0 (CPU) and the pinned packages of requirements.txt"
+	@echo "  (mostly downloads: minutes, depending on the network; then the C++ kernels, below)"
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
@@ -28,7 +31,8 @@ $(STAMP): requirements.txt setup.py
 # first; rebuilt when csrc/ changes. If this build fails, setup still succeeds: the loader JIT-builds the
 # kernels on first use instead (and falls back to the pure-torch kernels if that fails too).
 $(KSTAMP): $(STAMP) $(KSRC)
-	@echo "make setup: building the C++ kernels ahead of time (about 1-3 min on 2 cores)"
+	@echo "make setup: one-time build of the C++ kernels (2-13 min on 2 cores: 773 s on a loaded 2-core machine;"
+	@echo "  pip prints nothing meanwhile)"
 	@t0=$$(date +%s); \
 	if LIONCUB_BUILD_EXT=1 MAX_JOBS=2 $(VPY) -m pip install -q --no-build-isolation --no-deps -e . ; then \
 	  echo "make setup: C++ kernels built in $$(( $$(date +%s) - t0 )) s"; \
@@ -45,6 +49,9 @@ $(KSTAMP): $(STAMP) $(KSRC)
 # The main job: GPT pretraining under the deepspeed launcher on 2 CPU ranks with LionCub,
 # side by side with Lion + DeepSpeed's gradient all-reduce (loss and bytes sent).
 demo: setup
+	@if ! ls $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/*.so >/dev/null 2>&1; then \
+	  echo "make demo: one-time build first: DeepSpeed's CPU comm op, JIT, into $(TORCH_EXTENSIONS_DIR)"; \
+	  echo "  (8-13 min on a loaded 2-core machine, nothing printed meanwhile; cached for every later run)"; fi
 	$(VPY) -m benchmarks.ds_demo
 
 test: setup
@@ -70,6 +77,11 @@ gpu-check:
 
 gpu-wheels: setup
 	$(VPY) -m benchmarks.gpu_check wheels
+
+# The documentation site (MkDocs + mkdocstrings, pinned in requirements.txt): the pages of docs/ and an API
+# reference made from the docstrings, into build/site. Strict: a broken link, anchor or API reference fails.
+docs: setup
+	$(VPY) -m mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) build *.egg-info lioncub_ds/_lioncub_*.so

@@ -87,7 +87,8 @@ def build_parser(prog: str | None = None, *, world_size_flag: bool = True) -> ar
     g.add_argument("--optim", default="lioncub", choices=OPTIMIZERS,
                    help="lioncub: local momentum + 1-bit votes; lion/adamw: all-reduced gradients")
     g.add_argument("--lr", type=float, default=3e-4,
-                   help="peak learning rate (1e-3 is already too high for Lion here; AdamW wants ~3-10x more)")
+                   help="peak learning rate (the default is for the demo GPT; on your model: global Lion's tuned lr, 3-10x below "
+                        "AdamW's; docs/hyperparameters.md)")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
     g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     g.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99))
