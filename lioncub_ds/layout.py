@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .conventions import padded_numel
 from .comm import make_algorithm
-from .comm.abstain import list_capacity, real_mask
+from .comm.abstain import list_capacity, next_mode, real_mask
 from .comm.cost import CostModel
 from .config import DEFAULT_NETWORK
 
@@ -29,7 +29,7 @@ class Bucket:
     algorithm: object = None
     mask: object = None      # uint8 plane: bit 1 at real elements (abstention lists are relative to it)
     capacity: int = 0        # entries of an abstention list (0: the plane always travels)
-    mode: str = "list"       # how abstentions travel this step: "list" or "plane" (agreed through the flags)
+    mode: str = "list"       # how abstentions travel this step: "list", "chunks" or "plane" (agreed through the flags)
     # index inside its parameter of each parameter's (piece's) first element: None when every
     # parameter lies whole in the bucket (node voters' shards hold pieces; the hash tie rule keys on it)
     param_starts: list | None = None
@@ -116,11 +116,18 @@ def assign_algorithms(buckets: list[Bucket], cfg, world_size: int) -> None:
             b.mode = "list"  # a count alone (capacity 0) when the bucket is small
 
 
-def next_abstain_mode(overflowed: bool) -> str:
-    """How a bucket's abstentions travel next step: the plane after a step in which some rank's
-    list overflowed (many abstentions), else a list (few). Agreed: the overflow count is in the
-    step's flags, so every rank switches together."""
-    return "plane" if overflowed else "list"
+def next_abstain_mode(mode, first=None, second=0) -> str:
+    """How a bucket's abstentions travel next step (comm/abstain.py, :func:`~lioncub_ds.comm.abstain.next_mode`):
+    from this step's mode and the bucket's two summed flag entries, so every rank switches
+    together. A list while every rank's list fits, the chunk code while every rank's chunk list
+    fits, else the plane.
+
+    ``next_abstain_mode(overflowed)`` (one bool, the form before the chunk code) answers the old
+    two-mode rule, "plane" after an overflow else "list", for callers that model only those two
+    (benchmarks.converge's simulation)."""
+    if first is None:
+        return "plane" if mode else "list"
+    return next_mode(mode, first, second)
 
 
 def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[int]]:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from . import kernels
 from .comm import Collectives, VoteJob
+from .comm.abstain import encode as abstain_encode
 from .errors import ReplicaDriftError, StepInputError
 from .flags import (CHANGED_RANKS, FLAG_HEAD, MISSING_RANKS, NONFINITE_RANKS, NONFINITE_VALUES, UNUSABLE_RANKS,
                     drift_index, flag_words, host_values_on, hyper_bits, hyper_disagree, hyper_values, pack_flags,
@@ -408,15 +409,11 @@ class VotePipeline:
         versions = grad_versions(b.params)  # (node voters' shards have none: the sharding checks)
         self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt, missing)
 
-    @staticmethod
-    def _payload(job, b, sign, nz, be):
-        """Fill the job's abstention payload; return its flag entries [overflow, abstains] (device)."""
+    def _payload(self, job, b, sign, nz, be):
+        """Fill the job's abstention payload; return its two flag entries (device; comm/abstain.py)."""
         job.sign, job.nonzero, job.mask, job.mode, job.capacity = sign, nz, b.mask, b.mode, b.capacity
-        # the plane mode sends the plane and needs only the count (a list of capacity 0)
-        words = be.abstain_list(nz, b.mask, b.capacity if b.mode == "list" else 0)
-        job.payload = nz if b.mode == "plane" else words.view(torch.uint8)
-        count = words[0]
-        return torch.stack([(count > b.capacity).to(torch.int32), (count > 0).to(torch.int32)])
+        job.payload, flags = abstain_encode(nz, b.mask, b.mode, b.capacity, self.plan.world_size, be)
+        return flags
 
     # ------------------------------------------------------------------ launch
     def grad_ready(self, i: int, p) -> None:
@@ -557,14 +554,9 @@ class VotePipeline:
                 job.lr, job.weight_decay, job.step = lr_value(g["lr"]), g["weight_decay"], step
                 if b.algorithm.encoding != "bits":
                     continue
-                overflow, abstains = flags[FLAG_HEAD + 2 * i], flags[FLAG_HEAD + 1 + 2 * i]
-                if abstains == 0:
-                    job.planes = None
-                elif job.mode == "list" and overflow > 0:  # some rank's list was too short: the planes
-                    job.planes = b.algorithm.overflow_planes(job, coll)
-                else:
-                    job.planes = job.payloads_from(recv, b.algorithm.shards_planes(job.vote))
-                b.mode = next_abstain_mode(overflow > 0)
+                first, second = flags[FLAG_HEAD + 2 * i], flags[FLAG_HEAD + 1 + 2 * i]
+                b.algorithm.agree_planes(job, recv, first, second, coll)  # None, the payloads, or fetched
+                b.mode = next_abstain_mode(job.mode, first, second)
         counted = []
         for k, batch in enumerate(plan.batches):
             jobs = [self.local[i].job for i in batch]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import lioncub_ds
 from lioncub_ds.comm import make_algorithm
-from lioncub_ds.comm.abstain import decode_lists, list_capacity, real_mask
+from lioncub_ds.comm.abstain import ChunkCode, decode_lists, list_capacity, real_mask
 from lioncub_ds.kernels.reference import abstain_list
 from dist_helpers import run_ranks
 from test_distributed import _brute_force
@@ -111,15 +111,16 @@ def test_abstention_lists_and_overflow_equal_brute_force():
             assert res[r][comm]["mismatched"] == 0, (comm, r)
             assert torch.equal(res[r][comm]["params"], r0["params"]), (comm, r)
         assert r0["capacity"] >= 2
-        # few abstentions: lists; rank 1's 3000 zeros overflow at step 2, so step 3 sends planes,
-        # and step 4 goes back to lists
-        assert r0["modes"] == ["list", "list", "list", "plane", "list"], (comm, r0["modes"])
+        # few abstentions: lists; rank 1's 3000 zeros overflow at step 2, so step 3 sends the chunk
+        # code (comm/abstain.py), whose flags say that every list fits again: step 4 sends lists
+        assert r0["modes"] == ["list", "list", "list", "chunks", "list"], (comm, r0["modes"])
         algo = make_algorithm(comm)
         numel = r0["numel"]
         want_list = algo.wire_bytes(numel, n, mode="list")
-        want_plane = algo.wire_bytes(numel, n, mode="plane", abstain=True)  # every rank abstains once in step 3
+        want_chunks = algo.wire_bytes(numel, n, mode="chunks")
         assert r0["bytes"][0][comm] == want_list and r0["bytes"][4][comm] == want_list, (comm, r0["bytes"])
-        assert r0["bytes"][3][comm] == want_plane, (comm, r0["bytes"])
+        assert r0["bytes"][3][comm] == want_chunks, (comm, r0["bytes"])
+        assert "abstain_planes" not in r0["bytes"][3]
         # the overflow step fetches the planes once (exact), in the step it happened: 1bit (majority)
         # sends each rank only its shard of every plane (all-to-all), the others every whole plane
         sharded = comm == "1bit"
@@ -127,10 +128,16 @@ def test_abstention_lists_and_overflow_equal_brute_force():
         assert r0["bytes"][2].get("abstain_planes", 0) == refetch, (comm, r0["bytes"][2])
         assert r0["bytes"][2][comm] + refetch == algo.wire_bytes(numel, n, mode="list", abstain=True, overflow=True)
         assert "abstain_planes" not in r0["bytes"][1]
+        want_plane = algo.wire_bytes(numel, n, mode="plane")
         if sharded:  # 4 bit-planes' worth in plane mode (votes, nonzero shards, Δ sign + nonzero) ...
             assert want_plane == 4 * (n - 1) * numel // 8 // n
             # ... where every whole plane to every rank would cost (N−1)·P/8 on top of the vote
             assert want_plane < 2 * (n - 1) * numel // 8 // n + (n - 1) * numel // 8
+            # chunks: the vote's two planes, the list and shard r's zero-chunk bits, the result's
+            # full-chunk bits
+            code = ChunkCode(numel // 8, n)
+            assert want_chunks == (n - 1) * (2 * numel // 8 // n + code.shard_payload_bytes + code.zero_bytes)
+        assert want_chunks < want_plane
 
 
 def _sharded_vs_whole_planes(rank, n):
@@ -150,7 +157,9 @@ def _sharded_vs_whole_planes(rank, n):
             opt = lioncub_ds.LionCub([w, v], lr=1e-2, comm=comm, tie_break=tie, vote=vote, **extra)
             gen = torch.Generator().manual_seed(10 + rank)
             params, modes, sent = [], [], 0
-            for step, nzero in enumerate([2, 3000 if rank == 1 else 1, 1, 4000, 0]):
+            # list, list (overflow), chunks (overflow: scattered zeros), plane, plane, list (overflow), chunks
+            scattered = 3000 if rank == 1 else 1
+            for step, nzero in enumerate([2, scattered, scattered, scattered, 1, 4000, 0]):
                 for p in (w, v):
                     p.grad = torch.randn(p.shape, generator=gen)
                 if nzero:
@@ -177,7 +186,7 @@ def test_sharded_planes_equal_whole_planes(n):
     res = run_ranks(_sharded_vs_whole_planes, n, timeout=600)
     for case, runs in res[0].items():
         (sharded, modes, sent_sharded), (whole, modes_whole, sent_whole) = runs[False], runs[True]
-        assert modes == modes_whole and "plane" in modes, (case, modes)
+        assert modes == modes_whole == ["list", "list", "chunks", "plane", "plane", "list", "chunks"], (case, modes)
         for step, (a, b) in enumerate(zip(sharded, whole)):
             assert torch.equal(a, b), (case, step)
         for r in range(1, n):  # replicas identical

@@ -1,30 +1,50 @@
-"""Abstentions on the wire (docs/conventions.md, "Abstentions"): few as a list, many as a plane.
+"""Abstentions on the wire (docs/conventions.md, "Abstentions"): few as a list, runs as chunks, many as a plane.
 
 A coordinate whose c is exactly 0 (or non-finite) abstains: its bit in the rank's *nonzero
 plane* is 0. Every rank knows where the real elements of a bucket are (the *mask*: bit 1 at
 real elements, 0 at padding), so a rank only needs to say where its nonzero plane differs
-from the mask, byte by byte. Per bucket and step, every rank uses the same mode:
+from the mask. Per bucket and step, every rank uses the same mode:
 
 * ``list``: int32 words ``[count, idx_0..idx_{K-1}, val_0..val_{K-1}]``: ``count`` bytes of the
   plane differ from the mask; the first K of them (in index order) are listed as (byte index,
   plane byte); unused slots hold idx = -1. A rank with count > K *overflows*: the step's flag
-  all-reduce says so, and that bucket's planes are then all-gathered in full (exact either way).
+  all-reduce says so, and that bucket's planes are then fetched in full (exact either way).
   A small bucket has K = 0: its list is the count alone (4 bytes).
-* ``plane``: the whole nonzero plane, for the step after a bucket overflowed (many
-  abstentions tend to persist, e.g. embedding rows nobody has used yet). Algorithms whose shard
-  owner decides Δ alone send each rank only its shard of the plane
-  (``VoteAlgorithm.shards_planes``; the same after an overflow).
+* ``chunks``: for zeros that come in runs (embedding rows nobody has used yet, whole tensors).
+  The plane is cut into *chunks* of C bytes (C·8 elements, C = 8 where the shard size allows:
+  :func:`chunk_bytes`); a rank sends one bit per chunk, 1 where its whole chunk abstains, and a
+  list (capacity :func:`chunk_capacity`) of the bytes where its plane differs from the *base*:
+  the mask with those chunks cleared. A run of abstentions costs 1 bit per chunk it covers, plus
+  the bytes of the chunks at its ends that it covers in part. A list that overflows fetches the
+  planes, as in list mode. Layout of the payload: the list words, then the zero-chunk bits of
+  each of the N shards (:class:`ChunkCode`), so an algorithm whose shard owner decides Δ alone
+  sends rank r the list and shard r's bits only (``VoteAlgorithm.shards_planes``).
+* ``plane``: the whole nonzero plane (scattered abstentions that overflow both lists). Algorithms
+  whose shard owner decides Δ alone send each rank only its shard of the plane (the same for
+  the planes fetched after an overflow).
 
-The capacity K is fixed per bucket (from its size and N), so every message has the same size on
-every rank: no size exchange, no host synchronisation. A rank's list is built by its kernel
-backend's ``abstain_list`` (the reference, :func:`lioncub_ds.kernels.reference.abstain_list`,
-is pure torch with fixed-size outputs: ``torch.nonzero_static``); decoding below is pure torch.
+The capacities are fixed per bucket (from its size and N), so every message has the same size on
+every rank: no size exchange, no host synchronisation. The two flag entries of a bucket (summed
+over ranks, read with the step's one host read) mean, per mode (:func:`encode`):
+
+* list: [ranks whose list overflows, ranks that abstain];
+* chunks and plane: [ranks whose *list* would overflow, ranks whose *chunk list* overflows].
+
+From them every rank takes the same decisions: :func:`plane_source` (this step: no planes, the
+payloads, or fetch the planes) and :func:`next_mode` (the next step's mode). A rank's lists are
+built by its kernel backend's ``abstain_list`` (the reference,
+:func:`lioncub_ds.kernels.reference.abstain_list`, pure torch with fixed-size outputs:
+``torch.nonzero_static``), run against the mask or the base; the chunk bits, the base and all
+decoding are pure torch on the planes' device (this module: comm never imports the kernels).
 """
 from __future__ import annotations
 
 import torch
 
 WORD = 4  # bytes of one int32 list word
+MODES = ("list", "chunks", "plane")
+CHUNK_MAX = 8  # bytes of a chunk (64 elements): an embedding row of 64·k elements at a 64-aligned
+#                offset is whole chunks
 
 
 def list_capacity(plane_bytes: int, world_size: int) -> int:
@@ -37,13 +57,203 @@ def list_capacity(plane_bytes: int, world_size: int) -> int:
     return plane_bytes // (1024 * max(1, world_size))
 
 
+def chunk_capacity(plane_bytes: int, world_size: int) -> int:
+    """Entries of a rank's list in chunks mode: 4x the list mode's, about 1/64 of the 1bit vote
+    (the bytes at the ends of runs, which chunks leave to the list)."""
+    return plane_bytes // (256 * max(1, world_size))
+
+
+def chunk_bytes(plane_bytes: int, world_size: int) -> int:
+    """C: bytes of a chunk, the largest of 8, 4, 2, 1 that divides a shard (plane_bytes / N), so
+    that the chunks of the whole plane and of every shard are the same (no chunk straddles two
+    shards: a shard owner reads its chunks' bits alone)."""
+    shard = plane_bytes // max(1, world_size)
+    c = CHUNK_MAX
+    while shard % c:
+        c //= 2
+    return c
+
+
 def list_words(capacity: int) -> int:
     return 1 + 2 * capacity
 
 
-def payload_bytes(mode: str, plane_bytes: int, capacity: int) -> int:
-    """Bytes of one rank's abstention payload for a bucket."""
-    return plane_bytes if mode == "plane" else WORD * list_words(capacity)
+class ChunkCode:
+    """The chunks-mode payload of one bucket (same on every rank: from its size and N).
+
+    ``[list words (4·(1+2K) bytes) | zero bits of shard 0 | ... | of shard N−1]``, each shard's
+    bits packed LSB first into ``zero_bytes`` bytes (chunk j of a shard: bit j%8 of byte j/8)."""
+
+    def __init__(self, plane_bytes: int, world_size: int):
+        self.n = max(1, world_size)
+        self.plane_bytes = plane_bytes
+        self.shard = plane_bytes // self.n
+        self.chunk = chunk_bytes(plane_bytes, self.n)
+        self.chunks = plane_bytes // self.chunk           # in the whole plane
+        self.shard_chunks = self.shard // self.chunk
+        self.zero_bytes = (self.shard_chunks + 7) // 8    # one shard's bits
+        self.capacity = chunk_capacity(plane_bytes, self.n)
+        self.list_bytes = WORD * list_words(self.capacity)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of a whole payload (every shard's bits: algorithms that count on every rank)."""
+        return self.list_bytes + self.n * self.zero_bytes
+
+    @property
+    def shard_payload_bytes(self) -> int:
+        """Bytes a shard owner receives from each rank: the list and its shard's bits."""
+        return self.list_bytes + self.zero_bytes
+
+    def zero_chunks(self, nonzero: torch.Tensor) -> torch.Tensor:
+        """bool [chunks]: chunks where the plane is all zero (every element abstains or is padding)."""
+        return (nonzero.view(self.chunks, self.chunk) == 0).all(1)
+
+    def bytes_of(self, chunk_flags: torch.Tensor) -> torch.Tensor:
+        """bool [..., k chunks] -> [..., k·C] (each chunk's flag on each of its bytes)."""
+        return chunk_flags.unsqueeze(-1).expand(*chunk_flags.shape, self.chunk).reshape(*chunk_flags.shape[:-1], -1)
+
+    def base(self, mask: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """The mask with the zero chunks cleared ([..., bytes] from zero [..., chunks])."""
+        return mask.masked_fill(self.bytes_of(zero), 0)
+
+    def payload_rows(self, payload: torch.Tensor) -> torch.Tensor:
+        """[N, shard_payload_bytes]: row r = the list and shard r's bits (what the owner of shard r
+        receives when the planes travel sharded)."""
+        lst = payload[:self.list_bytes].view(1, -1).expand(self.n, -1)
+        return torch.cat([lst, payload[self.list_bytes:].view(self.n, self.zero_bytes)], dim=1)
+
+    def decode(self, received: torch.Tensor, mask: torch.Tensor, rank: int | None = None):
+        """Every rank's nonzero plane from its payload: (planes, lists).
+
+        ``rank`` None: ``received`` is [N, payload_bytes] (whole payloads) -> planes [N, plane bytes].
+        Else it is [N, shard_payload_bytes] (the list and shard ``rank``'s bits, the sharded form)
+        -> shard ``rank`` of every rank's plane [N, shard]. ``lists``: int32 [N, 1+2K] (the
+        result's nonzero plane is rebuilt from them: :meth:`result_nonzero`). Exact when no rank's
+        list overflowed (the caller checks that through the flags)."""
+        lists = words_of(received[:, :self.list_bytes])
+        bits = received[:, self.list_bytes:]
+        if rank is None:
+            zero = unpack_rows(bits.reshape(-1, self.zero_bytes), self.shard_chunks).reshape(bits.shape[0], -1)
+            return scatter_lists(self.base(mask.view(1, -1), zero), lists, self.capacity), lists
+        lo = rank * self.shard
+        zero = unpack_rows(bits, self.shard_chunks)
+        base = self.base(mask[lo:lo + self.shard].view(1, -1), zero)
+        return scatter_lists(base, lists, self.capacity, start=lo), lists
+
+    def full_bits(self, result_nonzero: torch.Tensor, mask_shard: torch.Tensor) -> torch.Tensor:
+        """The shard owner's phase-2 side message: uint8 [zero_bytes], bit 1 at the chunks of its
+        shard where the result's nonzero plane equals the mask (every real element moves)."""
+        full = (result_nonzero.view(-1, self.chunk) == mask_shard.view(-1, self.chunk)).all(1)
+        return pack_rows(full.view(1, -1)).view(-1)
+
+    def result_nonzero(self, full_bits: torch.Tensor, lists: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The result's nonzero plane [plane bytes] (Δ ≠ 0 exactly where some rank voted) from every
+        shard owner's :meth:`full_bits` [N, zero_bytes] and every rank's chunk list [N, 1+2K].
+
+        Exact: a chunk where some rank sent all its real elements is full in the result; in every
+        other chunk a rank either abstains throughout (it lists nothing there) or differs from
+        the base, which is the mask there, so it lists each byte that is not the mask's, and its
+        other bytes are the mask's. The result there is the OR of those ranks' chunks."""
+        full = unpack_rows(full_bits, self.shard_chunks).reshape(-1)           # [chunks]
+        idx = lists[:, 1:1 + self.capacity].to(torch.int64)
+        if self.capacity:
+            spare = torch.full_like(idx, self.chunks)
+            listed = torch.zeros(lists.shape[0], self.chunks + 1, dtype=torch.bool, device=mask.device)
+            listed.scatter_(1, torch.where(idx < 0, spare, idx // self.chunk), True)
+            rows = mask.view(1, -1).masked_fill(~self.bytes_of(listed[:, :self.chunks]), 0)
+            voted = any_voter(scatter_lists(rows, lists, self.capacity))
+        else:
+            voted = torch.zeros_like(mask)
+        return torch.where(self.bytes_of(full), mask, voted)
+
+
+def words_of(columns: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, 4k] (received columns) -> int32 [N, k]; a copy, so the view is aligned."""
+    return columns.clone(memory_format=torch.contiguous_format).view(torch.int32)
+
+
+def pack_rows(bits: torch.Tensor) -> torch.Tensor:
+    """bool [R, W] -> uint8 [R, ceil(W/8)], LSB first (the bit order of every plane), zero-padded."""
+    rows, width = bits.shape
+    pad = (-width) % 8
+    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, pad)).view(rows, -1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    return (b * weights).sum(dim=2, dtype=torch.uint8)
+
+
+def unpack_rows(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_rows`: uint8 [R, w] -> bool [R, width]."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).view(packed.shape[0], -1)[:, :width].bool()
+
+
+def scatter_lists(base: torch.Tensor, lists: torch.Tensor, capacity: int, start: int = 0) -> torch.Tensor:
+    """Planes [N, B] = ``base`` ([N or 1, B]) with each rank's listed bytes written in (its row of
+    ``lists``, int32 [N, 1+2K]); entries outside bytes [start, start + B) are skipped (a shard)."""
+    n, nbytes = lists.shape[0], base.shape[-1]
+    planes = torch.empty(n, nbytes + 1, dtype=torch.uint8, device=base.device)
+    planes[:, :nbytes] = base
+    if capacity:
+        idx = lists[:, 1:1 + capacity].to(torch.int64) - start
+        outside = (idx < 0) | (idx >= nbytes)  # unused slots (-1) and other shards hit the spare column
+        idx = torch.where(outside, torch.full_like(idx, nbytes), idx)
+        planes.scatter_(1, idx, lists[:, 1 + capacity:].to(torch.uint8))
+    return planes[:, :nbytes]
+
+
+def payload_bytes(mode: str, plane_bytes: int, capacity: int, world_size: int = 1) -> int:
+    """Bytes of one rank's whole abstention payload for a bucket (``capacity``: the list mode's)."""
+    if mode == "plane":
+        return plane_bytes
+    if mode == "chunks":
+        return ChunkCode(plane_bytes, world_size).payload_bytes
+    return WORD * list_words(capacity)
+
+
+def encode(nonzero: torch.Tensor, mask: torch.Tensor, mode: str, capacity: int, world_size: int, backend):
+    """This rank's abstention payload (uint8, 1-D) in ``mode`` and its two flag entries (int32 [2],
+    on the device; meaning per mode in the module docstring). ``capacity``: the list mode's K."""
+    if mode == "list":
+        words = backend.abstain_list(nonzero, mask, capacity)
+        count = words[0]
+        return words.view(torch.uint8), torch.stack([(count > capacity).to(torch.int32),
+                                                     (count > 0).to(torch.int32)])
+    if mode not in MODES:
+        raise ValueError(f"abstention mode must be one of {MODES}, got {mode!r}")
+    code = ChunkCode(nonzero.numel(), world_size)
+    zero = code.zero_chunks(nonzero)
+    base = code.base(mask, zero)
+    long = backend.abstain_list(nonzero, mask, 0)[0]  # a list's count: whether list mode would do
+    if mode == "chunks":
+        words = backend.abstain_list(nonzero, base, code.capacity)
+        payload = torch.cat([words.view(torch.uint8), pack_rows(zero.view(code.n, -1)).view(-1)])
+    else:
+        words, payload = backend.abstain_list(nonzero, base, 0), nonzero
+    return payload, torch.stack([(long > capacity).to(torch.int32), (words[0] > code.capacity).to(torch.int32)])
+
+
+def plane_source(mode: str, first: int, second: int) -> str:
+    """Where this step's nonzero planes come from, from a bucket's summed flag entries: "none"
+    (nobody abstains: every vote counts), "fetch" (some rank's list overflowed: the planes travel
+    once more) or "payload" (decoded from what phase 1 carried)."""
+    if mode == "list":
+        return "none" if second == 0 else "fetch" if first > 0 else "payload"
+    if mode == "chunks":
+        return "fetch" if second > 0 else "payload"
+    return "payload"
+
+
+def next_mode(mode: str, first: int, second: int) -> str:
+    """The next step's mode, from this step's mode and summed flag entries (the same on every
+    rank): a list while every rank's list fits; chunks while every rank's chunk list fits; else
+    the plane. A list that overflows tries chunks first (the flags of list mode do not say
+    whether chunks would fit)."""
+    if first == 0:
+        return "list"
+    if mode == "list":
+        return "chunks"
+    return "plane" if second > 0 else "chunks"
 
 
 def real_mask(offsets, numels, total: int, device) -> torch.Tensor:
@@ -66,14 +276,7 @@ def decode_lists(lists: torch.Tensor, mask: torch.Tensor, capacity: int) -> torc
     """Every rank's nonzero plane (uint8 [N, B]) from their lists (int32 [N, 1 + 2K]).
 
     Exact when no rank overflowed (count <= K); the caller checks that through the flags."""
-    n, nbytes = lists.shape[0], mask.numel()
-    planes = torch.empty(n, nbytes + 1, dtype=torch.uint8, device=mask.device)
-    planes[:, :nbytes] = mask
-    if capacity:
-        idx = lists[:, 1:1 + capacity].to(torch.int64)
-        idx = torch.where(idx < 0, torch.full_like(idx, nbytes), idx)  # unused slots hit the spare column
-        planes.scatter_(1, idx, lists[:, 1 + capacity:].to(torch.uint8))
-    return planes[:, :nbytes]
+    return scatter_lists(mask.view(1, -1), lists, capacity)
 
 
 def any_voter(planes: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, split_columns
+from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, refetched, split_columns
 
 
 class AllGatherVote(VoteAlgorithm):
@@ -35,7 +35,7 @@ class AllGatherVote(VoteAlgorithm):
 
     def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False,
                    overflow=False):
-        refetch = numel // 8 if overflow and mode == "list" else 0  # the planes, all-gathered after an overflow
+        refetch = numel // 8 if refetched(mode, overflow) else 0  # the planes, all-gathered after an overflow
         return (world_size - 1) * (numel // 8 + payload_len(numel, world_size, mode) + refetch)
 
     def messages(self, world_size):

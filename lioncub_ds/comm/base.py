@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..conventions import tie_segments
-from .abstain import decode_lists, list_capacity, payload_bytes, real_mask
+from .abstain import ChunkCode, decode_lists, list_capacity, payload_bytes, plane_source, real_mask
 from ..groups import broadcast
 from ..telemetry import CommStats
 
@@ -166,8 +166,8 @@ class VoteJob:
     vote: str
     sign: torch.Tensor | None = None     # uint8 [numel/8]: this rank's sign plane
     codes: torch.Tensor | None = None    # int8 [numel] (int8 algorithm)
-    # abstentions (comm/abstain.py): mode "list" or "plane" (None for int8), this rank's payload
-    # (uint8 bytes: the list's int32 words, or the nonzero plane) and nonzero plane
+    # abstentions (comm/abstain.py): mode "list", "chunks" or "plane" (None for int8), this rank's
+    # payload (uint8 bytes: the list's int32 words, the chunk code, or the nonzero plane) and nonzero plane
     mode: str | None = None
     capacity: int = 0
     payload: torch.Tensor | None = None
@@ -178,6 +178,10 @@ class VoteJob:
     # this rank's shard of every rank's plane [N, numel/8/N] (algorithms that shard planes)
     planes: torch.Tensor | None = None
     planes_sharded: bool = False
+    # chunks mode: every rank's chunk list (int32 [N, 1+2K]) when the planes were decoded from the
+    # chunk code; a sharded 1bit/bbit vote then rebuilds the result's nonzero plane from them and
+    # the shard owners' full-chunk bits (ChunkCode.result_nonzero) instead of sending that plane
+    chunk_lists: torch.Tensor | None = None
     # keep_delta (momentum_sync schedule="drift"): ``complete`` leaves the applied Δ of the bucket
     # (fp32 [numel]) in ``delta``, for the vote-disagreement signal; else nothing is materialised
     keep_delta: bool = False
@@ -196,13 +200,19 @@ class VoteJob:
     def plane_bytes(self) -> int:
         return self.numel // 8
 
-    def payloads_from(self, received: torch.Tensor, sharded: bool = False) -> torch.Tensor:
+    def payloads_from(self, received: torch.Tensor, sharded: bool = False, rank: int = 0) -> torch.Tensor:
         """[N, payload bytes] received -> every rank's nonzero plane [N, numel/8] (mode aware);
-        ``sharded`` (plane mode of an algorithm that shards planes): what arrived is already this
-        rank's shard of every rank's plane [N, numel/8/N]. Sets ``planes_sharded``."""
-        self.planes_sharded = sharded and self.mode == "plane"
+        ``sharded`` (plane or chunks mode of an algorithm that shards planes, this being ``rank``):
+        what arrived gives only this rank's shard of every rank's plane [N, numel/8/N]. Sets
+        ``planes_sharded`` and ``chunk_lists``."""
+        self.planes_sharded = sharded and self.mode in ("plane", "chunks")
+        self.chunk_lists = None
         if self.mode == "plane":
             return received
+        if self.mode == "chunks":
+            code = ChunkCode(self.plane_bytes, received.shape[0])
+            planes, self.chunk_lists = code.decode(received, self.mask, rank if self.planes_sharded else None)
+            return planes
         words = received.contiguous().view(torch.int32)
         return decode_lists(words, self.mask, self.capacity)
 
@@ -240,6 +250,21 @@ class VoteAlgorithm:
         plane. Only an algorithm whose shard owner decides Δ alone can (``1bit``/``bbit``
         majority); the others need every rank's whole plane."""
         return False
+
+    def agree_planes(self, job: VoteJob, received, first: int, second: int, coll: "Collectives") -> None:
+        """Set ``job.planes`` from the bucket's summed flag entries (the same on every rank, read
+        with the step's one host read): None where nobody abstains, the planes fetched once more
+        where some rank's list overflowed (:meth:`overflow_planes`), else decoded from
+        ``received`` (phase 1's payload columns [N, bytes]). comm/abstain.py says what the two
+        entries mean in each mode."""
+        source = plane_source(job.mode, first, second)
+        job.chunk_lists = None
+        if source == "none":
+            job.planes = None
+        elif source == "fetch":
+            job.planes = self.overflow_planes(job, coll)
+        else:
+            job.planes = job.payloads_from(received, self.shards_planes(job.vote), coll.rank)
 
     def overflow_planes(self, job: VoteJob, coll: "Collectives") -> torch.Tensor:
         """After a step in which some rank's abstention list overflowed: every rank's nonzero plane,
@@ -282,17 +307,18 @@ class VoteAlgorithm:
         state = self.launch([job], coll, backend)
         received = self.received(state, [job], coll)[0]
         if self.encoding == "bits":
-            job.planes = job.payloads_from(received, self.shards_planes(job.vote))
+            job.planes = job.payloads_from(received, self.shards_planes(job.vote), coll.rank)
         self.complete(self.count(state, [job], coll, backend), [job], coll, backend)
 
     def wire_bytes(self, numel: int, world_size: int, *, mode: str = "list", vote: str = "majority",
                    tie_break: str = "hash", abstain: bool = False, overflow: bool = False) -> int:
         """Bytes one rank sends for a bucket of ``numel`` (padded) elements whose abstentions
-        travel as ``mode`` ("list", with the capacity of :func:`list_capacity`, or "plane");
-        ``abstain``: some rank abstains in the bucket this step (1bit sends more then with
-        tie_break="zero", or when the planes travel sharded); ``overflow``: a list-mode step in
-        which some rank's list overflowed, so the planes travel once more (all-gathered, or
-        sharded: :meth:`shards_planes`)."""
+        travel as ``mode`` ("list", with the capacity of :func:`list_capacity`, "chunks" or
+        "plane": comm/abstain.py); ``abstain``: some rank abstains in the bucket this step (in
+        list mode: the chunks and plane modes always count the planes; 1bit sends more then with
+        tie_break="zero", or when the planes travel sharded); ``overflow``: a list- or chunks-mode
+        step in which some rank's list overflowed, so the planes travel once more (all-gathered,
+        or sharded: :meth:`shards_planes`)."""
         raise NotImplementedError
 
     def messages(self, world_size: int) -> int:
@@ -301,9 +327,20 @@ class VoteAlgorithm:
 
 
 def payload_len(numel: int, world_size: int, mode: str) -> int:
-    """Bytes of one rank's abstention payload for a bucket of ``numel`` elements."""
+    """Bytes of one rank's whole abstention payload for a bucket of ``numel`` elements."""
     plane = numel // 8
-    return payload_bytes(mode, plane, list_capacity(plane, world_size))
+    return payload_bytes(mode, plane, list_capacity(plane, world_size), world_size)
+
+
+def refetched(mode: str, overflow: bool) -> bool:
+    """Whether the planes travel once more this step (a list or chunk list overflowed)."""
+    return overflow and mode in ("list", "chunks")
+
+
+def planes_counted(mode: str, abstain: bool) -> bool:
+    """Whether the vote counts nonzero planes this step: in list mode only where some rank
+    abstains; in chunks and plane modes always (their flags do not say whether anybody abstains)."""
+    return abstain or mode != "list"
 
 
 def split_columns(buf: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:

@@ -10,7 +10,11 @@ knows it from the payloads. Only tie_break="zero" with a possible tie (an even N
 abstentions) adds the result's nonzero plane. Whole nonzero planes (plane mode, or after a list
 overflowed) travel *sharded* with majority votes: rank r receives only shard r of each rank's
 plane, and phase 2 then carries the result's nonzero plane: (N−1)/N·2·P/8 more bytes instead of
-the (N−1)·P/8 of sending every plane to every rank (at N = 16, 7.5x fewer). With vote="average" the shard owner sends the +1 counts back in
+the (N−1)·P/8 of sending every plane to every rank (at N = 16, 7.5x fewer). The chunk code
+(comm/abstain.py, runs of abstentions) travels sharded too: rank r receives every rank's list
+and shard r's zero-chunk bits, and phase 2 carries one bit per chunk of the result (chunk all
+voted), from which, with the lists, every rank rebuilds where Δ is 0: (N−1)/N·P/64 bytes
+instead of a plane. With vote="average" the shard owner sends the +1 counts back in
 p-bit lanes, p = ⌈log2(N+1)⌉ rounded up to 1/2/4/8, and every rank counts the voters itself.
 """
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..conventions import lane_bits_for
-from .abstain import any_voter
-from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, split_columns
+from .abstain import ChunkCode, any_voter
+from .base import (Collectives, VoteAlgorithm, VoteJob, payload_len, planes_counted, refetched,
+                   split_columns)
 
 
 def phase2_needs_nonzero(world_size: int, tie_break: str, abstain: bool = False) -> bool:
@@ -37,19 +42,37 @@ class OneBitVote(VoteAlgorithm):
     def shards_planes(self, vote: str) -> bool:
         return vote == "majority"  # average: every rank counts the voters itself (whole planes)
 
-    def _sends_plane_shards(self, j: VoteJob) -> bool:
-        return j.mode == "plane" and self.shards_planes(j.vote)
+    def _sends_shards(self, j: VoteJob) -> bool:
+        return j.mode in ("plane", "chunks") and self.shards_planes(j.vote)
 
     def _payload_rows(self, j: VoteJob, n: int) -> torch.Tensor:
         """[N, width]: row r = what rank r receives of this rank's abstention payload: shard r of
-        the plane (sharded plane mode), else the whole payload (a list, or the plane)."""
-        if self._sends_plane_shards(j):
-            return j.payload.view(n, -1)
+        the plane (sharded plane mode), the chunk list and shard r's zero-chunk bits (sharded
+        chunks mode), else the whole payload (a list, the chunk code, or the plane)."""
+        if self._sends_shards(j):
+            return j.payload.view(n, -1) if j.mode == "plane" else ChunkCode(j.plane_bytes, n).payload_rows(j.payload)
         return j.payload.view(1, -1).expand(n, -1)
 
+    def _payload_width(self, j: VoteJob, n: int) -> int:
+        if not self._sends_shards(j):
+            return j.payload.numel()
+        return j.plane_bytes // n if j.mode == "plane" else ChunkCode(j.plane_bytes, n).shard_payload_bytes
+
     def _phase1_widths(self, jobs, n):
-        return [w for j in jobs for w in (self.planes * j.plane_bytes // n,
-                                          j.plane_bytes // n if self._sends_plane_shards(j) else j.payload.numel())]
+        return [w for j in jobs for w in (self.planes * j.plane_bytes // n, self._payload_width(j, n))]
+
+    @staticmethod
+    def _phase2_extra(j: VoteJob, n: int) -> str | None:
+        """What phase 2 carries besides the result's sign (majority; the same on every rank: the
+        planes follow the agreed flags and mode): "plane", the result's nonzero plane (Δ can be 0
+        on a tie; or the planes travelled sharded, so no rank but the owner knows where nobody
+        voted); "chunks", one bit per chunk instead (the planes came as the sharded chunk code:
+        the lists rebuild the rest); None (every rank knows where nobody voted, or nobody abstains)."""
+        if phase2_needs_nonzero(n, j.tie_break, j.planes is not None):
+            return "plane"
+        if j.planes is not None and j.planes_sharded:
+            return "plane" if j.chunk_lists is None else "chunks"
+        return None
 
     def _vote_rows(self, j: VoteJob, n: int) -> torch.Tensor:
         """[N, width]: row r = what rank r receives of this rank's votes (shard r of each plane)."""
@@ -82,10 +105,7 @@ class OneBitVote(VoteAlgorithm):
         signs = split_columns(pending.wait(), self._phase1_widths(jobs, n))[0::2]
         average = jobs[0].vote == "average"
         p = lane_bits_for(n)
-        # per job (the same on every rank: the planes follow the agreed flags and mode). Sharded
-        # planes: no rank but the owner knows where nobody voted, so the result's plane travels.
-        send_nz = [not average and (phase2_needs_nonzero(n, j.tie_break, j.planes is not None)
-                                    or (j.planes is not None and j.planes_sharded)) for j in jobs]
+        send_nz = [None if average else self._phase2_extra(j, n) for j in jobs]
         parts, widths = [], []
         for j, sign, snz in zip(jobs, signs, send_nz):
             shard = j.plane_bytes // n
@@ -101,8 +121,10 @@ class OneBitVote(VoteAlgorithm):
                 widths.append(plus.numel())
             else:
                 res_sign, res_nz = self._shard_vote(backend, sign, nz, j, rank, n)
+                if snz == "chunks":
+                    res_nz = ChunkCode(j.plane_bytes, n).full_bits(res_nz, j.mask[rank * shard:(rank + 1) * shard])
                 parts += [res_sign, res_nz] if snz else [res_sign]
-                widths += [shard, shard] if snz else [shard]
+                widths += [shard, res_nz.numel()] if snz else [shard]
         return coll.all_gather(torch.cat(parts), self.name, async_op=True), widths, send_nz  # [N, Σ widths]
 
     def complete(self, state, jobs, coll, backend):
@@ -120,7 +142,9 @@ class OneBitVote(VoteAlgorithm):
                                               return_delta=j.keep_delta)
                 continue
             full_sign = mine[0].reshape(1, -1)
-            if snz:
+            if snz == "chunks":  # where Δ is 0: from the owners' full-chunk bits and every rank's list
+                full_nz = ChunkCode(j.plane_bytes, n).result_nonzero(mine[1], j.chunk_lists, j.mask).view(1, -1)
+            elif snz:
                 full_nz = mine[1].reshape(1, -1)
             else:  # Δ = 0 exactly where no rank voted (every rank knows the planes)
                 full_nz = None if j.planes is None else any_voter(j.planes).view(1, -1)
@@ -132,15 +156,26 @@ class OneBitVote(VoteAlgorithm):
                    overflow=False):
         n = world_size
         shard = numel // 8 // n
-        sharded = self.shards_planes(vote) and (mode == "plane" or overflow) and abstain
-        payload = shard if (mode == "plane" and self.shards_planes(vote)) else payload_len(numel, n, mode)
+        splits = self.shards_planes(vote)
+        counted = planes_counted(mode, abstain)
+        fetch = refetched(mode, overflow)
+        if splits and mode == "plane":
+            payload = shard
+        elif splits and mode == "chunks":
+            payload = ChunkCode(numel // 8, n).shard_payload_bytes
+        else:
+            payload = payload_len(numel, n, mode)
         phase1 = (n - 1) * (shard + payload)
-        if overflow and mode == "list":  # the planes once more: this rank's shards, or the whole plane to all
-            phase1 += (n - 1) * (shard if self.shards_planes(vote) else numel // 8)
+        if fetch:  # the planes once more: this rank's shards, or the whole plane to all
+            phase1 += (n - 1) * (shard if splits else numel // 8)
         if vote == "average":
             phase2 = (n - 1) * shard * lane_bits_for(n)
+        elif phase2_needs_nonzero(n, tie_break, counted) or (splits and counted and (mode == "plane" or fetch)):
+            phase2 = 2 * (n - 1) * shard  # the result's sign and nonzero planes
+        elif splits and mode == "chunks":
+            phase2 = (n - 1) * (shard + ChunkCode(numel // 8, n).zero_bytes)  # sign, full-chunk bits
         else:
-            phase2 = (n - 1) * shard * (2 if sharded or phase2_needs_nonzero(n, tie_break, abstain) else 1)
+            phase2 = (n - 1) * shard
         return phase1 + phase2
 
     def messages(self, world_size):

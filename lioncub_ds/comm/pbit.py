@@ -11,7 +11,7 @@ from ..conventions import lane_bits_for
 from ..config import LionCubConfigError
 import torch
 
-from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, split_columns
+from .base import Collectives, VoteAlgorithm, VoteJob, payload_len, refetched, split_columns
 
 
 def check_lane_bits(p: int, world_size: int) -> None:
@@ -71,7 +71,7 @@ class PBitVote(VoteAlgorithm):
                    overflow=False):
         n = world_size
         total = numel * self.lane_bits(n) // 8 + n * payload_len(numel, n, mode)
-        refetch = (n - 1) * (numel // 8) if overflow and mode == "list" else 0  # the planes, all-gathered
+        refetch = (n - 1) * (numel // 8) if refetched(mode, overflow) else 0  # the planes, all-gathered
         return 2 * (n - 1) * total // n + refetch
 
     def messages(self, world_size):
