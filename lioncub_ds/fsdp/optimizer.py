@@ -1,0 +1,310 @@
+"""LionCub on FSDP2's sharded parameters: shard inside a group, vote across groups (SPEC §7).
+
+The seam (torch >= 2.6 ``fully_shard``, read in torch 2.13's ``_fully_shard``): FSDP2 runs on a
+1-D DeviceMesh made from this rank's shard group (:func:`shard_mesh`), so its reduce-scatter
+(ReduceOp.AVG) gives this rank the mean gradient of its shard group (ḡ, one voter's gradient),
+and its all-gather rebuilds the full parameters for forward from the local shards. LionCub then
+steps the local shards with ``shard_groups=``: it votes with the peers (the one rank per shard
+group that holds the same shard), so the link between groups carries the 1-bit votes, never a
+gradient or a parameter. HSDP's 2-D mesh was not used: it all-reduces the reduce-scatter output
+across replicas itself, and ``set_requires_all_reduce(False)`` leaves ``param.grad`` unset (the
+output is kept for a later all-reduce), so the mean gradient of a group never reaches an optimizer.
+
+What LionCub steps: per sharded parameter (a DTensor on the shard mesh, ``Shard(0)``) a plain
+tensor aliasing FSDP2's local shard (``p.to_local()`` detached: the same storage, so the update is
+what the next all-gather reads), tagged with the index of its first element inside the full
+parameter (:data:`lioncub_ds.layout.ELEMENT_START`: the hash tie rule keys on it, SPEC §4). FSDP2
+cuts dim 0 like ``torch.chunk`` (the first shards ``ceil(d0/L)`` rows, the last ones shorter or
+empty, padded inside FSDP2), so peers hold shards of equal shape.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..config import LionCubConfig, LionCubConfigError
+from ..groups import ShardGroups, group_ranks, make_shard_groups, resolve_ranks_per_node
+from ..layout import ELEMENT_START
+from ..lion import call_closure
+from ..optimizer import LionCub, _check_shard_settings
+
+LAYOUT_FORMAT = 1
+
+
+def shard_mesh(shard_groups: ShardGroups, device_type: str | None = None):
+    """The 1-D DeviceMesh of this rank's shard group: ``fully_shard(module, mesh=shard_mesh(sg))``.
+
+    ``device_type`` None: "cuda" when CUDA is available, else "cpu" (the parameters' device; NCCL
+    takes CUDA tensors only). Creates no process group: the mesh wraps ``shard_groups.shard``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return DeviceMesh.from_group(shard_groups.shard, device_type)
+
+
+def element_start(shape, shard_rank: int, shard_size: int) -> tuple[int, int]:
+    """(index of the first element inside the flattened full parameter, rows) of shard
+    ``shard_rank`` of ``shard_size`` when dim 0 is cut as FSDP2 cuts it (``torch.chunk``: blocks of
+    ``ceil(d0/L)`` rows, the last shards shorter or empty)."""
+    d0 = shape[0]
+    inner = math.prod(shape[1:])
+    chunk = -(-d0 // shard_size)
+    first = min(shard_rank * chunk, d0)
+    return first * inner, min(chunk, d0 - first)
+
+
+def _refuse(msg: str):
+    raise LionCubConfigError("LionCubFSDP: " + msg)
+
+
+def _check_sharded(name, p, sg: ShardGroups):
+    """``p`` must be a parameter FSDP2 sharded on this rank's shard mesh, dim 0; the same on
+    every rank (the model and its fully_shard calls are the program's), so every rank raises."""
+    from torch.distributed.tensor import DTensor, Shard
+    where = ("allowed: fully_shard(module, mesh=lioncub_ds.fsdp.shard_mesh(shard_groups)) on the model (and its "
+             "blocks) before the optimizer, or lioncub_ds.fsdp.shard_and_vote(model)")
+    if not isinstance(p, DTensor):
+        _refuse(f"parameter {name!r} is not sharded by FSDP2 (a plain tensor); {where}")
+    mesh = p.device_mesh
+    if mesh.ndim != 1:
+        _refuse(f"parameter {name!r} lives on a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: HSDP's mesh all-reduces "
+                f"gradients across replicas itself, which the votes replace; {where}")
+    if group_ranks(mesh.get_group()) != group_ranks(sg.shard):
+        _refuse(f"parameter {name!r} is sharded over ranks {group_ranks(mesh.get_group())}, not this rank's shard "
+                f"group {group_ranks(sg.shard)}; {where}")
+    if tuple(p.placements) != (Shard(0),):
+        _refuse(f"parameter {name!r} has placements {tuple(p.placements)}; allowed: Shard(0) (fully_shard's "
+                "default: no shard_placement_fn), whose shards are contiguous pieces of the parameter")
+
+
+class LionCubFSDP(LionCub):
+    """LionCub stepping the local shards of an FSDP2 model: one voter per shard group.
+
+    ``model``: every parameter (or those in ``params``: None, or ``(name, parameter)`` pairs /
+    param groups of them, as torch.optim takes) sharded by ``fully_shard`` on
+    :func:`shard_mesh` ``(shard_groups)``. ``shard_groups``: :func:`lioncub_ds.groups.make_shard_groups`.
+    Every other keyword is a LionCub setting (or ``config=``); voters, node_size, overlap and
+    momentum_sync.group='node' are refused (the shard groups are the layout).
+
+    ``step()`` hands each shard FSDP2's reduced gradient (``p.grad.to_local()``: this shard
+    group's mean) and votes with the peers; ``zero_grad()`` clears FSDP2's gradients too. Gradient
+    clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` before ``step()`` clips
+    each group's mean gradient by its own norm (FSDP2's DTensor norm: one float all-reduce inside
+    the shard group). Checkpoints: :func:`lioncub_ds.fsdp.save` / :func:`lioncub_ds.fsdp.load`
+    (torch.distributed.checkpoint), or :meth:`sharded_state_dict` in your own DCP state.
+    """
+
+    def __init__(self, model: torch.nn.Module, params=None, *, shard_groups: ShardGroups, **settings):
+        if not isinstance(shard_groups, ShardGroups):
+            _refuse(f"shard_groups={type(shard_groups).__name__}; allowed: lioncub_ds.groups.make_shard_groups(...)")
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = _named_groups(model, params, names)
+        self._fsdp = []  # (name, FSDP2's sharded parameter, the leaf LionCub steps)
+        leaf_groups = []
+        for g in groups:
+            leaves = []
+            for name, p in g["params"]:
+                _check_sharded(name, p, shard_groups)
+                leaves.append((name, self._leaf(name, p, shard_groups)))
+            leaf_groups.append(dict(g, params=leaves))
+        self.fsdp_shard_groups = shard_groups
+        super().__init__(leaf_groups, shard_groups=shard_groups, **settings)
+
+    def _leaf(self, name, p, sg):
+        with torch.no_grad():
+            local = p.to_local()
+        start, rows = element_start(tuple(p.shape), sg.shard_rank, sg.shard_size)
+        if local.shape[0] != rows or tuple(local.shape[1:]) != tuple(p.shape[1:]):
+            # FSDP2 cut dim 0 otherwise than torch.chunk: the element index would be wrong
+            _refuse(f"parameter {name!r}: FSDP2's local shard has shape {tuple(local.shape)}, expected {rows} rows "
+                    f"of {tuple(p.shape)} cut in {sg.shard_size} (torch.chunk); this torch's FSDP2 shards otherwise")
+        leaf = local.detach()  # shares the storage FSDP2 all-gathers from
+        leaf.requires_grad_(p.requires_grad)
+        setattr(leaf, ELEMENT_START, start)
+        self._fsdp.append((name, p, leaf))
+        return leaf
+
+    # ------------------------------------------------------------------ step
+    def _bind_grads(self) -> None:
+        """Each leaf's gradient: FSDP2's reduced shard (a view, no copy). Checks first that FSDP2
+        still keeps the parameter in the leaf's storage (``load_state_dict(assign=True)`` or
+        ``model.to()`` after construction replace it: the update would be lost)."""
+        with torch.no_grad():
+            for name, p, leaf in self._fsdp:
+                local = p.to_local()
+                if (local.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
+                        or local.storage_offset() != leaf.storage_offset() or local.shape != leaf.shape):
+                    raise LionCubConfigError(
+                        f"LionCubFSDP: FSDP2's shard of parameter {name!r} is no longer the tensor this optimizer "
+                        "steps (the model's parameters were replaced after construction, e.g. by "
+                        "load_state_dict(assign=True) or .to()); allowed: build the optimizer after them, or load "
+                        "with lioncub_ds.fsdp.load (in place)")
+                leaf.grad = p.grad.to_local() if p.grad is not None else None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = call_closure(closure)  # its backward fills FSDP2's gradients before they are bound
+        self._bind_grads()
+        super().step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none=set_to_none)  # the leaves' views: zeroed in place or dropped
+        for _, p, _ in self._fsdp:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.to_local().zero_()
+
+    # ------------------------------------------------------------------ checkpoints (DCP)
+    def fsdp_layout(self) -> str:
+        """What this rank's momenta are pieces of, as one JSON string (saved with them; a load
+        must match it): shard size L, voters Nn, the parameters' names and shapes."""
+        sg = self.fsdp_shard_groups
+        return json.dumps({"format": LAYOUT_FORMAT, "shard_size": sg.shard_size, "voters": sg.groups,
+                           "params": [[name, list(p.shape)] for name, p, _ in self._fsdp]})
+
+    def sharded_state_dict(self, *, placeholders: bool = False) -> dict:
+        """LionCub's state in torch.distributed.checkpoint's terms: each momentum as a DTensor of
+        its parameter's shape and sharding (its voter's key: ``momenta.voter<j>.<name>``, since
+        every shard group keeps its own), the per-parameter step counters, the step count and the
+        layout. ``placeholders``: zeros to load into (nothing of this optimizer is touched)."""
+        from torch.distributed.tensor import DTensor
+        sg = self.fsdp_shard_groups
+        momenta, steps = {}, {}
+        for name, p, leaf in self._fsdp:
+            st = self.state.get(leaf, {})
+            m = st.get("exp_avg")
+            if placeholders or m is None:
+                m = torch.zeros_like(leaf, dtype=self.config.momentum_dtype, memory_format=torch.contiguous_format)
+            momenta[name] = DTensor.from_local(m, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                               stride=p.stride())
+            steps[name] = 0.0 if placeholders or "step" not in st else float(st["step"])
+        groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.param_groups]
+        return {"layout": self.fsdp_layout(), "step": self._step_count, "skipped_steps": self._skipped_steps,
+                "param_steps": steps, "param_groups": groups, "momenta": {f"voter{sg.group_index}": momenta}}
+
+    def load_sharded_state_dict(self, sd: dict) -> None:
+        """Take the state :func:`torch.distributed.checkpoint.load` filled into
+        :meth:`sharded_state_dict` ``(placeholders=True)``. Refuses another layout by name."""
+        check_layout(sd["layout"], self.fsdp_layout())
+        momenta = sd["momenta"][f"voter{self.fsdp_shard_groups.group_index}"]
+        index = {id(leaf): i for i, leaf in enumerate(p for g in self.param_groups for p in g["params"])}
+        state = {index[id(leaf)]: {"exp_avg": momenta[name].to_local(),
+                                   "step": torch.tensor(float(sd["param_steps"][name]), dtype=torch.float32)}
+                 for name, _, leaf in self._fsdp}
+        base = super().state_dict()
+        groups = [dict(saved, params=g["params"], **({"param_names": g["param_names"]} if "param_names" in g else {}))
+                  for saved, g in zip(sd["param_groups"], base["param_groups"])]
+        lioncub = dict(base["lioncub"], step=int(sd["step"]), skipped_steps=int(sd["skipped_steps"]))
+        lioncub.pop("comm_stats", None)  # per-rank telemetry: not in the checkpoint, kept as it is
+        self.load_state_dict({"state": state, "param_groups": groups, "lioncub": lioncub})
+
+
+def check_layout(saved: str, mine: str) -> None:
+    """Refuse, by name, state saved under another shard layout (before anything is loaded)."""
+    if saved == mine:
+        return
+    s, m = json.loads(saved), json.loads(mine)
+
+    def text(x):
+        return f"shard_size={x.get('shard_size')} ({x.get('voters')} shard groups voting)"
+    if (s.get("shard_size"), s.get("voters")) != (m.get("shard_size"), m.get("voters")):
+        raise LionCubConfigError(
+            f"LionCubFSDP: the checkpoint was saved with {text(s)}, this run has {text(m)}: each shard group keeps "
+            "its own momentum of its shards; allowed: the shard_size (and world size) it was saved with; nothing "
+            "was loaded")
+    raise LionCubConfigError(
+        "LionCubFSDP: the checkpoint's parameters (names, shapes) differ from this model's: "
+        f"{_first_difference(s.get('params', []), m.get('params', []))}; allowed: the model it was saved from; "
+        "nothing was loaded")
+
+
+def _first_difference(a, b) -> str:
+    for x, y in zip(a, b):
+        if x != y:
+            return f"saved {x}, here {y}"
+    return f"saved {len(a)} parameters, here {len(b)}"
+
+
+def _named_groups(model, params, names):
+    """``params`` (None: the model's parameters) as param groups of (name, parameter) pairs."""
+    if params is None:
+        return [{"params": list(model.named_parameters())}]
+    params = list(params)
+    groups = [dict(g) for g in params] if params and isinstance(params[0], dict) else [{"params": params}]
+    for g in groups:
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        pairs = []
+        for p in ps:
+            if isinstance(p, tuple):
+                pairs.append(p)
+            elif id(p) in names:
+                pairs.append((names[id(p)], p))
+            else:
+                _refuse(f"a parameter of shape {tuple(p.shape)} given in params is not a parameter of the model; "
+                        "allowed: the model's parameters (or (name, parameter) pairs)")
+        g["params"] = pairs
+    return groups
+
+
+def _module_list(model, modules):
+    """The submodules to shard on their own before the root: an iterable of modules, or a type
+    (tuple of types) whose instances inside ``model`` are each sharded (e.g. the transformer block)."""
+    if modules is None:
+        return []
+    if isinstance(modules, type) or (isinstance(modules, tuple) and modules and all(isinstance(t, type)
+                                                                                      for t in modules)):
+        return [m for m in model.modules() if isinstance(m, modules) and m is not model]
+    return [m for m in modules if m is not model]
+
+
+def shard_and_vote(model: torch.nn.Module, shard_size: int | None = None, *, modules=None, mp_policy=None,
+                   reshard_after_forward: bool = True, device_type: str | None = None, params=None,
+                   timeout_s: float | None = None, **settings):
+    """Shard ``model`` with FSDP2 inside groups of ``shard_size`` consecutive ranks and vote across
+    them: returns ``(model, optimizer)`` (the model is sharded in place, as ``fully_shard`` does).
+
+    * ``shard_size``: L, the ranks of one shard group (FSDP2's fast link); None: the ranks per node
+      (``LOCAL_WORLD_SIZE``). Nn = world / L groups vote (1 group: global Lion on the shards).
+    * ``modules``: submodules (or a type of them, e.g. the transformer block) to ``fully_shard``
+      on their own first, so each is all-gathered only around its forward; the root last.
+    * ``mp_policy``, ``reshard_after_forward``: FSDP2's (e.g. ``MixedPrecisionPolicy(param_dtype=
+      torch.bfloat16)``: fp32 sharded parameters and momenta, bf16 all-gathers and reduce-scatters).
+    * ``params``: which parameters LionCub steps and their groups (see :class:`LionCubFSDP`).
+    * every other keyword: a LionCub setting (``lr``, ``betas``, ``weight_decay``, ``comm``, ...).
+
+    Collective: call it on every rank. Settings, the shard size and the grouping are checked on
+    every rank before any process group or state exists."""
+    cfg = LionCubConfig.from_kwargs(**settings)  # a mistyped or bad setting: named, on every rank
+    _check_shard_settings(cfg)                      # settings that contradict the shard groups
+    if not (dist.is_available() and dist.is_initialized()):
+        _refuse("torch.distributed is not initialized; allowed: init_process_group first (torchrun)")
+    size = _shard_size(shard_size)
+    sg = make_shard_groups(size, timeout_s=timeout_s)
+    from torch.distributed.fsdp import fully_shard
+    mesh = shard_mesh(sg, device_type)
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    for m in _module_list(model, modules):
+        fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    return model, LionCubFSDP(model, params, shard_groups=sg, config=cfg)
+
+
+def _shard_size(shard_size) -> int:
+    """L resolved and checked against the world (the same on every rank), named ``shard_size``."""
+    try:
+        size = resolve_ranks_per_node(shard_size, "shard_size")
+    except ValueError as exc:
+        raise LionCubConfigError(str(exc).replace("LionCub:", "LionCubFSDP:", 1)) from None
+    world = dist.get_world_size()
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or world % size:
+        _refuse(f"shard_size={size!r} (the ranks of one shard group) must be a positive divisor of the {world} ranks; "
+                f"allowed: one of {[d for d in range(1, world + 1) if world % d == 0]}")
+    return size

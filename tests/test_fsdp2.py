@@ -1,0 +1,346 @@
+"""FSDP2 with votes (lioncub_ds.fsdp, issue 44 item 3) on 4 real gloo ranks: 2 shard groups × 2.
+
+One launch runs every check (process start-up dominates the cost); the tests below read its
+results. What each rank records per step: FSDP2's reduced gradient shards (before and after
+gradient clipping), its parameter shards after the step and the NCCL-contract call log. The
+oracle runs here, in the parent, on the full tensors put together from the shards:
+
+* per shard group j the gradient LionCub must see is the one FSDP2 produced (gathered from the
+  ranks, not recomputed: FSDP2's reduction order is its own), checked separately to be close to
+  the mean of the group's local gradients (computed here from the same batches) and, after
+  ``clip_grad_norm_``, to be that mean scaled to the group's own norm;
+* Nn voters, voter j with its own momentum of every full parameter, sign votes with abstentions,
+  majority across the groups with the hash tie rule keyed on the element's index inside the full
+  parameter (a shard-local index would break other ties on the second shard), decoupled decay:
+  every step's parameters must equal it bit for bit, in fp32 and with bf16 mixed precision;
+* one shard group (L = world) is plain Lion on the group-mean gradient (no votes, no bytes
+  between groups);
+* no floating-point tensor crosses between shard groups (FSDP2's all-gathers and reduce-scatters
+  stay inside the group, the votes cross as bytes), per the call log of every collective;
+* optimizer state per rank is this rank's shards' momenta: 1/L of flat LionCub's over a group;
+* a DCP checkpoint resumes bit-exactly, another shard size is refused by name before anything
+  loads, and bad settings are refused on every rank before any process group or state exists.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lioncub_ds.kernels import reference
+from dist_helpers import SmallNet as Net, run_ranks
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"LIONCUB_KERNELS": "torch"}
+WORLD, L = 4, 2
+STEPS, MORE = 4, 2
+LR, WD, BETAS, CLIP = 0.01, 0.1, (0.9, 0.99), 0.3
+NAMES = [n for n, _ in Net().named_parameters()]
+INTEGER = ("torch.uint8", "torch.int8", "torch.int32", "torch.int64")
+
+
+def _batch(rank, step):
+    """Rank ``rank``'s batch at ``step`` (deterministic, so the parent can recompute it)."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, 6, (4, 3), generator=gen), torch.randn(4, 3, generator=gen)
+
+
+def _loss(model, rank, step):
+    idx, y = _batch(rank, step)
+    return torch.nn.functional.mse_loss(model(idx).float(), y)
+
+
+def _locals(model):
+    with torch.no_grad():
+        return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _train(model, opt, first, last, clip=True):
+    """Steps first..last; per step FSDP2's reduced gradient shards before / after clipping and the
+    parameter shards after the step."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    rec = []
+    for step in range(first, last + 1):
+        _loss(model, rank, step).backward()
+        pre = [p.grad.to_local().clone() for p in model.parameters()]
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        post = [p.grad.to_local().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        rec.append({"pre": pre, "post": post, "after": _locals(model)})
+    return rec
+
+
+def _refusals(rank):
+    """Bad settings and groupings: LionCubConfigError on every rank, before any process group
+    (no collective, no new_group in the call log) or optimizer exists."""
+    from lioncub_ds.config import LionCubConfigError
+    from lioncub_ds.fsdp import shard_and_vote
+    from lioncub_ds.testing import nccl_contract
+    from dist_helpers import recording_optimizer_inits
+    out = {}
+    cases = {"shard_size=3": dict(shard_size=3), "voters": dict(voters="node"), "node_size": dict(node_size=2),
+             "overlap": dict(overlap=True), "momentum_sync.group": dict(momentum_sync={"every": 5, "group": "node"}),
+             "lr": dict(lr=-1.0)}
+    for label, kw in cases.items():
+        before = len(nccl_contract.log())
+        with recording_optimizer_inits() as inits:
+            try:
+                shard_and_vote(Net(), **{"shard_size": L, **kw})
+                msg = None
+            except LionCubConfigError as exc:
+                msg = str(exc)
+        out[label] = (msg, len(nccl_contract.log()) - before, list(inits))
+    return out
+
+
+def _late_refusals(sg):
+    """LionCubFSDP on models that FSDP2 did not shard on the shard mesh: refused before any state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from lioncub_ds.config import LionCubConfigError
+    from lioncub_ds.fsdp import LionCubFSDP
+    from dist_helpers import recording_optimizer_inits
+    hsdp = Net()
+    fully_shard(hsdp, mesh=init_device_mesh("cpu", (WORLD // L, L), mesh_dim_names=("replicate", "shard")))
+    out = {}
+    for label, model in (("plain", Net()), ("hsdp", hsdp)):
+        with recording_optimizer_inits() as inits:
+            try:
+                LionCubFSDP(model, shard_groups=sg, lr=LR)
+                msg = None
+            except LionCubConfigError as exc:
+                msg = str(exc)
+        out[label] = (msg, list(inits))
+    return out
+
+
+def _rank_body(rank, world_size, path):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from lioncub_ds.config import LionCubConfigError
+    from lioncub_ds.fsdp import load, save, shard_and_vote
+    from lioncub_ds.testing import nccl_contract
+    settings = dict(lr=LR, betas=BETAS, weight_decay=WD, comm="1bit")
+    res = {"refused": _refusals(rank)}
+
+    # fp32, 2 groups x 2: the oracle run, its call log, its state; a checkpoint after STEPS steps
+    torch.manual_seed(0)
+    model, opt = shard_and_vote(Net(), L, **settings)
+    res["init"] = _locals(model)
+    nccl_contract.reset()
+    res["fp32"] = _train(model, opt, 1, STEPS)
+    res["log"] = nccl_contract.log()
+    res["state"] = opt.state_bytes()
+    res["scopes"] = dict(opt.comm_stats()["cumulative"]["by_scope"])
+    res["starts"] = [getattr(leaf, "lioncub_element_start") for _, _, leaf in opt._fsdp]
+    save(path, model, opt)
+    res["continued"] = _train(model, opt, STEPS + 1, STEPS + MORE)
+
+    # resume: a fresh model and optimizer load the checkpoint and take the same steps
+    torch.manual_seed(1)  # another init: everything must come from the checkpoint
+    model2, opt2 = shard_and_vote(Net(), L, **settings)
+    load(path, model2, opt2)
+    res["resumed"] = _train(model2, opt2, STEPS + 1, STEPS + MORE)
+    res["resumed_step"] = opt2.step_count
+
+    # another shard size: refused by name before anything loads; then one group: global Lion
+    torch.manual_seed(0)
+    model4, opt4 = shard_and_vote(Net(), WORLD, **settings)
+    fresh = _locals(model4)
+    try:
+        load(path, model4, opt4)
+        res["other_size"] = None
+    except LionCubConfigError as exc:
+        res["other_size"] = str(exc)
+    res["other_size_untouched"] = all(torch.equal(a, b) for a, b in zip(fresh, _locals(model4)))
+    res["one_init"] = fresh
+    res["one"] = _train(model4, opt4, 1, STEPS, clip=False)
+    res["one_scopes"] = dict(opt4.comm_stats()["cumulative"]["by_scope"])
+
+    # bf16 mixed precision: bf16 all-gathers and reduce-scatters, fp32 sharded parameters and momenta
+    torch.manual_seed(0)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model_bf, opt_bf = shard_and_vote(Net(), L, mp_policy=mp, **dict(settings, comm="allgather"))
+    res["bf16_init"] = _locals(model_bf)
+    nccl_contract.reset()
+    res["bf16"] = _train(model_bf, opt_bf, 1, STEPS)
+    res["bf16_log"] = nccl_contract.log()
+    res["late_refused"] = _late_refusals(opt.fsdp_shard_groups)
+    return res
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fsdp2_dcp"))
+    return run_ranks(_rank_body, WORLD, path, timeout=600, env=ENV)
+
+
+# ----------------------------------------------------------------------------- the oracle
+def _cat(shards_by_rank, group, size):
+    """Full tensors of shard group ``group`` from its ranks' shard lists (dim 0, shard-rank order)."""
+    members = range(group * size, (group + 1) * size)
+    return [torch.cat([shards_by_rank[r][k] for r in members]) for k in range(len(NAMES))]
+
+
+def _field(ranks, run, step, field):
+    """Every rank's shard list of ``field`` ("pre", "post", "after") at step index ``step`` of ``run``."""
+    return [r[run][step][field] for r in ranks]
+
+
+def _vote_step(thetas, momenta, grads, step):
+    """One step of Distributed Lion over Nn voters: ``grads[j]`` / ``momenta[j]`` voter j's full
+    tensors (momenta changed in place); majority with abstentions (c == 0), hash ties on the
+    element's index inside the full parameter, decoupled decay. Returns the new fp32 parameters."""
+    new = []
+    for k, theta in enumerate(thetas):
+        cs = [reference.lion_direction(m[k].reshape(-1), g[k].reshape(-1), BETAS[0]) for m, g in zip(momenta, grads)]
+        votes = torch.sign(torch.stack(cs))
+        plus, cnt = (votes > 0).sum(0), (votes != 0).sum(0)
+        diff = 2 * plus - cnt
+        tie = reference.tie_hash_sign(step, torch.arange(theta.numel(), dtype=torch.int64)).float()
+        delta = torch.where((diff == 0) & (cnt > 0), tie, torch.sign(diff).float())
+        e = theta.float().clone()
+        e.mul_(1.0 - LR * WD)
+        e.add_(delta.view_as(e).mul(-LR))
+        new.append(e)
+        for m, g in zip(momenta, grads):
+            reference.momentum_update(m[k], g[k], BETAS[1])
+    return new
+
+
+def _check_against_oracle(ranks, run, init, size, first=1):
+    """Every step of ``run`` against the oracle fed with the gradients FSDP2 handed LionCub (after
+    clipping); every group's shards must equal it bit for bit (so the replicas are identical)."""
+    groups = WORLD // size
+    thetas = _cat([r[init] for r in ranks], 0, size)
+    momenta = [[torch.zeros_like(t, dtype=torch.float32) for t in thetas] for _ in range(groups)]
+    for s in range(len(ranks[0][run])):
+        grads = [_cat(_field(ranks, run, s, "post"), j, size) for j in range(groups)]
+        thetas = _vote_step(thetas, momenta, grads, first + s)
+        for j in range(groups):
+            got = _cat(_field(ranks, run, s, "after"), j, size)
+            for name, g, exp in zip(NAMES, got, thetas):
+                assert g.dtype == torch.float32 and torch.equal(g, exp), \
+                    f"{run} step {first + s} group {j} {name}: max diff {(g - exp).abs().max()}"
+
+
+def _local_grads(thetas, rank, step, dtype):
+    """Rank ``rank``'s own gradient at ``step`` by a plain (unsharded) model in ``dtype``."""
+    model = Net()
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), thetas):
+            p.copy_(t)
+    model.to(dtype)
+    _loss(model, rank, step).backward()
+    return [p.grad.float() for p in model.parameters()]
+
+
+def _check_reduced_gradients(ranks, run, init, size, dtype, tol, clip=True):
+    """FSDP2's reduced shards (gathered) are the mean of the group's local gradients; after
+    clip_grad_norm_ that mean times min(1, CLIP / its norm over the group). Returns how many
+    (step, group) pairs were clipped."""
+    clipped = 0
+    thetas = _cat([r[init] for r in ranks], 0, size)
+    for s in range(len(ranks[0][run])):
+        for j in range(WORLD // size):
+            local = [_local_grads(thetas, r, s + 1, dtype) for r in range(j * size, (j + 1) * size)]
+            mean = [torch.stack(gs).mean(0) for gs in zip(*local)]
+            pre = _cat(_field(ranks, run, s, "pre"), j, size)
+            post = _cat(_field(ranks, run, s, "post"), j, size)
+            for name, a, b in zip(NAMES, pre, mean):
+                assert torch.allclose(a, b, **tol), f"{run} step {s + 1} group {j} {name}: {(a - b).abs().max()}"
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in pre]))
+            coef = min(1.0, CLIP / (float(norm) + 1e-6)) if clip else 1.0
+            clipped += coef < 1.0
+            for name, a, b in zip(NAMES, post, pre):
+                assert torch.allclose(a, b * coef, rtol=1e-5, atol=1e-7), f"{run} step {s + 1} group {j} {name} clip"
+        thetas = _cat(_field(ranks, run, s, "after"), 0, size)
+    return clipped
+
+
+# ----------------------------------------------------------------------------- the tests
+def test_every_step_equals_the_node_voter_oracle_fp32(ranks):
+    _check_against_oracle(ranks, "fp32", "init", L)
+    clipped = _check_reduced_gradients(ranks, "fp32", "init", L, torch.float32, dict(rtol=1e-5, atol=1e-7))
+    assert clipped > 0  # the clip threshold is low enough to act: the clipped path is exercised
+
+
+def test_every_step_equals_the_oracle_with_bf16_mixed_precision(ranks):
+    _check_against_oracle(ranks, "bf16", "bf16_init", L)
+    _check_reduced_gradients(ranks, "bf16", "bf16_init", L, torch.bfloat16, dict(rtol=0.05, atol=2e-3))
+    # FSDP2 all-gathers and reduce-scatters in bf16 inside the shard group
+    for r in ranks:
+        fsdp = [e for e in r["bf16_log"] if e[0] in ("all_gather_single", "reduce_scatter_single") and e[2] != "torch.uint8"]
+        assert fsdp and all(e[2] == "torch.bfloat16" for e in fsdp), fsdp
+
+
+def test_one_shard_group_is_global_lion_on_the_shards(ranks):
+    _check_against_oracle(ranks, "one", "one_init", WORLD)
+    _check_reduced_gradients(ranks, "one", "one_init", WORLD, torch.float32, dict(rtol=1e-5, atol=1e-7), clip=False)
+    for r in ranks:
+        assert r["one_scopes"].get("inter_node", 0) == 0, r["one_scopes"]
+
+
+def test_the_hash_tie_rule_keys_on_the_full_parameter_index(ranks):
+    """Shard k starts at k·ceil(d0/L) rows (torch.chunk, as FSDP2 cuts): its ELEMENT_START."""
+    shapes = [tuple(p.shape) for p in Net().parameters()]
+    for rank, r in enumerate(ranks):
+        k = rank % L
+        for shape, start in zip(shapes, r["starts"]):
+            inner = 1 if len(shape) == 1 else shape[1]
+            assert start == min(k * -(-shape[0] // L), shape[0]) * inner
+
+
+def test_only_votes_cross_between_shard_groups(ranks):
+    group_of = lambda x: x // L  # noqa: E731
+    for rank, r in enumerate(ranks):
+        crossing = [e for e in r["log"] if e[1] and len({group_of(x) for x in e[1]}) > 1]
+        assert crossing, "the votes must cross"
+        assert all(e[2] in INTEGER for e in crossing), [e for e in crossing if e[2] not in INTEGER]
+        inside = [e for e in r["log"] if e[1] and len({group_of(x) for x in e[1]}) == 1]
+        assert any(e[0] == "reduce_scatter_single" and e[2] == "torch.float32" for e in inside)
+        assert r["scopes"].get("inter_node", 0) > 0
+
+
+def test_state_per_rank_is_one_shard_of_flat_lioncub(ranks):
+    total = sum(p.numel() for p in Net().parameters())  # flat LionCub: an fp32 momentum of every element
+    for j in range(WORLD // L):
+        group = [ranks[r]["state"] for r in range(j * L, (j + 1) * L)]
+        assert sum(st["momentum"] for st in group) == 4 * total  # the group's shards hold each element once
+        for st in group:
+            assert st["master"] == 0 and st["momentum"] <= 4 * total / L * 1.2
+
+
+def test_checkpoint_resume_is_bit_exact(ranks):
+    for r in ranks:
+        assert r["resumed_step"] == STEPS + MORE
+        for a, b in zip(r["continued"], r["resumed"]):
+            for x, y in zip(a["after"], b["after"]):
+                assert torch.equal(x, y)
+    # and the continued run is still the oracle's (steps STEPS+1.. after the saved state)
+    whole = [dict(r, all=r["fp32"] + r["continued"]) for r in ranks]
+    _check_against_oracle(whole, "all", "init", L)
+
+
+def test_another_shard_size_is_refused_by_name_before_loading(ranks):
+    for r in ranks:
+        assert r["other_size"] is not None and "shard_size=2" in r["other_size"] and "shard_size=4" in r["other_size"]
+        assert r["other_size_untouched"]
+
+
+def test_bad_settings_are_refused_on_every_rank_before_any_group_or_state(ranks):
+    for r in ranks:
+        for label, (msg, calls, inits) in r["refused"].items():
+            assert msg is not None and label in msg, (label, msg)
+            assert calls == 0 and inits == [], (label, calls, inits)  # no collective, no group, no optimizer
+        for label, (msg, inits) in r["late_refused"].items():
+            assert msg is not None and inits == [], (label, msg)
+        assert "2-D mesh" in r["late_refused"]["hsdp"][0] and "not sharded" in r["late_refused"]["plain"][0]
