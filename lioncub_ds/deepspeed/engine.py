@@ -290,13 +290,21 @@ def check_node_voters(engine, optimizer=None) -> None:
     what = "voters='node'" if node else f"node_size={node_size} with voters='rank' (master-only sharding)"
     shards = ("the momentum and the fp32 master" if node else "the fp32 master of bf16 parameters")
     stage = engine.zero_optimization_stage()
+    if stage == 3 and node and optimizer is None:
+        return  # ZeRO-3 inside each node group, votes across them (lioncub_ds.deepspeed.zero3)
+    if stage == 3 and node:
+        raise LionCubDeepSpeedError(
+            "LionCub: voters='node' at zero_optimization.stage=3 is set up from the ds_config (deepspeed.initialize "
+            "makes one ZeRO-3 group per node group), not from a LionCub instance passed as optimizer=. Allowed: "
+            "\"optimizer\": {\"type\": \"LionCub\", \"params\": {..., \"voters\": \"node\"}} in the ds_config.")
     if stage >= 1:
         raise LionCubDeepSpeedError(
             f"LionCub: optimizer.params {what} is not supported at ZeRO stage {stage} "
             f"(zero_optimization.stage={stage}): there DeepSpeed reduce-scatters uncompressed gradients over every "
             "rank and partitions the optimizer over all of them (global Lion), so there is no node group to shard in "
             f"and no vote between groups. Allowed: {what} with zero_optimization.stage=0 (LionCub shards {shards} "
-            "inside each node group), or voters='rank' without node_size (the default) at stage 1/2.")
+            "inside each node group), voters='node' with zero_optimization.stage=3 (ZeRO-3 inside each node group, "
+            "votes across them), or voters='rank' without node_size (the default) at stage 1/2/3.")
     if engine.fp16_enabled():
         raise LionCubDeepSpeedError(
             f"LionCub: optimizer.params {what} is not supported with fp16.enabled=true: DeepSpeed's fp16 "
@@ -310,19 +318,26 @@ def check_supported(engine, optimizer=None) -> None:
 
     ``optimizer``: the client LionCub when one was passed (else the ds_config settings are read)."""
     stage = engine.zero_optimization_stage()
-    if stage >= 3:
-        raise LionCubDeepSpeedError(
-            f"LionCub does not support ZeRO stage 3 (zero_optimization.stage={stage}): parameters are partitioned "
-            "and no rank holds the replica a vote or a sign all-gather updates. Use stage 0 (Lion Cub: local "
-            "momentum, 1-bit votes, no gradient all-reduce) or stage 1/2 (global Lion on reduced gradients).")
     off = engine.zero_offload_optimizer() if engine.zero_optimization() else None
     device = getattr(off, "device", None)
     device = getattr(device, "value", device)
+    voters, _ = requested_voters(engine, optimizer)
     if off is not None and device not in (None, "none"):
-        raise LionCubDeepSpeedError(
-            f"LionCub does not support optimizer offload (zero_optimization.offload_optimizer.device={device!r}): "
-            "DeepSpeed's offload path expects its CPU Adam/Lion kernels. Remove offload_optimizer or set its "
-            "device to \"none\".")
+        if stage == 0:
+            raise LionCubDeepSpeedError(
+                f"LionCub: zero_optimization.offload_optimizer.device={device!r} needs ZeRO stage 1, 2 or 3 "
+                "(zero_optimization.stage=0 keeps no partition to offload). Allowed: stage 1/2/3 with offload, or "
+                "no offload_optimizer at stage 0.")
+        if device != "cpu":
+            raise LionCubDeepSpeedError(
+                f"LionCub: zero_optimization.offload_optimizer.device={device!r} is not supported (the fp32 "
+                "partitions must stay in memory for LionCub's kernels). Allowed: \"cpu\" or \"none\".")
+        if is_node_voters(voters):
+            raise LionCubDeepSpeedError(
+                "LionCub: zero_optimization.offload_optimizer with voters='node' is not supported yet: the vote "
+                "would run on the offloaded CPU partitions, and NCCL carries no CPU tensor. Allowed: voters='node' "
+                "without offload_optimizer, or offload_optimizer {\"device\": \"cpu\"} with voters='rank' "
+                "(global Lion on the offloaded partitions, LionCub's C++ kernels).")
     if stage == 0:
         if getattr(engine, "pipeline_parallelism", False):
             raise LionCubDeepSpeedError(
@@ -359,6 +374,13 @@ def build_optimizer(engine, model_parameters):
     # one validation of the settings, handed to the constructor as is (node_size=None: the launcher's
     # ranks per node, by lioncub_ds.groups.resolve_ranks_per_node: LOCAL_WORLD_SIZE, then LOCAL_SIZE)
     config = LionCubConfig.from_kwargs(where="ds_config optimizer.params", **params)
+    if stage == 3:
+        from . import zero3
+        if zero3.shard_groups_of(engine) is not None:  # voters="node": ZeRO-3 per node group, votes across
+            opt = zero3.build(engine, model_parameters, config)
+            setattr(opt, _OPTIONS_ATTR, options)
+            return opt
+        config = zero3.inner_config(config)  # one ZeRO-3 group over every rank: global Lion, no vote
     opt = LionCub(model_parameters, process_group=group, config=config)
     if stage >= 1 and group is not None:
         _SINGLETON_USERS.add(opt)
@@ -399,7 +421,7 @@ class EngineState:
                  wrapper=""):
         self.optimizer = optimizer
         self.stage = stage
-        self.mode = mode  # "local_momentum" (stage 0) or "zero" (stage 1/2)
+        self.mode = mode  # "local_momentum" (stage 0), "zero" (stage 1/2/3), "zero3_votes" (stage 3, voters="node")
         self.options = dict(options)  # zero_allgather, zero_fp32_replica
         self.world_size = world_size  # data-parallel ranks
         self.zero_adapter = zero_adapter
@@ -419,6 +441,11 @@ class EngineState:
 
     def summary(self) -> str:
         """The one line logged at wiring: stage, comm, N, sign all-gather, wrapper."""
+        if self.mode == "zero3_votes":
+            sg = self.optimizer.shard_groups
+            return (f"LionCub: ZeRO stage 3 with node voters (ZeRO-3 inside each node group: parameters, gradients and "
+                    f"fp32 master sharded 1/L; sign votes across groups); comm={self.optimizer.config.comm}; "
+                    f"N={self.world_size} ({sg.groups} node groups x {sg.shard_size} ranks); wrapper={self.wrapper}")
         if self.mode == "local_momentum":
             what = "Lion Cub: local momentum, sign votes, no gradient all-reduce"
             comm = self.optimizer.config.comm
@@ -655,8 +682,13 @@ def register() -> None:
                     client_optimizer.set_process_group(singleton_group())
                     _SINGLETON_USERS.add(client_optimizer)
             orig(self, client_optimizer, model_parameters)
-            if isinstance(getattr(self, "basic_optimizer", None), LionCub):
+            basic = getattr(self, "basic_optimizer", None)
+            if isinstance(basic, LionCub):
                 wire(self)
+            else:
+                from .zero3 import ZeRO3Votes, wire_engine
+                if isinstance(basic, ZeRO3Votes):
+                    wire_engine(self)
         return _configure_optimizer
 
     def make_no_init_step(orig):
@@ -712,13 +744,17 @@ def register() -> None:
             return configure(self, optimizer, *args, **kwargs)
         return _configure_fp16_optimizer
 
+    from .zero3 import make_initialize
+    _patch(deepspeed, "initialize", make_initialize)
     _patch(Engine, "_configure_fp16_optimizer", make_fp16_configure)
     _patch(Engine, "_configure_bf16_optimizer", make_bf16_guard)
     _patch(Engine, "_is_supported_optimizer", make_supported)
     _patch(Engine, "_configure_basic_optimizer", make_basic)
     _patch(Engine, "_configure_optimizer", make_configure)
-    if LionCub not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(LionCub)
+    from .zero3 import ZeRO3Votes
+    for cls in (LionCub, ZeRO3Votes):
+        if cls not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+            zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
     from .zero import make_allgather_dispatch
     _patch(stage_1_and_2, "all_gather_dp_groups", make_allgather_dispatch)
 

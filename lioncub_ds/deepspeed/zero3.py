@@ -1,0 +1,456 @@
+"""ZeRO-3 with votes: DeepSpeed shards inside a group, LionCub votes across groups (SPEC §7).
+
+``"zero_optimization": {"stage": 3}`` with ``"optimizer": {"type": "LionCub", "params": {...,
+"voters": "node"}}``: the N data-parallel ranks form Nn shard groups of L consecutive ranks
+(``node_size``, default the launcher's ranks per node, so a group is a machine). DeepSpeed's
+ZeRO-3 runs inside each group: parameters, gradients and the fp32 master partitioned over its L
+ranks, the gradients reduce-scattered (averaged) over the fast link. LionCub steps the fp32
+partition it is given and votes with the shard peers (the rank holding the same partition in
+every other group): each group is one voter, with its own momentum of its partition, and every
+group applies the same Δ, so the partitions stay identical across groups. The inter-group link
+carries the votes (and an explicitly configured momentum sync), never a gradient.
+
+How the group is set up, from the ds_config alone: ``deepspeed.initialize`` is wrapped so that,
+for such a config and no ``mpu`` of the user's, it creates the groups on every rank
+(:func:`lioncub_ds.groups.make_shard_groups`) and passes DeepSpeed a model-parallel unit
+(:class:`ShardGroupsMPU`, DeepSpeed's public ``mpu`` seam) whose data-parallel group is the
+shard group. DeepSpeed then partitions and reduces inside the group; the unit still reports the
+true data-parallel rank and size (N), so batch sizes and DeepSpeed's data loader see every rank.
+
+What DeepSpeed calls the optimizer: :class:`ZeRO3Votes`, a thin torch optimizer. ZeRO-3 calls
+its ``step()`` once per sub-group with the fp32 flat partition of that sub-group as the only
+parameter; it hands the step to one LionCub per sub-group (``shard_groups=``) over views of the
+flat partition, one per model parameter, each tagged with its first element's index inside the
+parameter, so the hash tie rule keys on the element's index inside its parameter (SPEC §4).
+
+Decisions every group must share: ZeRO-3 skips a step whose gradient norm is not finite (and,
+with fp16, one that overflows), but it computes them over the group only. The wrapper agrees
+them across groups (one small all-reduce of a flag over the shard peers, on the step's existing
+host read), so every group skips together. Gradient clipping: each group clips its own mean
+gradient by its own norm (each voter's decision, as at stage 0 each rank's).
+
+Checkpoints: DeepSpeed writes one ZeRO file per rank of its data-parallel group; with several
+groups the rank of group j > 0 writes its files under a name of its own (``..._group{j}...``)
+so the groups' momenta (which differ) are all kept, and a load reads each rank's own file. A
+checkpoint saved with another group layout is refused by name before anything loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..config import LionCubConfig, LionCubConfigError, is_node_voters
+from ..groups import ShardGroups, group_ranks, make_shard_groups, resolve_ranks_per_node
+from ..layout import ELEMENT_START
+from ..optimizer import LionCub
+
+
+class ZeRO3VotesError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- the ds_config
+def _load_config(config):
+    """The ds_config as a dict (a dict, or a JSON/HJSON file path), or None when unreadable here
+    (DeepSpeed reads it again and reports its own errors)."""
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        with open(config) as f:
+            text = f.read()
+        try:
+            return json.loads(text)
+        except ValueError:
+            try:
+                import hjson
+                return hjson.loads(text)
+            except Exception:  # noqa: BLE001 - DeepSpeed parses it again and says what is wrong
+                return None
+    return None
+
+
+def votes_requested(config) -> dict | None:
+    """The LionCub ``optimizer.params`` of a stage-3 ds_config asking for votes across groups
+    (``voters: "node"``), else None."""
+    cfg = _load_config(config)
+    if not isinstance(cfg, dict):
+        return None
+    opt = cfg.get("optimizer") or {}
+    zero = cfg.get("zero_optimization") or {}
+    from .engine import is_lioncub_name
+    if not (isinstance(opt, dict) and is_lioncub_name(opt.get("type")) and isinstance(zero, dict)):
+        return None
+    params = opt.get("params") or {}
+    if zero.get("stage") != 3 or not isinstance(params, dict) or not is_node_voters(params.get("voters")):
+        return None
+    return params
+
+
+# ----------------------------------------------------------------------------- the mpu seam
+class ShardGroupsMPU:
+    """DeepSpeed's model-parallel unit for ZeRO-3 with votes: no model parallelism; the
+    data-parallel *group* is this rank's shard group (what ZeRO-3 partitions and reduces over),
+    while the data-parallel *rank and size* stay the true ones (N ranks), which DeepSpeed uses
+    for batch sizes and its data loader."""
+
+    def __init__(self, sg: ShardGroups, own_group):
+        self.shard_groups = sg
+        self._own = own_group  # a group of this rank alone: the (trivial) model-parallel group
+
+    def get_data_parallel_group(self):
+        return self.shard_groups.shard
+
+    def get_data_parallel_group_ranks(self):
+        return group_ranks(self.shard_groups.shard)
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank(self.shard_groups.world)
+
+    def get_data_parallel_world_size(self):
+        return dist.get_world_size(self.shard_groups.world)
+
+    def get_model_parallel_group(self):
+        return self._own
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self):
+        return dist.get_rank()
+
+
+def shard_groups_of(engine) -> ShardGroups | None:
+    mpu = getattr(engine, "mpu", None)
+    return mpu.shard_groups if isinstance(mpu, ShardGroupsMPU) else None
+
+
+def make_initialize(orig):
+    """``deepspeed.initialize`` that sets up the shard groups for a stage-3 LionCub config with
+    ``voters: "node"`` (before DeepSpeed builds anything)."""
+
+    def initialize(*args, **kwargs):
+        import inspect
+        bound = inspect.signature(orig).bind_partial(*args, **kwargs)
+        given = dict(bound.arguments)
+        config = given.get("config") or given.get("config_params")
+        if config is None and given.get("args") is not None:
+            config = getattr(given["args"], "deepspeed_config", None)
+        params = votes_requested(config)
+        if params is None:
+            return orig(*args, **kwargs)
+        if given.get("mpu") is not None:
+            raise ZeRO3VotesError(
+                "LionCub: optimizer.params voters='node' with zero_optimization.stage=3 sets DeepSpeed's data-parallel "
+                "group itself (one ZeRO-3 group per node group), but deepspeed.initialize got an mpu: model "
+                "parallelism with ZeRO-3 votes is not supported. Allowed: no mpu, or voters='rank' (global Lion on "
+                "the ZeRO-3 partitions).")
+        if not (dist.is_available() and dist.is_initialized()):
+            import deepspeed
+            deepspeed.init_distributed(dist_backend=given.get("dist_backend"))
+        try:  # validate before any group exists: the same settings on every rank give the same error
+            size = resolve_ranks_per_node(params.get("node_size"), "node_size")
+        except ValueError as exc:
+            raise LionCubConfigError(str(exc)) from None
+        world = dist.get_world_size()
+        if size == world:
+            # one group: ZeRO-3 over every rank, global Lion on the partitions (no vote needed)
+            return orig(*args, **kwargs)
+        try:
+            sg = make_shard_groups(size, timeout_s=params.get("timeout_s"))
+        except ValueError as exc:
+            raise LionCubConfigError(str(exc)) from None
+        from .engine import singleton_group
+        given["mpu"] = ShardGroupsMPU(sg, singleton_group())
+        return orig(**given)
+
+    return initialize
+
+
+# ----------------------------------------------------------------------------- the optimizer
+def inner_config(config: LionCubConfig) -> LionCubConfig:
+    """The settings of the LionCubs stepping the partitions: the grouping is the framework's."""
+    kw = {f: getattr(config, f) for f in LionCubConfig.keys()}
+    kw.update(voters="rank", node_size=None)
+    return LionCubConfig(**kw)
+
+
+class ZeRO3Votes(torch.optim.Optimizer):
+    """The optimizer DeepSpeed's ZeRO-3 steps (see the module doc). Its param groups carry the
+    hyperparameters (schedulers set ``lr`` here); the LionCubs inside read them at every step.
+    State lives in those LionCubs; ``state_dict`` holds theirs (ZeRO-3 saves it per rank)."""
+
+    def __init__(self, params, config: LionCubConfig, shard_groups: ShardGroups, names: dict | None = None):
+        defaults = dict(lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+        super().__init__(params, defaults)
+        self.config = config
+        self.shard_groups = shard_groups
+        self.names = dict(names or {})
+        self.inner: list = []       # one LionCub per ZeRO-3 sub-group (made by wire())
+        self.flats: list = []       # the fp32 flat partition each LionCub's views alias
+        self.views: list = []       # per sub-group: [(view, offset, numel)]
+        self.sub_to_group: list = []
+        self._by_flat: dict = {}
+
+    def wire(self, zopt) -> None:
+        """Build the LionCubs over ZeRO-3's fp32 partitions (collective: every rank, same order)."""
+        k = self.shard_groups.shard_rank
+        cfg = inner_config(self.config)
+        for i, flat in enumerate(zopt.fp32_partitioned_groups_flat):
+            if flat.numel() == 0:
+                raise ZeRO3VotesError("LionCub: ZeRO-3 with votes needs the fp32 partitions in memory; "
+                                      "offload_optimizer.device='nvme' swaps them out. Allowed: 'none' or 'cpu'.")
+            views, names, off = [], [], 0
+            for p in zopt.fp16_groups[i]:
+                n = int(p.partition_numel())
+                v = flat.detach().narrow(0, off, n)
+                v.requires_grad_(True)
+                # the partition of shard rank k starts at element k*n of the flattened parameter
+                setattr(v, ELEMENT_START, k * n)
+                views.append((v, off, n))
+                names.append(self.names.get(p))
+                off += n
+            if off != flat.numel():
+                raise ZeRO3VotesError(f"LionCub: ZeRO-3 sub-group {i}: the parameters' partitions ({off} elements) "
+                                      f"do not tile its fp32 partition ({flat.numel()})")
+            gid = int(zopt.sub_group_to_group_id[i])
+            g = self.param_groups[gid]
+            group = {"params": [v for v, _, _ in views], "lr": g["lr"], "betas": g["betas"],
+                     "weight_decay": g["weight_decay"]}
+            if all(nm is not None for nm in names):
+                group["param_names"] = names
+            self.inner.append(LionCub([group], config=cfg, shard_groups=self.shard_groups))
+            self.flats.append(flat)
+            self.views.append(views)
+            self.sub_to_group.append(gid)
+            self._by_flat[id(flat)] = i
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ZeRO3VotesError("LionCub under ZeRO-3 takes no closure")
+        flats = [p for g in self.param_groups for p in g["params"]]
+        if not self.inner or not flats:
+            return None  # ZeRO-3's set-up, before wire(): nothing to step
+        i = self._by_flat.get(id(flats[0])) if len(flats) == 1 else None
+        if i is None:
+            raise ZeRO3VotesError("LionCub: ZeRO-3 stepped a tensor that is not one of its fp32 partitions "
+                                  "(swapped or rebuilt?)")
+        flat, inner = self.flats[i], self.inner[i]
+        g = self.param_groups[self.sub_to_group[i]]
+        ig = inner.param_groups[0]
+        ig["lr"], ig["betas"], ig["weight_decay"] = g["lr"], g["betas"], g["weight_decay"]
+        grad = flat.grad
+        for v, off, n in self.views[i]:
+            v.grad = None if grad is None else grad.narrow(0, off, n)
+        try:
+            inner.step()
+        finally:
+            for v, _, _ in self.views[i]:
+                v.grad = None
+        return None
+
+    def zero_grad(self, set_to_none: bool = True):
+        return None  # ZeRO-3 owns the gradients
+
+    # --------------------------------------------------------------- state
+    def state_dict(self):
+        return {"lioncub_zero3": [opt.state_dict() for opt in self.inner],
+                "layout": self.layout(), "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                          for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict):
+        saved = state_dict.get("lioncub_zero3") if isinstance(state_dict, dict) else None
+        if saved is None:
+            raise ZeRO3VotesError("LionCub: this ZeRO-3 checkpoint holds no LionCub state (saved by another "
+                                   "optimizer or without votes)")
+        if state_dict.get("layout") != self.layout():
+            raise ZeRO3VotesError(f"LionCub: the checkpoint was saved with {describe(state_dict.get('layout'))}; this "
+                                  f"run has {describe(self.layout())}. Allowed: resume with the same node_size and "
+                                  "number of ranks (ZeRO-3 votes do not reshard yet)")
+        for opt, sd in zip(self.inner, saved):
+            opt.load_state_dict(sd)
+        for g, sg in zip(self.param_groups, state_dict.get("param_groups", [])):
+            for key in ("lr", "betas", "weight_decay"):
+                if key in sg:
+                    g[key] = sg[key]
+
+    def layout(self) -> dict:
+        sg = self.shard_groups
+        return {"shard_groups": sg.groups, "shard_size": sg.shard_size,
+                "sub_groups": [int(f.numel()) for f in self.flats]}
+
+    # --------------------------------------------------------------- what the integration reports
+    def comm_stats(self) -> dict:
+        out: dict = {}
+        for opt in self.inner:
+            for key, value in opt.comm_stats().items():
+                if isinstance(value, (int, float)):
+                    out[key] = out.get(key, 0) + value
+        return out
+
+    def state_bytes(self) -> dict:
+        out: dict = {}
+        for opt in self.inner:
+            for key, value in opt.state_bytes().items():
+                out[key] = out.get(key, 0) + value
+        return out
+
+    @property
+    def step_count(self) -> int:
+        return self.inner[0].step_count if self.inner else 0
+
+
+def describe(layout) -> str:
+    if not isinstance(layout, dict):
+        return "no ZeRO-3 vote layout"
+    return f"{layout.get('shard_groups')} shard groups x {layout.get('shard_size')} ranks (node_size)"
+
+
+def build(engine, model_parameters, config: LionCubConfig) -> ZeRO3Votes:
+    names = {p: n for n, p in engine.module.named_parameters()}
+    return ZeRO3Votes(model_parameters, config, shard_groups_of(engine), names)
+
+
+# ----------------------------------------------------------------------------- agreement
+def agree_across_groups(zopt, sg: ShardGroups) -> None:
+    """Make ZeRO-3's skip decisions (non-finite gradient norm; fp16 overflow) the same in every
+    group: each is computed over the group, then a flag is all-reduced (MAX) over the shard peers."""
+    device = _param_device(zopt)  # the parameters' device: NCCL takes no CPU tensor (offloaded masters are)
+
+    def flag_max(bad: bool) -> bool:
+        t = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=sg.peers)
+        return bool(t.item())  # ZeRO-3 reads its decision on the host right after: no extra sync point
+
+    get_norms = zopt._get_norm_groups  # noqa: SLF001 - the seam listed in lioncub_ds/deepspeed/_compat.py
+
+    def _get_norm_groups():
+        norms = get_norms()
+        bad = any(not torch.isfinite(torch.as_tensor(n)).all() for n in norms)
+        if flag_max(bad):
+            return [torch.tensor(float("inf"), device=torch.as_tensor(norms[0]).device)] if norms else norms
+        return norms
+
+    zopt._get_norm_groups = _get_norm_groups  # noqa: SLF001
+
+    has_overflow = zopt.has_overflow
+
+    def agreed_overflow(*args, **kwargs):
+        return flag_max(bool(has_overflow(*args, **kwargs)))
+
+    zopt.has_overflow = agreed_overflow
+
+
+def _param_device(zopt):
+    for group in zopt.fp16_groups:
+        for p in group:
+            return p.device
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- wiring
+ZERO3_ATTRS = ("fp32_partitioned_groups_flat", "fp16_groups", "sub_group_to_group_id", "_get_norm_groups",
+               "has_overflow", "dp_process_group")
+LAYOUT_FILE = "lioncub_zero3_layout.json"
+
+
+def wire_engine(engine):
+    """After DeepSpeed built its ZeRO-3 optimizer around :class:`ZeRO3Votes`: build the LionCubs
+    on the fp32 partitions, agree the skip decisions across groups, name the per-group checkpoint
+    files, attach ``engine.lioncub`` and log the one line."""
+    from . import _compat
+    from .checkpoint import install_engine_hooks
+    from .engine import EngineState, check_supported, options_of
+    opt = engine.basic_optimizer
+    check_supported(engine)
+    zopt = engine.optimizer
+    missing = [a for a in ZERO3_ATTRS if not hasattr(zopt, a)]
+    if missing:
+        raise ZeRO3VotesError(f"LionCub: this DeepSpeed's ZeRO-3 optimizer ({type(zopt).__name__}) lacks "
+                              f"{', '.join(missing)}; tested DeepSpeed: {', '.join(_compat.TESTED_VERSIONS)}")
+    sg = opt.shard_groups
+    if dist.get_world_size(zopt.dp_process_group) != sg.shard_size:
+        raise ZeRO3VotesError("LionCub: ZeRO-3 partitions over a group that is not the node group; build the model "
+                              "outside deepspeed.zero.Init, or pass it data_parallel_group=engine.mpu."
+                              "get_data_parallel_group()")
+    opt.wire(zopt)
+    agree_across_groups(zopt, sg)
+    name_files_per_group(engine, sg)
+    install_engine_hooks(engine)
+    install_layout_check(engine, opt)
+    n = sg.groups * sg.shard_size
+    engine.lioncub = EngineState(opt, 3, "zero3_votes", options_of(opt), world_size=n,
+                                 wrapper=type(zopt).__name__)
+    if getattr(engine, "global_rank", 0) == 0:
+        _compat.ds_logger().warning(engine.lioncub.summary())
+    return engine.lioncub
+
+
+def name_files_per_group(engine, sg: ShardGroups) -> None:
+    """ZeRO-3 names its per-rank files by the rank inside its data-parallel group, the same in
+    every shard group: group j > 0 inserts ``_group{j}`` (its momenta differ from group 0's)."""
+    j = sg.group_index
+    if j == 0:
+        return
+    rank_zero_name = engine._get_rank_zero_ckpt_name  # noqa: SLF001 - listed in _compat
+    ckpt_name = engine._get_ckpt_name  # noqa: SLF001
+
+    def _get_rank_zero_ckpt_name(checkpoints_path, tag, mp_rank, dp_rank, bf16_mode):
+        name = rank_zero_name(checkpoints_path, tag, mp_rank, dp_rank, bf16_mode)
+        head, base = os.path.split(name)
+        return os.path.join(head, base.replace(f"pp_rank_{dp_rank}_", f"pp_rank_{dp_rank}_group{j}_", 1))
+
+    def _get_ckpt_name(checkpoints_path, tag, mp_placeholder=None, pp_placeholder=None):
+        name = ckpt_name(checkpoints_path, tag, mp_placeholder, pp_placeholder)
+        head, base = os.path.split(name)
+        return os.path.join(head, base.replace("_mp_rank_", f"_group{j}_mp_rank_", 1)
+                            if base.startswith("zero_pp_rank_") else base)
+
+    engine._get_rank_zero_ckpt_name = _get_rank_zero_ckpt_name  # noqa: SLF001
+    engine._get_ckpt_name = _get_ckpt_name  # noqa: SLF001
+
+
+def install_layout_check(engine, opt: ZeRO3Votes) -> None:
+    """save: rank 0 writes the vote layout beside DeepSpeed's files; load: every rank reads it and
+    refuses another layout by name before DeepSpeed loads anything (the same file: the same
+    answer on every rank)."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        if tag is None:
+            tag = f"global_step{engine.global_steps}"
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.join(save_dir, str(tag)), exist_ok=True)
+            path = os.path.join(save_dir, str(tag), LAYOUT_FILE)
+            with open(path + ".tmp", "w") as f:
+                json.dump(opt.layout(), f)
+            os.replace(path + ".tmp", path)
+        return save(save_dir, tag, *args, **kwargs)
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        from .checkpoint import _resolve_tag
+        t = _resolve_tag(engine, load_dir, tag)
+        path = os.path.join(load_dir, str(t), LAYOUT_FILE) if t is not None else None
+        if path is not None and os.path.isdir(os.path.dirname(path)):
+            saved = None
+            if os.path.isfile(path):
+                with open(path) as f:
+                    saved = json.load(f)
+            if saved != opt.layout():
+                raise ZeRO3VotesError(f"LionCub: {os.path.dirname(path)} was saved with {describe(saved)}; this run "
+                                      f"has {describe(opt.layout())}. Allowed: resume with the same node_size and "
+                                      "number of ranks (ZeRO-3 votes do not reshard yet); nothing was loaded")
+        return load(load_dir, tag, *args, **kwargs)
+
+    save_checkpoint.__wrapped__, load_checkpoint.__wrapped__ = save, load
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
