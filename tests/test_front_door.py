@@ -47,6 +47,34 @@ def test_readme_is_at_most_250_lines():
     assert n <= 250, f"README.md has {n} lines; keep it a front door (<= 250): details go to docs/"
 
 
+def _section(text: str, heading: str) -> list[str]:
+    """The lines under ``heading`` up to the next heading of the same or a higher level."""
+    level = len(heading) - len(heading.lstrip("#"))
+    lines = text.splitlines()
+    start = lines.index(heading) + 1
+    end = next((i for i in range(start, len(lines)) if re.match(rf"#{{1,{level}}} ", lines[i])), len(lines))
+    return lines[start:end]
+
+
+def test_readme_results_are_one_short_row_per_claim():
+    """The README's Results table: one row per claim, each <= 200 characters (the figure, its condition and
+    a link); the details live in docs/results.md and docs/convergence.md."""
+    rows = [ln for ln in _section(README.read_text(encoding="utf-8"), "## Results") if ln.startswith("|")]
+    assert rows[0].startswith("| claim |") and len(rows) >= 8, rows[:2]
+    long_rows = [f"{len(r)}: {r[:80]}" for r in rows if len(r) > 200]
+    assert not long_rows, "\n".join(long_rows)
+    for r in rows[2:]:
+        assert re.search(r"\]\((docs/[^)]+)\)", r.split("|")[-2]), f"no link in the last cell: {r}"
+
+
+def test_readme_convergence_section_is_short_and_says_each_figure_once():
+    text = README.read_text(encoding="utf-8")
+    lines = [ln for ln in _section(text, "### Convergence") if ln.strip()]
+    assert 0 < len(lines) <= 12, f"the README's Convergence section has {len(lines)} lines (<= 12)"
+    figures = re.findall(r"[+−-]\d+\.\d+% \[[^\]]+\]", text)  # every gap with its interval
+    assert len(figures) == len(set(figures)), f"a gap quoted twice in the README: {sorted(figures)}"
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
