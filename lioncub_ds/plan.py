@@ -41,11 +41,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+import textwrap
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from importlib import resources
 
+from . import wire
 from .telemetry import format_bytes, ring_bytes
 
 __all__ = ["ModelSpec", "ClusterSpec", "WorkloadSpec", "PlanInputError", "plan", "main", "STRATEGIES",
@@ -92,8 +95,42 @@ class PlanInputError(ValueError):
     """A planner input is out of range: the message names the flag and the allowed values."""
 
 
-def _err(flag, value, allowed):
-    return PlanInputError(f"lioncub_ds.plan: invalid {flag} {value!r}; allowed: {allowed}")
+# Every input's allowed range, read by the CLI's parsers and by the dataclasses alike (the program and
+# the function API refuse the same values). Generous for any real cluster, and narrow enough that
+# every prediction stays a finite number printed in a few digits: a 10^15-parameter model (500x the
+# largest trained today) over 1 Mbit/s is still a finite step time.
+MAX_PARAMS = 10**15
+LIMITS = {  # flag -> (integer?, lowest, highest)
+    "--params": (True, 1, MAX_PARAMS), "--layers": (True, 1, 10_000), "--hidden": (True, 1, 10**6),
+    "--vocab": (True, 1, 10**8), "--seq": (True, 1, 10**8), "--tokens-per-gpu": (True, 1, 10**9),
+    "--tp": (True, 1, 4096), "--pp": (True, 1, 4096), "--instances": (True, 1, 10**7),
+    "--nodes": (True, 1, 100_000), "--gpus-per-node": (True, 1, 4096), "--sync-every": (True, 0, 10**9),
+    "--compute-time-s": (False, 1e-6, 1e6), "--update-time-s": (False, 0.0, 1e6), "--mfu": (False, 1e-3, 1.0),
+    "--peak-tflops": (False, 1e-3, 1e6), "--gpu-mem-gib": (False, 1e-3, 1e6),
+    "--intra-node-gbyte": (False, 1e-3, 1e6), "--inter-node-gbit": (False, 1e-3, 1e6),
+    "--intra-latency-us": (False, 0.0, 1e6), "--inter-latency-us": (False, 0.0, 1e6),
+    "--hbm-gbyte": (False, 1e-3, 1e6), "--host-gbyte": (False, 1e-3, 1e6), "--overlap": (False, 0.0, 1.0),
+    "--activation-gib": (False, 0.0, 1e6), "--bucket-size-mb": (False, 1e-3, 1e6),
+    "--min-speedup": (False, 1e-2, 100.0),
+}
+
+
+def allowed(flag: str) -> str:
+    integer, lo, hi = LIMITS[flag]
+    return f"{'an integer' if integer else 'a number'} >= {lo:g} and <= {hi:g}"
+
+
+def _err(flag, value, allowed_text):
+    return PlanInputError(f"lioncub_ds.plan: invalid {flag} {value!r}; allowed: {allowed_text}")
+
+
+def _check(flag, value):
+    """``value`` if it is in ``flag``'s range (:data:`LIMITS`), else a PlanInputError naming both."""
+    integer, lo, hi = LIMITS[flag]
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or not lo <= value <= hi:
+        raise _err(flag, value, allowed(flag))
+    return value if integer else float(value)
 
 
 def parse_count(text) -> int:
@@ -114,19 +151,6 @@ def parse_count(text) -> int:
     return int(round(value))
 
 
-def _positive_int(flag, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _err(flag, value, f"an integer >= {minimum}")
-    return value
-
-
-def _positive(flag, value, zero_ok=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (value == 0 and not zero_ok):
-        raise _err(flag, value, "a number >= 0" if zero_ok else "a number > 0")
-    return float(value)
-
-
 # ----------------------------------------------------------------------------- inputs
 @dataclass(frozen=True)
 class ModelSpec:
@@ -144,8 +168,9 @@ class ModelSpec:
         shape = (self.layers, self.hidden, self.vocab, self.seq)
         if self.param_numels is not None:
             if not self.param_numels or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
-                                            for n in self.param_numels):
-                raise _err("param_numels", self.param_numels, "a non-empty list of integers >= 1")
+                                            for n in self.param_numels) or sum(self.param_numels) > MAX_PARAMS:
+                raise _err("param_numels", self.param_numels,
+                           f"a non-empty list of integers >= 1 summing to <= {MAX_PARAMS:g}")
         elif all(x is None for x in shape):
             if self.params is None:
                 raise PlanInputError("lioncub_ds.plan: give the model as --params N, or as a GPT shape "
@@ -156,9 +181,13 @@ class ModelSpec:
                                  f"missing: {', '.join(missing)}")
         for k, x in zip(("--layers", "--hidden", "--vocab", "--seq"), shape):
             if x is not None:
-                _positive_int(k, x)
+                _check(k, x)
         if self.params is not None:
-            _positive_int("--params", self.params)
+            _check("--params", self.params)
+        elif self.layers is not None and self.total > MAX_PARAMS:
+            raise PlanInputError(f"lioncub_ds.plan: invalid GPT shape --layers {self.layers} --hidden {self.hidden} "
+                                 f"--vocab {self.vocab} --seq {self.seq} ({self.total:.3g} parameters); allowed: "
+                                 f"at most {MAX_PARAMS:g} parameters, as --params")
 
     @property
     def total(self) -> int:
@@ -174,21 +203,31 @@ class ModelSpec:
         attn = 12 * self.layers * self.hidden * self.seq if self.layers else 0
         return 6.0 * self.total + attn
 
-    def gpu_numels(self, tp: int, pp: int) -> list[int]:
-        """The trainable tensors one GPU holds (its TP slice of its PP stage's layers; the first stage,
-        with the embeddings). Without a shape: the total / (tp·pp), cut into 4M-element tensors."""
-        if self.param_numels is not None:
-            return list(self.param_numels)
-        if self.layers and self.params is None:
-            h = self.hidden
-            per_layer = [3 * h * h // tp, 3 * h // tp, h * h // tp, h, 2 * h, 4 * h * h // tp, 4 * h // tp,
-                         4 * h * h // tp, h, 2 * h]
-            layers = -(-self.layers // pp)
-            out = [-(-self.vocab * h // tp), self.seq * h] + per_layer * layers + [2 * h]
-            return [n for n in out if n > 0]
-        per_gpu = -(-self.total // (tp * pp))
-        chunk = 4 * 2**20
-        return [chunk] * (per_gpu // chunk) + ([per_gpu % chunk] if per_gpu % chunk else [])
+    def gpu_runs(self, tp: int, pp: int) -> tuple:
+        """The trainable tensors one GPU holds, as runs ``(numel, count)`` in order (its TP slice of
+        its PP stage's layers; the first stage, with the embeddings). Without a shape: the
+        total / (tp·pp), cut into 4M-element tensors (one run, whatever the size)."""
+        return _gpu_runs(self, tp, pp)
+
+    def gpu_params(self, tp: int, pp: int) -> int:
+        return wire.total(self.gpu_runs(tp, pp))
+
+
+@lru_cache(maxsize=8)
+def _gpu_runs(model: ModelSpec, tp: int, pp: int) -> tuple:
+    # cached: every strategy asks, and 10,000 GPT layers are 100,000 tensors
+    if model.param_numels is not None:
+        return tuple(wire.runs_of(model.param_numels))
+    if model.layers and model.params is None:
+        h = model.hidden
+        per_layer = [3 * h * h // tp, 3 * h // tp, h * h // tp, h, 2 * h, 4 * h * h // tp, 4 * h // tp,
+                     4 * h * h // tp, h, 2 * h]
+        layers = -(-model.layers // pp)
+        out = [-(-model.vocab * h // tp), model.seq * h] + per_layer * layers + [2 * h]
+        return tuple(wire.runs_of(n for n in out if n > 0))
+    per_gpu = -(-model.total // (tp * pp))
+    chunk = 4 * 2**20
+    return tuple(wire.add_run(wire.add_run([], chunk, per_gpu // chunk), per_gpu % chunk, int(per_gpu % chunk > 0)))
 
 
 @dataclass(frozen=True)
@@ -214,20 +253,16 @@ class ClusterSpec:
     backend: str = "nccl"
 
     def __post_init__(self):
-        _positive_int("--nodes", self.nodes)
-        _positive_int("--gpus-per-node", self.gpus_per_node)
-        _positive("--gpu-mem-gib", self.gpu_mem_gib)
-        _positive("--intra-node-gbyte", self.intra_gbyte_s)
-        _positive("--inter-node-gbit", self.inter_gbit_s)
-        _positive("--intra-latency-us", self.intra_latency_us, zero_ok=True)
-        _positive("--inter-latency-us", self.inter_latency_us, zero_ok=True)
-        _positive("--hbm-gbyte", self.hbm_gbyte_s)
+        for flag, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node),
+                            ("--gpu-mem-gib", self.gpu_mem_gib), ("--intra-node-gbyte", self.intra_gbyte_s),
+                            ("--inter-node-gbit", self.inter_gbit_s), ("--intra-latency-us", self.intra_latency_us),
+                            ("--inter-latency-us", self.inter_latency_us), ("--hbm-gbyte", self.hbm_gbyte_s),
+                            ("--overlap", self.overlap)):
+            _check(flag, value)
         if self.host_gbyte_s is not None:
-            _positive("--host-gbyte", self.host_gbyte_s)
+            _check("--host-gbyte", self.host_gbyte_s)
         if self.host_scope not in HOST_SCOPES:
             raise _err("--host-scope", self.host_scope, " | ".join(HOST_SCOPES))
-        if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
-            raise _err("--overlap", self.overlap, "a number in [0, 1]")
         if self.backend not in BACKENDS:
             raise _err("--backend", self.backend, " | ".join(BACKENDS))
 
@@ -257,20 +292,13 @@ class WorkloadSpec:
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise _err("--precision", self.precision, " | ".join(PRECISIONS))
-        _positive_int("--tokens-per-gpu", self.tokens_per_gpu)
-        if self.compute_time_s is not None:
-            _positive("--compute-time-s", self.compute_time_s)
-        if isinstance(self.mfu, bool) or not isinstance(self.mfu, (int, float)) or not 0 < self.mfu <= 1:
-            raise _err("--mfu", self.mfu, "a number in (0, 1]")
-        _positive("--peak-tflops", self.peak_tflops)
-        _positive_int("--tp", self.tp)
-        _positive_int("--pp", self.pp)
-        if self.instances is not None:
-            _positive_int("--instances", self.instances)
-        _positive("--activation-gib", self.activation_gib, zero_ok=True)
-        if self.update_time_s is not None:
-            _positive("--update-time-s", self.update_time_s, zero_ok=True)
-        _positive("--bucket-size-mb", self.bucket_size_mb)
+        for flag, value in (("--tokens-per-gpu", self.tokens_per_gpu), ("--mfu", self.mfu),
+                            ("--peak-tflops", self.peak_tflops), ("--tp", self.tp), ("--pp", self.pp),
+                            ("--activation-gib", self.activation_gib), ("--bucket-size-mb", self.bucket_size_mb),
+                            ("--compute-time-s", self.compute_time_s), ("--instances", self.instances),
+                            ("--update-time-s", self.update_time_s)):
+            if value is not None:
+                _check(flag, value)
 
     @property
     def param_bytes(self) -> int:
@@ -423,39 +451,29 @@ EXACT = ("ddp_bf16", "zero1", "zero2", "megatron_distopt_k1", "megatron_distopt_
 
 
 @lru_cache(maxsize=64)
-def _lioncub_layout(numels: tuple, voters: int, bucket_size_mb: float = 25.0):
-    """(buckets, batches) of LionCub's real layout for these tensors and ``voters`` ranks (meta
-    tensors: no memory), with each bucket's algorithm (:func:`lioncub_ds.layout.assign_algorithms`)."""
-    import torch
-
-    from .config import LionCubConfig
-    from .layout import assign_algorithms, build_buckets, comm_batches
-
-    cfg = LionCubConfig(comm="1bit", bucket_size_mb=bucket_size_mb)
-    params = [torch.empty(n, device="meta", requires_grad=True) for n in numels]
-    buckets, _ = build_buckets([{"params": params}], cfg.bucket_numel, voters)
-    assign_algorithms(buckets, cfg, max(1, voters))
-    return tuple(buckets), tuple(tuple(b) for b in comm_batches(buckets, cfg.comm_bucket_mb, max(1, voters)))
+def _lioncub_layout(runs: tuple, voters: int, bucket_size_mb: float = 25.0) -> tuple[list, int]:
+    """(bucket runs, number of comm batches) of LionCub's real layout (``comm="1bit"``) for tensors
+    of these runs and ``voters`` ranks: :func:`lioncub_ds.wire.bucket_runs` / ``batch_count``, the
+    closed forms of :func:`lioncub_ds.layout.build_buckets` and ``comm_batches``."""
+    buckets = wire.bucket_runs(list(runs), bucket_size_mb, voters)
+    return buckets, wire.batch_count(buckets)
 
 
-def _vote_traffic(numels, voters: int, geo: Geometry, scope: str, bucket_mb: float, shard: int = 1) -> list[Traffic]:
+def _vote_traffic(runs, voters: int, geo: Geometry, scope: str, bucket_mb: float, shard: int = 1) -> list[Traffic]:
     """LionCub's 1bit votes of a step (votes + the step's flags, which ride in the last batch):
     phase 1 all_to_all and phase 2 all_gather of every comm batch. ``shard`` = L for node voters
     (each full bucket of the Nn·L layout cut into L shards: the buckets the vote runs on)."""
-    from .flags import flag_bytes
-
     if voters <= 1:
         return []
-    buckets, batches = _lioncub_layout(tuple(numels), voters * shard, bucket_mb)
-    algo = buckets[0].algorithm
+    buckets, batches = _lioncub_layout(tuple(runs), voters * shard, bucket_mb)
     total = phase2 = 0
-    for b in buckets:
-        numel = b.numel // shard
-        total += algo.wire_bytes(numel, voters, mode="list")
-        phase2 += ring_bytes("all_gather", numel // 8, voters)  # the shard results, 1 bit per element
-    flags = flag_bytes(len(buckets), voters, algo.carries_flags)
-    return [Traffic("votes (phase 1) + flags", "all_to_all", total - phase2 + flags, geo, scope, count=len(batches)),
-            Traffic("votes (phase 2)", "all_gather", phase2, geo, scope, count=len(batches))]
+    for numel, c in buckets:
+        numel //= shard
+        total += c * wire.onebit_wire_bytes(numel, voters)
+        phase2 += c * ring_bytes("all_gather", numel // 8, voters)  # the shard results, 1 bit per element
+    flags = wire.flag_bytes(wire.count(buckets), voters, carried=True)  # 1bit's phase 1 carries them
+    return [Traffic("votes (phase 1) + flags", "all_to_all", total - phase2 + flags, geo, scope, count=batches),
+            Traffic("votes (phase 2)", "all_gather", phase2, geo, scope, count=batches)]
 
 
 def _family(kind: str, sync_every) -> str:
@@ -463,18 +481,14 @@ def _family(kind: str, sync_every) -> str:
     return f"{kind}_1bit" + (f"_sync{sync_every}_{SYNC_DTYPE}" if sync_every else "")
 
 
-def _sync_traffic(numels, voters, geo, scope, every, bucket_mb: float) -> list[Traffic]:
-    from .config import LionCubConfig
-    from .momentum_sync import sync_bytes, sync_chunks
-
+def _sync_traffic(runs, voters, geo, scope, every, bucket_mb: float) -> list[Traffic]:
     if voters <= 1 or not every:
         return []
-    chunk = LionCubConfig(bucket_size_mb=bucket_mb).bucket_numel
-    sent = sync_bytes(list(numels), voters, SYNC_DTYPE, chunk)
-    n_chunks = len(sync_chunks(list(numels), chunk))
+    chunks = wire.sync_chunk_runs(list(runs), bucket_mb)
+    sent = sum(c * wire.sync_wire_bytes(numel, voters, SYNC_DTYPE) for numel, c in chunks)
     # each chunk: an all_to_all of the encoded shards, then an all_gather of the mean shards (half the bytes each)
     return [Traffic(f"momentum sync ({SYNC_DTYPE}, every {every}): {phase}", kind, sent / 2, geo, scope,
-                    every=every, count=n_chunks)
+                    every=every, count=wire.count(chunks))
             for phase, kind in (("shards to their owners", "all_to_all"), ("means gathered", "all_gather"))]
 
 
@@ -491,8 +505,8 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
              sync_every: int | None = SYNC_EVERY) -> dict:
     """One strategy's traffic, state and update bytes (before timing). ``sync_every``: the LionCub
     strategies' int8 momentum sync period (None: no sync)."""
-    numels = model.gpu_numels(work.tp, work.pp)
-    p = sum(numels)
+    runs = model.gpu_runs(work.tp, work.pp)
+    p = wire.total(runs)
     wp = work.param_bytes
     wg = wp
     n, L = top.n, top.local
@@ -555,25 +569,25 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         notes.append(f"K = {k} instance(s) of {s} data-parallel ranks")
     elif name == "lioncub_1bit_sync20":
         geo = top.group("dp")
-        traffic += _vote_traffic(numels, n, geo, "vote_group", mb)
-        traffic += _sync_traffic(numels, n, geo, "vote_group", sync_every, mb)
+        traffic += _vote_traffic(runs, n, geo, "vote_group", mb)
+        traffic += _sync_traffic(runs, n, geo, "vote_group", sync_every, mb)
         update = UPDATE_BYTES_VOTE * p
         overlap_ok = work.precision == "fp32"
         conv = (_family("flat", sync_every), n, 1)
         config = _lioncub_config(work, {}, sync_every)
     elif name == "lioncub_master_only":
         geo = top.group("dp")
-        traffic += _vote_traffic(numels, n, geo, "vote_group", mb)
-        traffic += _sync_traffic(numels, n, geo, "vote_group", sync_every, mb)
+        traffic += _vote_traffic(runs, n, geo, "vote_group", mb)
+        traffic += _sync_traffic(runs, n, geo, "vote_group", sync_every, mb)
         update = UPDATE_BYTES_VOTE * p
         conv = (_family("flat", sync_every), n, 1)
         if mixed and L > 1:
             update = master_only_update_bytes(wp, L) * p
-            buckets, _ = _lioncub_layout(tuple(numels), n, mb)
-            total = sum(b.numel for b in buckets)
+            buckets, _ = _lioncub_layout(tuple(runs), n, mb)
+            total = wire.total(buckets)
             traffic.append(Traffic("master shards all-gather in the node", "all_gather",
-                                   sum(ring_bytes("all_gather", wp * b.numel, L) for b in buckets),
-                                   top.group("node"), "intra_node", count=len(buckets)))
+                                   sum(c * ring_bytes("all_gather", wp * numel, L) for numel, c in buckets),
+                                   top.group("node"), "intra_node", count=wire.count(buckets)))
             state["master"] = 4 * total // L
             master_holder = "LionCub (1/L shard)"
         elif not mixed:
@@ -581,15 +595,15 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         config = _lioncub_config(work, {"node_size": L}, sync_every)
     elif name == "lioncub_node_voters_sync20":
         nn = top.dp_nodes
-        buckets, _ = _lioncub_layout(tuple(numels), n, mb)
-        total = sum(b.numel for b in buckets)
+        buckets, _ = _lioncub_layout(tuple(runs), n, mb)
+        total = wire.total(buckets)
         if L > 1:
             traffic.append(Traffic("node group: gradient reduce-scatter, parameter all-gather, flags", "all_to_all",
-                                   _node_group_sent(buckets, wg, wp, L), top.group("node"), "intra_node",
-                                   count=2 * len(buckets) + 1))
+                                   wire.node_group_bytes(buckets, wg, wp, L, n), top.group("node"), "intra_node",
+                                   count=2 * wire.count(buckets) + 1))
         cross = top.group("cross")
-        traffic += _vote_traffic(numels, nn, cross, "inter_node", mb, shard=L)
-        traffic += _sync_traffic([b.numel // L for b in buckets], nn, cross, "inter_node", sync_every, mb)
+        traffic += _vote_traffic(runs, nn, cross, "inter_node", mb, shard=L)
+        traffic += _sync_traffic([(numel // L, c) for numel, c in buckets], nn, cross, "inter_node", sync_every, mb)
         state.update(momentum=4 * total // L, master=(4 * total // L) if mixed else 0)
         master_holder = "LionCub (1/L shard)" if mixed else "none"
         update = node_voter_update_bytes(wg, wp, L, mixed) * total
@@ -602,12 +616,6 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
     sync = f" + {SYNC_DTYPE} momentum sync every {sync_every}" if sync_every else ", no momentum sync"
     return {"name": name, "label": LABELS[name].format(sync=sync), "traffic": traffic, "state": state, "master_holder": master_holder,
             "update_bytes": update, "overlap_ok": overlap_ok, "conv_key": conv, "config": config, "notes": notes}
-
-
-def _node_group_sent(buckets, wg, wp, L) -> int:
-    from .sharding import node_group_bytes
-
-    return node_group_bytes([(b.numel, wg, wp) for b in buckets], L)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -676,23 +684,51 @@ def convergence_table() -> dict:
         return json.load(f)
 
 
+_FAMILY = re.compile(r"^(?P<kind>flat|node)_1bit(?:_sync(?P<every>[0-9]+)_int8)?$")
+
+
+def configuration(family: str, node_size: int = 1, voters: int | None = None) -> str:
+    """A family of the table in words: "node voters 16 x 2 + int8 sync/20", "flat 1bit"."""
+    m = _FAMILY.match(family)
+    if m is None:
+        raise ValueError(f"unknown convergence family {family!r}")
+    what = (f"node voters {voters} x {node_size}" if voters else "node voters") if m["kind"] == "node" \
+        else "flat 1bit"
+    return what + (f" + int8 sync/{m['every']}" if m["every"] else "")
+
+
+def quote(row: dict) -> str:
+    """One measured row as the planner prints it: the study, N, the configuration, the paired gap with
+    its 95% interval and the seeds ("lion_w300 N = 32, node voters 16 x 2 + int8 sync/20: +1.07%
+    [+0.70, +1.44], 10 seeds")."""
+    return (f"{row['study']} N = {row['world_size']}, "
+            f"{configuration(row['family'], row['node_size'], row.get('voters'))}: {row['gap_pct']:+.2f}% "
+            f"[{row['ci_lo_pct']:+.2f}, {row['ci_hi_pct']:+.2f}], {row['seeds']} seeds")
+
+
 def convergence_cost(key: tuple) -> dict:
+    """What the chosen study measured for the configuration ``(family, N, L)``: the row at this N and L,
+    else the nearest measured N (log scale; a tie goes to the larger N) and there the nearest L,
+    quoted with its interval and seeds. ``exact``: measured at this very N and L."""
     family, n, local = key
     if family == "global":
-        return {"gap_pct": 0.0, "ci95": [0.0, 0.0], "seeds": None, "study": "reference",
-                "text": "none: global Lion (all-reduced gradients), the studies' reference"}
-    rows = [r for r in convergence_table()["rows"] if r["family"] == family and r["node_size"] == local]
-    hit = [r for r in rows if r["world_size"] == n]
-    if hit:
-        r = hit[0]
-        return {"gap_pct": r["gap_pct"], "ci95": [r["ci_lo_pct"], r["ci_hi_pct"]], "seeds": r["seeds"],
-                "study": r["study"],
-                "text": f"{r['gap_pct']:+.1f}% val loss vs global Lion [95% CI {r['ci_lo_pct']:+.1f}, "
-                        f"{r['ci_hi_pct']:+.1f}], {r['seeds']} seeds, N={n} ({r['study']})"}
-    near = sorted(rows, key=lambda r: abs(math.log(r["world_size"] / n)))
-    hint = (f"; nearest measured: N={near[0]['world_size']} {near[0]['gap_pct']:+.1f}% ({near[0]['study']})"
-            if near else "")
-    return {"gap_pct": None, "ci95": None, "seeds": None, "study": None, "text": f"not measured at N={n}{hint}"}
+        return {"gap_pct": 0.0, "ci95": [0.0, 0.0], "seeds": None, "study": "reference", "exact": True,
+                "text": "none: global Lion (all-reduced gradients) is the studies' reference"}
+    table = convergence_table()
+    rows = [r for r in table["rows"] if r["family"] == family]
+    if not rows:
+        studies = ", ".join(src["study"] for src in table["sources"])
+        return {"gap_pct": None, "ci95": None, "seeds": None, "study": None, "exact": False,
+                "text": f"not measured: {studies} has no {configuration(family)} run"}
+    near_n = min({r["world_size"] for r in rows}, key=lambda m: (abs(math.log(m / n)), -m))
+    row = min((r for r in rows if r["world_size"] == near_n),
+              key=lambda r: (abs(math.log(r["node_size"] / local)), -r["node_size"]))
+    exact = near_n == n and row["node_size"] == local
+    where = f"N = {n}" + (f" with L = {local}" if near_n == n else "")
+    return {"gap_pct": row["gap_pct"], "ci95": [row["ci_lo_pct"], row["ci_hi_pct"]], "seeds": row["seeds"],
+            "study": row["study"], "preset": row.get("preset"), "world_size": row["world_size"],
+            "node_size": row["node_size"], "exact": exact,
+            "text": quote(row) if exact else f"not measured at {where}; nearest: {quote(row)}"}
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -706,7 +742,7 @@ def evaluate(name, model, cluster, work, top, sync_every=SYNC_EVERY) -> dict:
     s = strategy(name, model, cluster, work, top, sync_every)
     compute = _compute_time(model, work)
     if work.update_time_s is not None:  # measured fused Lion on this GPU's parameters: scales the bytes
-        p = sum(model.gpu_numels(work.tp, work.pp))
+        p = model.gpu_params(work.tp, work.pp)
         update = work.update_time_s * s["update_bytes"] / (UPDATE_BYTES_LION * p)
     else:
         update = s["update_bytes"] / (cluster.hbm_gbyte_s * 1e9)
@@ -757,9 +793,9 @@ def plan(model: ModelSpec, cluster: ClusterSpec, work: WorkloadSpec, strategies=
     for name in strategies:
         if name not in STRATEGIES:
             raise _err("--strategies", name, ", ".join(STRATEGIES))
-    _positive("--min-speedup", min_speedup)
+    _check("--min-speedup", min_speedup)
     if sync_every is not None:
-        _positive_int("--sync-every", sync_every, minimum=0)
+        _check("--sync-every", sync_every)
     rows = [evaluate(name, model, cluster, work, top, sync_every or None) for name in strategies]
     return {"inputs": {"model": {k: v for k, v in asdict(model).items() if k != "param_numels"},
                        "params": model.total, "cluster": asdict(cluster), "workload": asdict(work),
@@ -800,91 +836,77 @@ def recommend(rows: list[dict], min_speedup: float) -> dict:
 
 
 # ----------------------------------------------------------------------------- CLI
-def _int_arg(flag):
+def _arg(flag):
+    """The argparse type of ``flag``: its range from :data:`LIMITS` (the same check as the API's)."""
     def parse(text):
+        integer, _, _ = LIMITS[flag]
         try:
-            value = int(str(text), 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}")
-        return value
+            value = parse_count(text) if flag == "--params" else int(str(text), 10) if integer else float(text)
+        except (ValueError, IndexError, OverflowError):
+            value = None
+        try:
+            return _check(flag, value)
+        except PlanInputError:
+            example = " (e.g. 1300000000, 1.3B, 7e9)" if flag == "--params" else ""
+            raise argparse.ArgumentTypeError(f"{flag} must be {allowed(flag)}{example}, got {text!r}") from None
     return parse
 
 
-def _float_arg(flag, zero_ok=False, upper=None):
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        ok = math.isfinite(value) and (value >= 0 if zero_ok else value > 0) and (upper is None or value <= upper)
-        if not ok:
-            rng = ("a number >= 0" if zero_ok else "a number > 0") + (f" and <= {upper:g}" if upper else "")
-            raise argparse.ArgumentTypeError(f"{flag} must be {rng}, got {text!r}")
-        return value
-    return parse
-
-
-def _count_arg(text):
-    try:
-        value = parse_count(text)
-    except (ValueError, IndexError):
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--params must be a positive count (e.g. 1300000000, 1.3B, 7e9), got "
-                                         f"{text!r}")
-    return value
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line: the flag and what it allows (argparse would print the whole usage first)."""
+        message = re.sub(r"^argument (\S+): (?=\1 )", "", message)  # our messages name the flag already
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lioncub_ds.plan",
+    p = _Parser(prog="python -m lioncub_ds.plan",
                                 description="Predicted memory, bytes and step time per data-parallel strategy "
                                             "(DDP, ZeRO, Megatron's distributed optimizer, LionCub), with the "
                                             "measured convergence cost and a recommended config. Predictions: "
                                             "see docs/planner.md for how far they are from measurements.")
     m = p.add_argument_group("model (--params, or the GPT shape)")
-    m.add_argument("--params", type=_count_arg, help="parameter count (1300000000, 1.3B, 7e9)")
+    m.add_argument("--params", type=_arg("--params"), help="parameter count (1300000000, 1.3B, 7e9)")
     for flag in ("layers", "hidden", "vocab", "seq"):
-        m.add_argument(f"--{flag}", type=_int_arg(f"--{flag}"))
+        m.add_argument(f"--{flag}", type=_arg(f"--{flag}"))
     w = p.add_argument_group("workload")
     w.add_argument("--precision", default="bf16", choices=PRECISIONS)
-    w.add_argument("--tokens-per-gpu", type=_int_arg("--tokens-per-gpu"), default=8192,
+    w.add_argument("--tokens-per-gpu", type=_arg("--tokens-per-gpu"), default=8192,
                    help="tokens per GPU per optimizer step (micro-batches x sequence length x accumulation)")
-    w.add_argument("--compute-time-s", type=_float_arg("--compute-time-s"),
+    w.add_argument("--compute-time-s", type=_arg("--compute-time-s"),
                    help="measured forward+backward time of one step (else from --mfu and --peak-tflops)")
-    w.add_argument("--mfu", type=_float_arg("--mfu", upper=1.0), default=0.4)
-    w.add_argument("--peak-tflops", type=_float_arg("--peak-tflops"), default=989.0,
+    w.add_argument("--mfu", type=_arg("--mfu"), default=0.4)
+    w.add_argument("--peak-tflops", type=_arg("--peak-tflops"), default=989.0,
                    help="peak dense bf16 TFLOP/s per GPU (H100 SXM: 989)")
-    w.add_argument("--tp", type=_int_arg("--tp"), default=1, help="tensor-parallel size (inside a node)")
-    w.add_argument("--pp", type=_int_arg("--pp"), default=1, help="pipeline-parallel size")
-    w.add_argument("--instances", type=_int_arg("--instances"),
+    w.add_argument("--tp", type=_arg("--tp"), default=1, help="tensor-parallel size (inside a node)")
+    w.add_argument("--pp", type=_arg("--pp"), default=1, help="pipeline-parallel size")
+    w.add_argument("--instances", type=_arg("--instances"),
                    help="K of Megatron's distributed optimizer (default: one instance per node)")
-    w.add_argument("--bucket-size-mb", type=_float_arg("--bucket-size-mb"), default=25.0,
+    w.add_argument("--bucket-size-mb", type=_arg("--bucket-size-mb"), default=25.0,
                    help="LionCub's bucket_size_mb (its vote buckets and momentum-sync chunks)")
-    w.add_argument("--activation-gib", type=_float_arg("--activation-gib", zero_ok=True), default=0.0,
+    w.add_argument("--activation-gib", type=_arg("--activation-gib"), default=0.0,
                    help="GPU memory reserved for activations when judging the fit (default 0: model states only)")
     c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=_int_arg("--nodes"), default=1)
-    c.add_argument("--gpus-per-node", type=_int_arg("--gpus-per-node"), default=8)
-    c.add_argument("--gpu-mem-gib", type=_float_arg("--gpu-mem-gib"), default=80.0)
-    c.add_argument("--intra-node-gbyte", type=_float_arg("--intra-node-gbyte"), default=450.0,
+    c.add_argument("--nodes", type=_arg("--nodes"), default=1)
+    c.add_argument("--gpus-per-node", type=_arg("--gpus-per-node"), default=8)
+    c.add_argument("--gpu-mem-gib", type=_arg("--gpu-mem-gib"), default=80.0)
+    c.add_argument("--intra-node-gbyte", type=_arg("--intra-node-gbyte"), default=450.0,
                    help="per-GPU bus bandwidth inside a node, GB/s (nccl-tests busbw; H100 NVLink ~450)")
-    c.add_argument("--inter-node-gbit", type=_float_arg("--inter-node-gbit"), default=100.0,
+    c.add_argument("--inter-node-gbit", type=_arg("--inter-node-gbit"), default=100.0,
                    help="inter-node bandwidth per node, Gbit/s (all its NICs)")
-    c.add_argument("--intra-latency-us", type=_float_arg("--intra-latency-us", zero_ok=True), default=5.0)
-    c.add_argument("--inter-latency-us", type=_float_arg("--inter-latency-us", zero_ok=True), default=10.0)
-    c.add_argument("--hbm-gbyte", type=_float_arg("--hbm-gbyte"), default=3000.0,
+    c.add_argument("--intra-latency-us", type=_arg("--intra-latency-us"), default=5.0)
+    c.add_argument("--inter-latency-us", type=_arg("--inter-latency-us"), default=10.0)
+    c.add_argument("--hbm-gbyte", type=_arg("--hbm-gbyte"), default=3000.0,
                    help="memory bandwidth of the optimizer kernels, GB/s (H100 SXM HBM3: 3350 peak)")
-    c.add_argument("--overlap", type=_float_arg("--overlap", zero_ok=True, upper=1.0), default=1.0,
+    c.add_argument("--overlap", type=_arg("--overlap"), default=1.0,
                    help="share of backward that hides overlapped communication (0-1)")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="NAME",
                    help=f"which strategies (default all): {', '.join(STRATEGIES)}")
-    p.add_argument("--sync-every", type=int, default=SYNC_EVERY, metavar="K",
+    p.add_argument("--sync-every", type=_arg("--sync-every"), default=SYNC_EVERY, metavar="K",
                    help="LionCub's int8 momentum sync every K steps (the recommended 20; 0: none). For "
                         "momentum_sync schedule='drift', whose rate the planner cannot predict, give the mean gap "
                         "between syncs of a run (steps / comm_stats()['momentum_sync']['syncs'])")
-    p.add_argument("--min-speedup", type=_float_arg("--min-speedup"), default=1.1,
+    p.add_argument("--min-speedup", type=_arg("--min-speedup"), default=1.1,
                    help="recommend a LionCub strategy only when this much faster than the best exact one")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
@@ -903,41 +925,78 @@ def _specs(args) -> tuple[ModelSpec, ClusterSpec, WorkloadSpec]:
     return model, cluster, work
 
 
+WIDTH = 120  # every printed line fits a 120-column terminal
+
+
+def _wrap(text: str, indent: str = "", more: str = "    ") -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + more,
+                         break_long_words=False, break_on_hyphens=False) or [indent]
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.3f}" if t < 1e5 else f"{t:.3g}"
+
+
+def _bytes(n: float) -> str:
+    # telemetry's units stop at GB; a 10^15-parameter plan needs a few more columns than that
+    if n < 2**40:
+        return format_bytes(n)
+    return f"{n / 2**40:.3g} TB" if n < 2**50 else f"{n / 2**50:.3g} PB"
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.0f}" if 1 <= x < 1e12 else f"{x:.3g}"
+
+
 def format_plan(result: dict) -> str:
     inp = result["inputs"]
     c, w = inp["cluster"], inp["workload"]
-    lines = [f"PREDICTIONS (lioncub_ds.plan's model; docs/planner.md) for {inp['params'] / 1e9:.2f}B parameters, "
-             f"{w['precision']}, {c['nodes']} x {c['gpus_per_node']} GPUs (DP {inp['data_parallel']}, "
-             f"TP {w['tp']}, PP {w['pp']}), {c['inter_gbit_s']:g} Gbit/s per node, "
-             f"{c['intra_gbyte_s']:g} GB/s per GPU inside a node, {w['tokens_per_gpu']} tokens/GPU/step",
-             ""]
-    hdr = ("strategy", "state/GPU", "fits", "sent/GPU", "inter/node", "comm s", "exposed s (no ovl / ovl)",
-           "step s", "tokens/s", "convergence cost (measured)")
+    lines = _wrap(f"PREDICTIONS (lioncub_ds.plan's model; docs/planner.md) for {inp['params'] / 1e9:,.2f}B "
+                  f"parameters, {w['precision']}, {c['nodes']} x {c['gpus_per_node']} GPUs (DP {inp['data_parallel']}, "
+                  f"TP {w['tp']}, PP {w['pp']}), {c['inter_gbit_s']:g} Gbit/s per node, {c['intra_gbyte_s']:g} GB/s "
+                  f"per GPU inside a node, {w['tokens_per_gpu']} tokens/GPU/step", more="  ") + [""]
+    hdr = ("strategy", "state/GPU", "fits", "sent/GPU", "inter/node", "exposed s (no ovl / ovl)", "step s",
+           "tokens/s")
     rows = []
     for r in result["strategies"]:
-        rows.append((r["name"], format_bytes(r["model_state_bytes_per_gpu"]), "yes" if r["fits"] else "NO",
-                     format_bytes(r["bytes_per_gpu"]), format_bytes(r["inter_node_bytes_per_node"]),
-                     f"{r['comm_time_s']:.3f}",
-                     f"{r['exposed_comm_no_overlap_s']:.3f} / {r['exposed_comm_overlap_s']:.3f}",
-                     f"{r['step_time_s']:.3f}", f"{r['tokens_per_s']:,.0f}", r["convergence"]["text"]))
+        rows.append((r["name"], _bytes(r["model_state_bytes_per_gpu"]), "yes" if r["fits"] else "NO",
+                     _bytes(r["bytes_per_gpu"]), _bytes(r["inter_node_bytes_per_node"]),
+                     f"{_seconds(r['exposed_comm_no_overlap_s'])} / {_seconds(r['exposed_comm_overlap_s'])}",
+                     _seconds(r["step_time_s"]), _rate(r["tokens_per_s"])))
     widths = [max(len(str(x[i])) for x in rows + [hdr]) for i in range(len(hdr))]
     for row in [hdr] + rows:
         lines.append("  ".join(str(x).ljust(wd) for x, wd in zip(row, widths)).rstrip())
+    # the convergence column: one cell per strategy, each with its interval, under the study it quotes
+    src = (convergence_table()["sources"] or [{}])[0]
+    lines += [""] + _wrap(f"Convergence cost (measured, not predicted: study {src.get('study')}, preset "
+                          f"{src.get('preset')}: a {src.get('params') or 0:,}-parameter GPT, {src.get('steps') or 0:,} "
+                          "steps; the paired gap of the final validation loss to global Lion at the same N, with its "
+                          "95% interval over seeds):", more="  ")
+    cells = [(", ".join(r["name"] for r in result["strategies"] if r["name"] in EXACT),
+              convergence_cost(("global", 0, 1))["text"])]
+    cells += [(r["name"], r["convergence"]["text"]) for r in result["strategies"] if r["name"] not in EXACT]
+    for names, text in cells:
+        if names and len(f"  {names}: {text}") <= WIDTH:
+            lines.append(f"  {names}: {text}")
+        elif names:  # the cell on lines of its own, so that its interval stays on one line
+            lines += [f"  {names}:"] + _wrap(text, "    ")
     rec = result["recommendation"]
-    lines += ["", f"Recommendation: {rec['name'] or 'none'}" + (f" ({rec['label']})" if rec.get("label") else ""),
-              f"  why: {rec['why']}"]
+    lines += [""] + _wrap(f"Recommendation: {rec['name'] or 'none'}" + (f" ({rec['label']})" if rec.get("label") else ""),
+                          more="  ")
+    lines += _wrap(f"why: {rec['why']}", "  ")
     cfg = rec.get("config") or {}
     if cfg.get("deepspeed"):
         lines += ["  ds_config.json:", "    " + json.dumps(cfg["deepspeed"], indent=2).replace("\n", "\n    ")]
     if cfg.get("megatron_flags"):
-        lines += ["  Megatron-LM (python -m lioncub_ds.megatron.run pretrain_gpt.py ...):",
-                  "    " + " ".join(cfg["megatron_flags"])]
+        lines += ["  Megatron-LM (python -m lioncub_ds.megatron.run pretrain_gpt.py ...):"]
+        flags = _wrap(" ".join(cfg["megatron_flags"]), "    ", more="")
+        lines += [f"{x} \\" for x in flags[:-1]] + flags[-1:]  # a shell line continued
     elif cfg.get("deepspeed") and "megatron_flags" in cfg:
         lines.append("  Megatron-LM: not available for this strategy (use node voters there)")
     if cfg.get("torch"):
-        lines += ["  torch:", "    " + cfg["torch"]]
+        lines += ["  torch:"] + [f"    {stmt};" for stmt in cfg["torch"].split("; ")]
     if cfg.get("note"):
-        lines.append(f"  note: {cfg['note']}")
+        lines += _wrap(f"note: {cfg['note']}", "  ")
     return "\n".join(lines)
 
 

@@ -12,8 +12,11 @@ LionCub ranks, its formulas against the known collectives, its CLI, JSON and err
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from dist_helpers import run_ranks
 NUMELS = (70_001, 1003, 77, 4099, 33_333)
 BUCKET_MB = 0.1
 STEPS = 20  # one momentum-sync period: the sync runs at step index 0 of every 20
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _spec(nodes=2, gpus=2, precision="fp32", numels=NUMELS, bucket_mb=25.0, **cluster):
@@ -173,25 +177,82 @@ def test_gpt_shape_counts_and_flops():
     m = P.ModelSpec(layers=24, hidden=2048, vocab=50257, seq=2048)
     assert 1.2e9 < m.total < 1.5e9
     assert m.flops_per_token() == 6 * m.total + 12 * 24 * 2048 * 2048
-    assert sum(m.gpu_numels(2, 1)) < m.total  # a TP slice
+    assert m.gpu_params(2, 1) < m.total  # a TP slice
 
 
 # ----------------------------------------------------------------------------- convergence table
+STUDY = ROOT / "docs" / "lion_w300" / "converge.json"
+
+
+def _summaries():
+    """The chosen study's summary rows, read from its committed JSON (not through the planner's table)."""
+    return [r for r in json.loads(STUDY.read_text()) if r.get("bench") == "converge_summary"]
+
+
+def _want(r):
+    L = r.get("node_size", 1)
+    sync = re.search(r"_sync([0-9]+)_int8", r["variant"])
+    what = f"node voters {r['world_size'] // L} x {L}" if L > 1 else "flat 1bit"
+    what += f" + int8 sync/{sync.group(1)}" if sync else ""
+    return (f"lion_w300 N = {r['world_size']}, {what}: {r['gap_pct']:+.2f}% [{r['ci_lo_pct']:+.2f}, "
+            f"{r['ci_hi_pct']:+.2f}], {len(r['seeds'])} seeds")
+
+
 @pytest.mark.unit
 def test_convergence_table_is_the_committed_studies():
     from benchmarks.plan_check import convergence_rows
 
     assert P.convergence_table() == json.loads(json.dumps(convergence_rows())), \
         "regenerate it: python -m benchmarks plan_check --write-convergence-table"
+    assert {src["study"] for src in P.convergence_table()["sources"]} == {"lion_w300"}  # no superseded preset
 
 
 @pytest.mark.unit
-def test_convergence_cost_names_its_study_or_says_not_measured():
-    c = P.convergence_cost(("node_1bit_sync20_int8", 16, 2))
-    assert c["study"] == "node_voters_converge" and c["seeds"] == 5 and abs(c["gap_pct"] - 0.245) < 1e-9
-    assert P.convergence_cost(("flat_1bit_sync20_int8", 8, 1))["seeds"] == 10  # the 10-seed study wins
-    miss = P.convergence_cost(("flat_1bit_sync20_int8", 64, 1))
-    assert miss["gap_pct"] is None and miss["text"].startswith("not measured at N=64")
+def test_convergence_column_quotes_lion_w300_where_measured():
+    """Every configuration lion_w300 measured, planned on the cluster it ran as (N / L nodes of L GPUs),
+    is quoted from the study's JSON: the study, N, the configuration, the gap, its interval, the seeds."""
+    checked = 0
+    for r in _summaries():
+        L = r.get("node_size", 1)
+        name = {"cub_1bit_sync20_int8": "lioncub_1bit_sync20",
+                f"cub_1bit_sync20_int8_node{L}": "lioncub_node_voters_sync20"}.get(r["variant"])
+        if name is None:
+            continue
+        res = P.plan(P.ModelSpec(params=10**9), P.ClusterSpec(nodes=r["world_size"] // L, gpus_per_node=L),
+                     P.WorkloadSpec(), strategies=(name,))
+        conv = _row(res, name)["convergence"]
+        assert conv["text"] == _want(r) and conv["exact"], (conv["text"], _want(r))
+        checked += 1
+    assert checked >= 9  # N = 8, 16, 32: flat + sync, node voters of 2 and 4 (and N = 64 once committed)
+
+
+@pytest.mark.unit
+def test_convergence_column_quotes_the_nearest_measured_n_with_its_interval():
+    """8 nodes x 8 GPUs (what the planner recommends node voters for): the largest measured N nearest to
+    64, and there the node size nearest to 8; with --sync-every 0, flat 1bit without sync; a
+    configuration the study never ran says so. Every output line fits 120 columns."""
+    rows = [r for r in _summaries() if re.fullmatch(r"cub_1bit_sync20_int8_node[0-9]+", r["variant"])]
+    n = min({r["world_size"] for r in rows}, key=lambda m: (abs(math.log(m / 64)), -m))
+    near = min((r for r in rows if r["world_size"] == n), key=lambda r: (abs(math.log(r["node_size"] / 8)),
+                                                                         -r["node_size"]))
+    res = P.plan(P.ModelSpec(params=7 * 10**9), P.ClusterSpec(nodes=8, gpus_per_node=8), P.WorkloadSpec())
+    conv = _row(res, "lioncub_node_voters_sync20")["convergence"]
+    exact = n == 64 and near["node_size"] == 8
+    assert conv["text"] == (_want(near) if exact else f"not measured at N = 64; nearest: {_want(near)}")
+    assert conv["ci95"] == [near["ci_lo_pct"], near["ci_hi_pct"]]
+    text = P.format_plan(res)
+    assert all(len(line) <= P.WIDTH for line in text.splitlines()), max(text.splitlines(), key=len)
+    for r in res["strategies"]:
+        if r["name"] not in P.EXACT:
+            assert "lion_w300 N = " in r["convergence"]["text"] and re.search(r"\[[-+][0-9.]+, [-+][0-9.]+\]",
+                                                                              r["convergence"]["text"])
+            assert r["convergence"]["text"] in text.replace("\n    ", " ")
+    flat = {r["world_size"]: r for r in _summaries() if r["variant"] == "cub_1bit"}
+    nosync = P.plan(P.ModelSpec(params=10**9), P.ClusterSpec(nodes=4, gpus_per_node=4), P.WorkloadSpec(),
+                    sync_every=0)
+    assert _row(nosync, "lioncub_1bit_sync20")["convergence"]["text"] == _want(flat[16])
+    assert _row(nosync, "lioncub_node_voters_sync20")["convergence"]["text"] == \
+        "not measured: lion_w300 has no node voters run"
     assert P.convergence_cost(("global", 64, 1))["gap_pct"] == 0.0
 
 
@@ -230,15 +291,22 @@ def test_cli_json_lists_every_strategy_with_the_issue_fields():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("args, flag, allowed", [
-    (["--params", "-5"], "--params", "positive count"),
+    (["--params", "-5"], "--params", "integer >= 1 and <= 1e+15"),
+    (["--params", "1e30"], "--params", "integer >= 1 and <= 1e+15"),   # was an OverflowError traceback
+    (["--params", "1e16"], "--params", "integer >= 1 and <= 1e+15"),   # was a MemoryError
+    (["--params", "1e400"], "--params", "integer >= 1 and <= 1e+15"),
     (["--params", "1B", "--nodes", "2.5"], "--nodes", "integer >= 1"),
     (["--params", "1B", "--nodes", "0"], "--nodes", "integer >= 1"),
     (["--params", "1B", "--precision", "fp8"], "--precision", "bf16"),
-    (["--params", "1B", "--inter-node-gbit", "-1"], "--inter-node-gbit", "number > 0"),
+    (["--params", "1B", "--inter-node-gbit", "-1"], "--inter-node-gbit", "number >= 0.001"),
+    (["--params", "1B", "--inter-node-gbit", "1e-300"], "--inter-node-gbit", "number >= 0.001"),  # 300-digit times
+    (["--params", "1B", "--inter-node-gbit", "nan"], "--inter-node-gbit", "number >= 0.001"),
     (["--params", "1B", "--mfu", "1.5"], "--mfu", "<= 1"),
     (["--params", "1B", "--strategies", "fsdp"], "--strategies", "ddp_bf16"),
     (["--nodes", "2"], "--params", "GPT shape"),
     (["--params", "1B", "--tp", "3"], "--tp", "divisor"),
+    (["--params", "1B", "--sync-every", "-1"], "--sync-every", "integer >= 0"),
+    (["--layers", "10000", "--hidden", "1000000", "--vocab", "5", "--seq", "5"], "--hidden", "at most 1e+15"),
 ])
 def test_bad_input_names_the_flag_and_the_allowed_values(args, flag, allowed, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -246,6 +314,28 @@ def test_bad_input_names_the_flag_and_the_allowed_values(args, flag, allowed, ca
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and allowed in err, err
+    assert len(err.splitlines()) == 1, err  # one line, no usage block, no traceback
+
+
+def _cli_flags():
+    return sorted({f for a in P.build_parser()._actions for f in a.option_strings} & set(P.LIMITS))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flag", _cli_flags())
+def test_every_flag_refuses_values_outside_its_range_in_one_line(flag, capsys):
+    """Each numeric flag has a lowest and a highest value: just outside either end, the program says
+    so in one line naming the flag and the range; at either end it plans."""
+    integer, lo, hi = P.LIMITS[flag]
+    base = {"--params": "1B", "--nodes": "2", "--gpus-per-node": "2"}
+    below, above = (lo - 1, hi + 1) if integer else (lo / 2 if lo else -1e-9, hi * 2)
+    for value in (below, above):
+        args = dict(base, **{flag: repr(value)})
+        with pytest.raises(SystemExit) as exc:
+            P.main([f"{k}={v}" for k, v in args.items()])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"{flag} must be {P.allowed(flag)}" in err, err
 
 
 @pytest.mark.unit
@@ -256,8 +346,38 @@ def test_bad_values_through_the_function_api():
         P.WorkloadSpec(precision="int4")
     with pytest.raises(P.PlanInputError, match="--params.*integer >= 1"):
         P.ModelSpec(params=-1)
+    with pytest.raises(P.PlanInputError, match="--params.*<= 1e"):
+        P.ModelSpec(params=10**30)
+    with pytest.raises(P.PlanInputError, match="--inter-node-gbit.*>= 0.001"):
+        P.ClusterSpec(inter_gbit_s=1e-300)
+    with pytest.raises(P.PlanInputError, match="--update-time-s"):
+        P.WorkloadSpec(update_time_s=float("inf"))
     with pytest.raises(P.PlanInputError, match="--sync-every"):
         P.plan(P.ModelSpec(params=10**9), P.ClusterSpec(), P.WorkloadSpec(), sync_every=-1)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("params", [10**13, 10**15])
+def test_the_largest_models_plan_in_closed_form(params):
+    """--params 1e13 ran for minutes and 1e16 ran out of memory: one list entry per 4M-element tensor.
+    The layout is runs of equal sizes now: a model of any allowed size is two runs of tensors, its
+    buckets a few runs, and the bytes are the per-bucket formula times the bucket count."""
+    model, cluster = P.ModelSpec(params=params), P.ClusterSpec(nodes=8, gpus_per_node=8, inter_gbit_s=1e-3)
+    runs = model.gpu_runs(1, 1)
+    chunk = 4 * 2**20
+    assert runs == ((chunk, params // chunk), (params % chunk, 1))
+    res = P.plan(model, cluster, P.WorkloadSpec(bucket_size_mb=1e-3))  # buckets of 256: a chunk per bucket
+    flat = _row(res, "lioncub_1bit_sync20")
+    votes = flat["collectives"][0]
+    assert votes["purpose"].startswith("votes (phase 1)")
+    n, pad = 64, P.wire.padded_numel
+    ones = [(pad((chunk + 7) // 8 * 8, n), params // chunk), (pad((params % chunk + 7) // 8 * 8, n), 1)]
+    phase1 = sum(c * (P.wire.onebit_wire_bytes(b, n) - ring_bytes("all_gather", b // 8, n)) for b, c in ones)
+    assert votes["bytes_per_gpu"] == phase1 + P.wire.flag_bytes(params // chunk + 1, n, carried=True)
+    for r in res["strategies"]:
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("step_time_s", "tokens_per_s", "bytes_per_gpu"))
+    text = P.format_plan(res)
+    assert max(len(x) for x in text.splitlines()) <= P.WIDTH
 
 
 @pytest.mark.dist
@@ -267,3 +387,4 @@ def test_module_runs_as_a_program():
     assert "Recommendation:" in res.stdout
     bad = _cli("--params", "1B", "--nodes", "two")
     assert bad.returncode == 2 and "--nodes must be an integer >= 1" in bad.stderr
+    assert len(bad.stderr.splitlines()) == 1, bad.stderr
