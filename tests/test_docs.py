@@ -65,6 +65,19 @@ def test_docs_fit_in_5_mb():
                                                               for f in biggest))
 
 
+@pytest.mark.unit
+def test_convergence_page_is_the_chosen_presets():
+    """docs/convergence.md is one preset's page (<= 300 lines) whose tables the report writes between its
+    markers (tests/test_converge_report.py checks them against the JSON); the superseded presets are behind
+    the archive page it links."""
+    text = (DOCS / "convergence.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300, f"docs/convergence.md has {len(text.splitlines())} lines (<= 300)"
+    assert "<!-- w300-tables -->" in text and "<!-- /w300-tables -->" in text
+    assert "](archive/README.md)" in text
+    for old in ("lion_w150-tables", "lion-tables", "<!-- trend -->", "docs/long/", "docs/converge.json"):
+        assert old not in text, old
+
+
 # ----------------------------------------------------------------------------- one recommended configuration
 def _recommended() -> dict:
     return json.loads(RECOMMENDED.read_text())["optimizer"]["params"]
