@@ -980,6 +980,27 @@ def append_jsonl(path, records) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def jsonl_records(path):
+    """Each line of the JSONL file ``path`` in order: its record, or None where the line does not parse
+    (a run killed mid-write leaves one; the resumed run, the queue and ``--merge`` skip it, and the
+    line stays after the run is redone, so every reader must)."""
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                r = None
+            yield r if isinstance(r, dict) else None
+
+
+def warn_unreadable(where: str, path, bad: int) -> None:
+    if bad:
+        print(f"[bench converge] {where} {path}: skipped {bad} unreadable line(s) (a run cut off mid-write)",
+              file=sys.stderr, flush=True)
+
+
 def study_settings(cfg, protocol, corpus, device) -> str:
     """Everything that decides a run's result besides N, seed, variant and the lrs (threads do not)."""
     return json.dumps({"cfg": {k: v for k, v in cfg.items() if k != "threads"}, "protocol": protocol,
@@ -997,33 +1018,26 @@ def finished_runs(path, settings: str, lrs_of) -> dict:
         return {}
     keys = json.loads(settings)["cfg"]  # the settings a config line is compared on
     out, cur, rec, bad = {}, None, None, 0
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except ValueError:
-                bad, rec = bad + 1, None
-                continue
-            kind = r.get("bench")
-            if kind == "converge_config":
-                same = study_settings({k: r.get(k) for k in keys}, r.get("protocol"),
-                                      r.get("corpus"), r.get("device", "cpu")) == settings
-                cur, rec = (r.get("lrs", {}) if same else None), None
-            elif kind == NAME:
-                n, rec = r.get("world_size"), None
-                lrs = None if cur is None else cur.get(str(n))
-                if lrs is not None and json.dumps(lrs, sort_keys=True) == json.dumps(lrs_of(n), sort_keys=True):
-                    rec = out.setdefault((n, r["seed"], r["variant"], r["lr"]), (r, []))
-                    rec = rec if rec[0] is r else None  # a second copy of a kept run: its curves are not wanted
-            elif kind == "converge_curve" and rec is not None and \
-                    (r.get("world_size"), r.get("seed"), r.get("variant")) == (rec[0]["world_size"], rec[0]["seed"],
-                                                                              rec[0]["variant"]):
-                rec[1].append(r)
-    if bad:
-        print(f"[bench converge] --partial {path}: skipped {bad} unreadable line(s) (a run cut off mid-write)",
-              file=sys.stderr, flush=True)
+    for r in jsonl_records(path):
+        if r is None:
+            bad, rec = bad + 1, None  # the curve lines after a cut-off line belong to no kept run
+            continue
+        kind = r.get("bench")
+        if kind == "converge_config":
+            same = study_settings({k: r.get(k) for k in keys}, r.get("protocol"),
+                                  r.get("corpus"), r.get("device", "cpu")) == settings
+            cur, rec = (r.get("lrs", {}) if same else None), None
+        elif kind == NAME:
+            n, rec = r.get("world_size"), None
+            lrs = None if cur is None else cur.get(str(n))
+            if lrs is not None and json.dumps(lrs, sort_keys=True) == json.dumps(lrs_of(n), sort_keys=True):
+                rec = out.setdefault((n, r["seed"], r["variant"], r["lr"]), (r, []))
+                rec = rec if rec[0] is r else None  # a second copy of a kept run: its curves are not wanted
+        elif kind == "converge_curve" and rec is not None and \
+                (r.get("world_size"), r.get("seed"), r.get("variant")) == (rec[0]["world_size"], rec[0]["seed"],
+                                                                          rec[0]["variant"]):
+            rec[1].append(r)
+    warn_unreadable("--partial", path, bad)
     return out
 
 
@@ -1461,8 +1475,13 @@ def merge(paths, variants=None, world_sizes=None):
     (the first file's run wins), optionally only the runs of ``variants`` / ``world_sizes``."""
     meta, records, tune_recs, curves, seen = [], [], [], [], set()
     for path in paths:
-        with open(path) as f:
-            recs = json.load(f) if not path.endswith(".jsonl") else [json.loads(x) for x in f if x.strip()]
+        if path.endswith(".jsonl"):
+            recs = list(jsonl_records(path))
+            warn_unreadable("--merge", path, recs.count(None))
+            recs = [r for r in recs if r is not None]
+        else:
+            with open(path) as f:
+                recs = json.load(f)
         for r in recs:
             b = r.get("bench")
             if b == "converge_config":

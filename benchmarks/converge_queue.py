@@ -40,14 +40,9 @@ def finished(folders, protocol: str) -> set[tuple[int, str, int]]:
     done = set()
     for folder in folders:
         for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        r = json.loads(line)
-                    except ValueError:
-                        continue
-                    if r.get("bench") == "converge" and r.get("protocol") == protocol:
-                        done.add((r["world_size"], r["variant"], r["seed"]))
+            for r in C.jsonl_records(path):
+                if r is not None and r.get("bench") == "converge" and r.get("protocol") == protocol:
+                    done.add((r["world_size"], r["variant"], r["seed"]))
     return done
 
 

@@ -285,6 +285,28 @@ def test_merge_keeps_the_first_copy_and_the_asked_runs(tmp_path):
            [("cub_1bit_node2", 0, 1.1), ("lion", 0, 1.0), ("lion", 1, 2.0)]
 
 
+def test_merge_skips_a_torn_line_with_a_warning(tmp_path, capsys):
+    """A run killed mid-write leaves a cut line in its --partial file, and the line stays when the run
+    is redone: ``--merge DIR/*.jsonl`` (the queue's documented merge) skips it with a warning, as the
+    resumed runs and the queue do, and merges every readable run."""
+    part = tmp_path / "n2_s0.jsonl"
+    argv = ["--world-sizes", "2", "--variants", "lion", "cub_1bit", "--steps", "2", "--n-layer", "1",
+            "--d-model", "32", "--seq-len", "16", "--batch-size", "2", "--eval-every", "2", "--eval-iters", "1",
+            "--eval-batch", "2", "--partial", str(part)]
+    assert C.main(argv + ["--seeds", "0"]) == 0
+    with open(part, "a") as f:
+        f.write('{"bench": "converge", "variant": "lio')  # the writer killed mid-line
+    assert C.main(argv + ["--seeds", "1"]) == 0  # the run redone after it: the cut line stays
+    capsys.readouterr()
+    out = tmp_path / "merged.json"
+    assert C.main(["--merge", str(part), "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"--merge {part}: skipped 1 unreadable line(s)" in err
+    runs = [r for r in json.loads(out.read_text()) if r["bench"] == "converge"]
+    assert sorted((r["variant"], r["seed"]) for r in runs) == [("cub_1bit", 0), ("cub_1bit", 1), ("lion", 0),
+                                                               ("lion", 1)]
+
+
 # ----------------------------------------------------------------------------- the vectorized gradients
 @pytest.mark.parametrize("mode", ["vmap"])
 def test_vectorized_worker_gradients_agree_with_the_exact_loop(ds, mode):
