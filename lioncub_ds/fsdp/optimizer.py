@@ -237,6 +237,7 @@ def _named_groups(model, params, names):
     params = list(params)
     groups = [dict(g) for g in params] if params and isinstance(params[0], dict) else [{"params": params}]
     for g in groups:
+        g.pop("names", None)  # a parallel list of names (benchmarks' GPT groups): the pairs below carry them
         ps = g["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         pairs = []
@@ -285,6 +286,8 @@ def shard_and_vote(model: torch.nn.Module, shard_size: int | None = None, *, mod
     if not (dist.is_available() and dist.is_initialized()):
         _refuse("torch.distributed is not initialized; allowed: init_process_group first (torchrun)")
     size = _shard_size(shard_size)
+    # the groups by name: fully_shard replaces every parameter with a DTensor of the same name
+    groups = _named_groups(model, params, {id(p): n for n, p in model.named_parameters()})
     sg = make_shard_groups(size, timeout_s=timeout_s)
     from torch.distributed.fsdp import fully_shard
     mesh = shard_mesh(sg, device_type)
@@ -294,7 +297,9 @@ def shard_and_vote(model: torch.nn.Module, shard_size: int | None = None, *, mod
     for m in _module_list(model, modules):
         fully_shard(m, **kw)
     fully_shard(model, **kw)
-    return model, LionCubFSDP(model, params, shard_groups=sg, config=cfg)
+    sharded = dict(model.named_parameters())
+    groups = [dict(g, params=[(n, sharded[n]) for n, _ in g["params"]]) for g in groups]
+    return model, LionCubFSDP(model, groups, shard_groups=sg, config=cfg)
 
 
 def _shard_size(shard_size) -> int:
