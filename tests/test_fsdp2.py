@@ -150,6 +150,7 @@ def _rank_body(rank, world_size, path):
     load(path, model2, opt2)
     res["resumed"] = _train(model2, opt2, STEPS + 1, STEPS + MORE)
     res["resumed_step"] = opt2.step_count
+    res["skip"] = _nonfinite_on_one_rank(model2, opt2, STEPS + MORE + 1)
 
     # another shard size: refused by name before anything loads; then one group: global Lion
     torch.manual_seed(0)
@@ -174,7 +175,34 @@ def _rank_body(rank, world_size, path):
     res["bf16"] = _train(model_bf, opt_bf, 1, STEPS)
     res["bf16_log"] = nccl_contract.log()
     res["late_refused"] = _late_refusals(opt.fsdp_shard_groups)
+
+    # L = 1: no sharding, every rank a voter (flat LionCub on its own gradient)
+    torch.manual_seed(0)
+    model1, opt1 = shard_and_vote(Net(), 1, **settings)
+    res["flat_init"] = _locals(model1)
+    res["flat"] = _train(model1, opt1, 1, 2)
     return res
+
+
+def _nonfinite_on_one_rank(model, opt, step):
+    """A NaN in one element of rank 2's gradient shard: every rank skips the step (agreed over the
+    shard group and across the groups), nothing changes; the next step goes on."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    before, count = _locals(model), opt.step_count
+    _loss(model, rank, step).backward()
+    if rank == 2:
+        next(iter(model.parameters())).grad.to_local().view(-1)[3] = float("nan")
+    opt.step()
+    opt.zero_grad()
+    out = {"unchanged": all(torch.equal(a, b) for a, b in zip(before, _locals(model))),
+           "count": opt.step_count - count, "skipped": opt.comm_stats()["skipped_steps"]}
+    _loss(model, rank, step + 1).backward()
+    opt.step()
+    opt.zero_grad()
+    out["then"] = opt.step_count - count
+    out["after"] = _locals(model)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +337,19 @@ def test_only_votes_cross_between_shard_groups(ranks):
         inside = [e for e in r["log"] if e[1] and len({group_of(x) for x in e[1]}) == 1]
         assert any(e[0] == "reduce_scatter_single" and e[2] == "torch.float32" for e in inside)
         assert r["scopes"].get("inter_node", 0) > 0
+
+
+def test_shard_size_one_is_flat_voting(ranks):
+    """L = 1: FSDP2 on one rank shards nothing; the 4 ranks are 4 voters on their own gradients."""
+    _check_against_oracle(ranks, "flat", "flat_init", 1)
+
+
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(ranks):
+    for r in ranks:
+        assert r["skip"]["unchanged"] and r["skip"]["count"] == 0 and r["skip"]["skipped"] == 1, r["skip"]
+        assert r["skip"]["then"] == 1
+    for a, b in ((0, 2), (1, 3)):  # the replicas of each shard still agree after the next step
+        assert all(torch.equal(x, y) for x, y in zip(ranks[a]["skip"]["after"], ranks[b]["skip"]["after"]))
 
 
 def test_state_per_rank_is_one_shard_of_flat_lioncub(ranks):
