@@ -181,6 +181,15 @@ def _rank_body(rank, world_size, path):
     model1, opt1 = shard_and_vote(Net(), 1, **settings)
     res["flat_init"] = _locals(model1)
     res["flat"] = _train(model1, opt1, 1, 2)
+
+    # momentum_sync over the voters (the one float allowed between groups, when set)
+    torch.manual_seed(0)
+    model_s, opt_s = shard_and_vote(Net(), L, momentum_sync={"every": 1}, **settings)
+    nccl_contract.reset()
+    _train(model_s, opt_s, 1, 2, clip=False)
+    res["sync_log"] = nccl_contract.log()
+    res["sync_momenta"] = [opt_s.state[leaf]["exp_avg"].clone() for _, _, leaf in opt_s._fsdp]
+    res["sync_after"] = _locals(model_s)
     return res
 
 
@@ -350,6 +359,15 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(ranks):
         assert r["skip"]["then"] == 1
     for a, b in ((0, 2), (1, 3)):  # the replicas of each shard still agree after the next step
         assert all(torch.equal(x, y) for x, y in zip(ranks[a]["skip"]["after"], ranks[b]["skip"]["after"]))
+
+
+def test_momentum_sync_averages_the_voters_momenta_across_groups(ranks):
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(ranks[a]["sync_momenta"], ranks[b]["sync_momenta"]))
+        assert all(torch.equal(x, y) for x, y in zip(ranks[a]["sync_after"], ranks[b]["sync_after"]))
+    for rank, r in enumerate(ranks):  # the float crossing between groups is the sync's all-reduce, nothing else
+        crossing = [e for e in r["sync_log"] if e[1] and len({x // L for x in e[1]}) > 1 and e[2] not in INTEGER]
+        assert crossing and all(e[0] == "all_reduce" and e[2] == "torch.float32" for e in crossing), crossing
 
 
 def test_state_per_rank_is_one_shard_of_flat_lioncub(ranks):
