@@ -15,8 +15,12 @@ every rank then raises the same :class:`LionCubConfigError`, naming each differi
 each rank's value. Nothing is changed before the error (LionCub calls this before creating any
 process group or optimizer state).
 
-Parameter groups added later with ``add_param_group`` are not compared (the step's own flags
-catch some of what can go wrong there, not all): add the same groups on every rank.
+Parameter groups added later with ``add_param_group`` are compared at the next step, by the same
+function: the step plan keeps the layout it was built with until then, so a rank that added a
+group and one that did not still issue the same collectives; the step's flags say that some rank
+holds groups its layout lacks, and every rank compares its groups (the same error on every rank
+when they differ, nothing changed) before the layout is rebuilt with them
+(:meth:`lioncub_ds.pipeline.StepPlan.run`).
 """
 from __future__ import annotations
 
@@ -37,8 +41,12 @@ GROUP_SETTINGS = LionCubConfig.agreement(AGREE_GROUPS)
 # Not compared as settings: purely local ones, and the per-group ones (compared per group instead).
 LOCAL_FIELDS = LionCubConfig.agreement(AGREE_LOCAL) + GROUP_SETTINGS
 # Then the layout ("parameters"): the number of groups, and per parameter its shape, dtype and
-# requires_grad (the buckets, their sizes and their order); "param_names" only where
-# momentum_sync.layers selects parameters by name (elsewhere names are labels, e.g. in errors).
+# requires_grad (the buckets, their sizes and their order); and "param_names", the ordered names
+# where they are given (named_parameters(), or groups carrying 'param_names'): two same-shaped
+# parameters passed in another order on one rank have the same layout, and the votes would mix
+# them up (replicas then differ). A rank that gives no names compares as NO_NAMES, which matches
+# any rank's names: only the ranks that name their parameters are compared.
+NO_NAMES = "not given (no parameter names)"
 
 MAX_VALUE_CHARS = 160  # longer values are cut in the error message
 
@@ -113,9 +121,8 @@ def agreed_values(cfg: LionCubConfig, groups, resolved: dict | None = None) -> d
         per_group = tuple(_group_value(g, key, defaults[key]) for g in groups)
         values[key] = per_group[0] if len(per_group) == 1 else per_group
     values["parameters"] = tuple(tuple(_param_desc(p) for p in g.get("params", ())) for g in groups)
-    ms = cfg.momentum_sync
-    values["param_names"] = (tuple(tuple(g.get("param_names") or ()) for g in groups)
-                             if ms is not None and ms.layers else "unused (no momentum_sync.layers)")
+    named = any(g.get("param_names") for g in groups)
+    values["param_names"] = tuple(tuple(g.get("param_names") or ()) for g in groups) if named else NO_NAMES
     values.update(sorted(resolved.items()))
     return values
 
@@ -128,10 +135,13 @@ def _device(groups) -> torch.device:
     return torch.device("cpu")
 
 
-def agree_settings(cfg: LionCubConfig, groups, group=None, device=None, resolved: dict | None = None) -> None:
+def agree_settings(cfg: LionCubConfig, groups, group=None, device=None, resolved: dict | None = None,
+                   what: tuple[str, str] | None = None) -> None:
     """Compare the settings that must match across the ranks of ``group`` (collective: every rank
     of the group calls it), with the ``resolved`` sizes (see :func:`agreed_values`). Raises
-    :class:`LionCubConfigError` on every rank on a mismatch."""
+    :class:`LionCubConfigError` on every rank on a mismatch; ``what``: (what differs, what is
+    allowed and what happens) for its first sentence, when not at construction (the parameter
+    groups added later, compared at the next step)."""
     n = dist.get_world_size(group)
     if n <= 1:
         return
@@ -143,18 +153,25 @@ def agree_settings(cfg: LionCubConfig, groups, group=None, device=None, resolved
     gathered = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(gathered, mine, group=group)
     table = torch.stack(gathered).cpu()  # construction only: one host read
-    same = (table == table[0]).all(dim=0).tolist()
-    differing = [name for name, ok in zip(values, same) if not ok]
+    differing = [name for k, name in enumerate(values) if not _same(table[:, k], name)]
     if not differing:
         return
     # Every rank saw the same table: every rank is here, with the same list.
     everyone = [None] * n
     dist.all_gather_object(everyone, {name: values[name] for name in differing}, group=group)
     lines = [_describe(name, [v[name] for v in everyone]) for name in differing]
-    raise LionCubConfigError(
-        f"LionCub: settings that must be the same on every rank of the vote group differ ({n} ranks; ranks "
-        "numbered inside the vote group); every rank raises this, before any process group or optimizer state is "
-        "created:\n  " + "\n  ".join(lines))
+    head, tail = what or ("settings that must be the same on every rank of the vote group differ",
+                          "every rank raises this, before any process group or optimizer state is created")
+    raise LionCubConfigError(f"LionCub: {head} ({n} ranks; ranks numbered inside the vote group); {tail}:\n  " +
+                             "\n  ".join(lines))
+
+
+def _same(column: torch.Tensor, name: str) -> bool:
+    """Whether every rank's digest of setting ``name`` matches (``param_names``: among the ranks
+    that give names; every rank sees the same column, so every rank decides alike)."""
+    if name == "param_names":
+        column = column[column != digest(NO_NAMES)]
+    return column.numel() == 0 or bool((column == column[0]).all())
 
 
 def _cut(text: str) -> str:
@@ -169,10 +186,11 @@ def _ranks(rs: list[int]) -> str:
     return "ranks " + ", ".join(map(str, rs))
 
 
-def _by_value(shown: list[str]) -> str:
-    """'rank 0: x; ranks 1-3: y' (ranks holding the same value together)."""
+def _by_value(shown: list[str], ranks: list[int] | None = None) -> str:
+    """'rank 0: x; ranks 1-3: y' (ranks holding the same value together; ``ranks``: the rank of
+    each entry of ``shown``, default its position)."""
     order, who = [], {}
-    for r, s in enumerate(shown):
+    for r, s in zip(ranks if ranks is not None else range(len(shown)), shown):
         if s not in who:
             order.append(s)
             who[s] = []
@@ -183,10 +201,12 @@ def _by_value(shown: list[str]) -> str:
 def _describe(name: str, per_rank: list) -> str:
     if name == "parameters":
         return _describe_layout(per_rank)
-    if name == "param_names":
-        flat = [[nm for g in v for nm in g] if isinstance(v, tuple) else v for v in per_rank]
-        return _describe_first_difference("param_names (momentum_sync.layers selects by name)", flat,
-                                          lambda x: repr(x))
+    if name == "param_names":  # the ranks that give names (the others are not compared)
+        ranks = [r for r, v in enumerate(per_rank) if isinstance(v, tuple)]
+        flat = [[(gi, nm) for gi, g in enumerate(per_rank[r]) for nm in g] for r in ranks]
+        return _describe_first_difference(
+            "param_names (the parameters' names in the order passed: every rank must pass the same parameters in "
+            "the same order)", flat, lambda x: f"group {x[0]} {x[1]!r}", ranks)
     shown = [_cut(repr(v)) for v in per_rank]
     label = name
     if name in GROUP_SETTINGS and any(isinstance(v, tuple) and (name != "betas" or (v and isinstance(v[0], tuple)))
@@ -218,14 +238,15 @@ def _describe_layout(per_rank: list) -> str:
     return first
 
 
-def _describe_first_difference(label, lists, show) -> str:
-    """The first position where the ranks' lists differ, and each rank's entry there."""
+def _describe_first_difference(label, lists, show, ranks: list[int] | None = None) -> str:
+    """The first position where the ranks' lists differ, and each rank's entry there (``ranks``:
+    the rank of each list, default its position)."""
     if not all(isinstance(x, list) for x in lists):
-        return f"{label}: {_by_value([_cut(repr(x)) for x in lists])}"
+        return f"{label}: {_by_value([_cut(repr(x)) for x in lists], ranks)}"
     k = 0
     while all(k < len(x) for x in lists) and all(x[k] == lists[0][k] for x in lists):
         k += 1
     if all(k == len(x) for x in lists):  # the same entries, grouped differently
-        return f"{label}: {_by_value([_cut(repr(x)) for x in lists])}"
+        return f"{label}: {_by_value([_cut(repr(x)) for x in lists], ranks)}"
     shown = [_cut(show(x[k])) if k < len(x) else f"none (only {len(x)} entries)" for x in lists]
-    return f"{label} differ first at entry {k}: {_by_value(shown)}"
+    return f"{label} differ first at entry {k}: {_by_value(shown, ranks)}"

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .lion import nonfinite_count
+from .momentum_sync import resharded_sync_state, summed_pending
 from .sharding import describe_layout
 
 FORMAT_VERSION = 2  # 2: adds "sha256"; format 1 files (no digest) are still read
@@ -444,7 +445,7 @@ def _reshard(optimizer, directory: str, old_world: int, reshard: str) -> dict:
     mine = optimizer.state_layout() if hasattr(optimizer, "state_layout") else {"node": None}
     shapes = _shapes(optimizer)
     target = state_map(mine, rank, world, _numels(shapes))
-    rebuild, first, steps, old_text = None, None, set(), None
+    rebuild, first, steps, old_text, syncs = None, None, set(), None, []
     for r in range(old_world):
         path = rank_file(directory, r, old_world)
         payload = read(path)
@@ -466,16 +467,18 @@ def _reshard(optimizer, directory: str, old_world: int, reshard: str) -> dict:
         if first is None:
             first, old_text = state, layout_text(lc, old_world)
             average = old.voters != target.voters
-            if average and reshard == "error":
+            if average and reshard == "error":  # the change first: the rank counts may well be equal
                 raise CheckpointError(
-                    f"{directory} was saved by {old_world} ranks; this run has {world} (pass reshard='average' to "
-                    f"start every voter from the mean momentum; saved with {old_text}: {old.voters} voters; this "
-                    f"run has {layout_text(mine, world)}: {target.voters} voters)")
+                    f"{directory}: the voters change from {old.voters} to {target.voters} (saved with {old_text}; "
+                    f"this run has {layout_text(mine, world)}), so no new voter has an old voter's momentum to "
+                    "resume; allowed with reshard='error': the same number of voters; pass reshard='average' to start "
+                    "every voter from the mean momentum")
             rebuild = _Rebuild(target, average, old.voters)
         elif layout_text(lc, old_world) != old_text or old.voters != rebuild.old_voters:
             raise CheckpointError(f"{directory}: the rank files describe different layouts ({old_text}; {path}: "
                                   f"{layout_text(lc, old_world)})")
         steps.add(lc.get("step"))
+        syncs.append(lc.get("momentum_sync"))  # every old rank's: the drift signal is their sum
         if rebuild.average or old.voter == target.voter:
             for h in old.momentum:
                 t = _held_tensor(state, h.address)
@@ -505,10 +508,15 @@ def _reshard(optimizer, directory: str, old_world: int, reshard: str) -> dict:
     log.warning("LionCub: resharding optimizer state from %d ranks (%s) to %d ranks (%s)%s", old_world, old_text,
                 world, layout_text(mine, world),
                 " by averaging momenta" if rebuild.average else ", every voter keeps its momentum")
-    return _assemble(optimizer, mine, shapes, rebuild, first, directory)
+    try:
+        sync = resharded_sync_state(syncs[0], summed_pending(syncs), old_world == world)
+    except ValueError as exc:
+        raise CheckpointError(f"{directory}: {exc}") from exc
+    return _assemble(optimizer, mine, shapes, rebuild, first, directory, sync)
 
 
-def _assemble(optimizer, mine: dict, shapes: list, rebuild: _Rebuild, first: dict, where: str) -> dict:
+def _assemble(optimizer, mine: dict, shapes: list, rebuild: _Rebuild, first: dict, where: str,
+              sync: dict | None = None) -> dict:
     """The rebuilt pieces as a state dict in this optimizer's own format (for ``load_state_dict``)."""
     rank, world = _rank_info(optimizer)
     dtype = optimizer.config.momentum_dtype
@@ -527,6 +535,8 @@ def _assemble(optimizer, mine: dict, shapes: list, rebuild: _Rebuild, first: dic
         else:
             shards["master"][i] = values
     lioncub = {k: v for k, v in old_lc.items() if k in ("format", "step", "skipped_steps", "comm_stats")}
+    if sync is not None:  # the momentum sync's schedule and counters (momentum_sync.resharded_sync_state)
+        lioncub["momentum_sync"] = sync
     lioncub.update({k: v for k, v in mine.items() if k != "node"}, world_size=world, rank=rank)
     if mine.get("node") is not None:
         lioncub["node"] = dict(mine["node"], **shards)

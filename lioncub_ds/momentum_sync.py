@@ -234,6 +234,74 @@ class DriftTrigger:
         self.signal = None if sd["signal"] is None else tuple(int(x) for x in sd["signal"])
 
 
+# ----------------------------------------------------------------------------- checkpointed state
+# What a checkpoint keeps of the momentum sync (``state_dict()["lioncub"]["momentum_sync"]``), so
+# that a resumed run syncs after the same steps as an uninterrupted one (docs/checkpoints.md):
+#   "syncs", "last_sync": the counters (comm_stats()["momentum_sync"]);
+#   "trigger": schedule="drift": DriftTrigger.state_dict() (last sync step, low point, latest signal);
+#   "pending": schedule="drift": the signal of the last applied step, which the next step reads
+#     with its flags: {"step": t, "units": this rank's disagreement_units} (per rank: every rank's
+#     file holds its own), or {"step": t, "sum": D(t)} once summed over the ranks (agreed: the one
+#     replica of a checkpoint that keeps one for every rank, after LionCub.sync_momenta(all_params=True)).
+
+
+def check_sync_state(value) -> dict | None:
+    """A saved momentum-sync state (above) as host values, or ValueError naming what is wrong
+    (checked before a load changes anything)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"the saved momentum_sync state is a {type(value).__name__}; allowed: a dict")
+    try:
+        out = {"syncs": int(value.get("syncs", 0)), "last_sync": int(value.get("last_sync", 0)), "trigger": None,
+               "pending": None}
+        trig = value.get("trigger")
+        if trig is not None:
+            signal = trig["signal"]
+            out["trigger"] = {"last_sync": int(trig["last_sync"]),
+                              "baseline": None if trig["baseline"] is None else int(trig["baseline"]),
+                              "signal": None if signal is None else [int(signal[0]), int(signal[1])]}
+        pend = value.get("pending")
+        if pend is not None:
+            kind = "sum" if "sum" in pend else "units"
+            out["pending"] = {"step": int(pend["step"]), kind: int(pend[kind])}
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"the saved momentum_sync state is malformed ({type(exc).__name__}: {exc}); allowed: what "
+                         "LionCub.state_dict() writes") from None
+    return out
+
+
+def summed_pending(states) -> tuple[int, int] | None:
+    """(t, D(t)) from every old rank's saved momentum-sync state (a resharded resume reads them
+    all): the sum of their pending units, or the sum one of them already holds; None when some
+    rank has nothing pending for that step (nothing to observe)."""
+    pending = [(check_sync_state(s) or {}).get("pending") for s in states]
+    if not pending or any(p is None for p in pending) or len({p["step"] for p in pending}) > 1:
+        return None
+    if "sum" in pending[0]:
+        return pending[0]["step"], pending[0]["sum"]
+    if any("units" not in p for p in pending):
+        return None
+    return pending[0]["step"], sum(p["units"] for p in pending)
+
+
+def resharded_sync_state(value, pending_sum: tuple[int, int] | None, same_ranks: bool) -> dict | None:
+    """The momentum-sync state of a resharded resume (lioncub_ds.checkpoint): the counters and the
+    last sync's step carry over; the per-rank pending units belong to the old layout's ranks, so
+    the pending signal is their sum ``pending_sum`` ((step, D) over every old rank's file, or
+    None). The signals are sums over the ranks: with another number of ranks the trigger starts
+    its low point again (no baseline, no signal, nothing pending)."""
+    state = check_sync_state(value)
+    if state is None:
+        return None
+    state["pending"] = {"step": pending_sum[0], "sum": pending_sum[1]} if pending_sum is not None else None
+    if not same_ranks:
+        state["pending"] = None
+        if state["trigger"] is not None:
+            state["trigger"].update(baseline=None, signal=None)
+    return state
+
+
 # ----------------------------------------------------------------------------- bf16 / int8 averaging
 def sync_encode(x: torch.Tensor, dtype: str) -> torch.Tensor:
     """Rows of fp32 values [R, L] -> uint8 rows [R, W]: bf16 codes, or int8 codes followed by the

@@ -30,7 +30,7 @@ from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F
 from .lion import call_closure, check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
 from .groups import Topology, node_size_for, consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
-from .momentum_sync import sync_group_size
+from .momentum_sync import check_sync_state, sync_group_size
 from .pipeline import StepPlan
 from .sharding import describe_layout
 from .telemetry import CommStats
@@ -269,12 +269,16 @@ class LionCub(Optimizer):
 
     def add_param_group(self, param_group):
         """torch's add_param_group, after LionCub's checks (complex parameters, a parameter listed twice
-        in the group: refused before anything changes). After the first distributed step the new
-        parameters need a new step plan: the current one is dropped (votes started in backward are
-        drained: collective, so add the group on every rank, as the same program does) and the next
-        step builds the plan again. Sharded state (node voters, master-only sharding) carries over:
-        buckets are cut group by group, so the new group's buckets come after the existing ones,
-        whose shards (kept by bucket index) the new plan finds unchanged."""
+        in the group: refused before anything changes). Distributed, the new group is agreed across
+        the ranks at the next step, before it joins the step plan (add it on every rank, as the same
+        program does): until then the plan keeps the groups it was built with (made now if the vote
+        group is known and there is none yet), so a rank that added a group and one that did not
+        still issue the same collectives; that step then compares every rank's groups (a group
+        missing on a rank, or with other parameters, raises the same LionCubConfigError on every
+        rank, nothing changed) and builds the plan again with them (pipeline.StepPlan.run). Sharded
+        state (node voters, master-only sharding) carries over: buckets are cut group by group, so
+        the new group's buckets come after the existing ones, whose shards (kept by bucket index)
+        the new plan finds unchanged."""
         params = check_param_group(param_group, "LionCub")
         seen = set()
         for i, p in enumerate(params):
@@ -283,10 +287,8 @@ class LionCub(Optimizer):
                 raise LionCubConfigError(f"LionCub: parameter #{i} of the group (shape {tuple(p.shape)}) is listed more "
                                          "than once; allowed: each parameter once (it would be stepped twice)")
             seen.add(id(p))
-        if getattr(self, "_plan", None) is not None:
-            if self._plan.pipe.busy:
-                self._plan.pipe.drain()
-            self._drop_plan()
+        if "_plan" in self.__dict__ and self._topology is not None and self.distributed:  # after construction
+            self.plan  # noqa: B018 - the plan of the groups so far (issues no collective), before this one joins
         super().add_param_group(param_group)
 
     def _drop_plan(self):
@@ -533,10 +535,19 @@ class LionCub(Optimizer):
         fp32 master shards)."""
         return {"node": self._node_layout()}
 
+    #: the momentum sync's state from :meth:`load_state_dict`, held until the step plan is built
+    #: (which takes it; lioncub_ds.momentum_sync.check_sync_state says what it holds)
+    momentum_sync_state = None
+
     def state_dict(self):
         sd = super().state_dict()
         sd["lioncub"] = {"format": STATE_FORMAT, "step": self._step_count, "skipped_steps": self._skipped_steps,
                          "world_size": self.world_size, "rank": self.rank, "comm_stats": self.stats.state_dict()}
+        # the momentum sync's schedule (drift: the trigger and this rank's pending signal) and
+        # counters: without them a resumed run syncs after other steps (docs/checkpoints.md)
+        sync = self._plan.momentum_sync_state() if self._plan is not None else self.momentum_sync_state
+        if sync is not None:
+            sd["lioncub"]["momentum_sync"] = sync
         layout = self.state_layout()["node"]
         if layout is not None:  # this rank's shards (a per-rank checkpoint file holds them)
             sh = self.momenta.shards
@@ -548,6 +559,10 @@ class LionCub(Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("lioncub", None)
         node = self._check_node_state((extra or {}).get("node"))
+        try:
+            sync = check_sync_state((extra or {}).get("momentum_sync"))
+        except ValueError as exc:
+            raise LionCubConfigError(f"LionCub.load_state_dict: {exc}; no state was changed") from None
         # torch casts floating state to the parameter's dtype; keep the momenta exact instead.
         saved = saved_momenta(self, state_dict)
         for p, m in saved.items():
@@ -570,6 +585,10 @@ class LionCub(Optimizer):
             self._skipped_steps = int(extra.get("skipped_steps", 0))
             if "comm_stats" in extra:
                 self.stats.load_state_dict(extra["comm_stats"])
+            if self._plan is not None:
+                self._plan.load_momentum_sync_state(sync)
+            else:  # the step plan takes it when it is built
+                self.momentum_sync_state = sync
 
     def _check_node_state(self, node):
         """The saved shards must be this rank's shards of this layout (same Nn or master-only

@@ -40,8 +40,10 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from .agreement import agree_settings
 from .comm import Collectives, VoteJob
 from .comm.abstain import encode as abstain_encode
+from .config import LionCubConfigError
 from .errors import ReplicaDriftError, StepInputError
 from .flags import (CHANGED_RANKS, FLAG_HEAD, MISSING_RANKS, NONFINITE_RANKS, NONFINITE_VALUES, UNUSABLE_RANKS,
                     drift_index, flag_words, host_values_on, hyper_bits, hyper_disagree, hyper_values, pack_flags,
@@ -50,12 +52,9 @@ from .kernels.reference import dither_seed, int8_levels
 from .layout import assign_algorithms, comm_batches, cost_model, group_names, next_abstain_mode
 from .lion import lr_value
 from .momentum_sync import MomentumSync, disagreement_units, drift_scale, select_params, vote_disagreement
-from .sharding import grad_versions, make_sharding, versions_differ
+from .sharding import GradRead, fingerprints, make_sharding, reads_changed
 
 log = logging.getLogger("lioncub_ds")
-
-# Checksums of the drift check are computed in chunks of this many elements (bounded memory).
-FINGERPRINT_CHUNK = 1 << 20
 
 
 @dataclass
@@ -68,7 +67,8 @@ class StepPlan:
     """The distributed step of one LionCub: layout, batches, hooks, flags, momentum sync.
 
     ``opt`` is read through its public API only (``config``, ``param_groups``, ``state``,
-    ``step_count``, ``stats``, ``momenta``, ``overlap_counts``); ``may_launch()`` says whether
+    ``step_count``, ``stats``, ``momenta``, ``overlap_counts``, ``momentum_sync_state``: taken
+    once, when the plan is built); ``may_launch()`` says whether
     a gradient-ready hook may start votes now (``no_sync()`` and the launch condition)."""
 
     def __init__(self, opt, topology, may_launch=None):
@@ -81,6 +81,9 @@ class StepPlan:
         # chosen once from the topology; the plan asks it the same things whichever it is.
         self.sharding = make_sharding(opt, topology)
         self.buckets, self.frozen = self.sharding.buckets, self.sharding.frozen
+        # the parameter groups the layout was built from: one added later (add_param_group) joins
+        # the layout only once every rank of the step has agreed on it (run, _agree_late_groups)
+        self.n_groups = len(opt.param_groups)
         self.coll, self.world_coll = self.sharding.coll, self.sharding.world_coll
         assign_algorithms(self.buckets, cfg, self.world_size)
         self.batches = comm_batches(self.buckets, cfg.comm_bucket_mb, self.world_size)
@@ -98,6 +101,10 @@ class StepPlan:
         # next step's flags (momentum_sync module docstring)
         self.drift = ms is not None and ms.drift
         self.drift_units, self.drift_step = None, 0
+        # (drift) D(drift_step) when the host knows the sum over the ranks already (a checkpoint of
+        # one replica for every rank, or sync_momenta(all_params=True)): the next step observes it
+        # instead of the flags' sum (the same value where both exist)
+        self.drift_sum = None
         self.syncs, self.last_sync = 0, 0
         if ms is not None:
             node = (Collectives(topology.sync_node_group, opt.stats, cfg.timeout_s)
@@ -106,6 +113,9 @@ class StepPlan:
             named = [(nm, p) for g in opt.param_groups for p, nm in zip(g["params"], group_names(g))
                      if p.requires_grad]
             self.sync_params = select_params(ms, named)
+            if opt.momentum_sync_state is not None:  # loaded (load_state_dict) before this plan was built
+                self.load_momentum_sync_state(opt.momentum_sync_state)
+                opt.momentum_sync_state = None
         self.pipe = VotePipeline(self)
         self.may_launch = may_launch
         self.hooks = []
@@ -146,7 +156,7 @@ class StepPlan:
         self.sharding.abandon()
         self.opt.stats.end_step()
 
-    def _agreed_flags(self, frozen_error: str | None, changed: bool):
+    def _agreed_flags(self, frozen_error: str | None, changed):
         """The step's flags summed over every rank of the step, as a host list (the step's one host
         read), and this rank's input error."""
         words, input_error = self.pipe.finish(frozen_error, changed)
@@ -163,18 +173,70 @@ class StepPlan:
                         "before the first step, or clear its .grad")
         return None
 
+    def _late_groups(self) -> str | None:
+        """This rank's reason to hold the step: parameter groups added (add_param_group) since the
+        layout was built. The step still runs the layout's collectives, so a rank that added a
+        group and one that did not reach the flags together; the flags then say "unusable input"
+        and every rank compares the groups (:meth:`_agree_late_groups`)."""
+        added = len(self.opt.param_groups) - self.n_groups
+        if added == 0:
+            return None
+        return f"LionCub: {added} parameter group(s) added with add_param_group since the step plan was built"
+
+    def _agree_late_groups(self, step: int) -> bool:
+        """On every rank, when the flags say that some rank found an unusable input: whether some
+        rank holds parameter groups its layout lacks (one int64 all-reduce over every rank of the
+        step, on this error path only). If one does, every rank forgets the step's votes and
+        compares its parameter groups with the ranks that hold the same parameters
+        (:func:`lioncub_ds.agreement.agree_settings`: a group missing on some rank, or with other
+        parameters, raises the same LionCubConfigError on every rank, nothing changed); if they
+        agree, every rank rebuilds its layout with them and the step runs again (True)."""
+        late = torch.tensor([int(self._late_groups() is not None)], dtype=torch.int64, device=self.device)
+        self.world_coll.all_reduce_(late, "late_groups")
+        if late.item() == 0:  # a host read on the error path only
+            return False
+        self.pipe.drain()
+        self.sharding.abandon()
+        try:
+            agree_settings(self.config, self.opt.param_groups, group=self.sharding.replicas().group,
+                           device=self.device,
+                           what=(f"the parameter groups differ across the ranks at step {step} (add_param_group "
+                                 "called on some ranks only, or with other parameters or settings)",
+                                 "allowed: the same add_param_group calls on every rank; every rank raises this, no "
+                                 "state was changed"))
+        except LionCubConfigError:
+            self.opt.stats.end_step()
+            raise
+        self._rebuild()
+        return True
+
+    def _rebuild(self) -> None:
+        """The layout again, from every parameter group (agreed: _agree_late_groups). What lasts
+        from one layout to the next stays: the momentum sync's counters and drift state, the
+        warning already given; sharded state is kept by bucket index (buckets are cut group by
+        group: the new groups' buckets come after the others, which are unchanged)."""
+        keep = {k: getattr(self, k) for k in ("syncs", "last_sync", "drift_units", "drift_step", "drift_sum",
+                                              "warned_revote")}
+        trigger = self.msync.trigger if self.msync is not None else None
+        self.close()
+        self.__init__(self.opt, self.topology, self.may_launch)
+        self.__dict__.update(keep)
+        if trigger is not None:
+            self.msync.trigger = trigger
+
     def run(self, step: int) -> StepOutcome:
         """Step ``step`` (the optimizer's step count + 1) on every rank: the votes, the agreed
         flags, then apply, the momentum update and the momentum sync. Raises StepInputError on
         every rank together; returns whether the step was applied (else skipped, unchanged)."""
         opt, pipe, n = self.opt, self.pipe, self.ranks
-        frozen_error = self._frozen_param_error()
+        frozen_error = self._frozen_param_error() or self._late_groups()
         self.sharding.begin()
         # A gradient changed after its bucket voted (or, with node voters, was reduce-scattered)
-        # during backward (a second backward without no_sync(), or clipping in place, maybe on
-        # some ranks only): this rank's view goes into the flags, and if any rank saw a change
-        # every rank votes again (node voters: reduce-scatter again first).
-        changed = pipe.stale or (pipe.busy and pipe.changed_since_vote())
+        # during backward (a second backward without no_sync(), or clipping in place, also through
+        # .data, maybe on some ranks only): this rank's view goes into the flags (a fingerprint's
+        # verdict stays on the device), and if any rank saw a change every rank votes again (node
+        # voters: reduce-scatter again first).
+        changed = True if pipe.stale else pipe.changed_since_vote() if pipe.busy else False
         flags, input_error = self._agreed_flags(frozen_error, changed)
         if flags[CHANGED_RANKS] > 0:
             if not self.warned_revote:
@@ -187,6 +249,8 @@ class StepPlan:
             self.sharding.begin()
             flags, input_error = self._agreed_flags(frozen_error, False)
         if flags[UNUSABLE_RANKS] > 0:
+            if self._agree_late_groups(step):
+                return self.run(step)  # every rank, with the groups added on every rank
             self._abandon()
             raise StepInputError(
                 (input_error + "; " if input_error else "LionCub: ") +
@@ -201,9 +265,10 @@ class StepPlan:
             return StepOutcome(False, f"non-finite gradient or momentum on {flags[NONFINITE_RANKS]} of {n} ranks at "
                                       f"step {step} (non-finite values in all: {count})")
         if self.drift and self.drift_step == step - 1 > 0:
-            # the summed disagreement of the previous applied step, read with this step's flags:
-            # it decides this step's sync (below), the same on every rank
-            self.msync.trigger.observe(step - 1, flags[drift_index(len(self.buckets))])
+            # the summed disagreement of the previous applied step, read with this step's flags
+            # (or known already: drift_sum): it decides this step's sync (below), the same on every rank
+            self.msync.trigger.observe(step - 1, flags[drift_index(len(self.buckets))] if self.drift_sum is None
+                                       else self.drift_sum)
         # Parameters without a gradient on every rank stay as they are (as in Lion): their votes
         # (c = β1·m, from g = 0) ran with everyone else's and are undone here.
         idle = pipe.idle_everywhere(flags)
@@ -240,6 +305,37 @@ class StepPlan:
             out["baseline"] = None if trig.baseline is None else trig.baseline / unit
         return out
 
+    def momentum_sync_state(self) -> dict | None:
+        """The momentum sync's state for a checkpoint (momentum_sync.check_sync_state says what it
+        holds), or None without a momentum sync. Reads this rank's pending drift units from the
+        device: one host read, when a checkpoint is made (never in a step)."""
+        if self.msync is None:
+            return None
+        pending = None
+        if self.drift and self.drift_step > 0:
+            if self.drift_sum is not None:
+                pending = {"step": self.drift_step, "sum": int(self.drift_sum)}
+            elif self.drift_units is not None:
+                pending = {"step": self.drift_step, "units": int(self.drift_units.item())}
+        return {"syncs": self.syncs, "last_sync": self.last_sync,
+                "trigger": self.msync.trigger.state_dict() if self.drift else None, "pending": pending}
+
+    def load_momentum_sync_state(self, state: dict | None) -> None:
+        """Resume the momentum sync from :meth:`momentum_sync_state` (checked by
+        momentum_sync.check_sync_state); what does not apply to this schedule is ignored."""
+        if self.msync is None or state is None:
+            return
+        self.syncs, self.last_sync = state["syncs"], state["last_sync"]
+        if not self.drift:
+            return
+        if state["trigger"] is not None:
+            self.msync.trigger.load_state_dict(state["trigger"])
+        pending = state["pending"] or {}
+        self.drift_step = pending.get("step", 0)
+        self.drift_sum = pending.get("sum")
+        units = pending.get("units")
+        self.drift_units = None if units is None else torch.tensor([units], dtype=torch.int32, device=self.device)
+
     def _hyper_mismatch(self, step: int) -> str:
         """The error message for hyper-parameters that differ across ranks: gathers every rank's
         values (only on this error path, which every rank takes together)."""
@@ -272,29 +368,19 @@ class StepPlan:
 
     def average_all_momenta(self) -> None:
         """Every momentum averaged (fp32) over the vote group: what a checkpoint that keeps one
-        replica for every rank needs (e.g. Megatron's)."""
+        replica for every rank needs (e.g. Megatron's). With schedule="drift" the pending signal
+        is summed over the ranks of the step as well (one int64 all-reduce), so that the replica
+        holds D(t) itself, not one rank's share of it (momentum_sync_state)."""
         MomentumSync.average_over(self.coll, self.sharding.momenta(), self.config.bucket_numel)
-
-    def _fingerprints(self, params):
-        """Two int64 checksums per parameter: the sum of its bit patterns and a position-weighted
-        sum, computed in chunks of FINGERPRINT_CHUNK elements (memory bounded by the chunk,
-        whatever the parameter's size). Integer sums wrap identically on every rank."""
-        out = torch.zeros(len(params), 2, dtype=torch.int64, device=self.device)
-        for i, p in enumerate(params):
-            flat = p.detach().reshape(-1)
-            ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16)
-            for start in range(0, ints.numel(), FINGERPRINT_CHUNK):
-                chunk = ints[start:start + FINGERPRINT_CHUNK].to(torch.int64)
-                idx = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
-                idx.remainder_(65521)
-                out[i, 0] += chunk.sum()
-                out[i, 1] += chunk.mul_(idx).sum()
-        return out.reshape(-1)
+        if self.drift and self.drift_units is not None and self.drift_sum is None:
+            summed = self.drift_units.to(torch.int64)
+            self.world_coll.all_reduce_(summed, "drift_signal")
+            self.drift_sum = int(summed.item())  # outside the step: a checkpoint is being made
 
     def check_replicas(self, action: str, step: int) -> bool:
         params = self.params()
         names = [nm for b in self.sharding.full for nm in b.names]
-        fp = self._fingerprints(params)
+        fp = fingerprints(params, self.device).reshape(-1)  # two int64 checksums per parameter
         both = torch.cat([fp, -fp])
         # the ranks that hold what this rank steps, value for value (Megatron's instances: the
         # shard peers); the verdict is every rank's (each raises or re-synchronizes together)
@@ -326,13 +412,14 @@ class StepPlan:
 
 class _Local:
     """One bucket's local half of a step (nothing written to optimizer state)."""
-    __slots__ = ("job", "grads", "momenta", "backend", "nonfinite", "flags", "versions", "next_momenta", "missing")
+    __slots__ = ("job", "grads", "momenta", "backend", "nonfinite", "flags", "read", "next_momenta", "missing")
 
-    def __init__(self, job, grads, momenta, backend, nonfinite, flags, versions, next_momenta=None, missing=()):
+    def __init__(self, job, grads, momenta, backend, nonfinite, flags, read, next_momenta=None, missing=()):
         self.job, self.grads, self.momenta, self.backend = job, grads, momenta, backend
         # indices (in the bucket) of the parameters without a gradient on this rank
         self.missing = tuple(missing)
-        self.nonfinite, self.flags, self.versions = nonfinite, flags, versions
+        # the gradients it read (sharding.GradRead; None: a rank that cannot vote sends zeros)
+        self.nonfinite, self.flags, self.read = nonfinite, flags, read
         # momentum_double_buffer: the momenta already advanced by the local pass (else None)
         self.next_momenta = next_momenta
 
@@ -362,8 +449,10 @@ class VotePipeline:
         return any(x is not None for x in self.local) or self.plan.sharding.started()
 
     # ------------------------------------------------------------------ local step
-    def prepare(self, i: int) -> None:
-        """Bucket ``i``'s local step: its votes and abstention payload, and its flag entries."""
+    def prepare(self, i: int, watch: bool = True) -> None:
+        """Bucket ``i``'s local step: its votes and abstention payload, and its flag entries.
+        ``watch``: it runs before step() (backward's hooks, prepare_step()): keep a fingerprint of
+        the gradients it read (sharding.GradRead), so that an edit through ``.data`` is caught."""
         plan, b = self.plan, self.plan.buckets[i]
         cfg, opt = plan.config, plan.opt
         g = opt.param_groups[b.group_index]
@@ -384,7 +473,7 @@ class VotePipeline:
                 self._payload(job, b, torch.zeros(b.algorithm.planes, b.numel // 8, dtype=torch.uint8, device=dev),
                               torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev), be)
             zero = torch.zeros((), dtype=torch.int64, device=dev)
-            self.local[i] = _Local(job, grads, momenta, be, zero, torch.zeros(2, dtype=torch.int32, device=dev), [])
+            self.local[i] = _Local(job, grads, momenta, be, zero, torch.zeros(2, dtype=torch.int32, device=dev), None)
             return
         # counts stay on the device (device_counts): finish() folds them into the step's one flag read
         nxt = None
@@ -406,8 +495,8 @@ class VotePipeline:
                 sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, nxt is not None,
                                                        device_counts=True, momenta_out=nxt)
             flags = self._payload(job, b, sign, nz, be)
-        versions = grad_versions(b.params)  # (node voters' shards have none: the sharding checks)
-        self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, versions, nxt, missing)
+        read = GradRead(b.params, dev, watch)  # (node voters' shards have none: the sharding's reads)
+        self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, read, nxt, missing)
 
     def _payload(self, job, b, sign, nz, be):
         """Fill the job's abstention payload; return its two flag entries (device; comm/abstain.py)."""
@@ -430,7 +519,7 @@ class VotePipeline:
             self.launch_ready()
             self.plan.opt.overlap_counts["batches_launched_in_backward"] += self.next_batch - before
 
-    def launch_ready(self, carry_flags: bool = False, frozen_error: str | None = None, changed: bool = False) -> None:
+    def launch_ready(self, carry_flags: bool = False, frozen_error: str | None = None, changed=False) -> None:
         """Launch, in the fixed order, every batch whose buckets all have their local step.
         ``carry_flags`` (only from finish(), on every rank): the last batch carries the step's
         flags, with ``frozen_error`` and ``changed`` (this rank's), if its algorithm can."""
@@ -451,29 +540,32 @@ class VotePipeline:
                                                                                      flags)
             self.next_batch += 1
 
-    def launch_all(self, carry_flags: bool = False, frozen_error: str | None = None, changed: bool = False) -> None:
+    def launch_all(self, carry_flags: bool = False, frozen_error: str | None = None, changed=False,
+                   watch: bool = True) -> None:
         """Local steps of the buckets that have none yet (in launch order), launching as they
-        complete (``carry_flags``, ``frozen_error``, ``changed``: see launch_ready)."""
+        complete (``carry_flags``, ``frozen_error``, ``changed``: see launch_ready; ``watch``:
+        before step(), see prepare)."""
         for batch in self.plan.batches:
             for i in batch:
                 if self.local[i] is None:
-                    self.prepare(i)
+                    self.prepare(i, watch)
             self.launch_ready(carry_flags, frozen_error, changed)
 
-    def changed_since_vote(self) -> bool:
+    def changed_since_vote(self):
         """A gradient replaced or modified in place (e.g. clipped) after its bucket voted (or the
-        sharding read it: node voters' reduce-scatter)."""
-        if self.plan.sharding.changed():
-            return True
-        return any(loc is not None and versions_differ(loc.versions, grad_versions(self.plan.buckets[i].params))
-                   for i, loc in enumerate(self.local))
+        sharding read it: node voters' reduce-scatter): True when the host can tell, else an int32
+        [1] on the device (a fingerprint differs: an edit through ``.data``), which goes into the
+        step's flags unread (sharding.reads_changed), or False."""
+        return reads_changed(self.plan.sharding.reads() + [loc.read for loc in self.local if loc is not None],
+                             self.plan.device)
 
     def drain(self) -> None:
         """Discard this step's votes and start over. Every batch is launched first: ranks may have
         launched different prefixes of the batch order during backward, and every rank must issue
         the same collectives (all batches once) before any of them votes again."""
         plan = self.plan
-        self.launch_all()
+        plan.sharding.begin()  # what is left is read now and thrown away: no fingerprints (GradRead)
+        self.launch_all(watch=False)
         for k, state in enumerate(self.launched):
             if state is not None:
                 batch = plan.batches[k]
@@ -482,7 +574,7 @@ class VotePipeline:
         self.reset()
 
     # ------------------------------------------------------------------ finish
-    def finish(self, frozen_error: str | None, changed: bool = False):
+    def finish(self, frozen_error: str | None, changed=False):
         """Launch what is left and sum the flags over the vote group (carried by the last batch's
         phase 1, or their own all-reduce).
 
@@ -491,7 +583,7 @@ class VotePipeline:
         nothing itself: the caller agrees on them over every rank of the step (the sharding) and
         reads them (the step's one host read)."""
         plan = self.plan
-        self.launch_all(carry_flags=True, frozen_error=frozen_error, changed=changed)
+        self.launch_all(carry_flags=True, frozen_error=frozen_error, changed=changed, watch=False)
         if self.flags_carried:  # they came with the last batch's phase 1
             last = len(plan.batches) - 1
             algorithm = plan.buckets[plan.batches[last][0]].algorithm
@@ -503,8 +595,9 @@ class VotePipeline:
         plan.coll.all_reduce_(flags, "control")
         return flags, error
 
-    def _own_flags(self, error, changed: bool) -> torch.Tensor:
-        """This rank's flag vector (int32, on the device; summed over ranks it is the step's flags)."""
+    def _own_flags(self, error, changed) -> torch.Tensor:
+        """This rank's flag vector (int32, on the device; summed over ranks it is the step's flags).
+        ``changed``: a bool, or an int32 [1] on the device (changed_since_vote)."""
         plan = self.plan
         dev = plan.device
         # this rank's non-finite count, summed on the device; clamped so that the sum over ranks
@@ -512,8 +605,11 @@ class VotePipeline:
         nonfinite = torch.stack([loc.nonfinite.to(dev) for loc in self.local] +
                                 [torch.zeros((), dtype=torch.int64, device=dev)]).sum().clamp_(max=2**20)
         missing = int(any(loc.missing for loc in self.local))
-        host = [int(bool(error)), missing, int(changed)] + hyper_bits(plan.opt.param_groups, plan.opt.step_count + 1)
+        host = [int(bool(error)), missing, int(changed is True)] + hyper_bits(plan.opt.param_groups,
+                                                                               plan.opt.step_count + 1)
         host = host_values_on(host, dev)
+        if isinstance(changed, torch.Tensor):  # a fingerprint compared on the device: never read here
+            host = torch.cat([host[:2], changed.to(device=dev, dtype=torch.int32), host[3:]])
         head = torch.cat([(nonfinite > 0).to(torch.int32).reshape(1), host[:1], nonfinite.to(torch.int32).reshape(1),
                           host[1:]])
         # schedule="drift": the previous applied step's disagreement (0 before the first: not read)
@@ -582,5 +678,5 @@ class VotePipeline:
                     job.delta = None
         if disagreement is not None:  # rides in the next step's flags (the sync after that step uses it)
             plan.drift_units = disagreement_units(disagreement, plan.ranks).to(torch.int32).reshape(1)
-            plan.drift_step = step
+            plan.drift_step, plan.drift_sum = step, None
         self.reset()

@@ -38,7 +38,7 @@ asks which one it holds:
   rank of the step);
 * what the step's inputs are: :meth:`launch_order` (the order collectives of its own follow),
   :meth:`take` (a bucket's gradients are complete in backward, overlap=True: what may run now),
-  :meth:`taken` / :meth:`started` / :meth:`changed` (what it read, and whether that changed since),
+  :meth:`taken` / :meth:`started` / :meth:`reads` (what it read, to tell whether that changed since),
   :meth:`begin` (at the start of step()), :meth:`inputs`; :meth:`next_momenta` /
   :meth:`commit_momenta` (momentum_double_buffer);
 * how the step's decisions are agreed by every rank of the step: :meth:`agree` (the flags),
@@ -93,6 +93,28 @@ def keep_pieces(get_flat, pieces, ids) -> list:
     return [(get_flat, at, flat[at:at + length].clone()) for q, _, length, at in pieces if id(q) in ids]
 
 
+# Checksums (fingerprints) are computed in chunks of this many elements (bounded memory).
+FINGERPRINT_CHUNK = 1 << 20
+
+
+def fingerprints(tensors, device) -> torch.Tensor:
+    """int64 [len(tensors), 2] on ``device``: per tensor the sum of its bit patterns and a
+    position-weighted sum, computed in chunks of FINGERPRINT_CHUNK elements (memory bounded by the
+    chunk, whatever the tensor's size). Integer sums wrap identically on every rank and for every
+    value (NaN included), and stay on the device (no host read)."""
+    out = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
+    for i, t in enumerate(tensors):
+        flat = t.detach().reshape(-1)
+        ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16)
+        for start in range(0, ints.numel(), FINGERPRINT_CHUNK):
+            chunk = ints[start:start + FINGERPRINT_CHUNK].to(torch.int64)
+            idx = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
+            idx.remainder_(65521)
+            out[i, 0] += chunk.sum()
+            out[i, 1] += chunk.mul_(idx).sum()
+    return out
+
+
 def grad_versions(params) -> list:
     """(gradient, its in-place version) of every parameter that has a gradient: what a step read."""
     return [(p.grad, p.grad._version) for p in params if p.grad is not None]
@@ -102,6 +124,46 @@ def versions_differ(then, now) -> bool:
     """A gradient replaced, removed, added or modified in place (e.g. clipped) between two
     :func:`grad_versions` of the same parameters."""
     return len(now) != len(then) or any(a is not c or v != w for (a, v), (c, w) in zip(now, then))
+
+
+class GradRead:
+    """What a step read of some parameters' gradients, to tell later whether they changed since.
+
+    ``versions`` (host, free) catches a gradient replaced, removed or added, and an in-place edit
+    that torch counts. An edit through ``.data`` (``p.grad.data.mul_(c)``, common in hand-written
+    clipping) is not counted, so a read made before step() (``watch``: in backward with
+    overlap=True, or by prepare_step()) also keeps a device-side :func:`fingerprints` of the
+    gradients: step() compares it on the device and counts the result into the step's flags,
+    whose one host read it already makes. A read made inside step() needs no fingerprint: nothing
+    can edit the gradients between it and the vote."""
+
+    __slots__ = ("params", "versions", "fingerprint")
+
+    def __init__(self, params, device, watch: bool):
+        self.params = list(params)
+        self.versions = grad_versions(self.params)
+        self.fingerprint = (fingerprints([g for g, _ in self.versions], device)
+                            if watch and self.versions else None)
+
+    def replaced(self) -> bool:
+        return versions_differ(self.versions, grad_versions(self.params))
+
+
+def reads_changed(reads, device):
+    """Whether any gradient of the :class:`GradRead` ``reads`` changed since it was read: True when
+    the host can tell (:meth:`GradRead.replaced`); else an int32 [1] on ``device``, 1 when some
+    watched gradient's bits differ from its fingerprint (for the step's flags: no host read);
+    False when nothing was watched."""
+    reads = [r for r in reads if r is not None]
+    if any(r.replaced() for r in reads):
+        return True
+    watched = [r for r in reads if r.fingerprint is not None]
+    if not watched:
+        return False
+    # versions unchanged: the same gradient tensors, in the same order as when they were read
+    then = torch.cat([r.fingerprint for r in watched])
+    now = torch.cat([fingerprints([g for g, _ in r.versions], device) for r in watched])
+    return (now != then).any().to(torch.int32).reshape(1)
 
 
 def reconcile_master(flat, pieces) -> None:
@@ -206,12 +268,14 @@ class Flat:
         """Whether this step's inputs are being gathered by collectives of the strategy's own."""
         return False
 
-    def changed(self) -> bool:
-        """A gradient changed after the strategy read it (the local steps check their own)."""
-        return False
+    def reads(self) -> list:
+        """The :class:`GradRead` of the gradients the strategy read outside the local steps (which
+        keep their own), to tell whether they changed since: none here."""
+        return []
 
-    def begin(self) -> None:
-        """At the start of step() (nothing to prepare: each bucket reads its own gradients)."""
+    def begin(self, watch: bool = False) -> None:
+        """At the start of step() (nothing to prepare: each bucket reads its own gradients);
+        ``watch``: called before step() (see :class:`GradRead`)."""
 
     def inputs(self, i: int):
         """(gradients, momenta, indices of parameters without a gradient here, this rank's reason
@@ -508,27 +572,27 @@ class NodeVoters(_MasterShardsMixin):
     def started(self) -> bool:
         return self.issued > 0
 
-    def changed(self) -> bool:
-        """A gradient of a bucket whose reduce-scatter was issued was replaced or modified since."""
-        return any(v is not None and versions_differ(v, grad_versions(fb.params))
-                   for v, fb in zip(self.versions, self.full))
+    def reads(self) -> list:
+        """What the issued reduce-scatters read (a gradient changed since: vote again)."""
+        return [v for v in self.versions if v is not None]
 
-    def begin(self) -> None:
-        """Issue the reduce-scatter of every bucket not issued yet (in the launch order)."""
+    def begin(self, watch: bool = False) -> None:
+        """Issue the reduce-scatter of every bucket not issued yet (in the launch order); ``watch``:
+        before step() (prepare_step()), so a later edit of those gradients is caught (GradRead)."""
         for i in self.order:
             self.complete[i] = True
-        self._issue()
+        self._issue(watch)
 
-    def _issue(self) -> list:
+    def _issue(self, watch: bool = True) -> list:
         out = []
         while self.issued < len(self.order) and self.complete[self.order[self.issued]]:
-            self._reduce_scatter(self.order[self.issued])
+            self._reduce_scatter(self.order[self.issued], watch)
             if self.issued > 0:
                 out.append(self.order[self.issued - 1])
             self.issued += 1
         return out
 
-    def _reduce_scatter(self, i: int) -> None:
+    def _reduce_scatter(self, i: int, watch: bool) -> None:
         """Send bucket ``i``'s gradients to their shards' owners in the group (an all_to_all in the
         gradients' dtype). A rank whose gradients are unusable sends zeros (the flags make every
         rank refuse the step). Its buffers are bucket ``i``'s in the workspace: the previous
@@ -538,7 +602,7 @@ class NodeVoters(_MasterShardsMixin):
         # indices (in the full bucket) of the parameters without a gradient on this rank: the
         # step leaves a parameter that has none on ANY rank alone, as flat voting does
         self.missing[i] = tuple(k for k, p in enumerate(fb.params) if p.grad is None)
-        self.versions[i] = grad_versions(fb.params)  # what was read (a later change: vote again)
+        self.versions[i] = GradRead(fb.params, self.device, watch)  # what was read (a later change: vote again)
         # the gradients travel in their own dtype (torch keeps p.grad in p's dtype, the same on
         # every rank): bf16 halves the group's bytes, and the fp32 sum below is the same
         # (every parameter's slot is written below, the padding stays zero from the start)
@@ -556,8 +620,8 @@ class NodeVoters(_MasterShardsMixin):
         here and the problem index the full bucket. ḡ: the L rows the reduce-scatter brought,
         summed in fp32 in local-rank order and divided by L; the shard bucket's parameters become
         views of its work buffer."""
-        if self.rs[i] is None:
-            self.begin()
+        if self.rs[i] is None:  # read before step() (prepare_step): watched
+            self.begin(watch=True)
         if self.grads[i] is None:
             rows = self.rs[i].wait()
             acc = self.workspace.get("grad", i, rows.shape[1], torch.float32, self.device).copy_(rows[0])
@@ -654,7 +718,7 @@ class NodeVoters(_MasterShardsMixin):
         self.complete = [False] * n   # per bucket: its gradients are all there (take, begin)
         self.issued = 0               # reduce-scatters issued this step: a prefix of self.order
         self.rs: list = [None] * n    # per bucket: its reduce-scatter (a Pending)
-        self.versions: list = [None] * n  # per bucket: the gradients it read (grad_versions)
+        self.versions: list = [None] * n  # per bucket: the gradients it read (GradRead)
         self.missing: list = [()] * n  # per bucket: this step's parameters without a gradient on this rank
         self.problems: list = [None] * n
         self.grads: list = [None] * n  # this step's ḡ shard per bucket

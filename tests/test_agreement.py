@@ -61,10 +61,24 @@ def _attempt(fn):
     return err, time.perf_counter() - t0, list(inits)
 
 
+def _make_named(rank, world_size, case):
+    """Two same-shaped parameters, named: in another order on the last rank ("param_order"), or
+    passed without names there ("names_on_some_ranks": nothing to compare it with, accepted)."""
+    torch.manual_seed(0)
+    named = [(nm, torch.nn.Parameter(torch.randn(4, 5))) for nm in ("a.weight", "b.weight")]
+    last = rank == world_size - 1
+    if case == "param_order" and last:
+        named = named[::-1]
+    params = [p for _, p in named] if case == "names_on_some_ranks" and last else named
+    return LionCub(params, **BASE)
+
+
 def _mismatch_scenario(rank, world_size, cases):
     out = {}
     for setting in cases:
         out[setting] = _attempt(lambda: _make(rank, world_size, setting, CASES[setting]))
+    for case in ("param_order", "names_on_some_ranks"):
+        out[case] = _attempt(lambda: _make_named(rank, world_size, case))
     # The same check when the vote group is set later (DeepSpeed and Megatron call
     # set_process_group): constructed over a group of one rank (nothing to agree), then the world.
     singles = [dist.new_group([r]) for r in range(world_size)]
@@ -115,6 +129,16 @@ def test_a_setting_differing_on_one_rank_raises_on_every_rank(mismatch_n2, setti
 def test_a_parameter_shape_differing_on_one_rank_raises_on_every_rank(mismatch_n2):
     msg = _check_error(mismatch_n2, "parameters", [], 2)
     assert "entry 2" in msg and "rank 0: group 0 #2: shape (3, 2)" in msg and "rank 1: group 0 #2: shape (3, 3)" in msg
+
+
+def test_named_parameters_in_another_order_on_one_rank_raise_on_every_rank(mismatch_n2, mismatch_n3):
+    # the same shapes in the same order (the layout agrees): only the names tell them apart
+    msg = _check_error(mismatch_n2, "param_order", [], 2, named="param_names")
+    assert "entry 0: rank 0: group 0 'a.weight'; rank 1: group 0 'b.weight'" in msg, msg
+    msg = _check_error(mismatch_n3, "param_order", [], 3, named="param_names")
+    assert "ranks 0, 1: group 0 'a.weight'; rank 2: group 0 'b.weight'" in msg, msg
+    for res, n in ((mismatch_n2, 2), (mismatch_n3, 3)):  # names on some ranks only: the named ranks agree
+        assert all(res[r]["names_on_some_ranks"][0] is None for r in range(n)), res
 
 
 def test_set_process_group_agrees_too(mismatch_n2):

@@ -285,6 +285,8 @@ def test_refused_on_every_rank_with_nothing_changed(runs):
         x = res["refusals"]
         assert x["error"] and "reshard='average'" in x["error"] and "node_size=2 (2 node groups" in x["error"] \
             and "node_size=4 (1 node group" in x["error"], (r, x["error"])
+        # the message leads with what changed (4 ranks saved, 4 ranks now: the rank count is no news)
+        assert x["error"].split(": ", 1)[1].startswith("the voters change from 2 to 1 ("), (r, x["error"])
         assert x["corrupt"] and ("corrupted" in x["corrupt"] or "another rank" in x["corrupt"]), (r, x["corrupt"])
         assert x["missing"] and ("not found" in x["missing"] or "another rank" in x["missing"]), (r, x["missing"])
         for case in ("error", "corrupt", "missing"):
