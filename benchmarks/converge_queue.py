@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,6 +51,42 @@ def command(protocol: str, n: int, variant: str, seed: int, folder: str, extra=(
     return [sys.executable, "-m", "benchmarks", "converge", "--protocol", protocol, "--threads", "1",
             "--world-sizes", str(n), "--seeds", str(seed), "--variants", variant,
             "--partial", os.path.join(folder, tag(n, variant, seed) + ".jsonl"), *extra]
+
+
+class Runs:
+    """The runs in flight, each in a process group of its own, so that the queue ends them (and
+    whatever they started) when it is stopped: ``kill <queue pid>`` reaches the queue only, and runs
+    left behind would be started a second time by the next queue, two records per run."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.live: set[subprocess.Popen] = set()
+        self.stopped_by = None  # the signal that stopped the queue
+
+    def start(self, cmd, **kw):
+        """The run's process, or None once the queue is stopping (no new run starts)."""
+        with self.lock:  # a run starts whole or not at all, never between a stop's look and its kill
+            if self.stopped_by is not None:
+                return None
+            proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+            self.live.add(proc)
+            return proc
+
+    def finished(self, proc) -> None:
+        with self.lock:
+            self.live.discard(proc)
+
+    def stop(self, signum, frame=None) -> None:
+        """The SIGTERM / SIGINT handler: end every run's process group (SIGTERM; a second signal, SIGKILL)."""
+        with self.lock:
+            again = self.stopped_by is not None
+            self.stopped_by = signum
+            live = list(self.live)
+        for proc in live:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL if again else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,17 +141,33 @@ def main(argv=None) -> int:
         sys.stdout.write(f"[converge_queue] {time.strftime('%H:%M:%S')} {msg}\n")
         sys.stdout.flush()
 
+    runs = Runs()
+
     def one(job):
         t0 = time.time()
-        say(f"start {tag(*job)}")
         with open(os.path.join(args.dir, tag(*job) + ".log"), "w") as log:
-            rc = subprocess.call(command(args.protocol, *job, args.dir, args.extra), stdout=log,
-                                 stderr=subprocess.STDOUT, env=env)
+            proc = runs.start(command(args.protocol, *job, args.dir, args.extra), stdout=log,
+                              stderr=subprocess.STDOUT, env=env)
+            if proc is None:
+                return None
+            say(f"start {tag(*job)} pid={proc.pid}")
+            rc = proc.wait()
+        runs.finished(proc)
         say(f"end {tag(*job)} rc={rc} ({time.time() - t0:.0f} s)")
         return rc
 
-    with ThreadPoolExecutor(args.workers) as pool:
-        rcs = list(pool.map(one, todo))
+    handlers = {sig: signal.signal(sig, runs.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with ThreadPoolExecutor(args.workers) as pool:
+            rcs = list(pool.map(one, todo))
+    finally:
+        for sig, old_handler in handlers.items():
+            signal.signal(sig, old_handler)
+    if runs.stopped_by is not None:
+        name = signal.Signals(runs.stopped_by).name
+        print(f"[converge_queue] stopped by {name}: the runs in flight were ended with their process groups; "
+              "the same command resumes", file=sys.stderr, flush=True)
+        return 128 + runs.stopped_by
     failed = [tag(*j) for j, rc in zip(todo, rcs) if rc != 0]
     if failed:
         print(f"[converge_queue] {len(failed)} runs failed (see their .log): {', '.join(failed)}", file=sys.stderr)

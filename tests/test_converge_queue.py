@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +79,61 @@ def test_a_queue_runs_its_jobs_and_a_second_call_runs_none(tmp_path, capsys):
     assert recs["lion"]["val_loss"] != recs["cub_1bit"]["val_loss"]
     assert Q.main(argv) == 0
     assert "0 runs to do, 2 already done" in capsys.readouterr().out
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_the_queue_ends_its_runs(tmp_path, sig):
+    """``kill <queue pid>`` (or Ctrl-C's SIGINT) on a real queue with two runs in flight: the queue ends
+    both runs' process groups and exits 128 + the signal; no run is left behind to be started a
+    second time by the next queue."""
+    root = Path(__file__).resolve().parents[1]
+    long_flags = [x if x != "4" else "1000000" for x in TINY_FLAGS]  # --steps 1000000: runs until ended
+    queue = subprocess.Popen([sys.executable, "-m", "benchmarks.converge_queue", "--protocol", "lion_w300",
+                              "--world-sizes", "2", "--seeds", "0", "1", "2", "--variants", "lion", "--dir",
+                              str(tmp_path), "--workers", "2", "--", *long_flags],
+                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = []
+    try:
+        deadline = time.monotonic() + 300
+        while len(runs) < 2 and time.monotonic() < deadline and queue.poll() is None:
+            time.sleep(0.2)
+            runs = _children(queue.pid)
+        assert len(runs) == 2, f"the queue did not start two runs: {queue.poll()}"
+        queue.send_signal(sig)
+        out, err = queue.communicate(timeout=300)
+        assert queue.returncode == 128 + sig, (queue.returncode, err)
+        assert f"stopped by {signal.Signals(sig).name}" in err
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in runs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in runs), "runs outlived their queue"
+        assert "start n2_lion_s2" not in out  # the third run never started
+    finally:
+        for p in runs:  # the old queue left them running: end them here
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if queue.poll() is None:
+            queue.kill()
