@@ -16,7 +16,8 @@ same shard of the other groups (the slow link). Logged (rank 0): train loss (mea
 and the bytes this rank sent between groups in the step (LionCub's telemetry: votes and control
 flags) against what FSDP2's own HSDP all-reduce of the same gradient shards would send there (the
 ring formula 2(Nn-1)/Nn x the padded shard bytes, in FSDP2's reduce dtype). Exit status: 0 ok;
-1 the validation loss did not drop by --min-drop; 2 the shard replicas differ across groups.
+1 the validation loss did not drop by --min-drop; 2 a refused setting or checkpoint (one line
+from rank 0), or shard replicas that differ across groups.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 # the checkout's root: the workshop (``benchmarks``: the GPT, the data) is not in the wheel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +37,7 @@ from benchmarks.models import PRESETS, build_model  # noqa: E402
 from benchmarks.models.gpt import Block  # noqa: E402
 from lioncub_ds.config import LionCubConfigError  # noqa: E402
 from lioncub_ds.errors import ReplicaDriftError  # noqa: E402
+from lioncub_ds.fsdp import element_start, load, save, shard_and_vote  # noqa: E402
 from lioncub_ds.groups import exit_cleanly  # noqa: E402
 from lioncub_ds.telemetry import format_bytes, ring_bytes  # noqa: E402
 
@@ -74,7 +77,9 @@ def hsdp_allreduce_bytes(opt, reduce_bytes: int) -> int:
     all-reduce over the Nn replicas of this rank's padded gradient shards (FSDP2 pads dim 0 to
     ceil(d0 / L) rows on every rank), ``reduce_bytes`` per element."""
     sg = opt.fsdp_shard_groups
-    numel = sum(-(-p.shape[0] // sg.shard_size) * (p.numel() // max(1, p.shape[0])) for _, p, _ in opt._fsdp)
+    # shard 0 is never short: its rows are the padded rows of every rank
+    numel = sum(element_start(p.shape, 0, sg.shard_size)[1] * (p.numel() // max(1, p.shape[0]))
+                for _, p, _ in opt.sharded_params)
     return ring_bytes("all_reduce", numel * reduce_bytes, sg.groups)
 
 
@@ -99,8 +104,6 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"{PREFIX} {msg}", flush=True)
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from lioncub_ds.fsdp import load, save, shard_and_vote
     ds = load_dataset(max_bytes=args.max_bytes) if rank == 0 else None
     dist.barrier()  # rank 0 builds the corpus cache; the others read it
     ds = ds or load_dataset(max_bytes=args.max_bytes)
@@ -109,22 +112,22 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     groups = model.optim_groups(args.weight_decay)  # no decay on biases, norms, embeddings
-    try:
+    start = 0
+    try:  # a refusal is the same on every rank: one line from rank 0
         model, opt = shard_and_vote(model, args.shard_size, modules=Block, params=groups,
                                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if args.bf16 else None,
                                     lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
                                     comm=args.comm)
-    except LionCubConfigError as exc:  # the same on every rank: one line from rank 0
+        if args.resume:
+            load(args.save_dir, model, opt)  # another shard size: refused before anything loads
+            start = opt.step_count + opt.comm_stats()["skipped_steps"]
+            log(f"resumed from {args.save_dir} at step {start}")
+    except LionCubConfigError as exc:
         log(f"refused: {exc}")
         dist.barrier()  # rank 0 has said why before any rank exits (torchrun then stops the others)
         dist.destroy_process_group()
         return 2
     sg = opt.fsdp_shard_groups
-    start = 0
-    if args.resume:
-        load(args.save_dir, model, opt)
-        start = opt.step_count + opt.comm_stats()["skipped_steps"]
-        log(f"resumed from {args.save_dir} at step {start}")
     hsdp = hsdp_allreduce_bytes(opt, 2 if args.bf16 else 4)
     log(f"preset={args.preset} params={nparams / 1e6:.2f}M ranks={world} = {sg.groups} shard groups x "
         f"{sg.shard_size} | LionCub comm={args.comm} | {'bf16 mixed precision' if args.bf16 else 'fp32'} | "

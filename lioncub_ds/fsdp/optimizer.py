@@ -127,6 +127,11 @@ class LionCubFSDP(LionCub):
         self._fsdp.append((name, p, leaf))
         return leaf
 
+    @property
+    def sharded_params(self) -> list:
+        """(name, FSDP2's sharded parameter, the tensor LionCub steps: its local shard) per parameter."""
+        return list(self._fsdp)
+
     # ------------------------------------------------------------------ step
     def _bind_grads(self) -> None:
         """Each leaf's gradient: FSDP2's reduced shard (a view, no copy). Checks first that FSDP2
@@ -211,7 +216,8 @@ def check_layout(saved: str, mine: str) -> None:
     s, m = json.loads(saved), json.loads(mine)
 
     def text(x):
-        return f"shard_size={x.get('shard_size')} ({x.get('voters')} shard groups voting)"
+        n = x.get("voters")
+        return f"shard_size={x.get('shard_size')} ({n} shard group{'' if n == 1 else 's'} voting)"
     if (s.get("shard_size"), s.get("voters")) != (m.get("shard_size"), m.get("voters")):
         raise LionCubConfigError(
             f"LionCubFSDP: the checkpoint was saved with {text(s)}, this run has {text(m)}: each shard group keeps "
