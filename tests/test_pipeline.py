@@ -133,10 +133,10 @@ def test_abstention_lists_and_overflow_equal_brute_force():
             assert want_plane == 4 * (n - 1) * numel // 8 // n
             # ... where every whole plane to every rank would cost (N−1)·P/8 on top of the vote
             assert want_plane < 2 * (n - 1) * numel // 8 // n + (n - 1) * numel // 8
-            # chunks: the vote's two planes, the list and shard r's zero-chunk bits, the result's
-            # full-chunk bits
+            # chunks: the vote's two planes, the list and the zero-chunk bits of shard r's window,
+            # the result's full-chunk bits
             code = ChunkCode(numel // 8, n)
-            assert want_chunks == (n - 1) * (2 * numel // 8 // n + code.shard_payload_bytes + code.zero_bytes)
+            assert want_chunks == (n - 1) * (2 * numel // 8 // n + code.shard_payload_bytes + code.window_bytes)
         assert want_chunks < want_plane
 
 

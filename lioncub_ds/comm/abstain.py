@@ -11,14 +11,13 @@ from the mask. Per bucket and step, every rank uses the same mode:
   all-reduce says so, and that bucket's planes are then fetched in full (exact either way).
   A small bucket has K = 0: its list is the count alone (4 bytes).
 * ``chunks``: for zeros that come in runs (embedding rows nobody has used yet, whole tensors).
-  The plane is cut into *chunks* of C bytes (C·8 elements, C = 8 where the shard size allows:
-  :func:`chunk_bytes`); a rank sends one bit per chunk, 1 where its whole chunk abstains, and a
-  list (capacity :func:`chunk_capacity`) of the bytes where its plane differs from the *base*:
-  the mask with those chunks cleared. A run of abstentions costs 1 bit per chunk it covers, plus
-  the bytes of the chunks at its ends that it covers in part. A list that overflows fetches the
-  planes, as in list mode. Layout of the payload: the list words, then the zero-chunk bits of
-  each of the N shards (:class:`ChunkCode`), so an algorithm whose shard owner decides Δ alone
-  sends rank r the list and shard r's bits only (``VoteAlgorithm.shards_planes``).
+  The plane is cut into *chunks* of 8 bytes (64 elements of the bucket); a rank sends one bit
+  per chunk, 1 where its whole chunk abstains, and a list (capacity :func:`chunk_capacity`) of
+  the bytes where its plane differs from the *base*: the mask with those chunks cleared. A run
+  of abstentions costs 1 bit per chunk it covers, plus the bytes of the chunks at its ends that
+  it covers in part. A list that overflows fetches the planes, as in list mode. An algorithm
+  whose shard owner decides Δ alone sends rank r the list and only the bits of the chunks that
+  touch shard r (``VoteAlgorithm.shards_planes``; :class:`ChunkCode`).
 * ``plane``: the whole nonzero plane (scattered abstentions that overflow both lists). Algorithms
   whose shard owner decides Δ alone send each rank only its shard of the plane (the same for
   the planes fetched after an overflow).
@@ -43,8 +42,8 @@ import torch
 
 WORD = 4  # bytes of one int32 list word
 MODES = ("list", "chunks", "plane")
-CHUNK_MAX = 8  # bytes of a chunk (64 elements): an embedding row of 64·k elements at a 64-aligned
-#                offset is whole chunks
+CHUNK = 8  # bytes of a chunk (64 elements): an embedding row of 64·k elements at a 64-aligned
+#            offset in its bucket is whole chunks
 
 
 def list_capacity(plane_bytes: int, world_size: int) -> int:
@@ -63,17 +62,6 @@ def chunk_capacity(plane_bytes: int, world_size: int) -> int:
     return plane_bytes // (256 * max(1, world_size))
 
 
-def chunk_bytes(plane_bytes: int, world_size: int) -> int:
-    """C: bytes of a chunk, the largest of 8, 4, 2, 1 that divides a shard (plane_bytes / N), so
-    that the chunks of the whole plane and of every shard are the same (no chunk straddles two
-    shards: a shard owner reads its chunks' bits alone)."""
-    shard = plane_bytes // max(1, world_size)
-    c = CHUNK_MAX
-    while shard % c:
-        c //= 2
-    return c
-
-
 def list_words(capacity: int) -> int:
     return 1 + 2 * capacity
 
@@ -81,91 +69,124 @@ def list_words(capacity: int) -> int:
 class ChunkCode:
     """The chunks-mode payload of one bucket (same on every rank: from its size and N).
 
-    ``[list words (4·(1+2K) bytes) | zero bits of shard 0 | ... | of shard N−1]``, each shard's
-    bits packed LSB first into ``zero_bytes`` bytes (chunk j of a shard: bit j%8 of byte j/8)."""
+    The chunks are the bucket plane's bytes 8j .. 8j+7 (64 elements, ``CHUNK`` bytes), the last
+    one zero-padded, whatever the shards: an embedding whose rows are 64·k elements and which
+    starts at a multiple of 64 elements in its bucket (the first parameter of a bucket does) has
+    its unused rows as whole chunks. A chunk can straddle two shards, so a shard owner receives
+    a *window* of ``window`` chunk bits, from chunk ⌊r·S/8⌋ (S: shard bytes), that covers its
+    shard; bits outside the shard are ignored (sender) or neutral (phase 2: 1 = full).
+
+    Whole payload: ``[list words (4·(1+2K) bytes) | the zero bits of every chunk]``; a shard
+    owner's row: ``[list words | the zero bits of its window]``; bits LSB first (chunk j: bit j%8
+    of byte j/8), zero-padded to whole bytes."""
 
     def __init__(self, plane_bytes: int, world_size: int):
         self.n = max(1, world_size)
         self.plane_bytes = plane_bytes
         self.shard = plane_bytes // self.n
-        self.chunk = chunk_bytes(plane_bytes, self.n)
-        self.chunks = plane_bytes // self.chunk           # in the whole plane
-        self.shard_chunks = self.shard // self.chunk
-        self.zero_bytes = (self.shard_chunks + 7) // 8    # one shard's bits
+        self.chunks = (plane_bytes + CHUNK - 1) // CHUNK
+        self.window = (self.shard + CHUNK - 1) // CHUNK + 1  # chunks a shard can touch
+        self.bits_bytes = (self.chunks + 7) // 8
+        self.window_bytes = (self.window + 7) // 8
         self.capacity = chunk_capacity(plane_bytes, self.n)
         self.list_bytes = WORD * list_words(self.capacity)
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes of a whole payload (every shard's bits: algorithms that count on every rank)."""
-        return self.list_bytes + self.n * self.zero_bytes
+        """Bytes of a whole payload (every chunk's bit: algorithms that count on every rank)."""
+        return self.list_bytes + self.bits_bytes
 
     @property
     def shard_payload_bytes(self) -> int:
-        """Bytes a shard owner receives from each rank: the list and its shard's bits."""
-        return self.list_bytes + self.zero_bytes
+        """Bytes a shard owner receives from each rank: the list and its window's bits."""
+        return self.list_bytes + self.window_bytes
+
+    def offset(self, rank: int) -> int:
+        """Byte of shard ``rank``'s start inside its window."""
+        return rank * self.shard % CHUNK
+
+    def _padded(self, plane: torch.Tensor) -> torch.Tensor:
+        """[..., plane bytes] -> [..., chunks, CHUNK] (zero-padded)."""
+        pad = self.chunks * CHUNK - self.plane_bytes
+        if pad:
+            plane = torch.nn.functional.pad(plane, (0, pad))
+        return plane.view(*plane.shape[:-1], self.chunks, CHUNK)
+
+    def _windows(self, device) -> torch.Tensor:
+        """int64 [N, window]: chunk index of each owner's window bits (may run past the last chunk)."""
+        first = torch.arange(self.n, device=device) * self.shard // CHUNK
+        return first.view(-1, 1) + torch.arange(self.window, device=device)
+
+    @staticmethod
+    def bytes_of(chunk_flags: torch.Tensor) -> torch.Tensor:
+        """bool [..., k chunks] -> [..., k·CHUNK] (each chunk's flag on each of its bytes)."""
+        return chunk_flags.unsqueeze(-1).expand(*chunk_flags.shape, CHUNK).reshape(*chunk_flags.shape[:-1], -1)
 
     def zero_chunks(self, nonzero: torch.Tensor) -> torch.Tensor:
         """bool [chunks]: chunks where the plane is all zero (every element abstains or is padding)."""
-        return (nonzero.view(self.chunks, self.chunk) == 0).all(1)
-
-    def bytes_of(self, chunk_flags: torch.Tensor) -> torch.Tensor:
-        """bool [..., k chunks] -> [..., k·C] (each chunk's flag on each of its bytes)."""
-        return chunk_flags.unsqueeze(-1).expand(*chunk_flags.shape, self.chunk).reshape(*chunk_flags.shape[:-1], -1)
+        return (self._padded(nonzero) == 0).all(-1)
 
     def base(self, mask: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        """The mask with the zero chunks cleared ([..., bytes] from zero [..., chunks])."""
-        return mask.masked_fill(self.bytes_of(zero), 0)
+        """The mask with the zero chunks cleared ([..., plane bytes] from zero [..., chunks])."""
+        return mask.masked_fill(self.bytes_of(zero)[..., :self.plane_bytes], 0)
 
     def payload_rows(self, payload: torch.Tensor) -> torch.Tensor:
-        """[N, shard_payload_bytes]: row r = the list and shard r's bits (what the owner of shard r
-        receives when the planes travel sharded)."""
+        """[N, shard_payload_bytes]: row r = the list and the zero bits of shard r's window (what
+        the owner of shard r receives when the planes travel sharded)."""
+        bits = payload[self.list_bytes:]
+        zero = unpack_rows(bits.view(1, -1), self.chunks)[0]
+        idx = self._windows(bits.device).clamp_(max=self.chunks - 1)  # past the end: ignored by the owner
         lst = payload[:self.list_bytes].view(1, -1).expand(self.n, -1)
-        return torch.cat([lst, payload[self.list_bytes:].view(self.n, self.zero_bytes)], dim=1)
+        return torch.cat([lst, pack_rows(zero[idx])], dim=1)
 
     def decode(self, received: torch.Tensor, mask: torch.Tensor, rank: int | None = None):
         """Every rank's nonzero plane from its payload: (planes, lists).
 
         ``rank`` None: ``received`` is [N, payload_bytes] (whole payloads) -> planes [N, plane bytes].
-        Else it is [N, shard_payload_bytes] (the list and shard ``rank``'s bits, the sharded form)
-        -> shard ``rank`` of every rank's plane [N, shard]. ``lists``: int32 [N, 1+2K] (the
-        result's nonzero plane is rebuilt from them: :meth:`result_nonzero`). Exact when no rank's
-        list overflowed (the caller checks that through the flags)."""
+        Else it is [N, shard_payload_bytes] (the list and the bits of shard ``rank``'s window, the
+        sharded form) -> shard ``rank`` of every rank's plane [N, shard]. ``lists``: int32
+        [N, 1+2K] (the result's nonzero plane is rebuilt from them: :meth:`result_nonzero`). Exact
+        when no rank's list overflowed (the caller checks that through the flags)."""
         lists = words_of(received[:, :self.list_bytes])
         bits = received[:, self.list_bytes:]
         if rank is None:
-            zero = unpack_rows(bits.reshape(-1, self.zero_bytes), self.shard_chunks).reshape(bits.shape[0], -1)
+            zero = unpack_rows(bits, self.chunks)
             return scatter_lists(self.base(mask.view(1, -1), zero), lists, self.capacity), lists
-        lo = rank * self.shard
-        zero = unpack_rows(bits, self.shard_chunks)
-        base = self.base(mask[lo:lo + self.shard].view(1, -1), zero)
-        return scatter_lists(base, lists, self.capacity, start=lo), lists
+        lo, off = rank * self.shard, self.offset(rank)
+        zero = self.bytes_of(unpack_rows(bits, self.window))[:, off:off + self.shard]
+        return scatter_lists(mask[lo:lo + self.shard].view(1, -1).masked_fill(zero, 0), lists, self.capacity,
+                             start=lo), lists
 
-    def full_bits(self, result_nonzero: torch.Tensor, mask_shard: torch.Tensor) -> torch.Tensor:
-        """The shard owner's phase-2 side message: uint8 [zero_bytes], bit 1 at the chunks of its
-        shard where the result's nonzero plane equals the mask (every real element moves)."""
-        full = (result_nonzero.view(-1, self.chunk) == mask_shard.view(-1, self.chunk)).all(1)
-        return pack_rows(full.view(1, -1)).view(-1)
+    def full_bits(self, result_nonzero: torch.Tensor, mask_shard: torch.Tensor, rank: int) -> torch.Tensor:
+        """The shard owner's phase-2 side message: uint8 [window_bytes], bit 1 at the chunks of its
+        window where the result's nonzero plane equals the mask on every byte of the chunk that
+        lies in its shard (so 1 where none does: neutral when the owners' bits are combined)."""
+        off = self.offset(rank)
+        equal = result_nonzero == mask_shard
+        equal = torch.nn.functional.pad(equal, (off, self.window * CHUNK - off - self.shard), value=True)
+        return pack_rows(equal.view(1, self.window, CHUNK).all(-1)).view(-1)
 
     def result_nonzero(self, full_bits: torch.Tensor, lists: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The result's nonzero plane [plane bytes] (Δ ≠ 0 exactly where some rank voted) from every
-        shard owner's :meth:`full_bits` [N, zero_bytes] and every rank's chunk list [N, 1+2K].
+        shard owner's :meth:`full_bits` [N, window_bytes] and every rank's chunk list [N, 1+2K].
 
         Exact: a chunk where some rank sent all its real elements is full in the result; in every
         other chunk a rank either abstains throughout (it lists nothing there) or differs from
         the base, which is the mask there, so it lists each byte that is not the mask's, and its
         other bytes are the mask's. The result there is the OR of those ranks' chunks."""
-        full = unpack_rows(full_bits, self.shard_chunks).reshape(-1)           # [chunks]
-        idx = lists[:, 1:1 + self.capacity].to(torch.int64)
+        windows = unpack_rows(full_bits, self.window)                          # [N, window]
+        full = torch.ones(self.chunks + self.window, dtype=torch.bool, device=mask.device)
+        full.scatter_reduce_(0, self._windows(mask.device).reshape(-1), windows.reshape(-1), "amin")  # AND
+        full = self.bytes_of(full[:self.chunks])[:self.plane_bytes]
         if self.capacity:
-            spare = torch.full_like(idx, self.chunks)
+            idx = lists[:, 1:1 + self.capacity].to(torch.int64)
             listed = torch.zeros(lists.shape[0], self.chunks + 1, dtype=torch.bool, device=mask.device)
-            listed.scatter_(1, torch.where(idx < 0, spare, idx // self.chunk), True)
-            rows = mask.view(1, -1).masked_fill(~self.bytes_of(listed[:, :self.chunks]), 0)
+            listed.scatter_(1, torch.where(idx < 0, torch.full_like(idx, self.chunks), idx // CHUNK), True)
+            rows = mask.view(1, -1).masked_fill(~self.bytes_of(listed[:, :self.chunks])[:, :self.plane_bytes], 0)
             voted = any_voter(scatter_lists(rows, lists, self.capacity))
         else:
             voted = torch.zeros_like(mask)
-        return torch.where(self.bytes_of(full), mask, voted)
+        return torch.where(full, mask, voted)
 
 
 def words_of(columns: torch.Tensor) -> torch.Tensor:
@@ -227,7 +248,7 @@ def encode(nonzero: torch.Tensor, mask: torch.Tensor, mode: str, capacity: int, 
     long = backend.abstain_list(nonzero, mask, 0)[0]  # a list's count: whether list mode would do
     if mode == "chunks":
         words = backend.abstain_list(nonzero, base, code.capacity)
-        payload = torch.cat([words.view(torch.uint8), pack_rows(zero.view(code.n, -1)).view(-1)])
+        payload = torch.cat([words.view(torch.uint8), pack_rows(zero.view(1, -1)).view(-1)])
     else:
         words, payload = backend.abstain_list(nonzero, base, 0), nonzero
     return payload, torch.stack([(long > capacity).to(torch.int32), (words[0] > code.capacity).to(torch.int32)])

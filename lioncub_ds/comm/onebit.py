@@ -122,7 +122,7 @@ class OneBitVote(VoteAlgorithm):
             else:
                 res_sign, res_nz = self._shard_vote(backend, sign, nz, j, rank, n)
                 if snz == "chunks":
-                    res_nz = ChunkCode(j.plane_bytes, n).full_bits(res_nz, j.mask[rank * shard:(rank + 1) * shard])
+                    res_nz = ChunkCode(j.plane_bytes, n).full_bits(res_nz, j.mask[rank * shard:(rank + 1) * shard], rank)
                 parts += [res_sign, res_nz] if snz else [res_sign]
                 widths += [shard, res_nz.numel()] if snz else [shard]
         return coll.all_gather(torch.cat(parts), self.name, async_op=True), widths, send_nz  # [N, Σ widths]
@@ -173,7 +173,7 @@ class OneBitVote(VoteAlgorithm):
         elif phase2_needs_nonzero(n, tie_break, counted) or (splits and counted and (mode == "plane" or fetch)):
             phase2 = 2 * (n - 1) * shard  # the result's sign and nonzero planes
         elif splits and mode == "chunks":
-            phase2 = (n - 1) * (shard + ChunkCode(numel // 8, n).zero_bytes)  # sign, full-chunk bits
+            phase2 = (n - 1) * (shard + ChunkCode(numel // 8, n).window_bytes)  # sign, full-chunk bits
         else:
             phase2 = (n - 1) * shard
         return phase1 + phase2
