@@ -241,10 +241,14 @@ class SentBytes:
     @classmethod
     def for_engine(cls, engine, baseline_run: bool, world_size: int, nparams: int) -> "SentBytes":
         per_elem = grad_bytes_per_element(engine)
-        local_momentum = not baseline_run and engine.lioncub.mode == "local_momentum"
+        mode = None if baseline_run else engine.lioncub.mode
+        local_momentum = mode in ("local_momentum", "zero3_votes")
         opt = None if baseline_run else lds.lioncub_of(engine)
         nodes = None
-        if local_momentum and opt.config.voters == "node" and opt.distributed and opt.topology.node_size > 1:
+        if mode == "zero3_votes":  # ZeRO-3 inside each node group, votes across: Nn groups x L ranks
+            sg = engine.lioncub.optimizer.shard_groups
+            nodes = (sg.groups, sg.shard_size)
+        elif local_momentum and opt.config.voters == "node" and opt.distributed and opt.topology.node_size > 1:
             nodes = (opt.topology.world_size, opt.topology.node_size)  # Nn node groups x L ranks
         return cls(per_elem * nparams, world_size, dtype="fp32" if per_elem == 4 else "16-bit",
                    baseline_run=baseline_run, local_momentum=local_momentum, nodes=nodes)

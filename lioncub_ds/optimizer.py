@@ -235,7 +235,7 @@ class LionCub(Optimizer):
         groups = _split_named(params)
         cfg = self.config
         if self._shard_groups is not None:
-            _check_shard_settings(cfg)
+            check_shard_settings(cfg)
         defaults = dict(lr=lr_given if isinstance(lr_given, torch.Tensor) else cfg.lr, betas=tuple(cfg.betas),
                         weight_decay=cfg.weight_decay)
         self._process_group = process_group
@@ -740,7 +740,7 @@ def _check_shard_groups(sg, process_group):
     return sg.world
 
 
-def _check_shard_settings(cfg) -> None:
+def check_shard_settings(cfg) -> None:
     """With ``shard_groups=`` the framework's shard groups are the layout: settings that make one
     of LionCub's own (or hook the autograd graph of parameters it does not see) are refused."""
     bad = [(k, v) for k, v in (("voters", cfg.voters if cfg.node_voters else None), ("node_size", cfg.node_size),

@@ -45,9 +45,9 @@ def comm_stats(engine) -> dict:
     st = getattr(engine, "lioncub", None)
     if st is None:
         return {}
-    if st.mode == "local_momentum":
+    if st.mode in ("local_momentum", "zero3_votes"):  # LionCub's own votes (ZeRO-3: summed over sub-groups)
         out = st.optimizer.comm_stats()
-        out["mode"] = "local_momentum"
+        out["mode"] = st.mode
         return out
     out = {"mode": "zero", "stage": st.stage}
     if st.zero_adapter is not None:

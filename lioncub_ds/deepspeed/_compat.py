@@ -59,7 +59,15 @@ MODULE_NAMES = (
     ("deepspeed.runtime.zero.stage_1_and_2", "all_gather_dp_groups"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"),
     ("deepspeed.utils", "logger"),
+    ("deepspeed", "initialize"),           # wrapped: ZeRO-3 with votes sets the node-group mpu (zero3.py)
+    ("deepspeed.utils.groups", "mpu"),     # restored after such an engine is built (a module global)
 )
+# ZeRO-3 with votes (lioncub_ds/deepspeed/zero3.py) reads DeepSpeedZeroOptimizer_Stage3's
+# fp32_partitioned_groups_flat, fp16_groups, sub_group_to_group_id, dp_process_group and the
+# parameters' partition_numel() / ds_numel; per instance it wraps _get_norm_groups and
+# has_overflow (the skip decision, agreed across groups) and, on the engine,
+# _get_rank_zero_ckpt_name and _get_ckpt_name (per-group checkpoint file names). A missing one is
+# an error at wiring that names it (zero3.ZERO3_ATTRS).
 # Attributes of DeepSpeedZeroOptimizer that the ZeRO sign all-gather reads (the flat buffers,
 # their partitions, the fp32 master partitions, the data-parallel groups, the parameter
 # offsets inside each flat buffer, the offload / autocast switches).

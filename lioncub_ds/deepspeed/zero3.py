@@ -169,9 +169,16 @@ def make_initialize(orig):
             sg = make_shard_groups(size, timeout_s=params.get("timeout_s"))
         except ValueError as exc:
             raise LionCubConfigError(str(exc)) from None
+        from deepspeed.utils import groups as ds_groups
         from .engine import singleton_group
         given["mpu"] = ShardGroupsMPU(sg, singleton_group())
-        return orig(**given)
+        before = getattr(ds_groups, "mpu", None)
+        try:
+            return orig(**given)
+        finally:
+            # DeepSpeed keeps the last engine's mpu in a module global, which a later engine without
+            # one would read as its own; this engine holds its mpu itself (engine.mpu)
+            ds_groups.mpu = before
 
     return initialize
 
@@ -291,11 +298,18 @@ class ZeRO3Votes(torch.optim.Optimizer):
 
     # --------------------------------------------------------------- what the integration reports
     def comm_stats(self) -> dict:
+        """LionCub's telemetry summed over the sub-groups' LionCubs (bytes per rank; each steps once
+        per optimizer step, so ``last_step`` is the optimizer step's)."""
         out: dict = {}
         for opt in self.inner:
-            for key, value in opt.comm_stats().items():
-                if isinstance(value, (int, float)):
-                    out[key] = out.get(key, 0) + value
+            _add_into(out, opt.comm_stats())
+        for part in (out.get("last_step"), out.get("cumulative")):
+            if isinstance(part, dict):
+                sent = part.get("bytes_sent") or 0
+                part["ratio_vs_fp32"] = part.get("fp32_allreduce_bytes", 0) / sent if sent else None
+                part["ratio_vs_bf16"] = part.get("bf16_allreduce_bytes", 0) / sent if sent else None
+        if self.inner:
+            out["steps"] = self.inner[0].comm_stats()["steps"]
         return out
 
     def state_bytes(self) -> dict:
@@ -308,6 +322,17 @@ class ZeRO3Votes(torch.optim.Optimizer):
     @property
     def step_count(self) -> int:
         return self.inner[0].step_count if self.inner else 0
+
+
+def _add_into(acc: dict, snap: dict) -> None:
+    """Sum the numbers of ``snap`` into ``acc``, key by key (nested dicts too); other values: the first seen."""
+    for key, value in snap.items():
+        if isinstance(value, dict):
+            _add_into(acc.setdefault(key, {}), value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            acc[key] = acc.get(key, 0) + value
+        else:
+            acc.setdefault(key, value)
 
 
 def describe(layout) -> str:
@@ -336,7 +361,8 @@ def agree_across_groups(zopt, sg: ShardGroups) -> None:
 
     def _get_norm_groups():
         norms = get_norms()
-        bad = any(not torch.isfinite(torch.as_tensor(n)).all() for n in norms)
+        # invalid: non-finite, or DeepSpeed's -1 sentinel for one (what its is_invalid_grad_norm tests)
+        bad = any(bool((~torch.isfinite(t) | (t < 0)).any()) for t in map(torch.as_tensor, norms))
         if flag_max(bad):
             return [torch.tensor(float("inf"), device=torch.as_tensor(norms[0]).device)] if norms else norms
         return norms

@@ -29,7 +29,7 @@ from ..config import LionCubConfig, LionCubConfigError
 from ..groups import ShardGroups, group_ranks, make_shard_groups, resolve_ranks_per_node
 from ..layout import ELEMENT_START
 from ..lion import call_closure
-from ..optimizer import LionCub, _check_shard_settings
+from ..optimizer import LionCub, check_shard_settings
 
 LAYOUT_FORMAT = 1
 
@@ -288,7 +288,7 @@ def shard_and_vote(model: torch.nn.Module, shard_size: int | None = None, *, mod
     Collective: call it on every rank. Settings, the shard size and the grouping are checked on
     every rank before any process group or state exists."""
     cfg = LionCubConfig.from_kwargs(**settings)  # a mistyped or bad setting: named, on every rank
-    _check_shard_settings(cfg)                      # settings that contradict the shard groups
+    check_shard_settings(cfg)                      # settings that contradict the shard groups
     if not (dist.is_available() and dist.is_initialized()):
         _refuse("torch.distributed is not initialized; allowed: init_process_group first (torchrun)")
     size = _shard_size(shard_size)

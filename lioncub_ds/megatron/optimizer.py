@@ -111,6 +111,7 @@ OVERLAP_WITH_STEP_NEEDS_CHUNKS = (
 # LionCub settings that come from OptimizerConfig instead.
 _FROM_MEGATRON = {"lr": "OptimizerConfig.lr (--lr)", "weight_decay": "OptimizerConfig.weight_decay (--weight-decay)",
                   "process_group": "Megatron's data-parallel groups",
+                  "shard_groups": "Megatron's distributed-optimizer instances (voters='node')",
                   "config": "the lioncub settings (made by the integration from them)"}
 
 
