@@ -1,0 +1,373 @@
+"""DeepSpeed ZeRO-3 with LionCub (issue 44): votes across node groups, global Lion, offload, refusals.
+
+One launch of 4 gloo ranks (2 node groups × 2 ranks, ``node_size: 2``) runs every scenario,
+each with real ``deepspeed.initialize`` engines (DS_ACCELERATOR=cpu):
+
+* ``voters: "node"`` at stage 3, fp32 and bf16: every step equals a brute-force node-voter
+  oracle computed in the test from what each group's ZeRO-3 produced (the reduced gradient
+  shards, gathered over the shard peers: the oracle never imitates DeepSpeed's reduction order):
+  per-group momenta, majority across the groups, the hash tie rule keyed on the element's index
+  inside its parameter; the reduced shard is the group's mean gradient (checked against dense
+  gradients, allclose); the partitions are bit-identical across the groups; no floating-point
+  tensor crosses a group; the momentum per rank is 1/L of the model;
+* gradient clipping (each group clips its own mean gradient) and a non-finite gradient in one
+  group only (every group skips the step together);
+* ``engine.save_checkpoint`` / ``load_checkpoint``: resume is exact; another layout is refused by
+  name before anything loads;
+* stage 3 without votes is global Lion on the partitions; optimizer offload to the CPU (no votes)
+  at stages 2 and 3 trains exactly like the same stage without offload;
+* refusals: offload with votes, a LionCub instance with voters="node" at stage 3.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from dist_helpers import run_ranks
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None,
+                                 reason="deepspeed not installed")]
+
+WORLD, L = 4, 2
+STEPS, SAVE_AT = 5, 2
+LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.99)
+ENV = {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(L), "LIONCUB_KERNELS": "torch"}
+
+
+def _model():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        # odd sizes: 15x7 does not split evenly over 2 ranks (ZeRO-3 pads the last partition)
+        return torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.Tanh(), torch.nn.Linear(15, 3))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 7, generator=g), torch.randn(6, 3, generator=g)
+
+
+def _cfg(dtype="fp32", clip=0.0, offload=False, stage=3, **params):
+    cfg = {"train_micro_batch_size_per_gpu": 6, "steps_per_print": 10 ** 6, "gradient_clipping": clip,
+           "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "LionCub", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": WD,
+                                                       "comm": "1bit", **params}}}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _engine(cfg):
+    import deepspeed
+    model = _model()
+    if cfg.get("bf16", {}).get("enabled"):
+        model = model.to(torch.bfloat16)
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+
+def _loss(engine, rank, step, dtype, poison=False):
+    x, y = _batch(rank, step)
+    if dtype == "bf16":
+        x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+    if poison:
+        x = x * float("nan")
+    return torch.nn.functional.mse_loss(engine(x).float(), y.float())
+
+
+def _full_params(engine):
+    import deepspeed
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def _train(engine, rank, start, stop, dtype, record=None, poison_at=None):
+    """Steps start..stop; ``record`` gets per step what each inner LionCub saw and made."""
+    for step in range(start, stop + 1):
+        if record is not None:
+            record.setdefault("full_before", []).append(_full_params(engine))
+        loss = _loss(engine, rank, step, dtype, poison=(step == poison_at and rank == 0))
+        engine.backward(loss)
+        engine.step()
+
+
+def _capture(opt, record):
+    """Hooks on the LionCubs inside ZeRO3Votes: the reduced gradient shard and fp32 values."""
+    for i, inner in enumerate(opt.inner):
+        def pre(o, args, kwargs, i=i):
+            record.setdefault("grads", []).append((i, [v.grad.detach().clone() for v, _, _ in opt.views[i]]))
+            record.setdefault("before", []).append((i, [v.detach().clone() for v, _, _ in opt.views[i]]))
+
+        def post(o, args, kwargs, i=i):
+            record.setdefault("after", []).append((i, [v.detach().clone() for v, _, _ in opt.views[i]]))
+        inner.register_step_pre_hook(pre)
+        inner.register_step_post_hook(post)
+
+
+def _oracle(per_group_grads, theta0, starts, steps):
+    """Node-voter oracle on one shard: ``per_group_grads[j][s]`` the group's reduced shard at step
+    s (one tensor per parameter view), ``theta0`` the views' fp32 values, ``starts`` their first
+    element's index inside the parameter. Returns the values after each step."""
+    from lioncub_ds.kernels import reference
+    nn = len(per_group_grads)
+    theta = [t.clone() for t in theta0]
+    momenta = [[torch.zeros_like(t) for t in theta0] for _ in range(nn)]
+    out = []
+    for s in range(steps):
+        new = []
+        for k, (t, start) in enumerate(zip(theta, starts)):
+            gs = [per_group_grads[j][s][k] for j in range(nn)]
+            cs = [reference.lion_direction(momenta[j][k], gs[j], BETAS[0]) for j in range(nn)]
+            votes = torch.sign(torch.stack(cs))
+            plus, cnt = (votes > 0).sum(0), (votes != 0).sum(0)
+            diff = 2 * plus - cnt
+            delta = torch.sign(diff).float()
+            tie = reference.tie_hash_sign(s + 1, torch.arange(start, start + t.numel(), dtype=torch.int64)).float()
+            delta = torch.where((diff == 0) & (cnt > 0), tie, delta)
+            e = t.clone()
+            e.mul_(1.0 - LR * WD)
+            e.add_(delta.mul(-LR))
+            new.append(e)
+            for j in range(nn):
+                reference.momentum_update(momenta[j][k], gs[j], BETAS[1])
+        theta = new
+        out.append([t.clone() for t in theta])
+    return out
+
+
+def _dense_mean_shards(model_params_before, rank, step, sg, views, k):
+    """The group's mean of its ranks' dense gradients at ``step``, cut to shard k like ZeRO-3."""
+    import torch.distributed as dist
+    dense = _model()
+    with torch.no_grad():
+        for p, v in zip(dense.parameters(), model_params_before):
+            p.copy_(v)
+    x, y = _batch(rank, step)
+    torch.nn.functional.mse_loss(dense(x), y).backward()
+    flat = [p.grad.reshape(-1) for p in dense.parameters()]
+    mine = torch.cat(flat)
+    gathered = [torch.empty_like(mine) for _ in range(sg.shard_size)]
+    dist.all_gather(gathered, mine, group=sg.shard)  # test-only, outside any step
+    mean = torch.stack(gathered).sum(0) / sg.shard_size
+    out, off = [], 0
+    for p in dense.parameters():
+        n = (p.numel() + sg.shard_size - 1) // sg.shard_size
+        full = torch.zeros(n * sg.shard_size)
+        full[:p.numel()] = mean[off:off + p.numel()]
+        out.append(full[k * n:(k + 1) * n])
+        off += p.numel()
+    return out
+
+
+def _votes_scenario(rank, dtype, clip, ckpt_dir):
+    import torch.distributed as dist
+    from lioncub_ds.testing import nccl_contract
+    engine = _engine(_cfg(dtype, clip=clip, voters="node", node_size=L))
+    opt = engine.basic_optimizer
+    sg = opt.shard_groups
+    record = {}
+    _capture(opt, record)
+    mark = len(nccl_contract.log()) if nccl_contract.installed() else 0
+    _train(engine, rank, 1, STEPS, dtype, record)
+    calls = [(e[0], list(e[1]) if e[1] else None, e[2]) for e in nccl_contract.log()[mark:]] \
+        if nccl_contract.installed() else []
+    # the oracle for this rank's shard, from every group's reduced shards (gathered over the peers)
+    grads = [g for _, g in record["grads"]]  # one sub-group here
+    every = [None] * sg.groups
+    dist.all_gather_object(every, grads, group=sg.peers)
+    starts = [int(getattr(v, "lioncub_element_start")) for v, _, _ in opt.views[0]]
+    want = _oracle(every, record["before"][0][1], starts, STEPS)
+    got = [a for _, a in record["after"]]
+    exact = all(torch.equal(a, b) for s in range(STEPS) for a, b in zip(got[s], want[s]))
+    mean_ok = None
+    if clip == 0.0 and dtype == "fp32":
+        mean_ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+                      for s in range(STEPS)
+                      for a, b in zip(grads[s], _dense_mean_shards(record["full_before"][s], rank, s + 1, sg,
+                                                                   opt.views[0], sg.shard_rank)))
+    # the real elements of each partition (the last one's padding is never read, and ZeRO-3 leaves it unset)
+    k = sg.shard_rank
+    final = [v.detach()[:max(0, min(n, p.ds_numel - k * n))].clone()
+             for (v, _, n), p in zip(opt.views[0], engine.optimizer.fp16_groups[0])]
+    peers_final = [None] * sg.groups
+    dist.all_gather_object(peers_final, final, group=sg.peers)
+    same_across_groups = all(torch.equal(a, b) for other in peers_final for a, b in zip(other, final))
+    low = None
+    if dtype == "bf16":  # the bf16 partition is the fp32 master rounded
+        low = all(torch.equal(p.ds_tensor.detach().reshape(-1), v.detach().to(torch.bfloat16))
+                  for p, (v, _, _) in zip(engine.optimizer.fp16_groups[0], opt.views[0]))
+    out = {"exact": exact, "mean_ok": mean_ok, "same_across_groups": same_across_groups, "low": low,
+           "calls": calls, "momentum_bytes": opt.state_bytes().get("momentum", 0),
+           "params": sum(p.ds_numel for p in engine.module.parameters()),
+           "summary": engine.lioncub.summary(), "group": sg.group_index, "shard": sg.shard_rank,
+           "steps": opt.step_count}
+    if ckpt_dir is not None:
+        out.update(_resume(engine, rank, dtype, ckpt_dir))
+    return out
+
+
+def _resume(engine, rank, dtype, ckpt_dir):
+    """Train a fresh engine to SAVE_AT, save, train to STEPS; a fresh one loads and trains to STEPS:
+    identical to the uninterrupted ``engine``. Then a changed layout is refused before loading."""
+    import torch.distributed as dist
+    want = _full_params(engine)
+    a = _engine(_cfg(dtype, voters="node", node_size=L))
+    _train(a, rank, 1, SAVE_AT, dtype)
+    a.save_checkpoint(ckpt_dir, tag="t")
+    b = _engine(_cfg(dtype, voters="node", node_size=L))
+    b.load_checkpoint(ckpt_dir, tag="t")
+    _train(b, rank, SAVE_AT + 1, STEPS, dtype)
+    resumed = all(torch.equal(x, y) for x, y in zip(_full_params(b), want))
+    files = sorted(os.listdir(os.path.join(ckpt_dir, "t")))
+    dist.barrier()
+    bad = ckpt_dir + "_bad"
+    if rank == 0:
+        shutil.copytree(ckpt_dir, bad)
+        path = os.path.join(bad, "t", "lioncub_zero3_layout.json")
+        with open(path) as f:
+            layout = json.load(f)
+        layout["shard_groups"], layout["shard_size"] = 1, 4
+        with open(path, "w") as f:
+            json.dump(layout, f)
+    dist.barrier()
+    before = _full_params(b)
+    try:
+        b.load_checkpoint(bad, tag="t")
+        refused = None
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        refused = f"{type(exc).__name__}: {exc}"
+    unchanged = all(torch.equal(x, y) for x, y in zip(_full_params(b), before))
+    return {"resumed": resumed, "files": files, "refused": refused, "unchanged_after_refusal": unchanged}
+
+
+def _skip_scenario(rank):
+    """A non-finite gradient in group 0 only: every group skips the step, together."""
+    engine = _engine(_cfg("fp32", voters="node", node_size=L))
+    opt = engine.basic_optimizer
+    _train(engine, rank, 1, 2, "fp32")
+    before = _full_params(engine)
+    _train(engine, rank, 3, 3, "fp32", poison_at=3)
+    skipped = all(torch.equal(x, y) for x, y in zip(_full_params(engine), before))
+    _train(engine, rank, 4, 4, "fp32")
+    return {"skipped": skipped, "steps": opt.step_count, "final": _full_params(engine)}
+
+
+def _plain_scenario(rank, stage, offload):
+    """No votes: DeepSpeed reduces over every rank, LionCub is global Lion on its partition."""
+    engine = _engine(_cfg("fp32", stage=stage, offload=offload))
+    _train(engine, rank, 1, 3, "fp32")
+    return {"params": _full_params(engine) if stage == 3 else
+            [p.detach().clone() for p in engine.module.parameters()],
+            "summary": engine.lioncub.summary()}
+
+
+def _refusal(cfg, client=False):
+    import deepspeed
+    from lioncub_ds import LionCub
+    model = _model()
+    try:
+        if client:
+            opt = LionCub(model.parameters(), lr=LR, voters="node", node_size=L)
+            deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        else:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _all(rank, world_size, tmp):
+    os.environ["LOCAL_RANK"] = str(rank % L)
+    import lioncub_ds.deepspeed  # noqa: F401 - registers LionCub
+    out = {"plain3": _plain_scenario(rank, 3, False), "offload3": _plain_scenario(rank, 3, True),
+           "plain2": _plain_scenario(rank, 2, False), "offload2": _plain_scenario(rank, 2, True),
+           "fp32": _votes_scenario(rank, "fp32", 0.0, os.path.join(tmp, "ckpt")),
+           "bf16": _votes_scenario(rank, "bf16", 1.0, None),
+           "skip": _skip_scenario(rank),
+           # a plain engine after the vote engines: DeepSpeed keeps the last mpu in a module global
+           "plain3_after": _plain_scenario(rank, 3, False),
+           "refuse_offload_votes": _refusal(_cfg("fp32", offload=True, voters="node", node_size=L)),
+           "refuse_client": _refusal({k: v for k, v in _cfg("fp32").items() if k != "optimizer"}, client=True)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("zero3"))
+    return run_ranks(_all, WORLD, tmp, timeout=900, env=ENV)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_step_equals_the_node_voter_oracle_and_groups_stay_identical(results, dtype):
+    for r, res in enumerate(results):
+        x = res[dtype]
+        assert x["exact"], f"rank {r} ({dtype}): a step differs from the oracle"
+        assert x["same_across_groups"], f"rank {r}: the partitions differ across groups"
+        assert x["steps"] == STEPS
+        assert "ZeRO stage 3 with node voters" in x["summary"] and "2 node groups x 2 ranks" in x["summary"]
+        if dtype == "bf16":
+            assert x["low"], f"rank {r}: the bf16 partition is not the rounded fp32 master"
+    assert [(x[dtype]["group"], x[dtype]["shard"]) for x in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_the_reduced_shard_is_the_groups_mean_gradient(results):
+    assert all(res["fp32"]["mean_ok"] for res in results)
+
+
+def test_only_votes_cross_a_group_and_state_is_one_over_L(results):
+    floats_inside = 0
+    for r, res in enumerate(results):
+        x = res["fp32"]
+        assert x["calls"], "positive control: the contract log recorded the steps' collectives"
+        for name, ranks, dtype_s in x["calls"]:
+            groups = {q // L for q in (ranks if ranks else range(WORLD))}
+            if len(groups) > 1:
+                assert dtype_s in ("torch.uint8", "torch.int8", "torch.int32", "torch.int64"), (r, name, dtype_s)
+            elif dtype_s and "float" in dtype_s:
+                floats_inside += 1
+        # fp32 momentum of this rank's partition only: about 1/L of the model
+        assert x["momentum_bytes"] <= 4 * (x["params"] / L + 64), x
+    assert floats_inside > 0  # ZeRO-3's reduce-scatter and all-gather stay inside each group
+
+
+def test_resume_is_exact_and_another_layout_is_refused_before_loading(results):
+    for r, res in enumerate(results):
+        x = res["fp32"]
+        assert x["resumed"], f"rank {r}: resume differs"
+        assert x["refused"] and "1 shard groups x 4 ranks" in x["refused"] and "node_size" in x["refused"], x
+        assert x["unchanged_after_refusal"]
+    files = results[0]["fp32"]["files"]
+    # every group's ZeRO files (their momenta differ), and the layout
+    assert "lioncub_zero3_layout.json" in files
+    assert any("group1" in f and f.endswith("optim_states.pt") for f in files), files
+    assert sum(f.endswith("optim_states.pt") for f in files) == WORLD, files
+
+
+def test_a_non_finite_gradient_in_one_group_skips_the_step_in_every_group(results):
+    finals = [res["skip"]["final"] for res in results]
+    for r, res in enumerate(results):
+        assert res["skip"]["skipped"], f"rank {r} stepped"
+        assert res["skip"]["steps"] == 3  # steps 1, 2, 4
+        assert all(torch.equal(a, b) for a, b in zip(finals[r], finals[0]))
+
+
+def test_stage3_without_votes_is_global_lion_and_offload_trains_identically(results):
+    for key in ("plain3", "offload3", "plain2", "offload2", "plain3_after"):
+        firsts = results[0][key]["params"]
+        for res in results:
+            assert all(torch.equal(a, b) for a, b in zip(res[key]["params"], firsts)), key
+    for a, b in (("plain3", "offload3"), ("plain2", "offload2"), ("plain3", "plain3_after")):
+        assert all(torch.equal(x, y) for x, y in zip(results[0][a]["params"], results[0][b]["params"])), (a, b)
+    for key in ("plain3", "plain3_after"):
+        assert "ZeRO stage 3 (global Lion" in results[0][key]["summary"] and "N=4" in results[0][key]["summary"]
+
+
+def test_settings_it_cannot_serve_are_refused_by_name(results):
+    for res in results:
+        assert "offload_optimizer" in res["refuse_offload_votes"] and "voters='node'" in res["refuse_offload_votes"]
+        assert "optimizer=" in res["refuse_client"] and "stage=3" in res["refuse_client"]
