@@ -199,7 +199,9 @@ def pack_rows(bits: torch.Tensor) -> torch.Tensor:
     rows, width = bits.shape
     pad = (-width) % 8
     b = torch.nn.functional.pad(bits.to(torch.uint8), (0, pad)).view(rows, -1, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    # made on the device: a small host tensor copied to CUDA would wait for the queued kernels
+    weights = torch.ones(8, dtype=torch.uint8, device=bits.device) << torch.arange(8, dtype=torch.uint8,
+                                                                                   device=bits.device)
     return (b * weights).sum(dim=2, dtype=torch.uint8)
 
 
