@@ -42,6 +42,28 @@ fused Lion kernels):
   bucket is issued from the gradient-ready hooks during backward and its vote follows one bucket
   behind (docs/node_voters.md); its exposed communication is step()'s wait plus what backward did
   not hide (the barrier after it), as for ``bench netns``'s overlap variants. Optional like the above.
+
+Parameter sharding (issue 44; each on a model copy of its own, same seed; not in the default list,
+``--variants`` selects them; optional: a framework that cannot build one reports it ``unavailable``):
+
+* ``fsdp2_hsdp_bf16``: PyTorch FSDP2 HSDP, ``fully_shard`` on a 2-D (replicate, shard) DeviceMesh
+  ((2, L): the shard dimension is a node), ``MixedPrecisionPolicy(reduce_dtype=bfloat16)`` (fp32
+  parameters and all-gathers, bf16 gradients: reduce-scatter inside the node, all-reduce across
+  nodes, as the bf16 baselines above), then the fused Lion update of the local shards;
+* ``fsdp2_votes``: ``lioncub_ds.fsdp.shard_and_vote(model, shard_size=L, comm="1bit",
+  mp_policy=<the same>)``: FSDP2 on a 1-D mesh per node, LionCub's 1-bit votes across nodes;
+* ``zero3``: DeepSpeed ZeRO-3 over all N ranks with LionCub in the ds_config (no votes: global
+  Lion on the fp32 partitions), fp32, ``DS_ACCELERATOR=cpu``;
+* ``zero3_votes``: the same with ``"voters": "node", "node_size": L`` (ZeRO-3 inside each node,
+  1-bit votes across: lioncub_ds/deepspeed/zero3.py).
+
+Their communication inside forward and backward (all-gathers, reduce-scatters, HSDP's all-reduce)
+is estimated like DDP's: forward+backward minus ``no_comm``'s, plus the waits inside step().
+DeepSpeed's CPU accelerator would map a shared-memory all-reduce (``ShareMemCommBuilder``, /dev/shm,
+which both namespaces share) that moves data between processes without any network device: only
+``inference_all_reduce`` uses it, never ZeRO-3 training, but the bench disables it
+(``deepspeed.comm.torch.build_shm_op`` returns None in the ranks) so that every byte DeepSpeed sends
+goes through gloo's sockets and the veth counters (and no /dev/shm workspace is left behind).
 """
 from __future__ import annotations
 
@@ -66,8 +88,18 @@ NAME = "netns_nodes"
 TWO_LEVEL = "two_level_bf16"
 NODE_VOTERS = "lioncub_1bit_node"
 NODE_OVERLAP = "lioncub_1bit_node_overlap"
-VARIANTS = (FLOOR_VARIANT, DDP_BASELINE, TWO_LEVEL, "lioncub_1bit", NODE_VOTERS, NODE_OVERLAP)
-OPTIONAL = (NODE_VOTERS, NODE_OVERLAP)  # reported "unavailable" when this LionCub refuses its settings
+FSDP_HSDP = "fsdp2_hsdp_bf16"
+FSDP_VOTES = "fsdp2_votes"
+ZERO3 = "zero3"
+ZERO3_VOTES = "zero3_votes"
+SHARDED = (FSDP_HSDP, FSDP_VOTES, ZERO3, ZERO3_VOTES)  # parameters sharded (issue 44)
+DEFAULT_VARIANTS = (FLOOR_VARIANT, DDP_BASELINE, TWO_LEVEL, "lioncub_1bit", NODE_VOTERS, NODE_OVERLAP)
+VARIANTS = DEFAULT_VARIANTS + SHARDED
+# reported "unavailable" when this LionCub (or FSDP2 / DeepSpeed) refuses their settings
+OPTIONAL = (NODE_VOTERS, NODE_OVERLAP) + SHARDED
+# the sharded variants' goal: inter-node bytes per rank of the votes <= 1/10 of the same framework without
+SHARDED_GOALS = ((ZERO3_VOTES, ZERO3), (FSDP_VOTES, FSDP_HSDP))
+SHARDED_GOAL = 10
 IFNAMES = ("lcn-a", "lcn-b")  # the veth ends, one inside each namespace
 ADDRS = ("10.77.0.1", "10.77.0.2")  # exist only inside the two namespaces
 QDISC = "tbf rate {rate} burst 512kb latency 100ms"
@@ -163,6 +195,153 @@ def _groups(rank, n, L):
     return node, cross
 
 
+# ----------------------------------------------------------------------------- sharded variants (issue 44)
+class ShardedLion(FusedLion):
+    """HSDP's optimizer: the fused Lion update of this rank's local shards (FSDP2's storage, so
+    the next all-gather reads the update), on FSDP2's reduced gradient shards (already averaged
+    inside the node and all-reduced across nodes in backward). Momentum: the shards only."""
+
+    def __init__(self, sharded, lr, betas):
+        # (FSDP2's DTensor parameter, a plain tensor aliasing its local shard); empty shards skipped
+        self.sharded = [(p, p.to_local().detach()) for p in sharded]
+        self.sharded = [(p, leaf) for p, leaf in self.sharded if leaf.numel()]
+        super().__init__([leaf for _, leaf in self.sharded], lr, betas)
+        self.last_split = None
+
+    def step(self, n=1):
+        """Returns (0 s: the collectives ran in backward, 0: their bytes are not modelled here)."""
+        self.step_count += 1
+        grads = {id(leaf): p.grad.to_local() for p, leaf in self.sharded}
+        for ps, offs, total in self.buckets:
+            self.apply_bucket(ps, offs, total, [grads[id(q)] for q in ps])
+        return 0.0, 0
+
+
+class VoteStep:
+    """The step of a sharded variant as ``timed_rounds`` calls a baseline's: ``step(n)`` runs it
+    and returns (seconds the host waited inside LionCub's collectives, LionCub's bytes per rank:
+    the votes and their flags); ``last_split``: LionCub's inter-node bytes (the votes)."""
+
+    def __init__(self, step, stats):
+        self._step, self._stats, self.last_split = step, stats, None
+
+    def step(self, n=1):
+        self._step()
+        last = (self._stats() or {}).get("last_step") or {}
+        scope = last.get("by_scope") or {}
+        inter = scope.get("inter_node", scope.get("vote_group"))
+        self.last_split = {"inter_node_bytes": int(inter)} if inter is not None else None
+        return float(last.get("wait_time_s", 0.0)), int(last.get("bytes_sent", 0))
+
+
+class _EngineLoss:
+    """A DeepSpeed variant's loss: ``backward()`` is the engine's (ZeRO-3's reduce-scatter hooks)."""
+
+    def __init__(self, engine, loss):
+        self.engine, self.loss = engine, loss
+
+    def backward(self):
+        self.engine.backward(self.loss)
+
+    def detach(self):
+        return self.loss.detach()
+
+
+class EngineModel:
+    """A DeepSpeed engine as ``timed_rounds`` calls a model: ``(x, y) -> (logits, loss)``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def zero_grad(self, set_to_none=True):
+        pass  # engine.step() clears ZeRO-3's gradient partitions itself
+
+    def __call__(self, x, y):
+        logits, loss = self.engine(x, y)
+        return logits, _EngineLoss(self.engine, loss)
+
+
+def _no_ds_shm():
+    """DeepSpeed's CPU accelerator maps a shared-memory all-reduce (/dev/shm, shared by both
+    namespaces: bytes moved there would cross "nodes" without touching the veth). Only
+    ``inference_all_reduce`` uses it, but the bench makes sure: DeepSpeed's backend gets no shm op,
+    so all its collectives are torch.distributed (gloo, bound to the veth addresses)."""
+    import importlib
+
+    # (``import deepspeed.comm.torch as m`` binds the torch package: deepspeed.comm has a ``torch`` attribute)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def _ds_config(v, cfg, L):
+    params = {"lr": LR, "betas": list(BETAS), "weight_decay": 0.0, "comm": "1bit"}
+    if v == ZERO3_VOTES:
+        params.update(voters="node", node_size=L)
+    return {"train_micro_batch_size_per_gpu": cfg["batch_size"], "gradient_accumulation_steps": 1,
+            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "LionCub", "params": params}}
+
+
+def build_sharded(v, rank, n, L, cfg, new_model):
+    """(model as ``timed_rounds`` calls it, optimizer with ``step(n) -> (comm s, bytes)``) of a
+    sharded variant, on a fresh model copy. Collective: every rank, the same order."""
+    model = new_model()
+    if v in (ZERO3, ZERO3_VOTES):
+        import logging
+        import warnings
+
+        # DeepSpeed 0.19 calls the *_tensor collectives, which torch >= 2.10 deprecates at every call
+        warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\..* is deprecated")
+
+        os.environ["LOCAL_RANK"] = str(rank % L)  # DeepSpeed reads it
+        _no_ds_shm()
+        import deepspeed
+
+        import lioncub_ds.deepspeed  # noqa: F401 - registers LionCub with DeepSpeed
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(v, cfg, L))[0]
+        if getattr(deepspeed.comm.comm.cdb, "shm_comm_op", None) is not None:
+            raise RuntimeError("DeepSpeed's shared-memory all-reduce is on: it would bypass the veth")
+        opt = engine.basic_optimizer
+        return EngineModel(engine), VoteStep(engine.step, getattr(opt, "comm_stats", lambda: {}))
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    if v == FSDP_HSDP:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (n // L, L), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model, ShardedLion([p for p in model.parameters() if p.requires_grad], LR, BETAS)
+    from lioncub_ds.fsdp import shard_and_vote
+
+    model, opt = shard_and_vote(model, shard_size=L, mp_policy=policy, device_type="cpu", lr=LR, betas=BETAS,
+                                comm="1bit")
+    return model, VoteStep(opt.step, opt.comm_stats)
+
+
+def _add_sharded(rank, n, cfg, st):
+    """Build the sharded variants of ``cfg`` into ``st`` (those it cannot build: ``unavailable``)."""
+    from benchmarks.models import build_model
+    from lioncub_ds.config import LionCubConfigError
+
+    L = cfg["ranks_per_node"]
+
+    def new_model():
+        return build_model(cfg["preset"], seed=0, n_layer=cfg["n_layer"], d_model=cfg["d_model"],
+                           n_head=cfg["n_head"], seq_len=cfg["seq_len"])
+
+    for v in cfg["variants"]:
+        if v not in SHARDED:
+            continue
+        try:
+            st["models"][v], st["opts"][v] = build_sharded(v, rank, n, L, cfg, new_model)
+        except (ImportError, LionCubConfigError, NotImplementedError, ValueError) as exc:
+            # the same on every rank (a missing package, a refused setting): no rank is left waiting
+            st["unavailable"][v] = f"{type(exc).__name__}: {exc}"
+            continue
+        st["kws"][v] = None
+
+
 def _rank_fn(rank, n, cfg):
     L = cfg["ranks_per_node"]
     node_group, cross_group = _groups(rank, n, L) if TWO_LEVEL in cfg["variants"] else (None, None)
@@ -172,7 +351,9 @@ def _rank_fn(rank, n, cfg):
             return TwoLevelLion(params, LR, BETAS, node_group, cross_group, rank % L, L, n // L)
         return _make_opt(v, kw, params, cfg)
 
-    st = setup_rank(rank, n, cfg, kw_for=lambda v: lioncub_kw(v, L), make_opt=make_opt, optional=OPTIONAL)
+    plain = dict(cfg, variants=[v for v in cfg["variants"] if v not in SHARDED])
+    st = setup_rank(rank, n, plain, kw_for=lambda v: lioncub_kw(v, L), make_opt=make_opt, optional=OPTIONAL)
+    _add_sharded(rank, n, cfg, st)
     ifname = cfg["ifname"]
 
     def probe():  # this namespace's counters: its loopback (inside the node) and its veth end
@@ -188,7 +369,7 @@ def inner(args) -> int:
     L = args.ranks_per_node
     cfg = rank_cfg(args, baseline_update="fused", ranks_per_node=L, ifname=args.ifname)
     env = {"GLOO_SOCKET_IFNAME": args.ifname, "LOCAL_WORLD_SIZE": str(L),
-           "MASTER_ADDR": args.init.split("//")[1].rsplit(":", 1)[0]}
+           "MASTER_ADDR": args.init.split("//")[1].rsplit(":", 1)[0], "DS_ACCELERATOR": "cpu"}
     res = run_ranks(_rank_fn, 2 * L, cfg, timeout=args.timeout, env=env, init=args.init,
                     ranks=range(args.node * L, (args.node + 1) * L))
     out = {"params": res[0]["params"], "ranks": [r["rows"] for r in res], "unavailable": res[0]["unavailable"],
@@ -245,8 +426,25 @@ def summarize(raws, bandwidth_gbit: float, ranks_per_node: int, warmup: int) -> 
                "step_vs_no_comm": rec["step_vs_no_comm"], "measured_steps": rec["measured_steps"],
                "step_time_min_s": rec["step_time_min_s"], "step_time_max_s": rec["step_time_max_s"],
                "tokens_per_rank": rec["tokens_per_rank"]}
+        if v in SHARDED:
+            _sharded_times(out, v)
         recs.append(out)
     by = {r["variant"]: r for r in recs}
+    floor_rec = by.get(FLOOR_VARIANT)
+    for v in SHARDED:
+        r = by.get(v)
+        if r is None:
+            continue
+        # the framework's collectives run inside forward and backward: estimated like DDP's
+        r["compute_time_with_overlapped_comm_s"] = total = r["compute_time_s"]
+        if floor_rec is not None:
+            extra = max(0.0, total - floor_rec["compute_time_s"])
+            r["compute_time_s"] = total - extra
+            r["comm_time_s"] = (r["comm_time_s"] or 0.0) + extra
+        else:
+            r["comm_time_s"] = None
+        r["comm_vs_floor"] = (r["comm_time_s"] / r["floor_comm_time_s"]
+                              if r["comm_time_s"] is not None and r["floor_comm_time_s"] else None)
     for r in recs:
         if TWO_LEVEL in by:
             r["speedup_vs_two_level_bf16"] = by[TWO_LEVEL]["step_time_s"] / r["step_time_s"]
@@ -272,6 +470,27 @@ def _int(x):
     return int(x) if x is not None else None
 
 
+def _sharded_times(out: dict, v: str) -> None:
+    """A sharded variant's record: what its bytes and times mean (see the module doc)."""
+    votes = v in (FSDP_VOTES, ZERO3_VOTES)
+    # the formula covers LionCub's own collectives only (votes + flags), not the framework's
+    out["lioncub_bytes_per_rank"] = out["formula_bytes_per_rank"] if votes else None
+    out["formula_bytes_per_rank"] = None
+    if not votes:
+        out["formula_inter_node_bytes_per_rank"] = None
+    out["comm_time_method"] = ("estimated: forward+backward minus no_comm's (the framework's all-gathers and "
+                               "reduce-scatters" + (", HSDP's all-reduce across nodes" if v == FSDP_HSDP else "")
+                               + " run inside them)" + (" plus the waits inside LionCub's votes" if votes else ""))
+    out["sharding"] = {FSDP_HSDP: "FSDP2 HSDP: fully_shard on a (replicate, shard) = (2, L) mesh, reduce_dtype "
+                                  "bf16, fused Lion on the local shards",
+                       FSDP_VOTES: "lioncub_ds.fsdp.shard_and_vote(shard_size=L, comm='1bit'), reduce_dtype bf16",
+                       ZERO3: "DeepSpeed ZeRO-3 over all N ranks, fp32, LionCub (global Lion on the partitions)",
+                       ZERO3_VOTES: "DeepSpeed ZeRO-3 in each node (node_size=L), fp32, LionCub 1-bit votes "
+                                    "across nodes"}[v]
+    if v in (ZERO3, ZERO3_VOTES):
+        out["ds_shm_allreduce"] = "disabled (every DeepSpeed collective goes through gloo and the veth)"
+
+
 # ----------------------------------------------------------------------------- namespaces (the parent)
 def _wait_nodes(children, timeout: float) -> None:
     """Wait for both nodes' children; the first failure (or the timeout) raises, and the caller's
@@ -289,7 +508,8 @@ def _wait_nodes(children, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def run(bandwidths=(1.0, 10.0), ranks_per_node=2, steps=8, warmup=1, seq_len=32, batch_size=1, variants=VARIANTS,
+def run(bandwidths=(1.0, 10.0), ranks_per_node=2, steps=8, warmup=1, seq_len=32, batch_size=1,
+        variants=DEFAULT_VARIANTS,
         timeout=1200, model_overrides=None, verbose=True):
     why = preflight(NAME, WHAT)
     if why:
@@ -361,7 +581,7 @@ TABLE = [("bandwidth_gbit", "Gbit/s"), ("variant", "variant"), ("status", "statu
 
 
 def check_goal(records) -> list[str]:
-    """Issue 24's benchmark goals and the topology's sanity checks, from this run's records."""
+    """Issue 24's and issue 44's benchmark goals and the topology's sanity checks, from this run's records."""
     out = []
     for bw in sorted({r["bandwidth_gbit"] for r in records}):
         rs = {r["variant"]: r for r in records if r["bandwidth_gbit"] == bw}
@@ -376,6 +596,16 @@ def check_goal(records) -> list[str]:
                 q = r["inter_node_rx_bytes_per_rank"] / r["inter_node_bytes_per_rank"]
                 if abs(q - 1) > 0.02:
                     out.append(f"{pre} WARNING {r['variant']}: veth rx/tx = {q:.3f} (expected 1)")
+        for votes, plain in SHARDED_GOALS:  # issue 44: the votes' inter-node bytes vs the framework's own
+            if votes not in rs or plain not in rs:
+                continue
+            a, b = ok.get(votes), ok.get(plain)
+            if a is None or b is None:
+                why = "; ".join(f"{x} unavailable ({rs[x].get('reason', '')[:80]})" for x in (votes, plain)
+                                if rs[x]["status"] != "ok")
+                out.append(f"{pre} {votes} vs {plain} not measured: {why}")
+                continue
+            out.append(sharded_goal(pre, a, b))
         if NODE_VOTERS in rs and node is None:
             out.append(f"{pre} {NODE_VOTERS} unavailable ({rs[NODE_VOTERS].get('reason', '')[:80]}...): "
                        "the node-voter goals are not measured")
@@ -401,6 +631,19 @@ def check_goal(records) -> list[str]:
             out.append(f"{pre} node voters {q:.2f}x {what}"
                        + (f" (goal {'>' if strict else '>='} {goal}x: {'OK' if met else 'MISSED'})" if goal else ""))
     return out
+
+
+def sharded_goal(pre: str, votes: dict, plain: dict) -> str:
+    """Issue 44's goal for a sharded variant with votes against the same framework without: its
+    inter-node (veth) bytes per rank <= 1/SHARDED_GOAL of the other's."""
+    a, b = votes["inter_node_bytes_per_rank"], plain["inter_node_bytes_per_rank"]
+    if not a or b is None:
+        return f"{pre} {votes['variant']} vs {plain['variant']}: no veth bytes measured"
+    q = b / a
+    met = a * SHARDED_GOAL <= b
+    return (f"{pre} {votes['variant']} puts {q:.1f}x fewer bytes per rank on the veth than {plain['variant']} "
+            f"({a:,} vs {b:,}; goal <= 1/{SHARDED_GOAL}: {'OK' if met else 'MISSED'}); step "
+            f"{plain['step_time_s'] / votes['step_time_s']:.2f}x as fast")
 
 
 def plot(records, out):
@@ -460,7 +703,8 @@ def build_parser():
     p.add_argument("--ranks-per-node", type=int, default=2, help="L: ranks in each of the 2 namespaces")
     add_run_args(p)
     p.set_defaults(steps=8)  # ~2.5 min for 6 variants x 2 bandwidths on 2 cores; 4 rounds were noisy
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
+                   help=f"default: {' '.join(DEFAULT_VARIANTS)}; parameter sharding (issue 44): {' '.join(SHARDED)}")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per bandwidth before giving up")
     for hidden in ("--node", "--ifname", "--init", "--result"):
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
