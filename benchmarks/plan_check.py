@@ -372,7 +372,9 @@ def _summary(res) -> dict:
 
 SHORT = {"ddp_bf16": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "megatron_distopt_k1": "Megatron distopt K=1",
          "megatron_distopt_kN": "Megatron distopt K=nodes", "lioncub_1bit_sync20": "LionCub flat + sync",
-         "lioncub_master_only": "LionCub master-only + sync", "lioncub_node_voters_sync20": "LionCub node voters + sync"}
+         "lioncub_master_only": "LionCub master-only + sync", "lioncub_node_voters_sync20": "LionCub node voters + sync",
+         "zero3": "ZeRO-3", "fsdp2_hsdp": "FSDP2 HSDP", "lioncub_zero3_node_voters_sync20": "ZeRO-3 + LionCub votes",
+         "lioncub_fsdp2_node_voters_sync20": "FSDP2 + LionCub votes"}
 
 
 def grid_markdown(recs: list[dict]) -> str:

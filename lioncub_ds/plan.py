@@ -435,19 +435,29 @@ def collective_time(t: Traffic, top: Topology, cluster: ClusterSpec) -> dict:
 
 
 # ----------------------------------------------------------------------------- strategies
-STRATEGIES = ("ddp_bf16", "zero1", "zero2", "megatron_distopt_k1", "megatron_distopt_kN",
-              "lioncub_1bit_sync20", "lioncub_master_only", "lioncub_node_voters_sync20")
+STRATEGIES = ("ddp_bf16", "zero1", "zero2", "zero3", "fsdp2_hsdp", "megatron_distopt_k1", "megatron_distopt_kN",
+              "lioncub_1bit_sync20", "lioncub_master_only", "lioncub_node_voters_sync20",
+              "lioncub_zero3_node_voters_sync20", "lioncub_fsdp2_node_voters_sync20")
 LABELS = {
     "ddp_bf16": "DDP, bf16 gradients all-reduced (overlapped), Lion",
     "zero1": "DeepSpeed ZeRO-1, Lion (reduce-scatter after backward + parameter all-gather)",
     "zero2": "DeepSpeed ZeRO-2, Lion (overlap_comm reduce-scatter + parameter all-gather)",
+    "zero3": "DeepSpeed ZeRO-3 over every rank, Lion (parameters, gradients, state sharded 1/N)",
+    "fsdp2_hsdp": "FSDP2 HSDP (shard in the node, bf16 all-reduce across nodes), Lion",
     "megatron_distopt_k1": "Megatron distributed optimizer, 1 instance, Lion",
     "megatron_distopt_kN": "Megatron distributed optimizer, K instances (one per node), Lion",
     "lioncub_1bit_sync20": "LionCub flat 1bit{sync}",
     "lioncub_master_only": "LionCub flat 1bit{sync}, fp32 master sharded in the node (master-only)",
     "lioncub_node_voters_sync20": "LionCub node voters (1bit across nodes){sync}",
+    "lioncub_zero3_node_voters_sync20": "DeepSpeed ZeRO-3 in the node + LionCub votes across nodes{sync}",
+    "lioncub_fsdp2_node_voters_sync20": "FSDP2 in the node + LionCub votes across nodes{sync}",
 }
-EXACT = ("ddp_bf16", "zero1", "zero2", "megatron_distopt_k1", "megatron_distopt_kN")  # = global Lion
+EXACT = ("ddp_bf16", "zero1", "zero2", "zero3", "fsdp2_hsdp", "megatron_distopt_k1",
+         "megatron_distopt_kN")  # = global Lion
+# parameters sharded too: (framework, shard group, votes across the groups)
+SHARDED = {"zero3": ("deepspeed", "dp", False), "fsdp2_hsdp": ("fsdp2", "node", False),
+           "lioncub_zero3_node_voters_sync20": ("deepspeed", "node", True),
+           "lioncub_fsdp2_node_voters_sync20": ("fsdp2", "node", True)}
 
 
 @lru_cache(maxsize=64)
@@ -545,6 +555,36 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         update = UPDATE_BYTES_LION * pad // n
         overlap_ok = stage == 2
         config = _zero_config(stage, work)
+    elif name in SHARDED:
+        framework, where, votes = SHARDED[name]
+        shard = n if where == "dp" else L
+        geo = top.group(where)
+        pad = -(-p // shard) * shard
+        # ZeRO-3 / FSDP2 inside the shard group: the parameters all-gathered for the forward and again
+        # for the backward (the backward's overlaps), the gradients reduce-scattered (overlapped)
+        nb = _buckets_of(wp * pad, 2 * DS_REDUCE_BUCKET_NUMEL)
+        traffic.append(_ring_traffic("parameter all-gather for the forward", "all_gather", wp * pad, geo, where, nb))
+        traffic.append(_ring_traffic("parameter all-gather for the backward", "all_gather", wp * pad, geo, where, nb,
+                                     overlappable=True))
+        traffic.append(_ring_traffic("gradient reduce-scatter", "reduce_scatter", wg * pad, geo, where, nb,
+                                     overlappable=True, wire_factor=rs_factor))
+        state.update(params=wp * pad // shard, grads=wg * pad // shard, momentum=4 * pad // shard,
+                     master=(4 * pad // shard) if mixed else 0)
+        master_holder = "framework shard" if mixed else "none"
+        update = UPDATE_BYTES_LION * pad // shard
+        overlap_ok = True
+        if votes:
+            nn, cross = top.dp_nodes, top.group("cross")
+            traffic += _vote_traffic(runs, nn, cross, "inter_node", mb, shard=L)
+            traffic += _sync_traffic([(numel // L, c) for numel, c in runs], nn, cross, "inter_node", sync_every, mb)
+            update = UPDATE_BYTES_VOTE * pad // shard
+            conv = (_family("node" if L > 1 else "flat", sync_every), n, L)
+        elif where == "node" and top.dp_nodes > 1:  # HSDP: the shard all-reduced across the nodes in bf16
+            traffic.append(_ring_traffic("shard all-reduce across nodes (bf16)", "all_reduce", 2 * pad // L,
+                                         top.group("cross"), "across nodes", nb, overlappable=True))
+        config = _sharded_config(framework, votes, work, sync_every)
+        if L == 1 and votes:
+            notes.append("one data-parallel rank per node: each rank is its own shard group (flat voting)")
     elif name.startswith("megatron_distopt"):
         k = 1 if name.endswith("k1") else (work.instances or top.dp_nodes)
         if n % k:
@@ -665,6 +705,24 @@ def _zero_config(stage: int, work: WorkloadSpec) -> dict:
               optimizer={"type": "LionCub", "params": {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1,
                                                        "momentum_dtype": "fp32", "zero_allgather": "params"}})
     return {"deepspeed": ds}
+
+
+def _sharded_config(framework: str, votes: bool, work: WorkloadSpec, sync_every) -> dict:
+    """ZeRO-3 (a ds_config) or FSDP2 (the torch calls), with LionCub's votes across nodes or without."""
+    extra = {"voters": "node"} if votes else {}
+    params = _lioncub_params(extra, sync_every if votes else None, work.bucket_size_mb)
+    if framework == "deepspeed":
+        if not votes:
+            params = {k: v for k, v in params.items() if k not in ("comm", "vote", "tie_break", "nonfinite")}
+        return {"deepspeed": dict(_ds_precision(work), zero_optimization={"stage": 3, "overlap_comm": True},
+                                  optimizer={"type": "LionCub", "params": params}),
+                "megatron_flags": None}  # Megatron shards no parameters this way: its node voters are the match
+    if votes:
+        sync = f', momentum_sync={{"every": {sync_every}, "dtype": "{SYNC_DTYPE}"}}' if sync_every else ""
+        return {"torch": "model, opt = lioncub_ds.fsdp.shard_and_vote(model, shard_size=<GPUs per node>, lr=1e-4, "
+                         f"betas=(0.95, 0.98), weight_decay=0.1, comm=\"1bit\"{sync})"}
+    return {"torch": "mesh = init_device_mesh(\"cuda\", (nodes, gpus_per_node)); fully_shard(model, mesh=mesh); "
+                     "lioncub_ds.Lion(model.parameters(), lr=1e-4, betas=(0.95, 0.98), weight_decay=0.1)"}
 
 
 def _megatron_distopt_config(k: int, work: WorkloadSpec) -> dict:
