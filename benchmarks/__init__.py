@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "converge": "benchmarks.converge",  # validation loss of a small GPT, per optimizer
     "scaling": "benchmarks.scaling",    # alpha-beta model: predicted comm time vs world size
     "zero": "benchmarks.zero",          # ZeRO-1 sign all-gather vs DeepSpeed's parameter all-gather
+    "offload": "benchmarks.offload",    # the offloaded CPU step: LionCub vs DeepSpeed's CPU Lion / Adam
     "startup": "benchmarks.startup",    # interpreter start-up with / without the DeepSpeed .pth hook
     "plan_check": "benchmarks.plan_check",  # lioncub_ds.plan's predicted step times vs netns / netns_nodes
 }

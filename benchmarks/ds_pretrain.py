@@ -423,7 +423,12 @@ def main(argv=None) -> int:
             log(f"saved checkpoint {args.save_dir}/step{done}")
     bar.close()
     digests = [None] * world_size
-    dist.all_gather_object(digests, param_digest(engine.module))
+    if engine.zero_optimization_stage() == 3:  # ZeRO-3 keeps only partitions: gather them to compare replicas
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            mine = param_digest(engine.module)
+    else:
+        mine = param_digest(engine.module)
+    dist.all_gather_object(digests, mine)
     in_sync = len(set(digests)) == 1
     steps_run = max(1, args.steps - start)
     summary = {

@@ -116,9 +116,10 @@ def group_ranks(group) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def create_on_all_ranks(wanted: list[list[int]], timeout_s: float | None = None) -> list:
+def create_on_all_ranks(wanted: list[list[int]], timeout_s: float | None = None, backend: str | None = None) -> list:
     """Collective over the world: every rank passes the member lists it needs (in any number,
-    possibly none) and gets back one group per list, created with ``timeout_s``.
+    possibly none) and gets back one group per list, created with ``timeout_s`` (and ``backend``,
+    None: the default one).
 
     Every rank of the world must call this the same number of times, in the same order.
     """
@@ -127,6 +128,8 @@ def create_on_all_ranks(wanted: list[list[int]], timeout_s: float | None = None)
     dist.all_gather_object(gathered, [list(map(int, r)) for r in wanted])
     union = sorted({tuple(r) for lists in gathered for r in lists}, key=lambda r: (len(r), r))
     kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+    if backend is not None:
+        kw["backend"] = backend
     created = {}
     for ranks in union:
         created[ranks] = dist.new_group(list(ranks), **kw)
@@ -151,13 +154,14 @@ class ShardGroups:
     group_index: int     # which shard group this rank is in
 
 
-def make_shard_groups(shard_size: int | None = None, *, group=None,
-                      timeout_s: float | None = None) -> ShardGroups:
+def make_shard_groups(shard_size: int | None = None, *, group=None, timeout_s: float | None = None,
+                      backend: str | None = None) -> ShardGroups:
     """Create the shard groups and peer groups over ``group`` (None: the world) on every rank of
     the world, in one order (:func:`create_on_all_ranks`). ``shard_size`` None: the ranks per node
-    (:func:`resolve_ranks_per_node`), so a shard group is a machine. Every rank must call it.
-    Raises ValueError naming ``node_size`` when the size cannot be found or does not divide
-    the group."""
+    (:func:`resolve_ranks_per_node`), so a shard group is a machine. ``backend`` (e.g. "gloo" for
+    shards that live in CPU memory under an NCCL job) makes all three groups, ``world`` too, with
+    that backend. Every rank must call it. Raises ValueError naming ``node_size`` when the size
+    cannot be found or does not divide the group."""
     ranks = group_ranks(group)
     size = resolve_ranks_per_node(shard_size, "node_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1 or len(ranks) % size:
@@ -165,8 +169,10 @@ def make_shard_groups(shard_size: int | None = None, *, group=None,
                          f"of the {len(ranks)} data-parallel ranks")
     me = ranks.index(dist.get_rank())
     k = me % size
-    shard, peers = create_on_all_ranks([consecutive_blocks(ranks, size)[me // size], ranks[k::size]], timeout_s)
-    return ShardGroups(shard, peers, group, size, k, len(ranks) // size, me // size)
+    wanted = [consecutive_blocks(ranks, size)[me // size], ranks[k::size]] + ([ranks] if backend else [])
+    made = create_on_all_ranks(wanted, timeout_s, backend)
+    world = made[2] if backend else group
+    return ShardGroups(made[0], made[1], world, size, k, len(ranks) // size, me // size)
 
 
 def consecutive_blocks(ranks: list[int], size: int) -> list[list[int]]:

@@ -16,7 +16,8 @@ each with real ``deepspeed.initialize`` engines (DS_ACCELERATOR=cpu):
   name before anything loads;
 * stage 3 without votes is global Lion on the partitions; optimizer offload to the CPU (no votes)
   at stages 2 and 3 trains exactly like the same stage without offload;
-* refusals: offload with votes, a LionCub instance with voters="node" at stage 3.
+* votes with ``offload_optimizer`` (the CPU partitions vote over gloo groups) train as without;
+* refusals: offload with votes below stage 3, a LionCub instance with voters="node" at stage 3.
 """
 from __future__ import annotations
 
@@ -201,7 +202,7 @@ def _votes_scenario(rank, dtype, clip, ckpt_dir):
     if dtype == "bf16":  # the bf16 partition is the fp32 master rounded
         low = all(torch.equal(p.ds_tensor.detach().reshape(-1), v.detach().to(torch.bfloat16))
                   for p, (v, _, _) in zip(engine.optimizer.fp16_groups[0], opt.views[0]))
-    out = {"exact": exact, "mean_ok": mean_ok, "same_across_groups": same_across_groups, "low": low,
+    out = {"full_final": _full_params(engine), "exact": exact, "mean_ok": mean_ok, "same_across_groups": same_across_groups, "low": low,
            "calls": calls, "momentum_bytes": opt.state_bytes().get("momentum", 0),
            "params": sum(p.ds_numel for p in engine.module.parameters()),
            "summary": engine.lioncub.summary(), "group": sg.group_index, "shard": sg.shard_rank,
@@ -257,6 +258,15 @@ def _skip_scenario(rank):
     return {"skipped": skipped, "steps": opt.step_count, "final": _full_params(engine)}
 
 
+def _offload_votes_scenario(rank):
+    """Votes with the fp32 partitions offloaded to the CPU (the votes go over gloo groups there):
+    the same training as without offload."""
+    engine = _engine(_cfg("fp32", offload=True, voters="node", node_size=L))
+    _train(engine, rank, 1, STEPS, "fp32")
+    return {"params": _full_params(engine), "summary": engine.lioncub.summary(),
+            "offloaded": all(f.device.type == "cpu" for f in engine.optimizer.fp32_partitioned_groups_flat)}
+
+
 def _plain_scenario(rank, stage, offload):
     """No votes: DeepSpeed reduces over every rank, LionCub is global Lion on its partition."""
     engine = _engine(_cfg("fp32", stage=stage, offload=offload))
@@ -289,9 +299,10 @@ def _all(rank, world_size, tmp):
            "fp32": _votes_scenario(rank, "fp32", 0.0, os.path.join(tmp, "ckpt")),
            "bf16": _votes_scenario(rank, "bf16", 1.0, None),
            "skip": _skip_scenario(rank),
+           "offload_votes": _offload_votes_scenario(rank),
            # a plain engine after the vote engines: DeepSpeed keeps the last mpu in a module global
            "plain3_after": _plain_scenario(rank, 3, False),
-           "refuse_offload_votes": _refusal(_cfg("fp32", offload=True, voters="node", node_size=L)),
+           "refuse_offload_votes": _refusal(_cfg("fp32", stage=2, offload=True, voters="node", node_size=L)),
            "refuse_client": _refusal({k: v for k, v in _cfg("fp32").items() if k != "optimizer"}, client=True)}
     return out
 
@@ -367,7 +378,34 @@ def test_stage3_without_votes_is_global_lion_and_offload_trains_identically(resu
         assert "ZeRO stage 3 (global Lion" in results[0][key]["summary"] and "N=4" in results[0][key]["summary"]
 
 
+def test_votes_with_the_optimizer_offloaded_train_as_without(results):
+    for r, res in enumerate(results):
+        x = res["offload_votes"]
+        assert x["offloaded"] and "ZeRO stage 3 with node voters" in x["summary"]
+        assert all(torch.equal(a, b) for a, b in zip(x["params"], res["fp32"]["full_final"])), f"rank {r}"
+
+
 def test_settings_it_cannot_serve_are_refused_by_name(results):
     for res in results:
-        assert "offload_optimizer" in res["refuse_offload_votes"] and "voters='node'" in res["refuse_offload_votes"]
+        assert "offload_optimizer" in res["refuse_offload_votes"] and "stage=3" in res["refuse_offload_votes"]
         assert "optimizer=" in res["refuse_client"] and "stage=3" in res["refuse_client"]
+
+
+def test_the_pretraining_script_trains_under_the_deepspeed_launcher(tmp_path):
+    """docs/deepspeed.md's CPU command: 4 ranks as 2 node groups x 2, ZeRO-3 with votes, replicas in sync."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_front_door import _launch
+    out_json = tmp_path / "run.json"
+    proc, log = _launch(tmp_path, "--deepspeed_config", "configs/ds_cpu_zero3_node_voters.json", "--preset", "tiny",
+                        "--steps", "4", "--log-interval", "2", "--eval-iters", "1", "--no-progress",
+                        "--json-out", str(out_json), ranks=4, timeout=900)
+    assert proc.returncode == 0, log[-6000:]
+    summary = json.loads(out_json.read_text())
+    assert summary["engine_mode"] == "LionCub (zero3_votes)" and summary["zero_stage"] == 3 and summary["params_in_sync"]
+    assert summary["node_groups"] == 2 and summary["node_size"] == 2
+    # votes only between the groups: 1 bit per element of this rank's partition, ~32x below an fp32 two-level
+    # all-reduce's inter-node share (the mean of the 4 steps includes one int8 momentum sync)
+    last = summary["comm_stats"]["last_step"]["by_scope"]["inter_node"]
+    assert 0 < last < summary["two_level_inter_node_bytes"] / 24, summary
+    assert summary["inter_node_bytes_per_step"] < summary["two_level_inter_node_bytes"] / 8, summary

@@ -332,12 +332,10 @@ def check_supported(engine, optimizer=None) -> None:
             raise LionCubDeepSpeedError(
                 f"LionCub: zero_optimization.offload_optimizer.device={device!r} is not supported (the fp32 "
                 "partitions must stay in memory for LionCub's kernels). Allowed: \"cpu\" or \"none\".")
-        if is_node_voters(voters):
+        if is_node_voters(voters) and stage != 3:
             raise LionCubDeepSpeedError(
-                "LionCub: zero_optimization.offload_optimizer with voters='node' is not supported yet: the vote "
-                "would run on the offloaded CPU partitions, and NCCL carries no CPU tensor. Allowed: voters='node' "
-                "without offload_optimizer, or offload_optimizer {\"device\": \"cpu\"} with voters='rank' "
-                "(global Lion on the offloaded partitions, LionCub's C++ kernels).")
+                f"LionCub: zero_optimization.offload_optimizer with voters='node' needs zero_optimization.stage=3 "
+                f"(got {stage}). Allowed: stage 3 with voters='node', or voters='rank' with offload at stage 1/2/3.")
     if stage == 0:
         if getattr(engine, "pipeline_parallelism", False):
             raise LionCubDeepSpeedError(

@@ -72,6 +72,13 @@ def _load_config(config):
     return None
 
 
+def offloaded(config) -> bool:
+    """``zero_optimization.offload_optimizer.device`` is "cpu"."""
+    cfg = _load_config(config) or {}
+    off = (cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return isinstance(off, dict) and off.get("device") == "cpu"
+
+
 def votes_requested(config) -> dict | None:
     """The LionCub ``optimizer.params`` of a stage-3 ds_config asking for votes across groups
     (``voters: "node"``), else None."""
@@ -96,8 +103,10 @@ class ShardGroupsMPU:
     while the data-parallel *rank and size* stay the true ones (N ranks), which DeepSpeed uses
     for batch sizes and its data loader."""
 
-    def __init__(self, sg: ShardGroups, own_group):
+    def __init__(self, sg: ShardGroups, own_group, cpu_groups: ShardGroups | None = None):
         self.shard_groups = sg
+        # offload_optimizer: the same groups over gloo, for the votes on the CPU partitions
+        self.cpu_shard_groups = cpu_groups
         self._own = own_group  # a group of this rank alone: the (trivial) model-parallel group
 
     def get_data_parallel_group(self):
@@ -167,11 +176,15 @@ def make_initialize(orig):
             return orig(*args, **kwargs)
         try:
             sg = make_shard_groups(size, timeout_s=params.get("timeout_s"))
+            # offload_optimizer: the fp32 partitions (and so the votes) live in CPU memory, which NCCL
+            # does not carry: the votes go over gloo groups of the same ranks (1 bit per element)
+            cpu = make_shard_groups(size, timeout_s=params.get("timeout_s"), backend="gloo") \
+                if offloaded(config) else None
         except ValueError as exc:
             raise LionCubConfigError(str(exc)) from None
         from deepspeed.utils import groups as ds_groups
         from .engine import singleton_group
-        given["mpu"] = ShardGroupsMPU(sg, singleton_group())
+        given["mpu"] = ShardGroupsMPU(sg, singleton_group(), cpu)
         before = getattr(ds_groups, "mpu", None)
         try:
             return orig(**given)
@@ -343,7 +356,8 @@ def describe(layout) -> str:
 
 def build(engine, model_parameters, config: LionCubConfig) -> ZeRO3Votes:
     names = {p: n for n, p in engine.module.named_parameters()}
-    return ZeRO3Votes(model_parameters, config, shard_groups_of(engine), names)
+    cpu = engine.mpu.cpu_shard_groups  # offload_optimizer: vote over gloo on the CPU partitions
+    return ZeRO3Votes(model_parameters, config, cpu if cpu is not None else shard_groups_of(engine), names)
 
 
 # ----------------------------------------------------------------------------- agreement
@@ -404,7 +418,7 @@ def wire_engine(engine):
     if missing:
         raise ZeRO3VotesError(f"LionCub: this DeepSpeed's ZeRO-3 optimizer ({type(zopt).__name__}) lacks "
                               f"{', '.join(missing)}; tested DeepSpeed: {', '.join(_compat.TESTED_VERSIONS)}")
-    sg = opt.shard_groups
+    sg = shard_groups_of(engine)  # the default backend's groups: ZeRO-3's, and its skip flag's
     if dist.get_world_size(zopt.dp_process_group) != sg.shard_size:
         raise ZeRO3VotesError("LionCub: ZeRO-3 partitions over a group that is not the node group; build the model "
                               "outside deepspeed.zero.Init, or pass it data_parallel_group=engine.mpu."
