@@ -49,7 +49,9 @@ Parameter sharding (issue 44; each on a model copy of its own, same seed; not in
 * ``fsdp2_hsdp_bf16``: PyTorch FSDP2 HSDP, ``fully_shard`` on a 2-D (replicate, shard) DeviceMesh
   ((2, L): the shard dimension is a node), ``MixedPrecisionPolicy(reduce_dtype=bfloat16)`` (fp32
   parameters and all-gathers, bf16 gradients: reduce-scatter inside the node, all-reduce across
-  nodes, as the bf16 baselines above), then the fused Lion update of the local shards;
+  nodes, as the bf16 baselines above), then the fused Lion update of the local shards. Both FSDP2
+  variants shard the whole model as one unit with ``reshard_after_forward=True`` (parameters
+  all-gathered for forward and again for backward, as every block of a per-block sharding);
 * ``fsdp2_votes``: ``lioncub_ds.fsdp.shard_and_vote(model, shard_size=L, comm="1bit",
   mp_policy=<the same>)``: FSDP2 on a 1-D mesh per node, LionCub's 1-bit votes across nodes;
 * ``zero3``: DeepSpeed ZeRO-3 over all N ranks with LionCub in the ds_config (no votes: global
@@ -310,12 +312,14 @@ def build_sharded(v, rank, n, L, cfg, new_model):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (n // L, L), mesh_dim_names=("replicate", "shard"))
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        # reshard_after_forward=True as shard_and_vote's default (FSDP2's own default keeps the ROOT
+        # unsharded between forward and backward): both re-gather the parameters for backward
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
         return model, ShardedLion([p for p in model.parameters() if p.requires_grad], LR, BETAS)
     from lioncub_ds.fsdp import shard_and_vote
 
-    model, opt = shard_and_vote(model, shard_size=L, mp_policy=policy, device_type="cpu", lr=LR, betas=BETAS,
-                                comm="1bit")
+    model, opt = shard_and_vote(model, shard_size=L, mp_policy=policy, reshard_after_forward=True, device_type="cpu",
+                                lr=LR, betas=BETAS, comm="1bit")
     return model, VoteStep(opt.step, opt.comm_stats)
 
 
@@ -482,8 +486,9 @@ def _sharded_times(out: dict, v: str) -> None:
                                "reduce-scatters" + (", HSDP's all-reduce across nodes" if v == FSDP_HSDP else "")
                                + " run inside them)" + (" plus the waits inside LionCub's votes" if votes else ""))
     out["sharding"] = {FSDP_HSDP: "FSDP2 HSDP: fully_shard on a (replicate, shard) = (2, L) mesh, reduce_dtype "
-                                  "bf16, fused Lion on the local shards",
-                       FSDP_VOTES: "lioncub_ds.fsdp.shard_and_vote(shard_size=L, comm='1bit'), reduce_dtype bf16",
+                                  "bf16, reshard_after_forward=True, fused Lion on the local shards",
+                       FSDP_VOTES: "lioncub_ds.fsdp.shard_and_vote(shard_size=L, comm='1bit'), reduce_dtype bf16, "
+                                   "reshard_after_forward=True",
                        ZERO3: "DeepSpeed ZeRO-3 over all N ranks, fp32, LionCub (global Lion on the partitions)",
                        ZERO3_VOTES: "DeepSpeed ZeRO-3 in each node (node_size=L), fp32, LionCub 1-bit votes "
                                     "across nodes"}[v]
