@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lioncub_ds.ds_shm import removing_new_shm_workspaces
+from lioncub_ds.ds_shm import removing_launch_workspaces
 from lioncub_ds.telemetry import format_bytes
 from lioncub_ds.testing.spawn import free_port
 
@@ -128,7 +128,8 @@ def format_prebuild(pre: dict) -> str:
 
 def _run_one(mode: str, cfg_path: Path, out_json: Path, *, steps: int, preset: str, world_size: int,
              extra: list[str], timeout: float, verbose: bool) -> dict:
-    cmd = _launcher() + ["--num_accelerators", str(world_size), "--master_port", str(free_port()),
+    port = free_port()  # never the launcher's default 29500: it may be a live job's on a shared machine
+    cmd = _launcher() + ["--num_accelerators", str(world_size), "--master_port", str(port),
                          str(train_script()), "--deepspeed_config", str(cfg_path), "--steps", str(steps),
                          "--preset", preset, "--json-out", str(out_json), "--no-progress"] + extra
     if mode == "baseline":
@@ -136,7 +137,7 @@ def _run_one(mode: str, cfg_path: Path, out_json: Path, *, steps: int, preset: s
     env = _run_env()
     t0 = time.perf_counter()
     tail: list[str] = []
-    with removing_new_shm_workspaces():  # DeepSpeed's CPU shm buffers outlive the ranks
+    with removing_launch_workspaces(port):  # this launch's DeepSpeed CPU shm buffers outlive its ranks
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
         try:

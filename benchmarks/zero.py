@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 
-from lioncub_ds.ds_shm import removing_new_shm_workspaces
+from lioncub_ds.ds_shm import removing_launch_workspaces
+from lioncub_ds.testing.spawn import free_port
 from .common import add_output_args, finish, print_table
 
 NAME = "zero"
@@ -33,14 +34,16 @@ CONFIGS = {"fp32": "configs/ds_cpu_zero1.json", "bf16 + zero_fp32_replica": "con
 def run_one(label: str, config: str, steps: int, preset: str, world_size: int, timeout: float, verbose=True) -> dict:
     with tempfile.TemporaryDirectory(prefix="lioncub_zero_") as tmp:
         out = os.path.join(tmp, "summary.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
+        port = free_port()  # never the launcher's default 29500: it may be a live job's on a shared machine
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), "--nproc_per_node", str(world_size),
                os.path.join(ROOT, "examples", "pretrain_gpt_deepspeed.py"), "--deepspeed_config",
                os.path.join(ROOT, config), "--preset", preset, "--steps", str(steps), "--log-interval", str(steps),
                "--eval-interval", str(steps), "--eval-iters", "1", "--no-progress", "--json-out", out]
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         t0 = time.perf_counter()
-        with removing_new_shm_workspaces():  # DeepSpeed's CPU shm buffers outlive the ranks
+        with removing_launch_workspaces(port):  # this launch's DeepSpeed CPU shm buffers outlive its ranks
             res = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, timeout=timeout)
         if res.returncode != 0 or not os.path.exists(out):

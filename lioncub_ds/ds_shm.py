@@ -39,18 +39,44 @@ def remove_shm_workspaces(names) -> int:
     return removed
 
 
+def workspace_name(uid: int, addr: str, port, rank: int) -> str:
+    """DeepSpeed's name for a rank's workspace (shm.cpp: prefix, uid, MASTER_ADDR, MASTER_PORT, rank)."""
+    return f"{SHM_WORKSPACE_PREFIX}{uid}_{addr}_{port}_{rank}"
+
+
 def own_shm_workspace(rank: int) -> str:
     """This rank's workspace name, as DeepSpeed builds it from the launch environment."""
-    return (f"{SHM_WORKSPACE_PREFIX}{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    return workspace_name(os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank)
+
+
+def workspace_port(name: str):
+    """(uid, port) of a workspace name, or None for a name that is not one. The port is the launch's
+    (MASTER_PORT): what tells one launch's workspaces from another's on a shared machine."""
+    if not name.startswith(SHM_WORKSPACE_PREFIX):
+        return None
+    uid, _, rest = name[len(SHM_WORKSPACE_PREFIX):].partition("_")
+    head, _, rank = rest.rpartition("_")  # MASTER_ADDR may hold "_" (a host name): split from the right
+    _, _, port = head.rpartition("_")
+    if not (uid.isdigit() and rank.isdigit()):
+        return None
+    return int(uid), port
+
+
+def launch_workspaces(ports) -> set:
+    """This user's workspaces of the launches on these ports (MASTER_PORT values). Never another
+    job's: a launch that took its port from the OS shares it with no live job, and a rank of a
+    live job loops on ``open()`` until its peers' workspaces exist (shm.cpp), so removing the
+    workspaces of a job still starting would hang it."""
+    ports = {str(p) for p in ports}
+    return {n for n in shm_workspaces() if workspace_port(n) in {(os.getuid(), p) for p in ports}}
 
 
 @contextmanager
-def removing_new_shm_workspaces():
-    """Around a DeepSpeed CPU launch (run by this process's children): afterwards, remove the
-    workspaces that appeared meanwhile."""
-    before = shm_workspaces()
+def removing_launch_workspaces(port):
+    """Around a DeepSpeed CPU launch on ``port`` (run by this process's children): afterwards,
+    remove the workspaces it left (those named with its port, by this user, that appeared meanwhile)."""
+    before = launch_workspaces([port])
     try:
         yield
     finally:
-        remove_shm_workspaces(shm_workspaces() - before)
+        remove_shm_workspaces(launch_workspaces([port]) - before)

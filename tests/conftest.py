@@ -8,6 +8,7 @@ or with two at the same level, fails the collection, so none can silently escape
 import pytest
 
 from lioncub_ds import ds_shm
+from lioncub_ds.testing import spawn
 
 
 @pytest.fixture(scope="session")
@@ -19,10 +20,14 @@ def _shm_workspaces_before_the_suite():
 def _remove_deepspeed_shm_workspaces(_shm_workspaces_before_the_suite):
     """DeepSpeed's CPU accelerator leaves a ~66 MB /dev/shm workspace per rank and launch
     (lioncub_ds.ds_shm); one run of the suite once left several GB of RAM behind. After each
-    test (whose ranks, and those of the module fixtures before it, have ended) remove every
-    workspace that was not there when the suite started."""
+    test (whose ranks, and those of the module fixtures before it, have ended) remove the
+    workspaces of the suite's own launches: named with a port that free_port() gave this process
+    (every launch of the tests takes its port there), by this user, not there when the suite
+    started. Another job's workspaces stay, whoever made them: a rank of a DeepSpeed run started
+    by hand loops on open() until its peers' workspaces exist, so removing those hangs that run."""
     yield
-    ds_shm.remove_shm_workspaces(ds_shm.shm_workspaces() - _shm_workspaces_before_the_suite)
+    ours = ds_shm.launch_workspaces(spawn.ports_given())
+    ds_shm.remove_shm_workspaces(ours - _shm_workspaces_before_the_suite)
 
 
 TIERS = ("unit", "dist", "integration")

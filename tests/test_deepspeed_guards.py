@@ -262,18 +262,28 @@ def test_the_integration_destroys_only_the_groups_it_created():
 
 
 def test_shm_workspaces_of_a_launch_are_removed(tmp_path, monkeypatch):
-    """lioncub_ds.ds_shm removes exactly the DeepSpeed workspaces that appeared during a launch,
-    and a rank's own name follows DeepSpeed's pattern (uid, MASTER_ADDR, MASTER_PORT, rank)."""
+    """lioncub_ds.ds_shm removes exactly the DeepSpeed workspaces of a launch (its port, this user) that
+    appeared during it: not another launch's that appeared meanwhile, not those from before; and a
+    rank's own name follows DeepSpeed's pattern (uid, MASTER_ADDR, MASTER_PORT, rank)."""
     from lioncub_ds import ds_shm
 
     monkeypatch.setattr(ds_shm, "SHM_DIR", str(tmp_path))
-    (tmp_path / (ds_shm.SHM_WORKSPACE_PREFIX + "0_old_1_0")).write_bytes(b"x")  # from before: kept
+    uid = os.getuid()
+    old = ds_shm.workspace_name(uid, "127.0.0.1", 29501, 0)
+    (tmp_path / old).write_bytes(b"x")  # from before: kept
     (tmp_path / "unrelated").write_bytes(b"x")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    with ds_shm.removing_new_shm_workspaces():
-        for rank in (0, 1):
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    other = [ds_shm.workspace_name(uid, "127.0.0.1", 29500, 0), ds_shm.workspace_name(uid + 1, "127.0.0.1", 29501, 1),
+             ds_shm.workspace_name(uid, "a_host", 2950, 0)]
+    with ds_shm.removing_launch_workspaces(29501):
+        for rank in (1, 2):
             (tmp_path / ds_shm.own_shm_workspace(rank)).write_bytes(b"x")
-        assert len(ds_shm.shm_workspaces()) == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ds_shm.SHM_WORKSPACE_PREFIX + "0_old_1_0", "unrelated"]
-    assert ds_shm.own_shm_workspace(3) == f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29500_3"
+        for name in other:  # another job's, on its own port (or another user's): not this launch's
+            (tmp_path / name).write_bytes(b"x")
+        assert len(ds_shm.shm_workspaces()) == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([old, "unrelated", *other])
+    assert ds_shm.workspace_port(ds_shm.workspace_name(7, "my_host", 1234, 3)) == (7, "1234")
+    assert ds_shm.workspace_port(ds_shm.workspace_name(7, "", "", 0)) == (7, "")
+    assert ds_shm.workspace_port("deepspeed_allreduce_buffer_x") is None
+    assert ds_shm.own_shm_workspace(3) == f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29501_3"

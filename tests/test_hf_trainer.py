@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from lioncub_ds.testing import free_port
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,13 +27,6 @@ STEPS, SAVE = 16, 8
 
 _missing = [m for m in ("transformers", "accelerate", "deepspeed") if importlib.util.find_spec(m) is None]
 needs_hf = pytest.mark.skipif(bool(_missing), reason=f"not installed: {', '.join(_missing)}")
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env():
@@ -46,7 +41,7 @@ def _env():
 def launch(out: Path, *args, timeout=900, ranks=2):
     launcher = Path(sys.executable).with_name("deepspeed")
     cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_accelerators", str(ranks), "--master_port",
-           str(_free_port()), str(DRIVER), "--config", str(CONFIG), "--out", str(out), *args]
+           str(free_port()), str(DRIVER), "--config", str(CONFIG), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=str(out.parent), env=_env(), capture_output=True, text=True, timeout=timeout)
     return proc, proc.stdout + proc.stderr
 

@@ -30,11 +30,24 @@ PORT_TAKEN = "port_taken"
 TCP_ATTEMPTS = 3
 
 
+_GIVEN: list[int] = []
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it). Every launch of the
+    project's tests, demos and benches takes its port here, never a fixed one (port 29500, the
+    launchers' default, may be a live job's on a shared machine)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _GIVEN.append(port)
+    return port
+
+
+def ports_given() -> tuple[int, ...]:
+    """Every port :func:`free_port` returned in this process: its own launches' ports, by which
+    tests/conftest.py tells their DeepSpeed shm workspaces from another job's (lioncub_ds.ds_shm)."""
+    return tuple(_GIVEN)
 
 
 def _watch(rank, q, dump, contract, main_ident):
