@@ -137,7 +137,7 @@ def test_simulation_equals_real_lioncub(ds, n, variants):
     if "dlion" in variants:
         assert real[0][variants.index("dlion")][0] == real[0][variants.index("cub_1bit")][0]
         one = C.train_one("cub_1bit", 3, n, cfg, LRS, ds)
-        assert C._dlion_from_1bit(one)["bytes"] == real[0][variants.index("dlion")][1]
+        assert C.study._dlion_from_1bit(one)["bytes"] == real[0][variants.index("dlion")][1]
 
 
 def test_even_n_ties_happen_and_sim_uses_the_hash():
@@ -556,7 +556,8 @@ def test_dlion_comes_from_a_kept_cub_1bit(tmp_path, monkeypatch):
     assert C.main(argv + ["--variants", "cub_1bit", "--partial", str(part)]) == 0
     trained = []
     real_train_one = C.train_one
-    monkeypatch.setattr(C, "train_one", lambda v, *a, **k: trained.append(v) or real_train_one(v, *a, **k))
+    # the study's own look-up of train_one (benchmarks/converge/study.py)
+    monkeypatch.setattr(C.study, "train_one", lambda v, *a, **k: trained.append(v) or real_train_one(v, *a, **k))
     assert C.main(argv + ["--variants", "cub_1bit", "dlion", "--partial", str(part),
                           "--json", str(tmp_path / "resumed.json")]) == 0
     assert trained == []
