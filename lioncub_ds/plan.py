@@ -15,12 +15,14 @@ own measurements (``python -m benchmarks plan_check``) and from published link f
 The model (docs/planner.md, "The model"):
 
 * **Bytes** are what ``comm_stats()`` counts: the telemetry ring model
-  (:func:`lioncub_ds.telemetry.ring_bytes`), each vote algorithm's own ``wire_bytes`` over the real
-  bucket layout (:func:`lioncub_ds.layout.build_buckets`), the step's flags
-  (:func:`lioncub_ds.pipeline.flag_bytes`), the node group's traffic
+  (:func:`lioncub_ds.telemetry.ring_bytes`), the 1bit vote's ``wire_bytes`` over the real bucket
+  layout (:func:`lioncub_ds.layout.build_buckets`), the step's flags
+  (:func:`lioncub_ds.flags.flag_bytes`), the node group's traffic
   (:func:`lioncub_ds.sharding.node_group_bytes`) and the momentum sync
-  (:func:`lioncub_ds.momentum_sync.sync_bytes`). DDP's and ZeRO's / Megatron's bytes are their
-  collectives (all-reduce; reduce-scatter + all-gather) in the same ring model.
+  (:func:`lioncub_ds.momentum_sync.sync_bytes`), each as :mod:`lioncub_ds.wire` restates it:
+  torch-free, in closed form over runs of equal tensors and buckets (a 10^15-parameter model is a
+  few runs), held equal to those functions by tests/test_wire.py. DDP's and ZeRO's / Megatron's
+  bytes are their collectives (all-reduce; reduce-scatter + all-gather) in the same ring model.
 * **Links**: a collective over a group that spans several nodes is a ring (all-reduce, all-gather,
   reduce-scatter: every node boundary carries one rank's stream) or direct (all-to-all: each rank
   sends its share to every other rank). The time of a collective is the slowest of: the bytes that
