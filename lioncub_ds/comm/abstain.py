@@ -15,7 +15,7 @@ from the mask. Per bucket and step, every rank uses the same mode:
   per chunk, 1 where its whole chunk abstains, and a list (capacity :func:`chunk_capacity`) of
   the bytes where its plane differs from the *base*: the mask with those chunks cleared. A run
   of abstentions costs 1 bit per chunk it covers, plus the bytes of the chunks at its ends that
-  it covers in part. A list that overflows fetches the planes, as in list mode. An algorithm
+  it covers in part. A chunk list that overflows fetches the planes, as in list mode. An algorithm
   whose shard owner decides Δ alone sends rank r the list and only the bits of the chunks that
   touch shard r (``VoteAlgorithm.shards_planes``; :class:`ChunkCode`).
 * ``plane``: the whole nonzero plane (scattered abstentions that overflow both lists). Algorithms
@@ -258,8 +258,8 @@ def encode(nonzero: torch.Tensor, mask: torch.Tensor, mode: str, capacity: int, 
 
 def plane_source(mode: str, first: int, second: int) -> str:
     """Where this step's nonzero planes come from, from a bucket's summed flag entries: "none"
-    (nobody abstains: every vote counts), "fetch" (some rank's list overflowed: the planes travel
-    once more) or "payload" (decoded from what phase 1 carried)."""
+    (nobody abstains: every vote counts), "fetch" (some rank's list, or chunk list, overflowed:
+    the planes travel once more) or "payload" (decoded from what phase 1 carried)."""
     if mode == "list":
         return "none" if second == 0 else "fetch" if first > 0 else "payload"
     if mode == "chunks":
