@@ -47,7 +47,7 @@ def test_the_planner_runs_without_torch():
     """)
     res = _python(code, "--params", "7B", "--nodes", "8", "--gpus-per-node", "8", "--inter-node-gbit", "100")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("PREDICTIONS") and "Recommendation: lioncub_node_voters_sync20" in res.stdout
+    assert res.stdout.startswith("PREDICTIONS") and "Recommendation: lioncub_" in res.stdout
     assert "lion_w300 N = " in res.stdout
     # the refusal of a bad input needs no torch either: one line, exit 2
     bad = _python(code.replace("assert not exc.code, exc.code", "raise"), "--params", "1e30")
