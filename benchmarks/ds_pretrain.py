@@ -52,7 +52,7 @@ import deepspeed  # noqa: E402
 import lioncub_ds.deepspeed as lds  # noqa: E402  (registers "type": "LionCub"; also done lazily by the .pth hook)
 from lioncub_ds import Lion  # noqa: E402
 from benchmarks.data import DEFAULT_MAX_BYTES, load_dataset  # noqa: E402
-from lioncub_ds.config import LionCubConfig  # noqa: E402
+from lioncub_ds.config import LionCubConfig, LionCubConfigError  # noqa: E402
 from lioncub_ds.deepspeed.engine import ZERO_ALLGATHER_MODES  # noqa: E402
 from lioncub_ds.groups import exit_cleanly  # noqa: E402,F401  (also the examples' exit)
 from benchmarks.common import quiet_progress_lock  # noqa: E402
@@ -162,6 +162,12 @@ def read_config(path: str) -> dict:
             "TrainingArguments). This script needs numbers there: use e.g. configs/ds_cpu_demo.json or "
             "configs/ds_lioncub_recommended.json, or run the template with an HF script "
             "(examples/hf_trainer_lioncub.py; docs/deepspeed.md, \"Hugging Face Trainer\").")
+    opt = cfg.get("optimizer") or {}
+    if isinstance(opt, dict) and lds.engine.is_lioncub_name(opt.get("type")):
+        try:  # the settings, checked here too: a typo is one line from rank 0, not a traceback per rank
+            lds.engine.split_params(opt.get("params"))
+        except LionCubConfigError as exc:
+            raise SystemExit(f"{path}: {exc}") from None
     return cfg
 
 

@@ -478,3 +478,19 @@ def test_pretraining_script_hf_template_and_one_node_group(tmp_path):
     done = [ln for ln in log.splitlines() if "[pretrain] done" in ln]
     assert len(done) == 1 and "inter-node: none (one node group of 2 ranks" in done[0], done
     assert "1x less" not in log
+
+
+@pytest.mark.integration
+@needs_deepspeed
+def test_a_mistyped_lioncub_setting_is_one_line_from_rank_0(tmp_path):
+    """A typo in optimizer.params under the deepspeed launcher: one message naming the key and the
+    suggestion, from rank 0, before any process group; no per-rank tracebacks."""
+    cfg = _configs()["ds_cpu_demo.json"]
+    cfg["optimizer"]["params"]["weight_decy"] = cfg["optimizer"]["params"].pop("weight_decay")
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(cfg))
+    proc, log = _launch(tmp_path, "--deepspeed_config", str(path), "--preset", "tiny", "--steps", "2")
+    assert proc.returncode != 0, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+    lines = [ln for ln in log.splitlines() if "unknown ds_config optimizer.params key 'weight_decy'" in ln]
+    assert len(lines) == 1 and "did you mean 'weight_decay'" in lines[0], log[-4000:]
