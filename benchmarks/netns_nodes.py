@@ -339,8 +339,12 @@ def _add_sharded(rank, n, cfg, st):
             continue
         try:
             st["models"][v], st["opts"][v] = build_sharded(v, rank, n, L, cfg, new_model)
-        except (ImportError, LionCubConfigError, NotImplementedError, ValueError) as exc:
-            # the same on every rank (a missing package, a refused setting): no rank is left waiting
+        except Exception as exc:  # noqa: BLE001 - only the refusals below, the rest is raised
+            # the same on every rank (a missing package, a refused setting, a DeepSpeed whose ZeRO-3
+            # the integration does not know: ZeRO3VotesError): no rank is left waiting
+            if not (isinstance(exc, (ImportError, LionCubConfigError, NotImplementedError, ValueError))
+                    or type(exc).__name__ == "ZeRO3VotesError"):
+                raise
             st["unavailable"][v] = f"{type(exc).__name__}: {exc}"
             continue
         st["kws"][v] = None

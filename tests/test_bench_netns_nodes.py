@@ -120,7 +120,8 @@ SPECS = {  # (compute, comm in step, update, formula bytes, veth tx per node, lo
 @pytest.mark.unit
 def test_sharded_variants_are_selectable_optional_and_not_in_the_default_run():
     assert set(netns_nodes.SHARDED) == {"fsdp2_hsdp_bf16", "fsdp2_votes", "zero3", "zero3_votes"}
-    assert set(netns_nodes.SHARDED) <= set(netns_nodes.VARIANTS) and set(netns_nodes.SHARDED) <= set(netns_nodes.OPTIONAL)
+    sharded = set(netns_nodes.SHARDED)
+    assert sharded <= set(netns_nodes.VARIANTS) and sharded <= set(netns_nodes.OPTIONAL)
     assert not set(netns_nodes.SHARDED) & set(netns_nodes.DEFAULT_VARIANTS)  # the default run stays short
     p = netns_nodes.build_parser()
     assert p.parse_args([]).variants == list(netns_nodes.DEFAULT_VARIANTS)
@@ -183,7 +184,8 @@ def test_sharded_goal_met_missed_and_unavailable():
     # exactly 1/10 meets it
     a = {"variant": "zero3_votes", "inter_node_bytes_per_rank": 100, "step_time_s": 1.0}
     b = {"variant": "zero3", "inter_node_bytes_per_rank": 1000, "step_time_s": 2.0}
-    assert "goal <= 1/10: OK" in netns_nodes.sharded_goal("x:", a, b) and "2.00x as fast" in netns_nodes.sharded_goal("x:", a, b)
+    line = netns_nodes.sharded_goal("x:", a, b)
+    assert "goal <= 1/10: OK" in line and "2.00x as fast" in line
     assert "MISSED" in netns_nodes.sharded_goal("x:", a, dict(b, inter_node_bytes_per_rank=999))
     # a framework that cannot build a variant: reported unavailable, the goal says why it is not measured
     specs = {v: s for v, s in SPECS.items() if v != "zero3_votes"}
