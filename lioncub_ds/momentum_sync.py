@@ -50,6 +50,8 @@ import torch
 
 from .config import LionCubConfigError, MomentumSyncConfig
 from .groups import resolve_ranks_per_node
+# the ring-model bytes of one sync (torch-free, shared with the planner)
+from .wire import sync_wire_bytes  # noqa: F401 - re-exported
 
 
 def geometric_steps(k: float, limit: int) -> list[int]:
@@ -370,13 +372,3 @@ def sync_bytes(numels: list[int], world_size: int, dtype: str, chunk_numel: int)
                for idx in sync_chunks(numels, chunk_numel))
 
 
-def sync_wire_bytes(numel: int, world_size: int, dtype: str) -> int:
-    """Bytes one rank sends to sync ``numel`` momenta in ``dtype`` (telemetry's ring model)."""
-    n = world_size
-    if n <= 1:
-        return 0
-    if dtype == "fp32":
-        return 2 * (n - 1) * 4 * numel // n
-    shard = -(-numel // n)
-    width = 2 * shard if dtype == "bf16" else shard + 4
-    return 2 * (n - 1) * width

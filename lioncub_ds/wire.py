@@ -133,7 +133,8 @@ def flag_bytes(n_buckets: int, world_size: int, carried: bool) -> int:
 
 
 def sync_wire_bytes(numel: int, world_size: int, dtype: str) -> int:
-    """:func:`lioncub_ds.momentum_sync.sync_wire_bytes`: one sync of ``numel`` momenta."""
+    """Bytes one rank sends to sync ``numel`` momenta in ``dtype`` (telemetry's ring model); the runtime's
+    :mod:`lioncub_ds.momentum_sync` uses this one."""
     n = world_size
     if n <= 1:
         return 0
