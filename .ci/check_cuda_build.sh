@@ -74,26 +74,26 @@ t_build=$(date +%s)
 # 3. Import it with the venv's python, outside the repository, and check what the loader checks.
 cd "$tmp"
 "$vpy" - <<'EOF' || fail "the CUDA extension built but does not import or is not the one the loader would choose"
-import re
-from pathlib import Path
-
 import torch
 import torch.utils.cpp_extension as cpp_ext
 
 import importlib
 
 import lioncub_ds
-from lioncub_ds.kernels import build, cuda as cuda_backend, loader
+from lioncub_ds.kernels import build, loader, ops
 
 assert "site-packages" in lioncub_ds.__file__, lioncub_ds.__file__  # the installed copy, not a checkout
 ext = importlib.import_module(build.CUDA_MODULE)
 assert ext.has_cuda is True, "built without LIONCUB_WITH_CUDA"
 want = "h" + loader.source_hash(cuda=True)
 assert ext.src_hash() == want, (ext.src_hash(), want)
-# Every ext.cuda_* entry point the backend calls is bound.
-names = sorted(set(re.findall(r"ext\.(cuda_\w+)", Path(cuda_backend.__file__).read_text())))
+# Every op (but abstain_list, whose CUDA implementation is the reference's torch ops) has its direct
+# entry (cuda_<op>, the eager path) and a CUDA kernel registered for torch.ops.lioncub.<op>.
+names = ["cuda_" + n for n in sorted(ops.SCHEMAS) if n != "abstain_list"]
 missing = [n for n in names if not hasattr(ext, n)]
 assert names and not missing, f"not bound: {missing}"
+unregistered = [n for n in ops.SCHEMAS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"lioncub::{n}", "CUDA")]
+assert not unregistered, f"no CUDA kernel registered for {unregistered}"
 cpu = importlib.import_module(build.CPP_MODULE)
 assert cpu.has_cuda is False and cpu.src_hash() == "h" + loader.source_hash(), "the CPU module of the same build"
 

@@ -1,25 +1,40 @@
-// bindings.cpp -- the Python module: the CPU wrappers (and, built with LIONCUB_WITH_CUDA, the CUDA
-// ones of bindings_cuda.cpp). bindings*.{h,cpp} are the only files that include torch headers.
+// bindings.cpp -- the one file that includes torch headers: the kernels as torch custom ops.
 //
-// Thin wrappers: check every tensor argument (device, dtype, contiguity, sizes; each message
-// names the argument), allocate the outputs, release the GIL and call the raw kernels of
-// csrc/cpu/lioncub_cpu.h (or, built with LIONCUB_WITH_CUDA, launch those of csrc/cuda/lioncub_cuda.h).
-// The CPU and the CUDA wrappers share one set of argument checks (bindings_checks.h). lioncub_ds/kernels/cpp.py
-// and cuda.py turn these into the backend objects whose methods mirror the reference backend.
+// Every op is declared once, in lioncub_ds/kernels/ops.py (its torch.library schema, its fake
+// implementation and the argument checks). This file registers the implementations of those
+// schemas: the CPU kernels of csrc/cpu (TORCH_LIBRARY_IMPL(lioncub, CPU)) and, built with
+// LIONCUB_WITH_CUDA, the CUDA launchers of csrc/cuda (TORCH_LIBRARY_IMPL(lioncub, CUDA)). The
+// same functions are also exposed to Python directly (pybind, `cuda_` names for CUDA): the eager
+// call path, which skips the dispatcher's boxing (~2 µs per call; ops.py says when each is used).
+//
+// No argument checks live here: ops.py validates everything before a call (a C++ exception thrown
+// through a JIT extension crashes the process on some images). What remains are LC_INV
+// invariants that keep memory safe if an entry is called around ops.py (raw torch.ops); they are
+// unreachable through the Python API and their message says so.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
-#include "bindings_checks.h"
+#include "common/lioncub_common.h"
 #include "cpu/lioncub_cpu.h"
+#ifdef LIONCUB_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/lioncub_cuda.h"
+#endif
 
 // LIONCUB_SRC_HASH: "h" + sha1 of the kernel sources, passed as a bare token by the build
-// (lioncub_ds/_native.py, setup.py) so that no shell quoting is involved.
+// (lioncub_ds/kernels/loader.py, setup.py) so that no shell quoting is involved.
 #define LIONCUB_STR2(x) #x
 #define LIONCUB_STR(x) LIONCUB_STR2(x)
 #ifdef LIONCUB_SRC_HASH
@@ -28,346 +43,731 @@
 #define LIONCUB_SRC_HASH_STR ""
 #endif
 
-namespace lc = lioncub::cpu;
+#define LC_INV(cond, what)                                                                                    \
+  TORCH_CHECK(cond, "lioncub internal: ", what,                                                               \
+              " (the kernels take arguments only through lioncub_ds/kernels/ops.py, which validates them)")
 
-using namespace lioncub_bind;
+namespace lc = lioncub::cpu;
 
 namespace {
 
-int threads() { return std::max(1, at::get_num_threads()); }
+using TL = at::TensorList;
+using OptT = std::optional<at::Tensor>;
 
-// ------------------------------------------------------------------------------- CPU helpers
-// Tensors placed in a bucket of `total` elements at `offsets` (multiples of 8, no overrun).
-std::vector<lc::Slot> make_slots(const std::vector<at::Tensor>& ts, const std::vector<int64_t>& offsets,
-                                 const char* name, bool allow_f16, int64_t total) {
-  TORCH_CHECK(ts.size() == offsets.size(), "lioncub cpp kernels: ", name, " has ", ts.size(),
-              " tensors but offsets has ", offsets.size(), " entries");
-  std::vector<lc::Slot> out(ts.size());
-  for (size_t i = 0; i < ts.size(); ++i) {
-    const std::string nm = arg_name(name, static_cast<int64_t>(i));
-    check_tensor(ts[i], nm, kCpu);
-    const int32_t code = float_code(ts[i], nm, allow_f16, kCpu);
-    check_offset(i, offsets[i], ts[i].numel(), nm, total, kCpu);
-    out[i] = lc::Slot{ts[i].data_ptr(), ts[i].numel(), offsets[i], code};
-  }
-  return out;
+// The dtype code of the scalar contract (csrc/common: kF32, kBF16, kF16).
+int32_t dtype_code(const at::Tensor& t, bool allow_f16) {
+  const auto st = t.scalar_type();
+  if (st == at::kFloat) return lcc::kF32;
+  if (st == at::kBFloat16) return lcc::kBF16;
+  LC_INV(allow_f16 && st == at::kHalf, "a tensor of an unsupported dtype");
+  return lcc::kF16;
 }
 
-std::pair<const int64_t*, int64_t> tie_table(const at::Tensor& t) {
-  check_segments(t, kCpu);
+// The bucket offsets: an int64 CPU tensor of one entry per tensor (ops.Layout).
+const int64_t* offsets_of(const at::Tensor& offsets, size_t n) {
+  LC_INV(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.is_contiguous() &&
+             static_cast<size_t>(offsets.numel()) == n,
+         "offsets must be an int64 CPU tensor with one entry per tensor");
+  return offsets.data_ptr<int64_t>();
+}
+
+void tensor_inv(const at::Tensor& t, const at::Device& dev) {
+  LC_INV(t.defined() && t.layout() == at::kStrided && t.is_contiguous() &&
+             (dev.is_cpu() ? t.device().is_cpu() : t.device() == dev),
+         "a dense contiguous tensor on the call's device");
+}
+
+// Planes [N, B] (or [B]): (N, B).
+std::pair<int64_t, int64_t> plane_inv(const at::Tensor& t, const at::Device& dev, int64_t max_rows = 65535) {
+  tensor_inv(t, dev);
+  LC_INV(t.scalar_type() == at::kByte && (t.dim() == 1 || t.dim() == 2), "uint8 planes [N, bytes]");
+  const int64_t n = t.dim() == 2 ? t.size(0) : 1;
+  LC_INV(n >= 1 && n <= max_rows, "1..65535 planes");
+  return {n, t.size(-1)};
+}
+
+const uint8_t* nonzero_inv(const OptT& nz, std::pair<int64_t, int64_t> shape, const at::Device& dev) {
+  if (!nz.has_value()) return nullptr;
+  LC_INV(plane_inv(*nz, dev) == shape, "nonzero planes of the sign planes' shape");
+  return nz->data_ptr<uint8_t>();
+}
+
+// The tie-index table: int64 [K, 2] (pos, index) rows in the kernels' memory (ops.Layout keeps
+// one copy per device, built once per bucket).
+std::pair<const int64_t*, int64_t> tie_table(const at::Tensor& t, const at::Device& dev) {
+  tensor_inv(t, dev);
+  LC_INV(t.scalar_type() == at::kLong && t.dim() == 2 && t.size(1) == 2 && t.size(0) >= 1, "segments int64 [K, 2]");
   return {t.data_ptr<int64_t>(), t.size(0)};
 }
 
-lc::ApplyArgs apply_args(double lr, double wd, int64_t step, int64_t tie, int64_t vote, int64_t world,
-                         const at::Tensor& segments) {
-  check_codes(tie, vote, world, kCpu);
-  const auto tt = tie_table(segments);
+lc_apply_args apply_args(double lr, double wd, int64_t step, int64_t tie, int64_t vote, int64_t world,
+                         std::pair<const int64_t*, int64_t> tt) {
+  LC_INV(tie >= 0 && tie <= 2 && (vote == 0 || vote == 1) && world >= 1 && world <= INT32_MAX, "vote codes");
   return lc_make_apply_args(lr, wd, step, static_cast<int32_t>(tie), static_cast<int32_t>(vote),
                             static_cast<int32_t>(world), tt.first, tt.second);
 }
 
-// The optional second momentum buffers of a local step: one per momentum, its dtype, in its place.
-std::vector<lc::Slot> momenta_out_slots(const std::vector<at::Tensor>& momenta, const std::vector<lc::Slot>& m,
-                                        const c10::optional<std::vector<at::Tensor>>& momenta_out,
-                                        const std::vector<int64_t>& offsets, int64_t total) {
-  std::vector<lc::Slot> mo;
-  if (!momenta_out.has_value()) return mo;
-  check_pairs(momenta, "momenta", *momenta_out, "momenta_out", kCpu);
-  mo = make_slots(*momenta_out, offsets, "momenta_out", false, total);
-  for (size_t i = 0; i < mo.size(); ++i)
-    TORCH_CHECK(mo[i].dtype == m[i].dtype, "lioncub cpp kernels: ", arg_name("momenta_out", i),
-                " must have the dtype of ", arg_name("momenta", i));
-  return mo;
+at::TensorOptions opts(at::ScalarType st, const at::Device& dev) { return at::TensorOptions().dtype(st).device(dev); }
+
+// An apply's Δ (fp32 [numel]) or, without return_delta, an empty tensor (ops.py gives None).
+at::Tensor delta_out(bool return_delta, int64_t numel, const at::Device& dev) {
+  return at::empty({return_delta ? numel : 0}, opts(at::kFloat, dev));
 }
 
-// The (sign, nonzero) result planes of a shard vote: s bytes each, zeroed.
-std::pair<at::Tensor, at::Tensor> result_planes(int64_t s) {
-  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
-  return {at::zeros({s}, opts), at::zeros({s}, opts)};
-}
+// A zero_sign_apply cast: an empty tensor stands for "no cast" (a schema cannot hold Tensor?[] mutably).
+bool has_cast(const at::Tensor& c) { return c.defined() && c.numel() > 0; }
 
-// ------------------------------------------------------------------------------------ kernels
-std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> local_step(const std::vector<at::Tensor>& grads,
-                                                               const std::vector<at::Tensor>& momenta,
-                                                               const std::vector<int64_t>& offsets, int64_t total,
-                                                               double beta1, double beta2, bool update_momentum,
-                                                               const c10::optional<std::vector<at::Tensor>>& momenta_out) {
-  check_total(total, 8, kCpu);
-  check_pairs(grads, "grads", momenta, "momenta", kCpu);
-  auto g = make_slots(grads, offsets, "grads", true, total);
-  auto m = make_slots(momenta, offsets, "momenta", false, total);
-  const std::vector<lc::Slot> mo = momenta_out_slots(momenta, m, momenta_out, offsets, total);
-  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
-  at::Tensor sign = at::zeros({total / 8}, opts);
-  at::Tensor nz = at::zeros({total / 8}, opts);
-  lc::LocalStepCounts r{0, 0};
-  {
-    pybind11::gil_scoped_release nogil;
-    r = lc::local_step(g.data(), m.data(), mo.empty() ? nullptr : mo.data(), static_cast<int64_t>(g.size()), total,
-                       beta1, beta2, update_momentum, sign.data_ptr<uint8_t>(), nz.data_ptr<uint8_t>(), threads());
+// The pieces of a ZeRO sign all-gather apply: `layout` int64 [K, 5] rows (group, row, bit, start,
+// numel) (reference.ZeroLayout.pieces), targets[g] fp32, casts[g] (or empty), one lr / weight decay
+// per group. chunk_start counts LC_CHUNK chunks (CUDA only).
+constexpr int64_t kPieceChunk = 16384;
+std::vector<lc_zero_piece> zero_pieces(int64_t rows, int64_t row_bits, TL targets, TL casts, const at::Tensor& layout,
+                                       at::ArrayRef<double> lrs, at::ArrayRef<double> wds) {
+  const size_t ng = targets.size();
+  LC_INV(casts.size() == ng && lrs.size() == ng && wds.size() == ng, "one cast, lr and weight decay per group");
+  LC_INV(layout.device().is_cpu() && layout.scalar_type() == at::kLong && layout.dim() == 2 && layout.size(1) == 5 &&
+             layout.is_contiguous(),
+         "layout int64 [K, 5] on the CPU");
+  std::vector<lc_zero_piece> out(static_cast<size_t>(layout.size(0)));
+  const int64_t* L = layout.data_ptr<int64_t>();
+  int64_t chunks = 0;
+  for (size_t k = 0; k < out.size(); ++k) {
+    const int64_t g = L[5 * k], row = L[5 * k + 1], bit = L[5 * k + 2], start = L[5 * k + 3], n = L[5 * k + 4];
+    LC_INV(g >= 0 && g < static_cast<int64_t>(ng) && row >= 0 && row < rows && bit >= 0 && n >= 0 &&
+               bit + n <= row_bits && start >= 0 && start + n <= targets[g].numel() &&
+               targets[g].scalar_type() == at::kFloat &&
+               (!has_cast(casts[g]) || casts[g].numel() == targets[g].numel()),
+           "a layout row inside its planes and tensors");
+    const lc_lion_step_args a = lc_make_lion_step_args(lrs[g], wds[g], 0.0, 0.0);
+    lc_zero_piece& P = out[k];
+    const at::Tensor& c = casts[g];
+    P.target = reinterpret_cast<uint64_t>(targets[g].data_ptr<float>() + start);
+    P.cast = has_cast(c) ? reinterpret_cast<uint64_t>(static_cast<char*>(c.data_ptr()) + start * c.element_size()) : 0;
+    P.cast_dtype = has_cast(c) ? dtype_code(c, true) : 0;
+    P.row = row;
+    P.bit = bit;
+    P.numel = n;
+    P.chunk_start = chunks;
+    chunks += (n + kPieceChunk - 1) / kPieceChunk;
+    P.neg_lr = a.neg_lr;
+    P.decay = a.decay;
+    P.apply_decay = a.apply_decay;
   }
-  return {sign, nz, r.n_nonfinite, r.n_zero};
-}
-
-// The abstention list of a nonzero plane against the bucket's mask (reference.abstain_list).
-at::Tensor abstain_list(const at::Tensor& nonzero, const at::Tensor& mask, int64_t capacity) {
-  check_dtype(nonzero, "nonzero", at::kByte, kCpu);
-  check_dtype(mask, "mask", at::kByte, kCpu);
-  TORCH_CHECK(nonzero.dim() == 1 && mask.dim() == 1 && nonzero.numel() == mask.numel(),
-              "lioncub cpp kernels: nonzero and mask must be 1-D planes of the same size");
-  TORCH_CHECK(capacity >= 0 && capacity <= nonzero.numel() && nonzero.numel() <= INT32_MAX,
-              "lioncub cpp kernels: capacity must be in 0..plane bytes (< 2**31), got ", capacity);
-  at::Tensor out = at::empty({1 + 2 * capacity}, at::TensorOptions().dtype(at::kInt).device(at::kCPU));
-  pybind11::gil_scoped_release nogil;
-  lc::abstain_list(nonzero.data_ptr<uint8_t>(), mask.data_ptr<uint8_t>(), nonzero.numel(), capacity,
-                   out.data_ptr<int32_t>());
   return out;
 }
 
-void momentum_update_list(const std::vector<at::Tensor>& momenta, const std::vector<at::Tensor>& grads,
-                          double beta2) {
-  check_pairs(momenta, "momenta", grads, "grads", kCpu);
-  std::vector<int64_t> offs(momenta.size(), 0);
-  auto m = make_slots(momenta, offs, "momenta", false, INT64_MAX);
-  auto g = make_slots(grads, offs, "grads", true, INT64_MAX);
-  pybind11::gil_scoped_release nogil;
+// ================================================================================ CPU
+namespace cpu {
+
+const at::Device kDev(at::kCPU);
+int threads() { return std::max(1, at::get_num_threads()); }
+
+// Tensors placed in a bucket of `total` elements at `offs` (nullptr: a plain list, no bucket).
+std::vector<lc::Slot> slots(TL ts, const int64_t* offs, int64_t total, bool allow_f16) {
+  std::vector<lc::Slot> out(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    tensor_inv(ts[i], kDev);
+    const int64_t off = offs ? offs[i] : 0;
+    LC_INV(!offs || (off >= 0 && off % 8 == 0 && off + ts[i].numel() <= total), "a tensor inside its bucket");
+    out[i] = lc::Slot{ts[i].data_ptr(), ts[i].numel(), off, dtype_code(ts[i], allow_f16)};
+  }
+  return out;
+}
+
+void same_numels(TL a, TL b) {
+  LC_INV(a.size() == b.size(), "paired lists of one length");
+  for (size_t i = 0; i < a.size(); ++i) LC_INV(a[i].numel() == b[i].numel(), "paired tensors of one size");
+}
+
+// momenta_out (empty: none): one buffer per momentum, its dtype.
+std::vector<lc::Slot> out_slots(TL momenta_out, const std::vector<lc::Slot>& m, const int64_t* offs, int64_t total) {
+  if (momenta_out.empty()) return {};
+  auto mo = slots(momenta_out, offs, total, false);
+  LC_INV(mo.size() == m.size(), "one momenta_out per momentum");
+  for (size_t i = 0; i < mo.size(); ++i) LC_INV(mo[i].dtype == m[i].dtype && mo[i].numel == m[i].numel, "momenta_out");
+  return mo;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> local_step(TL grads, TL momenta, TL momenta_out,
+                                                          const at::Tensor& offsets, int64_t total, double beta1,
+                                                          double beta2, bool update_momentum) {
+  LC_INV(total >= 0 && total % 8 == 0, "total");
+  same_numels(grads, momenta);
+  const int64_t* offs = offsets_of(offsets, grads.size());
+  auto g = slots(grads, offs, total, true);
+  auto m = slots(momenta, offs, total, false);
+  const auto mo = out_slots(momenta_out, m, offs, total);
+  at::Tensor sign = at::zeros({total / 8}, opts(at::kByte, kDev));
+  at::Tensor nz = at::zeros({total / 8}, opts(at::kByte, kDev));
+  at::Tensor counts = at::empty({2}, opts(at::kLong, kDev));
+  const auto r = lc::local_step(g.data(), m.data(), mo.empty() ? nullptr : mo.data(), static_cast<int64_t>(g.size()),
+                                total, beta1, beta2, update_momentum, sign.data_ptr<uint8_t>(),
+                                nz.data_ptr<uint8_t>(), threads());
+  counts.data_ptr<int64_t>()[0] = r.n_nonfinite;
+  counts.data_ptr<int64_t>()[1] = r.n_zero;
+  return {sign, nz, counts};
+}
+
+at::Tensor abstain_list(const at::Tensor& nonzero, const at::Tensor& mask, int64_t capacity) {
+  const auto a = plane_inv(nonzero, kDev), b = plane_inv(mask, kDev);
+  LC_INV(nonzero.dim() == 1 && a == b && capacity >= 0 && capacity <= a.second && a.second <= INT32_MAX,
+         "two 1-D planes of one size, capacity <= their bytes");
+  at::Tensor out = at::empty({1 + 2 * capacity}, opts(at::kInt, kDev));
+  lc::abstain_list(nonzero.data_ptr<uint8_t>(), mask.data_ptr<uint8_t>(), a.second, capacity, out.data_ptr<int32_t>());
+  return out;
+}
+
+void momentum_update(TL momenta, TL grads, double beta2) {
+  same_numels(momenta, grads);
+  auto m = slots(momenta, nullptr, 0, false);
+  auto g = slots(grads, nullptr, 0, true);
   lc::momentum_update(m.data(), g.data(), static_cast<int64_t>(m.size()), beta2, threads());
 }
 
-c10::optional<at::Tensor> vote_apply(const at::Tensor& sign, const c10::optional<at::Tensor>& nonzero,
-                                     const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
-                                     double lr, double weight_decay, int64_t step, int64_t tie, int64_t vote,
-                                     int64_t world_size, const at::Tensor& segments, bool return_delta) {
-  const auto [n, b] = plane_shape(sign, "sign", true, kCpu);
-  check_nonzero(nonzero, {n, b}, true, kCpu);
-  const int64_t numel = b * 8;
-  auto p = make_slots(params, offsets, "params", false, numel);
-  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, segments);
-  at::Tensor delta;
-  if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
-  {
-    pybind11::gil_scoped_release nogil;
-    lc::vote_apply(sign.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n, b,
-                   p.data(), static_cast<int64_t>(p.size()), a, return_delta ? delta.data_ptr<float>() : nullptr,
-                   threads());
-  }
-  if (return_delta) return delta;
-  return c10::nullopt;
+at::Tensor vote_apply(const at::Tensor& sign, const OptT& nonzero, TL params, const at::Tensor& offsets, double lr,
+                      double weight_decay, int64_t step, int64_t tie, int64_t vote, int64_t world_size,
+                      const at::Tensor& segments, bool return_delta) {
+  const auto shape = plane_inv(sign, kDev);
+  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev);
+  const int64_t numel = shape.second * 8;
+  auto p = slots(params, offsets_of(offsets, params.size()), numel, false);
+  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, tie_table(segments, kDev));
+  at::Tensor delta = delta_out(return_delta, numel, kDev);
+  lc::vote_apply(sign.data_ptr<uint8_t>(), nz, shape.first, shape.second, p.data(), static_cast<int64_t>(p.size()), a,
+                 return_delta ? delta.data_ptr<float>() : nullptr, threads());
+  return delta;
 }
 
-std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const c10::optional<at::Tensor>& nonzero,
-                                              int64_t step, int64_t tie, const at::Tensor& segments) {
-  const auto [n, s] = plane_shape(sign, "sign", false, kCpu);
-  check_nonzero(nonzero, {n, s}, false, kCpu);
-  check_tie(tie, kCpu);
-  const auto tt = tie_table(segments);
-  auto [out_sign, out_nz] = result_planes(s);
-  {
-    pybind11::gil_scoped_release nogil;
-    lc::shard_vote(sign.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n, s,
-                   step, static_cast<int32_t>(tie), tt.first, tt.second, out_sign.data_ptr<uint8_t>(),
-                   out_nz.data_ptr<uint8_t>(), threads());
-  }
+std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const OptT& nonzero, int64_t step, int64_t tie,
+                                              const at::Tensor& segments) {
+  const auto shape = plane_inv(sign, kDev);
+  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev);
+  LC_INV(tie >= 0 && tie <= 2, "tie code");
+  const auto tt = tie_table(segments, kDev);
+  at::Tensor out_sign = at::zeros({shape.second}, opts(at::kByte, kDev));
+  at::Tensor out_nz = at::zeros({shape.second}, opts(at::kByte, kDev));
+  lc::shard_vote(sign.data_ptr<uint8_t>(), nz, shape.first, shape.second, step, static_cast<int32_t>(tie), tt.first,
+                 tt.second, out_sign.data_ptr<uint8_t>(), out_nz.data_ptr<uint8_t>(), threads());
   return {out_sign, out_nz};
 }
 
-std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t> count_lanes(const at::Tensor& sign,
-                                                                      const c10::optional<at::Tensor>& nonzero,
-                                                                      int64_t p) {
-  const auto [n, s] = plane_shape(sign, "sign", false, kCpu);
-  check_nonzero(nonzero, {n, s}, false, kCpu);
-  check_lane_width(p, kCpu);
-  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
-  at::Tensor plus = at::zeros({s * p}, opts);
-  c10::optional<at::Tensor> cnt;
-  if (nonzero.has_value()) cnt = at::zeros({s * p}, opts);
-  int64_t mx = 0;
-  {
-    pybind11::gil_scoped_release nogil;
-    mx = lc::count_lanes(sign.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n,
-                         s, static_cast<int>(p), plus.data_ptr<uint8_t>(),
-                         cnt.has_value() ? cnt->data_ptr<uint8_t>() : nullptr, threads());
-  }
-  return {plus, cnt, mx};
+// (plus, cnt (empty without nonzero), overflow: int32 [1] set when a count did not fit its lane,
+// or [0] when none can: ops.count_lanes raises, never a C++ exception)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> count_lanes(const at::Tensor& sign, const OptT& nonzero, int64_t p) {
+  const auto shape = plane_inv(sign, kDev);
+  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev);
+  LC_INV(p == 1 || p == 2 || p == 4 || p == 8, "lane width");
+  const int64_t s = shape.second, top = (int64_t{1} << p) - 1;
+  at::Tensor plus = at::zeros({s * p}, opts(at::kByte, kDev));
+  at::Tensor cnt = at::zeros({nz ? s * p : 0}, opts(at::kByte, kDev));
+  const bool check = nz && shape.first > top && s > 0;
+  at::Tensor overflow = at::zeros({check ? 1 : 0}, opts(at::kInt, kDev));
+  const int64_t mx = lc::count_lanes(sign.data_ptr<uint8_t>(), nz, shape.first, s, static_cast<int>(p),
+                                     plus.data_ptr<uint8_t>(), nz ? cnt.data_ptr<uint8_t>() : nullptr, threads());
+  if (check && mx > top) overflow.data_ptr<int32_t>()[0] = 1;
+  return {plus, cnt, overflow};
 }
 
-c10::optional<at::Tensor> lanes_apply(const at::Tensor& plus, const c10::optional<at::Tensor>& cnt,
-                                      int64_t world_size, int64_t p, const std::vector<at::Tensor>& params,
-                                      const std::vector<int64_t>& offsets, double lr, double weight_decay,
-                                      int64_t step, int64_t tie, int64_t vote, const at::Tensor& segments,
-                                      bool return_delta) {
-  check_dtype(plus, "plus_lanes", at::kByte, kCpu);
-  check_lane_width(p, kCpu);
-  const int64_t bytes = plus.numel();
-  if (cnt.has_value()) {
-    check_dtype(*cnt, "cnt_lanes", at::kByte, kCpu);
-    TORCH_CHECK(cnt->numel() == bytes, "lioncub cpp kernels: cnt_lanes has ", cnt->numel(),
-                " bytes but plus_lanes has ", bytes);
-  }
-  const int64_t numel = bytes * 8 / p;
-  auto prm = make_slots(params, offsets, "params", false, numel);
-  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, segments);
-  at::Tensor delta;
-  if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
-  {
-    pybind11::gil_scoped_release nogil;
-    lc::lanes_apply(plus.data_ptr<uint8_t>(), cnt.has_value() ? cnt->data_ptr<uint8_t>() : nullptr, bytes,
-                    static_cast<int>(p), prm.data(), static_cast<int64_t>(prm.size()), a,
-                    return_delta ? delta.data_ptr<float>() : nullptr, threads());
-  }
-  if (return_delta) return delta;
-  return c10::nullopt;
+at::Tensor lanes_apply(const at::Tensor& plus, const OptT& cnt, int64_t world_size, int64_t p, TL params,
+                       const at::Tensor& offsets, double lr, double weight_decay, int64_t step, int64_t tie,
+                       int64_t vote, const at::Tensor& segments, bool return_delta) {
+  const auto shape = plane_inv(plus, kDev);
+  LC_INV(plus.dim() == 1 && (p == 1 || p == 2 || p == 4 || p == 8), "1-D lanes, lane width");
+  const uint8_t* c = nonzero_inv(cnt, shape, kDev);
+  const int64_t numel = shape.second * 8 / p;
+  auto prm = slots(params, offsets_of(offsets, params.size()), numel, false);
+  const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, tie_table(segments, kDev));
+  at::Tensor delta = delta_out(return_delta, numel, kDev);
+  lc::lanes_apply(plus.data_ptr<uint8_t>(), c, shape.second, static_cast<int>(p), prm.data(),
+                  static_cast<int64_t>(prm.size()), a, return_delta ? delta.data_ptr<float>() : nullptr, threads());
+  return delta;
 }
 
-std::tuple<at::Tensor, int64_t> int8_local_step(const std::vector<at::Tensor>& grads,
-                                                const std::vector<at::Tensor>& momenta,
-                                                const std::vector<int64_t>& offsets, int64_t total, double beta1,
-                                                int64_t kind, int64_t levels) {
-  check_total(total, 1, kCpu);
-  check_int8_codes(kind, levels, kCpu);
-  check_pairs(grads, "grads", momenta, "momenta", kCpu);
-  auto g = make_slots(grads, offsets, "grads", true, total);
-  auto m = make_slots(momenta, offsets, "momenta", false, total);
-  at::Tensor q = at::zeros({total}, at::TensorOptions().dtype(at::kChar).device(at::kCPU));
-  int64_t bad = 0;
-  const int tt = threads();
-  {
-    pybind11::gil_scoped_release nogil;
-    bad = lc::int8_local_step(g.data(), m.data(), static_cast<int64_t>(g.size()), total, beta1,
-                              static_cast<int32_t>(kind), static_cast<int32_t>(levels), q.data_ptr<int8_t>(), tt);
-  }
-  return {q, bad};
+std::tuple<at::Tensor, at::Tensor> int8_local_step(TL grads, TL momenta, const at::Tensor& offsets, int64_t total,
+                                                   double beta1, int64_t kind, int64_t levels) {
+  LC_INV(total >= 0 && kind >= 0 && kind <= 2 && levels >= 1 && levels <= 127, "int8 codes");
+  same_numels(grads, momenta);
+  const int64_t* offs = offsets_of(offsets, grads.size());
+  auto g = slots(grads, offs, total, true);
+  auto m = slots(momenta, offs, total, false);
+  at::Tensor q = at::zeros({total}, opts(at::kChar, kDev));
+  at::Tensor n_bad = at::empty({1}, opts(at::kLong, kDev));
+  n_bad.data_ptr<int64_t>()[0] =
+      lc::int8_local_step(g.data(), m.data(), static_cast<int64_t>(g.size()), total, beta1, static_cast<int32_t>(kind),
+                          static_cast<int32_t>(levels), q.data_ptr<int8_t>(), threads());
+  return {q, n_bad};
 }
 
-c10::optional<at::Tensor> int8_apply(const at::Tensor& qsum, const std::vector<at::Tensor>& params,
-                                     const std::vector<int64_t>& offsets, double lr, double weight_decay,
-                                     bool return_delta) {
-  check_dtype(qsum, "qsum", at::kChar, kCpu);
+at::Tensor int8_apply(const at::Tensor& qsum, TL params, const at::Tensor& offsets, double lr, double weight_decay,
+                      bool return_delta) {
+  tensor_inv(qsum, kDev);
+  LC_INV(qsum.scalar_type() == at::kChar, "int8 qsum");
   const int64_t numel = qsum.numel();
-  auto prm = make_slots(params, offsets, "params", false, numel);
-  at::Tensor delta;
-  if (return_delta) delta = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
-  {
-    pybind11::gil_scoped_release nogil;
-    const lc::ApplyArgs a = lc_make_apply_args(lr, weight_decay, 0, 0, 0, 1, nullptr, 0);
-    lc::int8_apply(qsum.data_ptr<int8_t>(), numel, prm.data(), static_cast<int64_t>(prm.size()), a,
-                   return_delta ? delta.data_ptr<float>() : nullptr, threads());
+  auto prm = slots(params, offsets_of(offsets, params.size()), numel, false);
+  at::Tensor delta = delta_out(return_delta, numel, kDev);
+  const lc::ApplyArgs a = lc_make_apply_args(lr, weight_decay, 0, 0, 0, 1, nullptr, 0);
+  lc::int8_apply(qsum.data_ptr<int8_t>(), numel, prm.data(), static_cast<int64_t>(prm.size()), a,
+                 return_delta ? delta.data_ptr<float>() : nullptr, threads());
+  return delta;
+}
+
+void lion_step(TL params, TL grads, TL momenta, double lr, double weight_decay, double beta1, double beta2) {
+  same_numels(params, grads);
+  same_numels(params, momenta);
+  auto p = slots(params, nullptr, 0, false);
+  auto g = slots(grads, nullptr, 0, true);
+  auto m = slots(momenta, nullptr, 0, false);
+  lc::lion_step(p.data(), g.data(), m.data(), static_cast<int64_t>(p.size()),
+                lc_make_lion_step_args(lr, weight_decay, beta1, beta2), threads());
+}
+
+void zero_sign_apply(const at::Tensor& sign, const OptT& nonzero, TL targets, TL casts, const at::Tensor& layout,
+                     at::ArrayRef<double> lrs, at::ArrayRef<double> wds) {
+  const auto shape = plane_inv(sign, kDev);
+  LC_INV(sign.dim() == 2, "2-D sign planes");
+  int64_t zb = shape.second;
+  if (nonzero.has_value()) {
+    const auto z = plane_inv(*nonzero, kDev);
+    LC_INV(nonzero->dim() == 2 && z.first == shape.first, "nonzero rows");
+    zb = z.second;
   }
-  if (return_delta) return delta;
-  return c10::nullopt;
+  for (const auto& t : targets) tensor_inv(t, kDev);
+  for (const auto& c : casts)
+    if (has_cast(c)) tensor_inv(c, kDev);
+  const auto pieces = zero_pieces(shape.first, 8 * std::min(shape.second, zb), targets, casts, layout, lrs, wds);
+  lc::zero_sign_apply(sign.data_ptr<uint8_t>(), shape.second,
+                      nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, zb, pieces.data(),
+                      static_cast<int64_t>(pieces.size()), threads());
 }
 
-void lion_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-               const std::vector<at::Tensor>& momenta, double lr, double weight_decay, double beta1, double beta2) {
-  check_pairs(params, "params", grads, "grads", kCpu);
-  check_pairs(params, "params", momenta, "momenta", kCpu);
-  std::vector<int64_t> offs(params.size(), 0);
-  auto p = make_slots(params, offs, "params", false, INT64_MAX);
-  auto g = make_slots(grads, offs, "grads", true, INT64_MAX);
-  auto m = make_slots(momenta, offs, "momenta", false, INT64_MAX);
-  const lc::LionStepArgs a = lc_make_lion_step_args(lr, weight_decay, beta1, beta2);
-  pybind11::gil_scoped_release nogil;
-  lc::lion_step(p.data(), g.data(), m.data(), static_cast<int64_t>(p.size()), a, threads());
-}
-
-// comm="bbit": the local step (b code planes, the nonzero plane, the counts) and the shard vote.
-std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> bbit_local_step(
-    const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta, const std::vector<int64_t>& offsets,
-    int64_t total, double beta1, double beta2, bool update_momentum, int64_t kind, int64_t bits, int64_t rounding,
-    int64_t seed, const at::Tensor& segments, const c10::optional<std::vector<at::Tensor>>& momenta_out) {
-  check_total(total, 8, kCpu);
-  check_bbit_codes(kind, bits, rounding, seed, kCpu);
-  check_pairs(grads, "grads", momenta, "momenta", kCpu);
-  auto g = make_slots(grads, offsets, "grads", true, total);
-  auto m = make_slots(momenta, offsets, "momenta", false, total);
-  const std::vector<lc::Slot> mo = momenta_out_slots(momenta, m, momenta_out, offsets, total);
-  const auto tt = tie_table(segments);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bbit_local_step(TL grads, TL momenta, TL momenta_out,
+                                                               const at::Tensor& offsets, int64_t total, double beta1,
+                                                               double beta2, bool update_momentum, int64_t kind,
+                                                               int64_t bits, int64_t rounding, int64_t seed,
+                                                               const at::Tensor& segments) {
+  LC_INV(total >= 0 && total % 8 == 0 && kind >= 0 && kind <= 2 && bits >= 1 && bits <= 4 &&
+             (rounding == 0 || rounding == 1) && seed >= 0 && seed <= UINT32_MAX,
+         "bbit codes");
+  same_numels(grads, momenta);
+  const int64_t* offs = offsets_of(offsets, grads.size());
+  auto g = slots(grads, offs, total, true);
+  auto m = slots(momenta, offs, total, false);
+  const auto mo = out_slots(momenta_out, m, offs, total);
+  const auto tt = tie_table(segments, kDev);
   const lc_bbit_args bb{static_cast<int32_t>(bits), static_cast<int32_t>(rounding), static_cast<int32_t>(kind),
                         static_cast<uint32_t>(seed), tt.first, tt.second};
-  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
-  at::Tensor planes = at::zeros({bits, total / 8}, opts);
-  at::Tensor nz = at::zeros({total / 8}, opts);
-  lc::LocalStepCounts r{0, 0};
-  {
-    pybind11::gil_scoped_release nogil;
-    r = lc::bbit_local_step(g.data(), m.data(), mo.empty() ? nullptr : mo.data(), static_cast<int64_t>(g.size()),
-                            total, beta1, beta2, update_momentum, bb, planes.data_ptr<uint8_t>(), nz.data_ptr<uint8_t>(),
-                            threads());
-  }
-  return {planes, nz, r.n_nonfinite, r.n_zero};
+  at::Tensor planes = at::zeros({bits, total / 8}, opts(at::kByte, kDev));
+  at::Tensor nz = at::zeros({total / 8}, opts(at::kByte, kDev));
+  at::Tensor counts = at::empty({2}, opts(at::kLong, kDev));
+  const auto r = lc::bbit_local_step(g.data(), m.data(), mo.empty() ? nullptr : mo.data(),
+                                     static_cast<int64_t>(g.size()), total, beta1, beta2, update_momentum, bb,
+                                     planes.data_ptr<uint8_t>(), nz.data_ptr<uint8_t>(), threads());
+  counts.data_ptr<int64_t>()[0] = r.n_nonfinite;
+  counts.data_ptr<int64_t>()[1] = r.n_zero;
+  return {planes, nz, counts};
 }
 
-std::tuple<at::Tensor, at::Tensor> bbit_shard_vote(const at::Tensor& planes, const c10::optional<at::Tensor>& nonzero,
-                                                   int64_t bits, int64_t step, int64_t tie,
-                                                   const at::Tensor& segments) {
-  TORCH_CHECK(bits >= 1 && bits <= 4, "lioncub cpp kernels: vote_bits must be 1..4, got ", bits);
-  const auto [n, s] = code_planes_shape(planes, bits, kCpu);
-  check_nonzero(nonzero, {n, s}, false, kCpu);
-  check_tie(tie, kCpu);
-  const auto tt = tie_table(segments);
-  auto [out_sign, out_nz] = result_planes(s);
-  {
-    pybind11::gil_scoped_release nogil;
-    lc::bbit_shard_vote(planes.data_ptr<uint8_t>(), nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, n,
-                        static_cast<int>(bits), s, step, static_cast<int32_t>(tie), tt.first, tt.second,
-                        out_sign.data_ptr<uint8_t>(), out_nz.data_ptr<uint8_t>(), threads());
-  }
+std::tuple<at::Tensor, at::Tensor> bbit_shard_vote(const at::Tensor& planes, const OptT& nonzero, int64_t bits,
+                                                   int64_t step, int64_t tie, const at::Tensor& segments) {
+  tensor_inv(planes, kDev);
+  LC_INV(planes.scalar_type() == at::kByte && planes.dim() == 3 && planes.size(1) == bits && bits >= 1 && bits <= 4 &&
+             planes.size(0) >= 1 && planes.size(0) <= 65535 && tie >= 0 && tie <= 2,
+         "code planes uint8 [N, bits, bytes]");
+  const std::pair<int64_t, int64_t> shape{planes.size(0), planes.size(2)};
+  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev);
+  const auto tt = tie_table(segments, kDev);
+  at::Tensor out_sign = at::zeros({shape.second}, opts(at::kByte, kDev));
+  at::Tensor out_nz = at::zeros({shape.second}, opts(at::kByte, kDev));
+  lc::bbit_shard_vote(planes.data_ptr<uint8_t>(), nz, shape.first, static_cast<int>(bits), shape.second, step,
+                      static_cast<int32_t>(tie), tt.first, tt.second, out_sign.data_ptr<uint8_t>(),
+                      out_nz.data_ptr<uint8_t>(), threads());
   return {out_sign, out_nz};
 }
 
-}  // namespace
+}  // namespace cpu
 
-namespace {
+// ================================================================================ CUDA
+#ifdef LIONCUB_WITH_CUDA
+namespace cuda {
 
-int32_t cpu_cast_code(const at::Tensor& t) { return float_code(t, "casts", true, kCpu); }
+static_assert(int{LC_FLOAT32} == int{lcc::kF32} && int{LC_BFLOAT16} == int{lcc::kBF16} &&
+                  int{LC_FLOAT16} == int{lcc::kF16},
+              "dtype codes (dtype_code)");
+static_assert(LC_MAX_ROWS == 65535, "plane rows (plane_inv)");
+static_assert(LC_CHUNK == kPieceChunk, "piece chunks are LC_CHUNK chunks");
+static_assert(sizeof(lc_lion_meta) == LC_META_WORDS * 8, "lc_lion_meta layout");
+static_assert(sizeof(lc_zero_piece) == 64, "lc_zero_piece layout");
 
-void zero_sign_apply(const at::Tensor& sign, const c10::optional<at::Tensor>& nonzero,
-                     const std::vector<at::Tensor>& targets, const std::vector<c10::optional<at::Tensor>>& casts,
-                     const at::Tensor& layout, const std::vector<double>& lrs, const std::vector<double>& wds) {
-  const auto [n, b] = plane_shape(sign, "sign", false, kCpu);
-  const int64_t zb = zero_nonzero_bytes(nonzero, n, b, kCpu);
-  check_zero_targets(targets, casts, kCpu);
-  const auto pieces = zero_pieces(n, 8 * std::min(b, zb), targets, casts, layout, lrs, wds, &cpu_cast_code);
-  pybind11::gil_scoped_release nogil;
-  lc::zero_sign_apply(sign.data_ptr<uint8_t>(), b, nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, zb,
-                      pieces.data(), static_cast<int64_t>(pieces.size()), threads());
+// A launcher's error is a device fault, not an argument error: it is raised (as every CUDA error in torch).
+#define LC_CUDA_CHECK(expr, what)                                                                          \
+  do {                                                                                                     \
+    const cudaError_t lc_err_ = (expr);                                                                    \
+    TORCH_CHECK(lc_err_ == cudaSuccess, "lioncub_ds CUDA kernel ", what, " failed: ", cudaGetErrorString(lc_err_)); \
+  } while (0)
+
+cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
+
+// Rows of int64 copied to the device through pinned memory without a host sync; the caching host
+// allocator keeps the pinned block until the copy ran. Keep the result alive until the launch is queued.
+template <class Row>
+at::Tensor to_device(const std::vector<Row>& rows, const at::Device& dev) {
+  const int64_t bytes = static_cast<int64_t>(rows.size() * sizeof(Row));
+  at::Tensor host = at::empty({std::max<int64_t>(bytes, 8)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  if (bytes) std::memcpy(host.data_ptr<uint8_t>(), rows.data(), static_cast<size_t>(bytes));
+  return host.to(dev, /*non_blocking=*/true);
 }
 
+// The device array of lc_tensor_meta of one multi-tensor launch.
+struct Meta {
+  at::Tensor dev;
+  int n = 0;           // tensors with numel > 0
+  int64_t chunks = 0;  // LC_CHUNK chunks in all
+  const lc_tensor_meta* ptr() const { return n ? reinterpret_cast<const lc_tensor_meta*>(dev.data_ptr<uint8_t>()) : nullptr; }
+};
+
+// a: grads or params; b: momenta (same length) or empty; offs: bucket offsets (nullptr: a plain
+// list, momentum update). Rows sorted by offset (ops.Layout checked they do not overlap).
+Meta build_meta(TL a, TL b, const int64_t* offs, int64_t limit, const at::Device& dev) {
+  LC_INV(b.empty() || a.size() == b.size(), "paired lists of one length");
+  std::vector<std::array<int64_t, LC_META_WORDS>> rows;
+  rows.reserve(a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    tensor_inv(a[i], dev);
+    int64_t dt = dtype_code(a[i], true);
+    uint64_t bp = 0;
+    if (!b.empty()) {
+      tensor_inv(b[i], dev);
+      LC_INV(b[i].numel() == a[i].numel(), "paired tensors of one size");
+      dt |= static_cast<int64_t>(dtype_code(b[i], true)) << 8;
+      bp = reinterpret_cast<uint64_t>(b[i].data_ptr());
+    }
+    const int64_t numel = a[i].numel(), off = offs ? offs[i] : 0;
+    LC_INV(!offs || (off >= 0 && off % 8 == 0 && off + numel <= limit), "a tensor inside its bucket");
+    if (numel == 0) continue;
+    rows.push_back({static_cast<int64_t>(reinterpret_cast<uint64_t>(a[i].data_ptr())), static_cast<int64_t>(bp), off,
+                    numel, 0, dt});
+  }
+  if (offs) std::stable_sort(rows.begin(), rows.end(), [](const auto& x, const auto& y) { return x[2] < y[2]; });
+  Meta m;
+  for (auto& r : rows) {
+    r[4] = m.chunks;
+    m.chunks += lc_num_chunks(r[3]);
+  }
+  m.n = static_cast<int>(rows.size());
+  m.dev = to_device(rows, dev);
+  return m;
+}
+
+at::Tensor u8(int64_t n, const at::Device& dev) { return at::empty({n}, opts(at::kByte, dev)); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> local_step(TL grads, TL momenta, TL momenta_out,
+                                                          const at::Tensor& offsets, int64_t total, double beta1,
+                                                          double beta2, bool update_momentum) {
+  LC_INV(!grads.empty() && total >= 0 && total % 8 == 0, "a non-empty bucket");
+  const at::Device dev = grads[0].device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const int64_t* offs = offsets_of(offsets, grads.size());
+  // momenta_out: no kernel with an output pointer yet: copy m, then the in-place step on the copy
+  // (c from the copy's exact bits); 20 B/param like the in-place path (a fused variant moves 12).
+  if (update_momentum && !momenta_out.empty()) {
+    LC_INV(momenta_out.size() == momenta.size(), "one momenta_out per momentum");
+    for (size_t i = 0; i < momenta.size(); ++i) momenta_out[i].copy_(momenta[i]);
+  }
+  TL m = update_momentum && !momenta_out.empty() ? momenta_out : momenta;
+  const Meta meta = build_meta(grads, m, offs, total, dev);
+  at::Tensor sign = u8(total / 8, dev), nonzero = u8(total / 8, dev);
+  at::Tensor counts = at::zeros({2}, opts(at::kLong, dev));
+  LC_CUDA_CHECK(lc_local_step(meta.ptr(), meta.n, total, lc_make_lion_args(beta1, beta2), update_momentum ? 1 : 0,
+                              sign.data_ptr<uint8_t>(), nonzero.data_ptr<uint8_t>(), counts.data_ptr<int64_t>(),
+                              stream()),
+                "local_step");
+  return {sign, nonzero, counts};  // counts: int64 [#non-finite c, #zero c] on the device
+}
+
+void momentum_update(TL momenta, TL grads, double beta2) {
+  if (grads.empty()) return;
+  const at::Device dev = grads[0].device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const Meta meta = build_meta(grads, momenta, nullptr, 0, dev);
+  LC_CUDA_CHECK(lc_momentum_update(meta.ptr(), meta.n, meta.chunks, lc_make_lion_args(0.0, beta2), stream()),
+                "momentum_update");
+}
+
+at::Tensor vote_apply(const at::Tensor& sign, const OptT& nonzero, TL params, const at::Tensor& offsets, double lr,
+                      double weight_decay, int64_t step, int64_t tie, int64_t vote, int64_t world_size,
+                      const at::Tensor& segments, bool return_delta) {
+  const at::Device dev = sign.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const auto shape = plane_inv(sign, dev);
+  const uint8_t* nz = nonzero_inv(nonzero, shape, dev);
+  const int64_t numel = shape.second * 8;
+  const Meta meta = build_meta(params, {}, offsets_of(offsets, params.size()), numel, dev);
+  at::Tensor delta = delta_out(return_delta, numel, dev);
+  LC_CUDA_CHECK(lc_vote_apply(sign.data_ptr<uint8_t>(), nz, static_cast<int>(shape.first), shape.second, meta.ptr(),
+                              meta.n, apply_args(lr, weight_decay, step, tie, vote, world_size, tie_table(segments, dev)),
+                              return_delta ? delta.data_ptr<float>() : nullptr, stream()),
+                "vote_apply");
+  return delta;
+}
+
+std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const OptT& nonzero, int64_t step, int64_t tie,
+                                              const at::Tensor& segments) {
+  const at::Device dev = sign.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const auto shape = plane_inv(sign, dev);
+  const uint8_t* nz = nonzero_inv(nonzero, shape, dev);
+  LC_INV(tie >= 0 && tie <= 2, "tie code");
+  const auto tt = tie_table(segments, dev);
+  at::Tensor out_sign = u8(shape.second, dev), out_nz = u8(shape.second, dev);
+  LC_CUDA_CHECK(lc_shard_vote(sign.data_ptr<uint8_t>(), nz, static_cast<int>(shape.first), shape.second,
+                              static_cast<int>(tie), step, tt.first, tt.second, out_sign.data_ptr<uint8_t>(),
+                              out_nz.data_ptr<uint8_t>(), stream()),
+                "shard_vote");
+  return {out_sign, out_nz};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> count_lanes(const at::Tensor& sign, const OptT& nonzero, int64_t p) {
+  const at::Device dev = sign.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const auto shape = plane_inv(sign, dev, 255);
+  const uint8_t* nz = nonzero_inv(nonzero, shape, dev);
+  LC_INV(p == 1 || p == 2 || p == 4 || p == 8, "lane width");
+  const int64_t s = shape.second, top = (int64_t{1} << p) - 1;
+  LC_INV(nz || s == 0 || shape.first <= top, "counts that fit their lanes");
+  at::Tensor plus = u8(s * p, dev), cnt = u8(nz ? s * p : 0, dev);
+  const bool check = nz && shape.first > top && s > 0;  // only then can a lane overflow
+  at::Tensor overflow = at::zeros({check ? 1 : 0}, opts(at::kInt, dev));
+  LC_CUDA_CHECK(lc_count_lanes(sign.data_ptr<uint8_t>(), nz, static_cast<int>(shape.first), s, static_cast<int>(p),
+                               plus.data_ptr<uint8_t>(), nz ? cnt.data_ptr<uint8_t>() : nullptr,
+                               check ? overflow.data_ptr<int32_t>() : nullptr, stream()),
+                "count_lanes");
+  return {plus, cnt, overflow};
+}
+
+at::Tensor lanes_apply(const at::Tensor& plus, const OptT& cnt, int64_t world_size, int64_t p, TL params,
+                       const at::Tensor& offsets, double lr, double weight_decay, int64_t step, int64_t tie,
+                       int64_t vote, const at::Tensor& segments, bool return_delta) {
+  const at::Device dev = plus.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const auto shape = plane_inv(plus, dev);
+  LC_INV(plus.dim() == 1 && (p == 1 || p == 2 || p == 4 || p == 8), "1-D lanes, lane width");
+  const uint8_t* c = nonzero_inv(cnt, shape, dev);
+  const int64_t numel = shape.second * 8 / p;
+  const Meta meta = build_meta(params, {}, offsets_of(offsets, params.size()), numel, dev);
+  at::Tensor delta = delta_out(return_delta, numel, dev);
+  LC_CUDA_CHECK(lc_lanes_apply(plus.data_ptr<uint8_t>(), c, numel, static_cast<int>(p), meta.ptr(), meta.n,
+                               apply_args(lr, weight_decay, step, tie, vote, world_size, tie_table(segments, dev)),
+                               return_delta ? delta.data_ptr<float>() : nullptr, stream()),
+                "lanes_apply");
+  return delta;
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_local_step(TL grads, TL momenta, const at::Tensor& offsets, int64_t total,
+                                                   double beta1, int64_t kind, int64_t levels) {
+  LC_INV(!grads.empty() && total >= 0 && total % 8 == 0 && kind >= 0 && kind <= 2 && levels >= 1 && levels <= 127,
+         "int8 codes of a non-empty bucket");
+  const at::Device dev = grads[0].device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const Meta meta = build_meta(grads, momenta, offsets_of(offsets, grads.size()), total, dev);
+  at::Tensor q = at::empty({total}, opts(at::kChar, dev));
+  at::Tensor scales = at::empty({std::max(meta.n, 1)}, opts(at::kFloat, dev));
+  at::Tensor n_bad = at::zeros({1}, opts(at::kLong, dev));
+  const size_t ws_bytes = lc_int8_workspace_bytes(meta.chunks);
+  at::Tensor ws = u8(static_cast<int64_t>(std::max<size_t>(ws_bytes, 8)), dev);
+  LC_CUDA_CHECK(lc_int8_local_step(meta.ptr(), meta.n, meta.chunks, total, lc_make_lion_args(beta1, 0.0),
+                                   static_cast<int>(kind), static_cast<int>(levels), q.data_ptr<int8_t>(),
+                                   scales.data_ptr<float>(), ws.data_ptr(), ws_bytes, n_bad.data_ptr<int64_t>(),
+                                   stream()),
+                "int8_local_step");
+  return {q, n_bad};
+}
+
+at::Tensor int8_apply(const at::Tensor& qsum, TL params, const at::Tensor& offsets, double lr, double weight_decay,
+                      bool return_delta) {
+  const at::Device dev = qsum.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  tensor_inv(qsum, dev);
+  LC_INV(qsum.scalar_type() == at::kChar, "int8 qsum");
+  const int64_t numel = qsum.numel();
+  const Meta meta = build_meta(params, {}, offsets_of(offsets, params.size()), numel, dev);
+  at::Tensor delta = delta_out(return_delta, numel, dev);
+  LC_CUDA_CHECK(lc_int8_apply(qsum.data_ptr<int8_t>(), numel, meta.ptr(), meta.n,
+                              lc_make_apply_args(lr, weight_decay, 0, 0, 0, 1, nullptr, 0),
+                              return_delta ? delta.data_ptr<float>() : nullptr, stream()),
+                "int8_apply");
+  return delta;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bbit_local_step(TL grads, TL momenta, TL momenta_out,
+                                                               const at::Tensor& offsets, int64_t total, double beta1,
+                                                               double beta2, bool update_momentum, int64_t kind,
+                                                               int64_t bits, int64_t rounding, int64_t seed,
+                                                               const at::Tensor& segments) {
+  LC_INV(!grads.empty() && total >= 0 && total % 8 == 0 && kind >= 0 && kind <= 2 && bits >= 1 && bits <= 4 &&
+             (rounding == 0 || rounding == 1) && seed >= 0 && seed <= UINT32_MAX,
+         "bbit codes of a non-empty bucket");
+  const at::Device dev = grads[0].device();
+  const c10::cuda::CUDAGuard guard(dev);
+  if (update_momentum && !momenta_out.empty()) {  // as local_step: the in-place step on copies of m
+    LC_INV(momenta_out.size() == momenta.size(), "one momenta_out per momentum");
+    for (size_t i = 0; i < momenta.size(); ++i) momenta_out[i].copy_(momenta[i]);
+  }
+  TL m = update_momentum && !momenta_out.empty() ? momenta_out : momenta;
+  const Meta meta = build_meta(grads, m, offsets_of(offsets, grads.size()), total, dev);
+  const auto tt = tie_table(segments, dev);
+  at::Tensor planes = at::empty({bits, total / 8}, opts(at::kByte, dev));
+  at::Tensor nonzero = u8(total / 8, dev);
+  at::Tensor ratios = at::empty({std::max(meta.n, 1)}, opts(at::kFloat, dev));
+  at::Tensor counts = at::zeros({2}, opts(at::kLong, dev));
+  const size_t ws_bytes = lc_int8_workspace_bytes(meta.chunks);
+  at::Tensor ws = u8(static_cast<int64_t>(std::max<size_t>(ws_bytes, 8)), dev);
+  const lc_bbit_args bb{static_cast<int32_t>(bits), static_cast<int32_t>(rounding), static_cast<int32_t>(kind),
+                        static_cast<uint32_t>(seed), tt.first, tt.second};
+  LC_CUDA_CHECK(lc_bbit_local_step(meta.ptr(), meta.n, meta.chunks, total, lc_make_lion_args(beta1, beta2), bb,
+                                   update_momentum ? 1 : 0, planes.data_ptr<uint8_t>(), nonzero.data_ptr<uint8_t>(),
+                                   ratios.data_ptr<float>(), ws.data_ptr(), ws_bytes, counts.data_ptr<int64_t>(),
+                                   stream()),
+                "bbit_local_step");
+  return {planes, nonzero, counts};
+}
+
+std::tuple<at::Tensor, at::Tensor> bbit_shard_vote(const at::Tensor& planes, const OptT& nonzero, int64_t bits,
+                                                   int64_t step, int64_t tie, const at::Tensor& segments) {
+  const at::Device dev = planes.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  tensor_inv(planes, dev);
+  LC_INV(planes.scalar_type() == at::kByte && planes.dim() == 3 && planes.size(1) == bits && bits >= 1 && bits <= 4 &&
+             planes.size(0) >= 1 && planes.size(0) <= LC_MAX_ROWS && tie >= 0 && tie <= 2,
+         "code planes uint8 [N, bits, bytes]");
+  const std::pair<int64_t, int64_t> shape{planes.size(0), planes.size(2)};
+  const uint8_t* nz = nonzero_inv(nonzero, shape, dev);
+  const auto tt = tie_table(segments, dev);
+  at::Tensor out_sign = u8(shape.second, dev), out_nz = u8(shape.second, dev);
+  LC_CUDA_CHECK(lc_bbit_shard_vote(planes.data_ptr<uint8_t>(), nz, static_cast<int>(shape.first),
+                                   static_cast<int>(bits), shape.second, static_cast<int>(tie), step, tt.first,
+                                   tt.second, out_sign.data_ptr<uint8_t>(), out_nz.data_ptr<uint8_t>(), stream()),
+                "bbit_shard_vote");
+  return {out_sign, out_nz};
+}
+
+void lion_step(TL params, TL grads, TL momenta, double lr, double weight_decay, double beta1, double beta2) {
+  if (params.empty()) return;
+  LC_INV(params.size() == grads.size() && params.size() == momenta.size(), "paired lists of one length");
+  const at::Device dev = params[0].device();
+  const c10::cuda::CUDAGuard guard(dev);
+  std::vector<std::array<int64_t, LC_META_WORDS>> rows;
+  int64_t chunks = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    tensor_inv(params[i], dev);
+    tensor_inv(grads[i], dev);
+    tensor_inv(momenta[i], dev);
+    const int64_t n = params[i].numel();
+    LC_INV(grads[i].numel() == n && momenta[i].numel() == n, "paired tensors of one size");
+    const int64_t dt = dtype_code(params[i], true) | (dtype_code(grads[i], true) << 8) |
+                       (static_cast<int64_t>(dtype_code(momenta[i], true)) << 16);
+    if (n == 0) continue;
+    rows.push_back({static_cast<int64_t>(reinterpret_cast<uint64_t>(params[i].data_ptr())),
+                    static_cast<int64_t>(reinterpret_cast<uint64_t>(grads[i].data_ptr())),
+                    static_cast<int64_t>(reinterpret_cast<uint64_t>(momenta[i].data_ptr())), n, chunks, dt});
+    chunks += lc_num_chunks(n);
+  }
+  if (rows.empty()) return;
+  const at::Tensor meta = to_device(rows, dev);
+  LC_CUDA_CHECK(lc_lion_step(reinterpret_cast<const lc_lion_meta*>(meta.data_ptr<uint8_t>()),
+                             static_cast<int>(rows.size()), chunks,
+                             lc_make_lion_step_args(lr, weight_decay, beta1, beta2), stream()),
+                "lion_step");
+}
+
+void zero_sign_apply(const at::Tensor& sign, const OptT& nonzero, TL targets, TL casts, const at::Tensor& layout,
+                     at::ArrayRef<double> lrs, at::ArrayRef<double> wds) {
+  const at::Device dev = sign.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const auto shape = plane_inv(sign, dev);
+  LC_INV(sign.dim() == 2, "2-D sign planes");
+  int64_t zb = shape.second;
+  if (nonzero.has_value()) {
+    const auto z = plane_inv(*nonzero, dev);
+    LC_INV(nonzero->dim() == 2 && z.first == shape.first, "nonzero rows");
+    zb = z.second;
+  }
+  for (const auto& t : targets) tensor_inv(t, dev);
+  for (const auto& c : casts)
+    if (has_cast(c)) tensor_inv(c, dev);
+  const auto pieces = zero_pieces(shape.first, 8 * std::min(shape.second, zb), targets, casts, layout, lrs, wds);
+  if (pieces.empty()) return;
+  const int64_t chunks = pieces.back().chunk_start + lc_num_chunks(pieces.back().numel);
+  const at::Tensor dpieces = to_device(pieces, dev);
+  LC_CUDA_CHECK(lc_zero_sign_apply(sign.data_ptr<uint8_t>(), shape.second,
+                                   nonzero.has_value() ? nonzero->data_ptr<uint8_t>() : nullptr, zb,
+                                   reinterpret_cast<const lc_zero_piece*>(dpieces.data_ptr<uint8_t>()),
+                                   static_cast<int>(pieces.size()), chunks, stream()),
+                "zero_sign_apply");
+}
+
+}  // namespace cuda
+#endif  // LIONCUB_WITH_CUDA
+
 }  // namespace
 
-#ifdef LIONCUB_WITH_CUDA
-namespace lioncub_cuda {
-void register_cuda(pybind11::module_& m);  // bindings_cuda.cpp: the CUDA wrappers, `cuda_` names
-}  // namespace lioncub_cuda
+// The op list, once: X(name) for every op with a CPU and a CUDA implementation (abstain_list has a
+// CPU kernel only; on CUDA ops.py registers the reference's torch ops, asynchronous already).
+#define LIONCUB_OPS(X) \
+  X(local_step) X(momentum_update) X(vote_apply) X(shard_vote) X(count_lanes) X(lanes_apply) X(int8_local_step) \
+  X(int8_apply) X(lion_step) X(zero_sign_apply) X(bbit_local_step) X(bbit_shard_vote)
+
+// The C++ build registers the CPU implementations; the CUDA build (which also holds the CPU kernel
+// sources, for set_isa) only the CUDA ones, so a process that loads both never registers one twice.
+#ifndef LIONCUB_WITH_CUDA
+TORCH_LIBRARY_IMPL(lioncub, CPU, m) {
+#define LIONCUB_IMPL_CPU(name) m.impl(#name, &cpu::name);
+  LIONCUB_OPS(LIONCUB_IMPL_CPU)
+  m.impl("abstain_list", &cpu::abstain_list);
+}
+#else
+TORCH_LIBRARY_IMPL(lioncub, CUDA, m) {
+#define LIONCUB_IMPL_CUDA(name) m.impl(#name, &cuda::name);
+  LIONCUB_OPS(LIONCUB_IMPL_CUDA)
+}
 #endif
 
+// pybind: the same functions without the dispatcher (the eager path of ops.py). Lists arrive as
+// std::vector (pybind's conversion) and pass on as TensorList; the GIL is released around each.
+namespace {
+template <class T>
+struct py_arg {
+  using type = T;
+};
+template <>
+struct py_arg<TL> {
+  using type = std::vector<at::Tensor>;
+};
+template <>
+struct py_arg<at::ArrayRef<double>> {
+  using type = std::vector<double>;
+};
+template <class R, class... A>
+auto direct(R (*fn)(A...)) {
+  return [fn](typename py_arg<std::decay_t<A>>::type... args) -> R {
+    pybind11::gil_scoped_release nogil;
+    return fn(args...);
+  };
+}
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lioncub_ds fused kernels (C++ CPU; CUDA when built with LIONCUB_WITH_CUDA)";
-  m.def("local_step", &local_step, "sign/nonzero planes of c (+ optional momentum update, in place or to momenta_out)",
-        py::arg("grads"), py::arg("momenta"), py::arg("offsets"), py::arg("total"), py::arg("beta1"), py::arg("beta2"),
-        py::arg("update_momentum"), py::arg("momenta_out") = py::none());
-  m.def("abstain_list", &abstain_list, "abstention list: count, first K differing byte indices and values");
-  m.def("momentum_update_list", &momentum_update_list, "m <- b2*m + (1-b2)*g for every tensor");
-  m.def("vote_apply", &vote_apply, "N sign planes -> Δ -> apply");
-  m.def("shard_vote", &shard_vote, "two-phase vote, phase 1");
-  m.def("count_lanes", &count_lanes, "planes -> p-bit count lanes (returns max voter count)");
-  m.def("lanes_apply", &lanes_apply, "summed p-bit lanes -> Δ -> apply");
-  m.def("int8_local_step", &int8_local_step, "scaled int8 codes of c");
-  m.def("int8_apply", &int8_apply, "summed int8 codes -> Δ -> apply");
-  m.def("lion_step", &lion_step, "single-process Lion step over lists of tensors (one pass)");
-  m.def("zero_sign_apply", &zero_sign_apply, "ZeRO sign all-gather: apply every partition's update in one call");
-  m.def("bbit_local_step", &bbit_local_step, "comm=bbit local step: b code planes + nonzero plane (+ momentum)",
-        py::arg("grads"), py::arg("momenta"), py::arg("offsets"), py::arg("total"), py::arg("beta1"), py::arg("beta2"),
-        py::arg("update_momentum"), py::arg("kind"), py::arg("bits"), py::arg("rounding"), py::arg("seed"),
-        py::arg("segments"), py::arg("momenta_out") = py::none());
-  m.def("bbit_shard_vote", &bbit_shard_vote, "comm=bbit shard vote: sign of the summed levels, tie rule");
+  m.doc() = "lioncub_ds fused kernels: torch ops lioncub::* (CPU; CUDA when built with LIONCUB_WITH_CUDA)";
+#ifndef LIONCUB_WITH_CUDA
+#define LIONCUB_DEF_CPU(name) m.def(#name, direct(&cpu::name));
+  LIONCUB_OPS(LIONCUB_DEF_CPU)
+  m.def("abstain_list", direct(&cpu::abstain_list));
+#else
+#define LIONCUB_DEF_CUDA(name) m.def("cuda_" #name, direct(&cuda::name));
+  LIONCUB_OPS(LIONCUB_DEF_CUDA)
+#endif
   m.def("set_isa", [](int64_t isa) { lc::set_isa(static_cast<int>(isa)); }, "0 auto, 1 baseline, 2 avx2");
   m.def("isa", []() { return std::string(lc::isa_name()); });
   m.def("src_hash", []() { return std::string(LIONCUB_SRC_HASH_STR); });
-#ifdef LIONCUB_WITH_CUDA
-  lioncub_cuda::register_cuda(m);
-#endif
   m.attr("has_cuda") = pybind11::bool_(
 #ifdef LIONCUB_WITH_CUDA
       true

@@ -10,6 +10,8 @@ as part of the executable contract.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # The one Python declaration of the rule / mode / kind names; the code the kernels use for a
@@ -71,10 +73,18 @@ def tie_segments(offsets, param_starts=None, start: int = 0, stop: int | None = 
     continue the numbering of the parameter before them. Parameters at the same offset (empty
     ones) give one row: the first listed.
     """
-    offs = [int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
-    firsts = [0] * len(offs) if param_starts is None else [int(v) for v in param_starts]
+    offs = tuple(int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets))
+    firsts = (0,) * len(offs) if param_starts is None else tuple(int(v) for v in param_starts)
     if len(firsts) != len(offs):
         raise ValueError(f"param_starts has {len(firsts)} entries but offsets has {len(offs)}")
+    return _tie_table(offs, firsts, int(start), None if stop is None else int(stop))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tie_table(offs, firsts, start, stop) -> torch.Tensor:
+    """tie_segments' table, built once per bucket (and shard) and then the same tensor on every call:
+    a vote step asks for it per bucket, and the kernels keep its device copy by its identity
+    (lioncub_ds/kernels/ops.py). Read-only: nothing writes into a tie-index table."""
     by_pos = {}
     for pos, idx in zip(offs, firsts):  # an empty parameter shares its offset with the next one: one row
         by_pos[pos] = idx if pos not in by_pos else by_pos[pos]

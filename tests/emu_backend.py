@@ -7,7 +7,7 @@ first on the include path: the device-side names) and links them with the emulat
 launch configuration, shared memory, barriers and warp shuffles, on an emulated device of a
 settable number of SMs (tests/cuda_emu/lioncub_cuda_emu.cpp says what it still cannot see).
 :class:`EmuBackend` calls that API through ctypes on CPU tensors, behind the TorchBackend
-signatures, building the argument arrays exactly as ``csrc/bindings_cuda.cpp`` does.
+signatures, building the argument arrays exactly as the CUDA half of ``csrc/bindings.cpp`` does.
 
 The build needs only a C++17 compiler (``$CXX`` or c++ / g++), no CUDA; it is cached by the hash
 of its sources under the temp folder.
@@ -142,7 +142,7 @@ def _ptr(t):
 
 
 def build_meta(a_list, b_list, offsets, limit=None, bucket=True):
-    """int64 [T, 6] lc_tensor_meta rows, sorted by offset (what bindings_cuda.cpp builds).
+    """int64 [T, 6] lc_tensor_meta rows, sorted by offset (what bindings.cpp builds for CUDA).
 
     bucket=False: a plain list (momentum update), no offsets, no order, no layout checks."""
     rows = []

@@ -15,8 +15,7 @@ import torch
 from emu_backend import EmuBackend
 from lioncub_ds import kernels
 from lioncub_ds.kernels import loader, reference
-from lioncub_ds.kernels.cpp import CppBackend
-from lioncub_ds.kernels.cuda import CudaBackend
+from lioncub_ds.kernels.ops import NativeBackend
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 REF = kernels.TorchBackend()
@@ -216,9 +215,9 @@ class _NoExtension:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("backend_class", [CppBackend, CudaBackend])
-def test_bad_input_is_refused_in_python_with_the_setting_named(backend_class):
-    be = backend_class(_NoExtension())  # a fresh backend over an "extension" that fails any call
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_bad_input_is_refused_in_python_with_the_setting_named(device_type):
+    be = NativeBackend(_NoExtension(), device_type)  # a fresh backend over an "extension" that fails any call
     g, m = [torch.zeros(9)], [torch.zeros(9)]
     args = dict(grads=g, momenta=m, offsets=[0], total=16, beta1=0.9, beta2=0.99, kind="l1", bits=2,
                 rounding="dither", seed=5, segments=None)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lioncub_ds import kernels
-from lioncub_ds.kernels import cpp, loader, reference
+from lioncub_ds.kernels import loader, ops, reference
 
 pytestmark = pytest.mark.unit
 
@@ -149,19 +149,17 @@ def clone_all(ts):
 # ----------------------------------------------------------------------------- interface
 def test_backend_interface_matches_torch_backend(be):
     ref = kernels.TorchBackend
-    from lioncub_ds.kernels.cuda import CudaBackend
-
     for name in ("local_step", "abstain_list", "momentum_update_list", "vote_apply", "shard_vote", "count_lanes",
                  "lanes_apply", "int8_local_step", "int8_apply", "lion_step", "zero_sign_apply", "bbit_local_step",
                  "bbit_shard_vote"):
         want = list(inspect.signature(getattr(ref, name)).parameters.values())
-        for impl in (be, CudaBackend(None)):
+        for impl in (be, ops.NativeBackend(None, "cuda")):
             got = [p for p in inspect.signature(getattr(impl, name)).parameters.values() if p.name != "self"]
             assert [(p.name, p.default) for p in got[:len(want)]] == [(p.name, p.default) for p in want], name
             assert all(p.default is not inspect.Parameter.empty for p in got[len(want):]), name
     assert be.name == "cpp"
     assert be.isa in ("avx2", "baseline")
-    for backend in (be, kernels.TorchBackend(), CudaBackend(None)):
+    for backend in (be, kernels.TorchBackend(), ops.NativeBackend(None, "cuda")):
         assert isinstance(backend, kernels.Backend), backend
     for name in ("local_step", "abstain_list", "vote_apply", "shard_vote", "lanes_apply", "int8_local_step",
                  "lion_step", "zero_sign_apply", "bbit_local_step", "bbit_shard_vote"):  # the Protocol is the reference's
@@ -509,7 +507,7 @@ def test_strided_planes_take_the_kernels_not_the_reference(be, monkeypatch):
         raise AssertionError("the reference path was taken")
 
     for name in ("vote_apply", "shard_vote", "count_lanes"):
-        monkeypatch.setattr(cpp.ref, name, no_reference)
+        monkeypatch.setattr(ops.ref, name, no_reference)
     p_got = make_params(sizes, (F32, BF16), 32)
     d_got = be.vote_apply(s_view, nz_view, p_got, offs, 1e-3, 0.1, 3, "hash", "majority", n)
     assert_same_float(d_want, d_got, "delta")
@@ -778,40 +776,42 @@ def run_isolated(code: str) -> str:
 
 
 @pytest.mark.dist
-def test_binding_checks_name_the_argument(be):
-    """The raw bindings' own checks (a second line of defence behind the Python validation) name
-    the argument. Run in a subprocess: they throw C++ exceptions."""
+def test_raw_entries_keep_memory_safe(be):
+    """The extension's entries (and torch.ops.lioncub.*, the same functions) called around ops.py
+    with arguments it would refuse raise instead of writing out of bounds (bindings.cpp's LC_INV
+    invariants; the Python API never reaches them). Run in a subprocess: they throw C++ exceptions."""
     out = run_isolated("""
         import torch
-        from lioncub_ds.kernels import loader
+        from lioncub_ds.kernels import loader, ops
         ext = loader.build_cpp_extension()
         seg = torch.zeros(1, 2, dtype=torch.int64)
+        off = lambda *v: torch.tensor(v, dtype=torch.int64)
+        z8 = torch.zeros(8)
         cases = [
-            ("offsets", lambda: ext.local_step([torch.zeros(8)], [torch.zeros(8)], [4], 16, 0.9, 0.99, False)),
-            ("does not fit the bucket",
-             lambda: ext.local_step([torch.zeros(16)], [torch.zeros(16)], [8], 16, 0.9, 0.99, False)),
-            ("momenta", lambda: ext.local_step([torch.zeros(8)], [torch.zeros(8, dtype=torch.float64)], [0], 8, 0.9,
-                                                0.99, False)),
-            ("sign", lambda: ext.shard_vote(torch.zeros(8, dtype=torch.uint8), None, 1, 0, seg)),
-            ("nonzero", lambda: ext.shard_vote(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(3, 8, dtype=torch.uint8),
-                                               1, 0, seg)),
+            ("inside its bucket", lambda: ext.local_step([z8], [z8], [], off(4), 16, 0.9, 0.99, False)),
+            ("inside its bucket", lambda: ext.local_step([torch.zeros(16)], [torch.zeros(16)], [], off(8), 16, 0.9,
+                                                         0.99, False)),
+            ("unsupported dtype", lambda: ext.local_step([z8], [z8.double()], [], off(0), 8, 0.9, 0.99, False)),
+            ("offsets", lambda: ext.local_step([z8], [z8], [], off(0, 8), 8, 0.9, 0.99, False)),
+            ("uint8 planes", lambda: ext.shard_vote(torch.zeros(2, 8), None, 1, 0, seg)),
+            ("nonzero planes", lambda: ext.shard_vote(torch.zeros(2, 8, dtype=torch.uint8),
+                                                      torch.zeros(3, 8, dtype=torch.uint8), 1, 0, seg)),
             ("segments", lambda: ext.shard_vote(torch.zeros(2, 8, dtype=torch.uint8), None, 1, 0,
                                                 torch.zeros(3, dtype=torch.int64))),
-            ("grads", lambda: ext.lion_step([torch.zeros(8)], [torch.zeros(9)], [torch.zeros(8)], 1e-3, 0.0, 0.9,
-                                            0.99)),
-            ("params[0] must be float32 or bfloat16",
-             lambda: ext.lion_step([torch.zeros(8).half()], [torch.zeros(8)], [torch.zeros(8)], 1e-3, 0.0, 0.9, 0.99)),
-            ("layout row 0", lambda: ext.zero_sign_apply(torch.zeros(2, 1, dtype=torch.uint8), None, [torch.zeros(32)],
-                                                         [None], torch.tensor([[0, 0, 0, 0, 16]]), [1e-3], [0.0])),
-            ("targets must be float32", lambda: ext.zero_sign_apply(torch.zeros(2, 2, dtype=torch.uint8), None,
-                                                                    [torch.zeros(32, dtype=torch.float64)], [None],
-                                                                    torch.tensor([[0, 0, 0, 0, 16]]), [1e-3], [0.0])),
+            ("paired tensors", lambda: ext.lion_step([z8], [torch.zeros(9)], [z8], 1e-3, 0.0, 0.9, 0.99)),
+            ("unsupported dtype", lambda: ext.lion_step([z8.half()], [z8], [z8], 1e-3, 0.0, 0.9, 0.99)),
+            ("layout row", lambda: ext.zero_sign_apply(torch.zeros(2, 1, dtype=torch.uint8), None, [torch.zeros(32)],
+                                                       [torch.zeros(0)], torch.tensor([[0, 0, 0, 0, 16]]), [1e-3],
+                                                       [0.0])),
+            ("inside its bucket", lambda: torch.ops.lioncub.vote_apply(
+                torch.zeros(1, 1, dtype=torch.uint8), None, [torch.zeros(16)], off(0), 1e-3, 0.0, 1, 2, 0, 1, seg,
+                False)),
         ]
         for want, call in cases:
             try:
                 call()
             except RuntimeError as exc:
-                assert want in str(exc), (want, str(exc))
+                assert "lioncub internal" in str(exc) and want in str(exc), (want, str(exc))
             else:
                 raise AssertionError("no error for " + want)
         print("ok")
@@ -895,9 +895,7 @@ def _bad_calls(backend):
 def test_public_entries_validate_before_the_extension(kind):
     """Every public kernel entry rejects bad input with a ValueError that names the argument, and
     never reaches the extension (where a TORCH_CHECK could crash the process)."""
-    from lioncub_ds.kernels.cuda import CudaBackend
-
-    backend = cpp.CppBackend(_Boom()) if kind == "cpp" else CudaBackend(_Boom())
+    backend = ops.NativeBackend(_Boom(), "cpu" if kind == "cpp" else "cuda")
     for want, call in _bad_calls(backend):
         with pytest.raises((ValueError, TypeError), match=want):
             call()
@@ -906,13 +904,11 @@ def test_public_entries_validate_before_the_extension(kind):
 def test_cuda_backend_momenta_out_composite_on_reference_tensors():
     """The CUDA backend's momenta_out path (votes, then the momenta copied and advanced) gives the
     reference's results; CPU tensors take the reference inside it, never the extension."""
-    from lioncub_ds.kernels.cuda import CudaBackend
-
     grads, moms, offs, total = make_bucket(SMALL, F32, BF16, 17)
     outs, want_m = [torch.zeros_like(m) for m in moms], clone_all(moms)
     want = reference.local_step(grads, want_m, offs, total, 0.9, 0.99, True)
     kept = clone_all(moms)
-    got = CudaBackend(_Boom()).local_step(grads, kept, offs, total, 0.9, 0.99, True, momenta_out=outs)
+    got = ops.NativeBackend(_Boom(), "cuda").local_step(grads, kept, offs, total, 0.9, 0.99, True, momenta_out=outs)
     for what, a, b in zip(("sign", "nonzero", "n_nonfinite", "n_zero"), want, got):
         assert_same(a, b, what)
     for i in range(len(moms)):
@@ -924,9 +920,7 @@ def test_cuda_backend_momenta_out_composite_on_reference_tensors():
 def test_unsupported_tensors_take_the_reference_path(kind):
     """float64 / non-contiguous parameters (and CPU tensors given to the CUDA backend) are updated
     by the reference, bit for bit, without touching the extension."""
-    from lioncub_ds.kernels.cuda import CudaBackend
-
-    backend = cpp.CppBackend(_Boom()) if kind == "cpp" else CudaBackend(_Boom())
+    backend = ops.NativeBackend(_Boom(), "cpu" if kind == "cpp" else "cuda")
     sizes = [64, 9]
     offs, total = layout(sizes)
     sign, nz = random_planes(4, total // 8, 9, abstain=True)

@@ -1,8 +1,9 @@
 """Kernels: one Backend interface, three implementations, chosen once per device type.
 
 * :mod:`.reference`: the pure-torch reference, the executable contract (``torch`` backend);
-* :mod:`.cpp` / :mod:`.cuda`: the fused kernels of ``csrc/``, bit-identical to the reference,
-  with their argument checks in :mod:`.checks`;
+* :mod:`.ops`: the fused kernels of ``csrc/`` as torch custom ops (``torch.ops.lioncub.*``: one
+  schema, one fake implementation and one set of argument checks per op) and the one native
+  backend over them (CPU or CUDA tensors), bit-identical to the reference;
 * :mod:`.loader`: finds or builds the compiled extension; :mod:`.build`: the one table of
   sources and flags (setup.py reads it too).
 
@@ -15,8 +16,8 @@ Every backend exposes the same functions as :mod:`.reference` (which *is* the to
 backend): local_step, abstain_list, momentum_update_list, vote_apply, shard_vote, count_lanes,
 lanes_apply, int8_local_step, int8_apply, lion_step (the single-process step),
 zero_sign_apply (the ZeRO sign all-gather apply) and bbit_local_step / bbit_shard_vote (comm="bbit")
-(:class:`Backend`). The native backends validate
-their arguments in Python before any extension call (docs/kernels.md).
+(:class:`Backend`). The native backend validates
+its arguments in Python before any extension call (docs/kernels.md).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 CPP_EXT_NAME = "lioncub_cpu"             # JIT module name (TORCH_EXTENSIONS_DIR/<name>)
 CPP_MODULE = "lioncub_ds._lioncub_cpu"   # prebuilt by LIONCUB_BUILD_EXT=1 pip install .
 CPP_SOURCES = ("bindings.cpp", "cpu/lioncub_cpu_local.cpp", "cpu/lioncub_cpu_vote.cpp", "cpu/lioncub_cpu_dispatch.cpp")
-CPP_HEADERS = ("bindings_checks.h", "common/lioncub_common.h", "cpu/lioncub_cpu.h", "cpu/lioncub_cpu_detail.h",
+CPP_HEADERS = ("common/lioncub_common.h", "cpu/lioncub_cpu.h", "cpu/lioncub_cpu_detail.h",
                "cpu/lioncub_cpu_isa.h", "cpu/lioncub_cpu_isa_instantiate.h", "cpu/lioncub_cpu_local.inl",
                "cpu/lioncub_cpu_vote.inl")
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
@@ -25,7 +25,7 @@ LDFLAGS = ("-fopenmp",)
 # CUDA backend: the same extension built with LIONCUB_WITH_CUDA and the .cu kernels
 CUDA_EXT_NAME = "lioncub_cuda"
 CUDA_MODULE = "lioncub_ds._lioncub_cuda"  # prebuilt by LIONCUB_BUILD_EXT=1 LIONCUB_BUILD_CUDA=1 pip install .
-CUDA_SOURCES = CPP_SOURCES + ("bindings_cuda.cpp", "cuda/lioncub_local.cu", "cuda/lioncub_vote.cu",
+CUDA_SOURCES = CPP_SOURCES + ("cuda/lioncub_local.cu", "cuda/lioncub_vote.cu",
                               "cuda/lioncub_step.cu")
 CUDA_HEADERS = CPP_HEADERS + ("cuda/lioncub_cuda.h", "cuda/lioncub_cuda_common.cuh", "cuda/lioncub_cuda_vote.cuh")
 CUDA_DEFINES = ("-DLIONCUB_WITH_CUDA",)

@@ -1,8 +1,10 @@
 """The one native-kernel loader: builds or finds the compiled extension, returns a backend.
 
-``load("cpp")`` returns :class:`~lioncub_ds.kernels.cpp.CppBackend`, ``load("cuda")``
-:class:`~lioncub_ds.kernels.cuda.CudaBackend`; both have exactly the signatures and results
-of the pure-torch reference (:mod:`lioncub_ds.kernels.reference`). It uses, in order:
+``load("cpp")`` and ``load("cuda")`` return a :class:`~lioncub_ds.kernels.ops.NativeBackend` (CPU or
+CUDA tensors) with exactly the signatures and results of the pure-torch reference
+(:mod:`lioncub_ds.kernels.reference`). Loading the module registers its kernels as the CPU (or CUDA)
+implementations of the ``torch.ops.lioncub`` ops that :mod:`lioncub_ds.kernels.ops` declares. It uses,
+in order:
 
 1. the module prebuilt by ``LIONCUB_BUILD_EXT=1 pip install .`` (``lioncub_ds._lioncub_cpu``;
    with ``LIONCUB_BUILD_CUDA=1`` also ``lioncub_ds._lioncub_cuda``), unless the sources next to
@@ -221,9 +223,10 @@ def _load_cuda():
     root = csrc_dir()
     if root is None:
         raise RuntimeError("lioncub_ds: CUDA kernel sources not found")
+    load("cpp")  # the CPU implementations of the ops (the CUDA build registers only its CUDA ones)
     with _lock:
         if "cuda" not in _loaded:
-            from .cuda import CudaBackend
+            from .ops import NativeBackend
 
             ext, how = _prebuilt(_build.CUDA_MODULE, cuda=True), "prebuilt"  # LIONCUB_BUILD_CUDA=1 pip install .
             if ext is None:
@@ -235,19 +238,19 @@ def _load_cuda():
                     verbose=os.environ.get("LIONCUB_BUILD_VERBOSE", "0") == "1"))
             if not getattr(ext, "has_cuda", False):
                 raise RuntimeError("the lioncub_cuda extension was built without CUDA")
-            _loaded["cuda"], _loaded["cuda_origin"] = CudaBackend(ext), how
+            _loaded["cuda"], _loaded["cuda_origin"] = NativeBackend(ext, "cuda"), how
         return _loaded["cuda"]
 
 
 def load(kind: str):
     """The native backend for ``kind`` ('cpp' or 'cuda'), built once per process."""
     if kind == "cpp":
-        from .cpp import CppBackend
+        from .ops import NativeBackend  # first: the schemas the extension's kernels implement
 
         with _lock:
             be = _loaded.get("cpp")
         if be is None:
-            be = CppBackend(build_cpp_extension())
+            be = NativeBackend(build_cpp_extension(), "cpu")
             with _lock:
                 _loaded["cpp"] = be
         return be
