@@ -1,6 +1,6 @@
 """Kernel benchmark: fused C++ CPU kernels vs unfused torch vs the machine's copy floor (docs/results.md).
 
-    python -m benchmarks kernels [--json PATH] [--out DIR] [--numel N] [--threads T]
+    python -m benchmarks kernels [--json PATH] [--out DIR] [--numel N] [--threads T] [--only votes|lion|host]
 
 For fp32 and bf16 (gradients, momenta and parameters of that dtype) it times, per 1M params:
 
@@ -17,6 +17,12 @@ For fp32 and bf16 (gradients, momenta and parameters of that dtype) it times, pe
   single-tensor paths and, when installed, lion-pytorch (its per-tensor ``update_fn``, what
   ``lion_pytorch.Lion`` runs, and its foreach optimizer), all in one round-robin with the copy.
   ``lion_match``: the fused step gave the foreach path's bits (checked in the run).
+
+* ``--only host`` (a third table, not part of ``all``): the host cost of one call of every op on the
+  C++ backend (its Python layer and binding) over a bucket of 8 tensors of 64 elements (the kernels'
+  own work negligible), the same kernels through the extension alone, and the kernel calls of one
+  step of a 100-bucket vote; with two yardsticks timed in the same run (an empty Python call, a
+  one-element ``x.add_(x)``) so that a loaded machine can be read (docs/kernels.md).
 
 Baselines: ``unfused``: the same math written with plain torch ops (a few large tensor ops,
 vectorized pack by a multiply trick) into buffers allocated once and reused (``out=`` and
@@ -409,6 +415,150 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- host cost per call
+HOST_TENSORS = 8   # tensors per bucket (a bucket of a few parameters)
+HOST_NUMEL = 64    # elements per tensor: the kernels' own work is negligible, the call is what is timed
+HOST_BUCKETS = 100
+
+
+def _per_call_us(fn, calls: int, rounds: int) -> tuple[float, float]:
+    """(median, best) µs per call of ``fn`` over ``rounds`` rounds of ``calls`` calls."""
+    for _ in range(max(10, calls // 10)):
+        fn()
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        ts.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(ts), min(ts)
+
+
+def host_cases(be, tensors: int = HOST_TENSORS, numel: int = HOST_NUMEL, seed: int = 0) -> dict:
+    """name -> (the public call as the optimizer makes it, the same kernel through the extension
+    alone): one bucket of ``tensors`` tensors of ``numel`` elements (fp32), N = 4 voters. The bucket's
+    offsets list, parameters and momenta stay the same objects from call to call (as in the
+    pipeline); the gradients are fresh tensors every step (as ``p.grad`` is), here a fixed list."""
+    from lioncub_ds.kernels import ops, reference
+
+    gen = torch.Generator().manual_seed(seed)
+    offs = [i * numel for i in range(tensors)]
+    total = reference.padded_numel(tensors * numel, N_VOTERS)
+    mk = lambda: [torch.randn(numel, generator=gen) for _ in range(tensors)]  # noqa: E731
+    g, m, p = mk(), mk(), mk()
+    otab = torch.tensor(offs, dtype=torch.int64)
+    segs = reference.tie_segments(offs)
+    planes = torch.randint(0, 256, (N_VOTERS, total // 8), dtype=torch.uint8, generator=gen)
+    nz1 = planes[0].clone()
+    mask = torch.full((total // 8,), 255, dtype=torch.uint8)
+    lanes = torch.randint(0, 256, (total * 4 // 8,), dtype=torch.uint8, generator=gen)
+    q = torch.randint(-3, 4, (total,), dtype=torch.int8, generator=gen)
+    bb = torch.randint(0, 256, (N_VOTERS, 2, total // 8 // N_VOTERS), dtype=torch.uint8, generator=gen)
+    shard = planes[:, :total // 8 // N_VOTERS].contiguous()
+    sseg = reference.tie_segments(offs, None, 0, total // N_VOTERS)
+    zlay = reference.zero_layout(N_VOTERS, [total // N_VOTERS], [0])
+    zsign = torch.randint(0, 256, (N_VOTERS, total // N_VOTERS // 8), dtype=torch.uint8, generator=gen)
+    ztarget = [torch.randn(total, generator=gen)]
+    zpieces, znone = zlay.pieces, [torch.empty(0)]
+    ext = be._ext
+    e = ()
+    return {
+        "local_step": (lambda: be.local_step(g, m, offs, total, B1, B2, True, device_counts=True),
+                       lambda: ext.local_step(g, m, e, otab, total, B1, B2, True)),
+        "abstain_list": (lambda: be.abstain_list(nz1, mask, 16), lambda: ext.abstain_list(nz1, mask, 16)),
+        "momentum_update_list": (lambda: be.momentum_update_list(m, g, B2), lambda: ext.momentum_update(m, g, B2)),
+        "vote_apply": (lambda: be.vote_apply(planes, None, p, offs, LR, WD, 3, "hash", "majority", N_VOTERS, segs,
+                                             False),
+                       lambda: ext.vote_apply(planes, None, p, otab, LR, WD, 3, 2, 0, N_VOTERS, segs, False)),
+        "shard_vote": (lambda: be.shard_vote(shard, None, 3, "hash", sseg),
+                       lambda: ext.shard_vote(shard, None, 3, 2, sseg)),
+        "count_lanes": (lambda: be.count_lanes(shard, None, 4), lambda: ext.count_lanes(shard, None, 4)),
+        "lanes_apply": (lambda: be.lanes_apply(lanes, None, N_VOTERS, 4, p, offs, LR, WD, 3, "hash", "average",
+                                               segs, False),
+                        lambda: ext.lanes_apply(lanes, None, N_VOTERS, 4, p, otab, LR, WD, 3, 2, 1, segs, False)),
+        "int8_local_step": (lambda: be.int8_local_step(g, m, offs, total, B1, "l1", 31, device_counts=True),
+                            lambda: ext.int8_local_step(g, m, otab, total, B1, 0, 31)),
+        "int8_apply": (lambda: be.int8_apply(q, p, offs, LR, WD, False),
+                       lambda: ext.int8_apply(q, p, otab, LR, WD, False)),
+        "lion_step": (lambda: be.lion_step(p, g, m, LR, WD, B1, B2), lambda: ext.lion_step(p, g, m, LR, WD, B1, B2)),
+        "bbit_local_step": (lambda: be.bbit_local_step(g, m, offs, total, B1, B2, "l1", 2, "dither", 7, segs, True,
+                                                       device_counts=True),
+                            lambda: ext.bbit_local_step(g, m, e, otab, total, B1, B2, True, 0, 2, 1, 7, segs)),
+        "bbit_shard_vote": (lambda: be.bbit_shard_vote(bb, None, 2, 3, "hash", sseg),
+                            lambda: ext.bbit_shard_vote(bb, None, 2, 3, 2, sseg)),
+        "zero_sign_apply": (lambda: be.zero_sign_apply(zsign, None, ztarget, None, zlay, [LR], [WD]),
+                            lambda: ext.zero_sign_apply(zsign, None, ztarget, znone, zpieces, [LR], [WD])),
+        # what each call costs through the dispatcher instead (torch.ops.lioncub.*, what a compiled graph calls)
+        "local_step (torch.ops)": (lambda: ops.op("local_step")(g, m, e, otab, total, B1, B2, True),
+                                   lambda: ext.local_step(g, m, e, otab, total, B1, B2, True)),
+    }
+
+
+def run_host(calls: int, rounds: int, buckets: int = HOST_BUCKETS) -> list[dict]:
+    """Host µs per fused call on the C++ backend (each op), against the extension alone and two
+    yardsticks timed in the same run (an empty Python call; ``x.add_(x)`` on a 1-element tensor, the
+    cheapest torch op: a busy machine slows all of them alike); then the kernel calls of one step of a
+    ``buckets``-bucket 1bit all-gather vote (per bucket: local step, abstention list, vote + apply)."""
+    from lioncub_ds.kernels.loader import load
+
+    torch.set_num_threads(1)  # the host path, not the kernels' threads
+    be = load("cpp")
+    x = torch.zeros(1)
+    nothing = lambda: None  # noqa: E731
+    yard = {"python_call": _per_call_us(nothing, calls, rounds), "torch_add_1elem": _per_call_us(lambda: x.add_(x),
+                                                                                               calls, rounds)}
+    try:
+        load_avg = os.getloadavg()[0]
+    except OSError:
+        load_avg = float("nan")
+    common = {"bench": NAME, "table": "host", "tensors": HOST_TENSORS, "numel_per_tensor": HOST_NUMEL,
+              "voters": N_VOTERS, "isa": be.isa, "cpu": platform.processor() or platform.machine(),
+              "nproc": os.cpu_count(), "loadavg_1min": load_avg, "calls": calls, "rounds": rounds,
+              "python_call_us": yard["python_call"][0], "torch_add_us": yard["torch_add_1elem"][0]}
+    records = []
+    for name, (public, raw) in host_cases(be).items():
+        # round-robin: the public call, the extension alone and the yardstick in turn, so that load
+        # changes within the run (other jobs) hit the three alike; the ratio is the robust figure
+        rr = {k: [] for k in ("public", "raw", "add")}
+        for _ in range(rounds):
+            for k, fn in (("public", public), ("raw", raw), ("add", lambda: x.add_(x))):
+                rr[k].append(_per_call_us(fn, calls, 1)[0])
+        t_pub, t_raw, t_add = (statistics.median(rr[k]) for k in ("public", "raw", "add"))
+        records.append(dict(common, op=name, us_per_call=t_pub, best_us_per_call=min(rr["public"]),
+                            extension_us=t_raw, best_extension_us=min(rr["raw"]), python_layer_us=t_pub - t_raw,
+                            add_us=t_add, in_torch_adds=t_pub / t_add))
+    cases = host_cases(be)
+    per_bucket = [cases[k][0] for k in ("local_step", "abstain_list", "vote_apply")]
+    steps = [host_cases(be, seed=b) for b in range(buckets)]  # a separate bucket (offsets, tensors) each
+
+    def one_step():
+        for c in steps:
+            c["local_step"][0]()
+            c["abstain_list"][0]()
+            c["vote_apply"][0]()
+
+    t_step, best_step = _per_call_us(one_step, max(1, calls // (10 * buckets)), rounds)
+    t_add = _per_call_us(lambda: x.add_(x), calls, rounds)[0]
+    records.append(dict(common, op=f"step: {buckets} buckets x {len(per_bucket)} calls", us_per_call=t_step,
+                        best_us_per_call=best_step, extension_us=float("nan"), best_extension_us=float("nan"),
+                        python_layer_us=float("nan"), add_us=t_add, in_torch_adds=t_step / t_add, buckets=buckets))
+    return records
+
+
+def format_host_table(records: list[dict]) -> str:
+    r0 = records[0]
+    lines = [f"host cost per fused call (C++ backend, 1 thread): a bucket of {r0['tensors']} fp32 tensors x "
+             f"{r0['numel_per_tensor']} elements, N={r0['voters']}; medians of {r0['rounds']} rounds x "
+             f"{r0['calls']} calls; load avg {r0['loadavg_1min']:.1f} on {r0['nproc']} cores",
+             f"yardsticks in the same run: an empty Python call {r0['python_call_us']:.2f} us, x.add_(x) on one "
+             f"element {r0['torch_add_us']:.2f} us; x add = per call / x.add_(x) timed round-robin with each op",
+             f"{'op':<34}{'us/call':>9}{'best':>8}{'ext only':>10}{'python':>9}{'x add':>7}"]
+    for r in records:
+        lines.append(f"{r['op']:<34}{r['us_per_call']:>9.2f}{r['best_us_per_call']:>8.2f}{r['extension_us']:>10.2f}"
+                     f"{r['python_layer_us']:>9.2f}{r['in_torch_adds']:>7.1f}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None, help="write the records (a JSON list of flat dicts) here")
@@ -420,8 +570,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeat", type=int, default=7, help="timed runs per measurement (median)")
     ap.add_argument("--threads", type=int, default=None, help="torch (and OpenMP) threads; default: torch's")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma list of float32,bfloat16")
-    ap.add_argument("--only", default="all", choices=("all", "votes", "lion"),
-                    help="cpu: votes = the LionCub kernels table, lion = the single-process step table")
+    ap.add_argument("--only", default="all", choices=("all", "votes", "lion", "host"),
+                    help="cpu: votes = the LionCub kernels table, lion = the single-process step table, host = the "
+                         "host cost per call of every op and of a 100-bucket step's kernel calls (not in all)")
+    ap.add_argument("--calls", type=int, default=2000, help="host: calls per timed round")
     return ap
 
 
@@ -447,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     numel = args.numel or (16 << 20)
     records = []
+    if args.only == "host":
+        records = run_host(args.calls, max(args.repeat, 5))
+        print(format_host_table(records))
     if args.only in ("all", "votes"):
         records += run(numel, args.repeat, args.codec_numel, dtypes)
         print(format_table(records))
