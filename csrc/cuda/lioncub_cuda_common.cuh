@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <cuda_runtime.h>  // the occupancy API (a template of the runtime's C++ API)
 #include <vector_types.h>
 
 #include "lioncub_cuda.h"
@@ -547,6 +548,23 @@ LC_HD void int8_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0
 }
 
 // ----------------------------------------------------------------------------- comm="bbit"
+// The tie-index table looked up once per unit (8 elements: a byte; 32: a word) instead of once per
+// tied element: the row of the unit's first position e0 gives the tie indices of e0 .. stop-1 as
+// base + (e - e0); a row that starts inside the unit (never for conventions.tie_segments' tables,
+// whose positions are multiples of 8) is looked up again from there. Same indices, same bits.
+struct TieRun {
+  uint64_t base;
+  int64_t e0, stop;
+};
+LC_HD TieRun tie_run(const int64_t* rows, int64_t nrows, int64_t e0) {
+  if (nrows <= 0) return TieRun{static_cast<uint64_t>(e0), e0, INT64_MAX};
+  const int64_t k = lcc::tie_row(rows, nrows, e0);
+  return TieRun{static_cast<uint64_t>(rows[2 * k + 1]) + static_cast<uint64_t>(e0 - rows[2 * k]), e0,
+                k + 1 < nrows ? rows[2 * (k + 1)] : INT64_MAX};
+}
+LC_HD uint64_t tie_index_in(const TieRun& run, const int64_t* rows, int64_t nrows, int64_t e) {
+  return e < run.stop ? run.base + static_cast<uint64_t>(e - run.e0) : lcc::tie_index(rows, nrows, e);
+}
 // One unit (8 bucket elements at e0) of the b-bit local step (reference.bbit_local_step): bit i of
 // codes[j] is bit j of element e0 + i's code, zbyte its nonzero bits; adds the zeros of c to nzero; the
 // momentum update when asked. ratios[t]: tensor t's ratio. Gaps and padding: all 0.
@@ -561,13 +579,15 @@ LC_HD void bbit_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0
   Unit u;
   load_unit(meta, t, e0, u);
   const float ratio = ratios[t];
+  const TieRun run = bb.rounding == LC_ROUND_DITHER ? tie_run(bb.tie_rows, bb.tie_nrows, e0) : TieRun{0u, e0, e0};
   for (int i = 0; i < u.n; ++i) {
     const float c = lion_c(u.m[i], u.g[i], la);
     const bool fin = is_finite(c);
     if (fin && c != 0.0f) zbyte |= 1u << i;
     nzero += c == 0.0f ? 1 : 0;
     const float d =
-        bb.rounding == LC_ROUND_DITHER ? lcc::dither_u(bb.seed, lcc::tie_index(bb.tie_rows, bb.tie_nrows, e0 + i)) : 0.0f;
+        bb.rounding == LC_ROUND_DITHER ? lcc::dither_u(bb.seed, tie_index_in(run, bb.tie_rows, bb.tie_nrows, e0 + i))
+                                       : 0.0f;
     const uint32_t k = lcc::bbit_code(fin ? c : 0.0f, ratio, bb.bits, bb.rounding, d);
     LC_UNROLL
     for (int j = 0; j < 4; ++j) codes[j] |= ((k >> j) & 1u) << i;
@@ -621,22 +641,50 @@ inline int levels_for_rows(int rows) {
   return 0;
 }
 
-// Blocks of a grid-stride launch over `items` work items of `per_block` each: enough to
-// fill the device (8 blocks of kThreads per SM), never more than the work needs.
-inline int grid_for(int64_t items, int64_t per_block) {
+// The multiprocessors of the current device (cached per device).
+inline int device_sms(int& dev) {
   static int sms_cache[64] = {0};
-  int dev = 0;
+  dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
   int sms = (dev >= 0 && dev < 64) ? sms_cache[dev] : 0;
   if (sms <= 0) {
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 108;
     if (dev >= 0 && dev < 64) sms_cache[dev] = sms;  // benign race: every writer stores the same value
   }
+  return sms;
+}
+
+// Blocks of a grid-stride launch over `items` work items of `per_block` each: never more than the
+// work needs, at most 8 per SM; lc::launch then trims it to one full wave of the kernel's own
+// occupancy (resident_blocks). Every kernel's result is independent of its grid (tests: any SM count).
+inline int grid_for(int64_t items, int64_t per_block) {
+  int dev = 0;
+  const int sms = device_sms(dev);
   int64_t want = (items + per_block - 1) / per_block;
   const int64_t cap = static_cast<int64_t>(sms) * 8;
   if (want > cap) want = cap;
   if (want < 1) want = 1;
   return static_cast<int>(want);
+}
+
+// Blocks of `block` threads of `kernel` that one SM holds at once (its registers and shared memory:
+// the occupancy API), cached per kernel, block size and device; thread_local: no lock on a launch.
+// A grid of SMs x this many blocks is one full wave (8 per SM at 40-64 registers was 1.3-2 waves).
+template <class K>
+inline int resident_blocks(K kernel, int block, int dev) {
+  struct Entry {
+    const void* kernel;
+    int dev, block, blocks;
+  };
+  thread_local Entry cache[64];
+  thread_local int used = 0;
+  const void* key = reinterpret_cast<const void*>(kernel);
+  for (int i = 0; i < used; ++i)
+    if (cache[i].kernel == key && cache[i].dev == dev && cache[i].block == block) return cache[i].blocks;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, 0) != cudaSuccess || n < 1) n = 1;
+  if (used < 64) cache[used++] = Entry{key, dev, block, n};
+  return n;
 }
 
 // ----------------------------------------------------------------------------- launches
@@ -652,6 +700,10 @@ extern "C" cudaError_t lc_host_launch(int grid, int block, cudaStream_t stream, 
 template <class... P, class... A>
 inline cudaError_t launch(void (*kernel)(P...), int grid, int block, cudaStream_t stream, A... args) {
   static_assert(sizeof...(P) == sizeof...(A), "one argument per kernel parameter");
+  int dev = 0;
+  const int sms = device_sms(dev);
+  const int64_t wave = static_cast<int64_t>(sms) * resident_blocks(kernel, block, dev);
+  if (grid > wave) grid = static_cast<int>(wave);
 #if defined(__CUDACC__)
   kernel<<<grid, block, 0, stream>>>(static_cast<P>(args)...);
   return cudaGetLastError();

@@ -10,23 +10,26 @@
 namespace lc {
 
 // ----------------------------------------------------------------------------- votes
-// The tie index of bucket/shard position e (the element's index inside its parameter).
-LC_HD uint64_t tie_index_of(const lc_apply_args& a, int64_t e) { return lcc::tie_index(a.tie_rows, a.tie_nrows, e); }
-
-// The value a tied coordinate at position e takes.
-LC_HD float tie_value_at(const lc_apply_args& a, int64_t e) {
+// The value a tied coordinate at position e of the unit of `run` takes.
+LC_HD float tie_value_in(const lc_apply_args& a, const TieRun& run, int64_t e) {
   if (a.tie == LC_TIE_ZERO) return 0.0f;
-  return static_cast<float>(lcc::tie_value(a.tie, a.step, a.tie == LC_TIE_HASH ? tie_index_of(a, e) : 0));
+  return static_cast<float>(
+      lcc::tie_value(a.tie, a.step, a.tie == LC_TIE_HASH ? tie_index_in(run, a.tie_rows, a.tie_nrows, e) : 0));
 }
 
-// reference.decide for one element (bucket element index e).
-LC_HD float decide(int plus, int cnt, const lc_apply_args& a, int64_t e) {
+// reference.decide for one element (bucket element index e); a tie reads its index through `run`
+// (looked up by the caller, once per unit, when `*have` is false).
+LC_HD float decide(int plus, int cnt, const lc_apply_args& a, int64_t e, int64_t e0, TieRun& run, bool& have) {
   const int diff = 2 * plus - cnt;
   if (a.vote == LC_VOTE_AVERAGE) return fdiv(static_cast<float>(diff), static_cast<float>(a.world_size));
   if (diff > 0) return 1.0f;
   if (diff < 0) return -1.0f;
   if (cnt == 0) return 0.0f;
-  return tie_value_at(a, e);
+  if (!have && a.tie == LC_TIE_HASH) {
+    run = tie_run(a.tie_rows, a.tie_nrows, e0);
+    have = true;
+  }
+  return tie_value_in(a, run, e);
 }
 
 // 32-bit word w of a packed row of row_bytes bytes (bytes past the end read as 0).
@@ -116,12 +119,14 @@ LC_HD void majority_delta8(uint32_t pos, uint32_t neg, uint32_t tie, int sel, co
                            float d[8]) {
   const uint32_t sh = 8u * static_cast<uint32_t>(sel);
   const uint32_t pb = (pos >> sh) & 0xffu, nb = (neg >> sh) & 0xffu, tb = (tie >> sh) & 0xffu;
+  // the tie row once per unit, and only when one of its elements ties under the hash rule
+  const TieRun run = (tb && a.tie == LC_TIE_HASH) ? tie_run(a.tie_rows, a.tie_nrows, e0) : TieRun{0u, e0, e0};
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
     float v = 0.0f;
     if ((pb >> i) & 1u) v = 1.0f;
     else if ((nb >> i) & 1u) v = -1.0f;
-    else if ((tb >> i) & 1u) v = tie_value_at(a, e0 + i);
+    else if ((tb >> i) & 1u) v = tie_value_in(a, run, e0 + i);
     d[i] = v;
   }
 }
@@ -145,12 +150,13 @@ LC_HD void shard_word(uint32_t pos, uint32_t neg, uint32_t tie, int tie_rule, in
   if (tie_rule == LC_TIE_ALTERNATE) {
     if (step & 1) tplus = tie;
     else tminus = tie;
-  } else if (tie_rule == LC_TIE_HASH) {
+  } else if (tie_rule == LC_TIE_HASH && tie) {
+    const TieRun run = tie_run(rows, nrows, e0);  // once per word (32 elements), only tied bits hashed
     uint32_t m = tie;
     while (m) {
       const int b = ctz32(m);
       m &= m - 1u;
-      if (lcc::tie_hash(static_cast<uint64_t>(step), lcc::tie_index(rows, nrows, e0 + b)) & 1u) tplus |= 1u << b;
+      if (lcc::tie_hash(static_cast<uint64_t>(step), tie_index_in(run, rows, nrows, e0 + b)) & 1u) tplus |= 1u << b;
     }
     tminus = tie & ~tplus;
   }
@@ -296,12 +302,14 @@ LC_HD void lanes_delta8(const uint8_t* __restrict__ plus, const uint8_t* __restr
   const uint64_t mask = (1ull << p) - 1ull;
   const uint64_t xp = load_lane_unit(plus, u, p, n);
   const uint64_t xc = cnt ? load_lane_unit(cnt, u, p, n) : 0ull;
+  TieRun run{0u, u * 8, u * 8};
+  bool have = false;
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
     if (i < n) {
       const int pl = static_cast<int>((xp >> (i * p)) & mask);
       const int c = cnt ? static_cast<int>((xc >> (i * p)) & mask) : a.world_size;
-      d[i] = decide(pl, c, a, u * 8 + i);
+      d[i] = decide(pl, c, a, u * 8 + i, u * 8, run, have);
     } else {
       d[i] = 0.0f;
     }

@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     uint32_t pos = 0u, neg = 0u, tie = 0u;
     if (!AVG) majority_masks<KB>(P, C, pos, neg, tie);
-#pragma unroll 1
-    for (int r = 0; r < 4; ++r) {  // not unrolled: keeps the code (and the compile) small
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // unrolled: the four rounds' shuffles and stores overlap
       const int src = r * 8 + (lane >> 2);  // the lane owning word 8r + lane/4 of the tile
       const int sel = lane & 3;             // byte of that word = unit 32r + lane of the tile
       const int64_t u = tile * 128 + r * 32 + lane;

@@ -219,6 +219,10 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   return cudaSuccess;
 }
 
+// An emulated SM holds 1536 threads' worth of blocks (6 of 256 threads: a kernel at ~40 registers on
+// an sm_90 SM), so lc::launch trims grids to a wave below lc::grid_for's 8 blocks per SM, as on a GPU.
+int lc_emu_resident_blocks(int block) { return block > 0 && block <= 1536 ? 1536 / block : 1; }
+
 const char* cudaGetErrorString(cudaError_t error) {
   return error == cudaSuccess ? "no error" : "emulated CUDA error";
 }

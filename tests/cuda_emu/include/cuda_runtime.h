@@ -66,6 +66,14 @@ inline T __shfl_down_sync(unsigned mask, T v, unsigned delta) {
   return got;
 }
 
+// The occupancy API: blocks of `block` threads one emulated SM holds at once (lc_emu_resident_blocks).
+extern "C" int lc_emu_resident_blocks(int block);
+template <class T>
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, T, int block, size_t) {
+  *n = lc_emu_resident_blocks(block);
+  return cudaSuccess;
+}
+
 // One fiber runs at a time: a read-modify-write is atomic.
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   const unsigned long long old = *p;
