@@ -15,7 +15,7 @@ import lioncub_ds
 from lioncub_ds import kernels
 from lioncub_ds.comm import make_algorithm
 from lioncub_ds.comm.abstain import (CHUNK, ChunkCode, any_voter, encode, list_capacity, next_mode, plane_source,
-                                     real_mask)
+                                     real_mask, summed_flags)
 from lioncub_ds.kernels import reference
 from dist_helpers import run_ranks
 from test_distributed import _brute_force
@@ -142,6 +142,26 @@ def test_runs_cost_no_list_entries():
     words = payload[:ChunkCode(total // 8, n).list_bytes].view(torch.int32)
     assert int(words[0]) == 0 and flags.tolist() == [1, 0]
     assert payload.numel() == 4 * (1 + 2 * ChunkCode(total // 8, n).capacity) + (total // 64 + 7) // 8
+
+
+@pytest.mark.unit
+def test_summed_flags_drive_the_modes():
+    """summed_flags (a simulation's view of the step's flags): unused rows overflow a list and
+    fit the chunks; dense planes go back to lists; nobody abstaining needs no planes."""
+    n = 4
+    numels = [256 * 64, 256 * 64, 256]
+    offsets, total, mask = _layout(numels, n)
+    gen = torch.Generator().manual_seed(7)
+    k = list_capacity(total // 8, n)
+    rows = [_plane("rows", offsets, numels, total, gen) for _ in range(n)]
+    dense = [_plane("none", offsets, numels, total, gen) for _ in range(n)]
+    assert summed_flags(rows, mask, "list", k, n, reference) == (n, n)
+    assert next_mode("list", n, n) == "chunks" and plane_source("list", n, n) == "fetch"
+    assert summed_flags(rows, mask, "chunks", k, n, reference) == (n, 0)
+    assert next_mode("chunks", n, 0) == "chunks" and plane_source("chunks", n, 0) == "payload"
+    assert summed_flags(dense, mask, "chunks", k, n, reference) == (0, 0)
+    assert next_mode("chunks", 0, 0) == "list"
+    assert summed_flags(dense, mask, "list", k, n, reference) == (0, 0) and plane_source("list", 0, 0) == "none"
 
 
 @pytest.mark.unit

@@ -256,6 +256,17 @@ def encode(nonzero: torch.Tensor, mask: torch.Tensor, mode: str, capacity: int, 
     return payload, torch.stack([(long > capacity).to(torch.int32), (words[0] > code.capacity).to(torch.int32)])
 
 
+def summed_flags(planes, mask: torch.Tensor, mode: str, capacity: int, world_size: int, backend) -> tuple[int, int]:
+    """A bucket's two flag entries summed over ranks, from every rank's nonzero plane (an iterable
+    of uint8 [B]): what the step's flags carry, by the same :func:`encode` (for a simulation of
+    the step, e.g. benchmarks.converge: then :func:`plane_source` and :func:`next_mode`)."""
+    first = second = 0
+    for nonzero in planes:
+        f, s = encode(nonzero.contiguous(), mask, mode, capacity, world_size, backend)[1].tolist()
+        first, second = first + f, second + s
+    return first, second
+
+
 def plane_source(mode: str, first: int, second: int) -> str:
     """Where this step's nonzero planes come from, from a bucket's summed flag entries: "none"
     (nobody abstains: every vote counts), "fetch" (some rank's list, or chunk list, overflowed:
