@@ -150,7 +150,7 @@ class SimLionCub:
         from lioncub_ds.momentum_sync import disagreement_units, drift_due, on_schedule, vote_disagreement
 
         from lioncub_ds.comm import make_algorithm
-        from lioncub_ds.comm.abstain import list_capacity, real_mask
+        from lioncub_ds.comm.abstain import ChunkCode, list_capacity, plane_source, real_mask
         from lioncub_ds.layout import next_abstain_mode
         from lioncub_ds.flags import flag_bytes
 
@@ -198,23 +198,36 @@ class SimLionCub:
                                                                      grads[p].reshape(n, -1), b1)
                 if not bool(torch.isfinite(c).all()):
                     raise FloatingPointError("SimLionCub: non-finite c (the real LionCub would skip the step)")
-                # Abstentions travel as LionCub's (comm/abstain.py): per worker, the bytes of its
-                # nonzero plane that differ from the bucket's mask; a list of capacity K, or the
-                # plane after a step in which some worker overflowed; an overflow all-gathers the
-                # planes once in its own step. Node voters: each of the L shards of the bucket is a
-                # bucket of the real step (the same whole-byte slices of the planes and the mask);
-                # the abstain / overflow flags are summed over every rank, so they hold for every shard.
-                mask = real_mask(offsets, [p.numel() for p in params], total, dev)
+                # Abstentions travel as LionCub's (comm/abstain.py, encode): per worker, in list mode
+                # the bytes of its nonzero plane that differ from the bucket's mask (a list of
+                # capacity K), in chunks mode one bit per 8-byte chunk that abstains whole and a list
+                # of the bytes that differ from the mask with those chunks cleared, else the plane.
+                # The two flag entries per worker (list mode: [list overflows, abstains]; chunks and
+                # plane: [a list would overflow, the chunk list overflows]) are summed over every
+                # rank, and decide this step's source of the planes and the next step's mode. Node
+                # voters: each of the L shards of the bucket is a bucket of the real step (the same
+                # whole-byte slices of the planes and the mask), every shard in the agreed mode.
                 shard = total // self.node_size
-                diff = [(reference.pack_bits(c[i] != 0) != mask).view(self.node_size, -1) for i in range(n)]
-                counts = [int(x) for d in diff for x in d.sum(1)]
-                abstain = max(counts) > 0
-                overflow = max(counts) > list_capacity(shard // 8, n)
-                mode = bucket.mode  # (node voters: every shard's, agreed by the summed flags)
+                mask = real_mask(offsets, [p.numel() for p in params], total, dev).view(self.node_size, -1)
+                planes = [reference.pack_bits(c[i] != 0).view(self.node_size, -1) for i in range(n)]
+                capacity = list_capacity(shard // 8, n)
+                mode = bucket.mode
+                code = ChunkCode(shard // 8, n) if mode != "list" else None
+                first = second = 0
+                for plane in planes:
+                    count = (plane != mask).sum(1)
+                    first += int((count > capacity).sum())
+                    if mode == "list":
+                        second += int((count > 0).sum())
+                        continue
+                    for row, m_ in zip(plane, mask):
+                        base = code.base(m_, code.zero_chunks(row))
+                        second += int(int((row != base).sum()) > code.capacity)
+                abstain = second > 0 if mode == "list" else True  # chunks / plane: the planes always count
                 segs = reference.tie_segments(offsets)
-                # an overflow in list mode fetches the planes once more (each algorithm's way: whole
-                # planes all-gathered, or shards all-to-all'd), counted in its wire_bytes
-                refetch = mode == "list" and overflow
+                # a list or chunk list that overflows fetches the planes once more (each algorithm's
+                # way: whole planes all-gathered, or shards all-to-all'd), counted in its wire_bytes
+                refetch = plane_source(mode, first, second) == "fetch"
                 if self.comm == "bbit":
                     delta = self._bbit_delta(c, params, offsets, step, abstain, segs)
                     by = {"bbit": self.algorithm.wire_bytes(total, n, mode=mode, tie_break=cfg.tie_break,
@@ -232,7 +245,7 @@ class SimLionCub:
                                                                 tie_break=cfg.tie_break, abstain=abstain,
                                                                 overflow=refetch)
                           for name in ("allgather", "pbit", "1bit")}
-                bucket.mode = next_abstain_mode(overflow)
+                bucket.mode = next_abstain_mode(mode, first, second)
                 sent += by[self.comm]
                 for k, v in by.items():
                     self.alt_bytes[k] = self.alt_bytes.get(k, 0) + v - by[self.comm]
