@@ -150,7 +150,7 @@ class SimLionCub:
         from lioncub_ds.momentum_sync import disagreement_units, drift_due, on_schedule, vote_disagreement
 
         from lioncub_ds.comm import make_algorithm
-        from lioncub_ds.comm.abstain import ChunkCode, list_capacity, plane_source, real_mask
+        from lioncub_ds.comm.abstain import list_capacity, plane_source, real_mask, summed_flags
         from lioncub_ds.layout import next_abstain_mode
         from lioncub_ds.flags import flag_bytes
 
@@ -212,17 +212,10 @@ class SimLionCub:
                 planes = [reference.pack_bits(c[i] != 0).view(self.node_size, -1) for i in range(n)]
                 capacity = list_capacity(shard // 8, n)
                 mode = bucket.mode
-                code = ChunkCode(shard // 8, n) if mode != "list" else None
                 first = second = 0
-                for plane in planes:
-                    count = (plane != mask).sum(1)
-                    first += int((count > capacity).sum())
-                    if mode == "list":
-                        second += int((count > 0).sum())
-                        continue
-                    for row, m_ in zip(plane, mask):
-                        base = code.base(m_, code.zero_chunks(row))
-                        second += int(int((row != base).sum()) > code.capacity)
+                for k in range(self.node_size):  # each shard's flags, summed over every rank as the step's are
+                    f, s2 = summed_flags((plane[k] for plane in planes), mask[k], mode, capacity, n, reference)
+                    first, second = first + f, second + s2
                 abstain = second > 0 if mode == "list" else True  # chunks / plane: the planes always count
                 segs = reference.tie_segments(offsets)
                 # a list or chunk list that overflows fetches the planes once more (each algorithm's
