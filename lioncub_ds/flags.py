@@ -19,7 +19,9 @@ from .telemetry import ring_bytes
 #   [4] ranks whose gradients changed after their bucket voted in backward,
 #   [5 .. 5+HYPER_BITS) one bit each of a hash of this step's lr, weight decay and betas (every
 #   group): a sum strictly between 0 and N means the ranks disagree,
-# then per bucket [ranks whose abstention list overflowed, ranks with an abstention].
+# then per bucket two entries, by the bucket's abstention mode (comm/abstain.py): in list mode [ranks
+# whose list overflowed, ranks with an abstention]; in chunks and plane modes [ranks whose list would
+# overflow, ranks whose chunk list overflowed].
 # On the wire every entry but the non-finite value count is a count of ranks (≤ N), so two share
 # one int32 word in 16-bit lanes (N < 2**15: the sums never carry into the next lane).
 # With momentum_sync schedule="drift" one more full word follows the count: this rank's vote
