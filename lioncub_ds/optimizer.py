@@ -353,9 +353,8 @@ class LionCub(Optimizer):
             # each, or this rank's reason it cannot, is agreed with the settings below, so a size that
             # differs across ranks, or fails on one rank only, gives every rank the same error
             # naming the setting (never one rank raising alone while the others wait).
-            node_size, node_problem = _resolved(node_size_for, cfg, n)
-            if self._shard_groups is not None:  # the framework's shard groups are the layout
-                node_size, node_problem = 1, None
+            # with shard groups the framework's groups are the layout: no node_size to resolve
+            node_size, node_problem = (1, None) if self._shard_groups is not None else _resolved(node_size_for, cfg, n)
             sync_size, sync_problem = _resolved(sync_group_size, cfg, n)
             # one all-gather: the settings that must match do (else LionCubConfigError on every
             # rank); before the N-dependent checks, which would otherwise fail on some ranks only

@@ -72,17 +72,15 @@ def _load_config(config):
     return None
 
 
-def offloaded(config) -> bool:
-    """``zero_optimization.offload_optimizer.device`` is "cpu"."""
-    cfg = _load_config(config) or {}
+def offloaded(cfg: dict) -> bool:
+    """The ds_config's ``zero_optimization.offload_optimizer.device`` is "cpu"."""
     off = (cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}
     return isinstance(off, dict) and off.get("device") == "cpu"
 
 
-def votes_requested(config) -> dict | None:
-    """The LionCub ``optimizer.params`` of a stage-3 ds_config asking for votes across groups
-    (``voters: "node"``), else None."""
-    cfg = _load_config(config)
+def votes_requested(cfg) -> dict | None:
+    """The LionCub ``optimizer.params`` of a stage-3 ds_config (a dict, from :func:`_load_config`)
+    asking for votes across groups (``voters: "node"``), else None."""
     if not isinstance(cfg, dict):
         return None
     opt = cfg.get("optimizer") or {}
@@ -154,6 +152,7 @@ def make_initialize(orig):
         config = given.get("config") or given.get("config_params")
         if config is None and given.get("args") is not None:
             config = getattr(given["args"], "deepspeed_config", None)
+        config = _load_config(config)  # read once: the votes and the offload are asked of the same dict
         params = votes_requested(config)
         if params is None:
             return orig(*args, **kwargs)
@@ -294,9 +293,7 @@ class ZeRO3Votes(torch.optim.Optimizer):
             raise ZeRO3VotesError("LionCub: this ZeRO-3 checkpoint holds no LionCub state (saved by another "
                                    "optimizer or without votes)")
         if state_dict.get("layout") != self.layout():
-            raise ZeRO3VotesError(f"LionCub: the checkpoint was saved with {describe(state_dict.get('layout'))}; this "
-                                  f"run has {describe(self.layout())}. Allowed: resume with the same node_size and "
-                                  "number of ranks (ZeRO-3 votes do not reshard yet)")
+            raise layout_error("the checkpoint", state_dict.get("layout"), self.layout())
         for opt, sd in zip(self.inner, saved):
             opt.load_state_dict(sd)
         for g, sg in zip(self.param_groups, state_dict.get("param_groups", [])):
@@ -314,22 +311,22 @@ class ZeRO3Votes(torch.optim.Optimizer):
         """LionCub's telemetry summed over the sub-groups' LionCubs (bytes per rank; each steps once
         per optimizer step, so ``last_step`` is the optimizer step's)."""
         out: dict = {}
-        for opt in self.inner:
-            _add_into(out, opt.comm_stats())
+        snaps = [opt.comm_stats() for opt in self.inner]
+        for snap in snaps:
+            _add_into(out, snap)
         for part in (out.get("last_step"), out.get("cumulative")):
             if isinstance(part, dict):
                 sent = part.get("bytes_sent") or 0
                 part["ratio_vs_fp32"] = part.get("fp32_allreduce_bytes", 0) / sent if sent else None
                 part["ratio_vs_bf16"] = part.get("bf16_allreduce_bytes", 0) / sent if sent else None
-        if self.inner:
-            out["steps"] = self.inner[0].comm_stats()["steps"]
+        if snaps:
+            out["steps"] = snaps[0]["steps"]  # every sub-group's LionCub steps once per optimizer step
         return out
 
     def state_bytes(self) -> dict:
         out: dict = {}
         for opt in self.inner:
-            for key, value in opt.state_bytes().items():
-                out[key] = out.get(key, 0) + value
+            _add_into(out, opt.state_bytes())
         return out
 
     @property
@@ -354,6 +351,13 @@ def describe(layout) -> str:
     return f"{layout.get('shard_groups')} shard groups x {layout.get('shard_size')} ranks (node_size)"
 
 
+def layout_error(where: str, saved, mine: dict, tail: str = "") -> ZeRO3VotesError:
+    """The refusal of a checkpoint saved under another vote layout (names both, and the way out)."""
+    return ZeRO3VotesError(f"LionCub: {where} was saved with {describe(saved)}; this run has {describe(mine)}. "
+                           "Allowed: resume with the same node_size and number of ranks (ZeRO-3 votes do not "
+                           f"reshard yet){tail}")
+
+
 def build(engine, model_parameters, config: LionCubConfig) -> ZeRO3Votes:
     names = {p: n for n, p in engine.module.named_parameters()}
     cpu = engine.mpu.cpu_shard_groups  # offload_optimizer: vote over gloo on the CPU partitions
@@ -366,8 +370,8 @@ def agree_across_groups(zopt, sg: ShardGroups) -> None:
     group: each is computed over the group, then a flag is all-reduced (MAX) over the shard peers."""
     device = _param_device(zopt)  # the parameters' device: NCCL takes no CPU tensor (offloaded masters are)
 
-    def flag_max(bad: bool) -> bool:
-        t = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
+    def flag_max(bad) -> bool:
+        t = torch.as_tensor(bad, device=device).to(torch.int32).reshape(1)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=sg.peers)
         return bool(t.item())  # ZeRO-3 reads its decision on the host right after: no extra sync point
 
@@ -375,8 +379,12 @@ def agree_across_groups(zopt, sg: ShardGroups) -> None:
 
     def _get_norm_groups():
         norms = get_norms()
-        # invalid: non-finite, or DeepSpeed's -1 sentinel for one (what its is_invalid_grad_norm tests)
-        bad = any(bool((~torch.isfinite(t) | (t < 0)).any()) for t in map(torch.as_tensor, norms))
+        # invalid: non-finite, or DeepSpeed's -1 sentinel for one (what its is_invalid_grad_norm tests);
+        # decided on the device, so the flag's all-reduce carries the step's only host read
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        for t in norms:
+            t = torch.as_tensor(t, device=device)
+            bad = bad | (~torch.isfinite(t) | (t < 0)).any()
         if flag_max(bad):
             return [torch.tensor(float("inf"), device=torch.as_tensor(norms[0]).device)] if norms else norms
         return norms
@@ -487,9 +495,7 @@ def install_layout_check(engine, opt: ZeRO3Votes) -> None:
                 with open(path) as f:
                     saved = json.load(f)
             if saved != opt.layout():
-                raise ZeRO3VotesError(f"LionCub: {os.path.dirname(path)} was saved with {describe(saved)}; this run "
-                                      f"has {describe(opt.layout())}. Allowed: resume with the same node_size and "
-                                      "number of ranks (ZeRO-3 votes do not reshard yet); nothing was loaded")
+                raise layout_error(os.path.dirname(path), saved, opt.layout(), "; nothing was loaded")
         return load(load_dir, tag, *args, **kwargs)
 
     save_checkpoint.__wrapped__, load_checkpoint.__wrapped__ = save, load
