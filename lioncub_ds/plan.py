@@ -504,6 +504,15 @@ def _sync_traffic(runs, voters, geo, scope, every, bucket_mb: float) -> list[Tra
             for phase, kind in (("shards to their owners", "all_to_all"), ("means gathered", "all_gather"))]
 
 
+def _across_nodes(runs, top: Topology, bucket_mb: float, sync_every) -> list[Traffic]:
+    """What one voter per node sends across the nodes (node voters, and ZeRO-3 / FSDP2 with votes):
+    the 1-bit vote of its 1/L shard of every bucket over the Nn nodes, and the sync of the momentum shards."""
+    nn, L, cross = top.dp_nodes, top.local, top.group("cross")
+    buckets, _ = _lioncub_layout(tuple(runs), top.n, bucket_mb)
+    return (_vote_traffic(runs, nn, cross, "inter_node", bucket_mb, shard=L)
+            + _sync_traffic([(numel // L, c) for numel, c in buckets], nn, cross, "inter_node", sync_every, bucket_mb))
+
+
 def _ring_traffic(purpose, kind, nbytes, geo, scope, buckets=1, overlappable=False, wire_factor=1.0):
     sent = ring_bytes(kind, int(nbytes), geo.size)
     return Traffic(purpose, kind, sent, geo, scope, overlappable=overlappable, count=buckets, wire_factor=wire_factor)
@@ -576,9 +585,7 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         update = UPDATE_BYTES_LION * pad // shard
         overlap_ok = True
         if votes:
-            nn, cross = top.dp_nodes, top.group("cross")
-            traffic += _vote_traffic(runs, nn, cross, "inter_node", mb, shard=L)
-            traffic += _sync_traffic([(numel // L, c) for numel, c in runs], nn, cross, "inter_node", sync_every, mb)
+            traffic += _across_nodes(runs, top, mb, sync_every)
             update = UPDATE_BYTES_VOTE * pad // shard
             conv = (_family("node" if L > 1 else "flat", sync_every), n, L)
         elif where == "node" and top.dp_nodes > 1:  # HSDP: the shard all-reduced across the nodes in bf16
@@ -643,9 +650,7 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
             traffic.append(Traffic("node group: gradient reduce-scatter, parameter all-gather, flags", "all_to_all",
                                    wire.node_group_bytes(buckets, wg, wp, L, n), top.group("node"), "intra_node",
                                    count=2 * wire.count(buckets) + 1))
-        cross = top.group("cross")
-        traffic += _vote_traffic(runs, nn, cross, "inter_node", mb, shard=L)
-        traffic += _sync_traffic([(numel // L, c) for numel, c in buckets], nn, cross, "inter_node", sync_every, mb)
+        traffic += _across_nodes(runs, top, mb, sync_every)
         state.update(momentum=4 * total // L, master=(4 * total // L) if mixed else 0)
         master_holder = "LionCub (1/L shard)" if mixed else "none"
         update = node_voter_update_bytes(wg, wp, L, mixed) * total
