@@ -48,9 +48,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..config import LionCubConfig, LionCubConfigError, is_node_voters, unknown_key_error
+from ..config import LionCubConfig, LionCubConfigError, unknown_key_error
 from .. import ds_shm, groups
-from ..groups import create_on_all_ranks
+from ..groups import Request, create_on_all_ranks, requested
 from ..optimizer import LionCub
 from . import _compat
 
@@ -265,15 +265,15 @@ def overlap_clipping_warning(clip: float) -> str:
             "counts them). Set \"gradient_clipping\": 0 to keep every step overlapped.")
 
 
-def requested_voters(engine, optimizer=None) -> tuple:
-    """(voters, node_size) of the LionCub of this engine: the client optimizer's settings, else
-    the ds_config ``optimizer.params`` (flat voters when neither is a LionCub)."""
+def requested_strategy(engine, optimizer=None) -> Request:
+    """What the LionCub of this engine asks for (:func:`lioncub_ds.groups.requested`, before any
+    group exists): the client optimizer's settings, else the ds_config ``optimizer.params`` (flat
+    when neither is a LionCub)."""
     if isinstance(optimizer, LionCub):
-        return optimizer.config.voters, optimizer.config.node_size
+        return requested(optimizer.config)
     if optimizer is None and is_lioncub_name(engine.optimizer_name()):
-        raw = engine.optimizer_params() or {}
-        return raw.get("voters", "rank"), raw.get("node_size")
-    return "rank", None
+        return requested(engine.optimizer_params() or {})
+    return requested({})
 
 
 def check_node_voters(engine, optimizer=None) -> None:
@@ -283,11 +283,11 @@ def check_node_voters(engine, optimizer=None) -> None:
 
     Raised from ``deepspeed.initialize`` before LionCub is built (ds_config) or touched (a client
     optimizer), so nothing has changed yet."""
-    voters, node_size = requested_voters(engine, optimizer)
-    node = is_node_voters(voters)
-    if not node and node_size in (None, 1):
+    req = requested_strategy(engine, optimizer)
+    node = req.node_voters
+    if not req.shards_state:
         return
-    what = "voters='node'" if node else f"node_size={node_size} with voters='rank' (master-only sharding)"
+    what = "voters='node'" if node else f"node_size={req.node_size} with voters='rank' (master-only sharding)"
     shards = ("the momentum and the fp32 master" if node else "the fp32 master of bf16 parameters")
     stage = engine.zero_optimization_stage()
     if stage == 3 and node and optimizer is None:
@@ -318,10 +318,11 @@ def check_supported(engine, optimizer=None) -> None:
 
     ``optimizer``: the client LionCub when one was passed (else the ds_config settings are read)."""
     stage = engine.zero_optimization_stage()
-    off = engine.zero_offload_optimizer() if engine.zero_optimization() else None
+    # read at stage 0 too: DeepSpeed ignores offload_optimizer there, and a user who set it expects it served
+    off = engine.zero_offload_optimizer()
     device = getattr(off, "device", None)
     device = getattr(device, "value", device)
-    voters, _ = requested_voters(engine, optimizer)
+    node_voters = requested_strategy(engine, optimizer).node_voters
     if off is not None and device not in (None, "none"):
         if stage == 0:
             raise LionCubDeepSpeedError(
@@ -332,7 +333,7 @@ def check_supported(engine, optimizer=None) -> None:
             raise LionCubDeepSpeedError(
                 f"LionCub: zero_optimization.offload_optimizer.device={device!r} is not supported (the fp32 "
                 "partitions must stay in memory for LionCub's kernels). Allowed: \"cpu\" or \"none\".")
-        if is_node_voters(voters) and stage != 3:
+        if node_voters and stage != 3:
             raise LionCubDeepSpeedError(
                 f"LionCub: zero_optimization.offload_optimizer with voters='node' needs zero_optimization.stage=3 "
                 f"(got {stage}). Allowed: stage 3 with voters='node', or voters='rank' with offload at stage 1/2/3.")
@@ -430,7 +431,7 @@ class EngineState:
     def master_sharded(self) -> bool:
         """voters="node" or master-only sharding with 16-bit parameters stepped by LionCub itself:
         it holds their fp32 master shards (DeepSpeed's full fp32 copy is never made)."""
-        return (self.mode == "local_momentum" and self.optimizer.config.shards_in_node
+        return (self.mode == "local_momentum" and self.optimizer.strategy.shards_state
                 and any(p.dtype != torch.float32 for g in self.optimizer.param_groups for p in g["params"]))
 
     @property
@@ -454,11 +455,11 @@ class EngineState:
             sign = "on" if self.sign_allgather else f"off ({self.sign_off_reason})"
         n = str(self.world_size)
         t = self.optimizer.topology if self.mode == "local_momentum" else None
-        if t is not None and self.optimizer.config.node_voters:
+        if t is not None and t.strategy.node_voters:
             what = ("Lion Cub node voters: reduce-scatter inside each node group, momentum"
                     + (" and fp32 master" if self.master_sharded else "") + " sharded 1/L, sign votes across groups")
             n = f"{t.world_size * t.node_size} ({t.world_size} node groups x {t.node_size} ranks)"
-        elif t is not None and self.optimizer.config.shards_in_node:
+        elif t is not None and t.strategy.shards_state:
             what += (f"; fp32 master sharded 1/L over node groups of L={t.node_size} ranks" if self.master_sharded
                      else f"; node_size={t.node_size} (fp32 parameters: no master to shard)")
         line = (f"LionCub: ZeRO stage {self.stage} ({what}); comm={comm}; N={n}; "
@@ -736,8 +737,10 @@ def register() -> None:
         configure = make_no_init_step(orig)
 
         def _configure_fp16_optimizer(self, optimizer, *args, **kwargs):
-            if (isinstance(optimizer, LionCub) and optimizer.config.shards_in_node
-                    and self.zero_optimization_stage() == 0 and self.bfloat16_enabled()):
+            # the resolved strategy, not the settings: voters="node" whose node size resolves to 1
+            # is flat voting, which needs DeepSpeed's wrapper like any flat LionCub
+            if (isinstance(optimizer, LionCub) and self.zero_optimization_stage() == 0 and self.bfloat16_enabled()
+                    and optimizer.strategy.shards_state):
                 return optimizer
             return configure(self, optimizer, *args, **kwargs)
         return _configure_fp16_optimizer
