@@ -35,10 +35,6 @@ SYNC_GROUPS = ("world", "node")
 VOTERS = ("rank", "node")
 
 
-def is_node_voters(voters) -> bool:
-    """``voters`` asks for one voter per node group (the one comparison with "node"; integrations
-    that see the raw setting, a ds_config entry or a command-line flag, ask this)."""
-    return voters == "node"
 NETWORK_KEYS = ("bandwidth_gbit", "latency_us")
 # The network comm="auto" plans for when none is given: 10 Gbit/s Ethernet, 50 µs per message.
 DEFAULT_NETWORK = {"bandwidth_gbit": 10.0, "latency_us": 50.0}
@@ -420,28 +416,9 @@ class LionCubConfig:
             raise _err("timeout_s", self.timeout_s, "None or a number of seconds > 0")
 
     def _check_voters(self):
-        if not isinstance(self.voters, str) or self.voters not in VOTERS:
-            raise _err("voters", self.voters, " | ".join(repr(v) for v in VOTERS))
-        if self.node_size is not None and (not _is_int(self.node_size) or self.node_size < 1):
-            raise _err("node_size", self.node_size, "None (LOCAL_WORLD_SIZE) or an integer >= 1")
-        if self.voters == "rank":
-            return  # with node_size: master-only sharding (every rank votes; the fp32 master is sharded)
-        ms = self.momentum_sync
-        if ms is not None and ms.group != "world":
-            raise LionCubConfigError("LionCub: momentum_sync group='node' has nothing to average with voters='node' "
-                                     "(the ranks of a node hold one voter's momentum, sharded, not copies of it); "
-                                     "allowed: group='world' (the sync averages over the voters)")
-
-    @property
-    def node_voters(self) -> bool:
-        """One voter per node group (``voters="node"``): the groups shard momentum and masters."""
-        return is_node_voters(self.voters)
-
-    @property
-    def shards_in_node(self) -> bool:
-        """State sharded inside node groups: node voters, or master-only sharding (voters="rank"
-        with node_size > 1: every rank votes, the fp32 master of 16-bit parameters is sharded)."""
-        return self.node_voters or (self.node_size or 1) > 1
+        # the voters / node_size rules live beside the one resolver of the sharding mode
+        from .groups import check_voter_settings
+        check_voter_settings(self, LionCubConfigError)
 
     @property
     def bbit(self) -> tuple[int, str]:

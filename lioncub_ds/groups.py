@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import inspect
+import numbers
 import os
 import sys
 import time
@@ -35,9 +36,6 @@ class Topology:
     node_size: int = 1
     local_rank: int = 0
     full_group: object = None   # every rank of the vote (None: the world)
-    # voters="rank" with node_size: every rank votes (``group``, ``world_size``, ``rank`` as flat),
-    # and only the fp32 master of bf16/fp16 parameters is sharded over ``node_group``
-    master_only: bool = False
     # Shards stepped by a framework (Megatron's distributed optimizer with K instances): ``group``
     # is this rank's shard peers (one rank per instance), voting flat on this rank's shard; the
     # step's decisions (skip, refuse) are also summed over ``agree_group``, the ``agree_size``
@@ -48,11 +46,19 @@ class Topology:
     agree_rank: int = 0
     # the link the votes cross (CommStats.by_scope): "inter_node" when the voters are instances
     vote_scope: str = "vote_group"
+    # the mode the groups above serve (resolve_strategy); with master-only sharding every rank
+    # votes (``group``, ``world_size``, ``rank`` as flat) and only the fp32 master of bf16/fp16
+    # parameters is sharded over ``node_group``
+    strategy: "Strategy" = None
+
+    @property
+    def master_only(self) -> bool:
+        return self.strategy.mode == MASTER_ONLY
 
     @property
     def node_voters(self) -> bool:
         """One voter per node group: ``group`` holds this rank's shard peers."""
-        return self.node_size > 1 and not self.master_only
+        return self.strategy.node_voters
 
     @property
     def ranks(self) -> int:
@@ -97,16 +103,124 @@ def resolve_ranks_per_node(explicit: int | None = None, setting: str = "node_siz
                      f"{setting}=<ranks per node>")
 
 
-def node_size_for(cfg, n: int) -> int:
-    """L, the ranks per node group of settings ``cfg`` over a vote group of ``n`` ranks: for
-    node voters ``node_size``, else :func:`resolve_ranks_per_node`; for ``voters="rank"`` the explicit
-    ``node_size`` (master-only sharding) or 1. Raises ValueError naming the setting when L cannot
-    be found or does not divide N."""
-    node_size = resolve_ranks_per_node(cfg.node_size) if cfg.node_voters else (cfg.node_size or 1)
-    if n % node_size:
-        raise ValueError(f"LionCub: node_size={node_size} does not divide the {n} ranks of the vote group; allowed: a "
-                         f"divisor of {n}")
-    return node_size
+# ----------------------------------------------------------------------------- the strategy
+# The sharding mode, decided here once (issue 47): every other module reads a Strategy (or a
+# Request, before the world is known), never the voters / node_size settings themselves, so two
+# places cannot decide differently (a voters="node" whose node size resolves to 1 IS flat voting).
+FLAT = "flat"                # every rank votes and holds a momentum per parameter
+MASTER_ONLY = "master_only"  # every rank votes; the fp32 master of 16-bit parameters is sharded in the node
+NODE_VOTERS = "node_voters"  # one voter per node group: momentum (and master) sharded 1/L, votes across groups
+INSTANCES = "instances"      # a framework's shard groups (Megatron's instances, ZeRO-3, FSDP2) are the voters
+MODES = (FLAT, MASTER_ONLY, NODE_VOTERS, INSTANCES)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the settings ask for, before the world is known: ``mode`` (FLAT, MASTER_ONLY or
+    NODE_VOTERS) and the explicit ``node_size`` (None: the launcher's environment). For the
+    integrations that decide before a LionCub exists (DeepSpeed's config checks, Megatron's factory);
+    the mode a run gets is :func:`resolve_strategy`'s (node voters of one rank per node are flat)."""
+    mode: str
+    node_size: int | None = None
+
+    @property
+    def node_voters(self) -> bool:
+        return self.mode == NODE_VOTERS
+
+    @property
+    def shards_state(self) -> bool:
+        """The settings shard state inside node groups (node voters or master-only sharding)."""
+        return self.mode != FLAT
+
+    def ranks_per_node(self) -> int:
+        """L: the explicit node_size, else the launcher's (:func:`resolve_ranks_per_node`; ValueError)."""
+        return resolve_ranks_per_node(self.node_size, "node_size")
+
+
+def requested(settings) -> Request:
+    """The :class:`Request` of ``settings``: a :class:`~lioncub_ds.config.LionCubConfig`, a mapping
+    (a ds_config's ``optimizer.params``, Megatron's lioncub settings) or an argparse namespace
+    (``--lioncub-voters`` / ``--lioncub-node-size``). Values are not validated here (the config does)."""
+    if isinstance(settings, dict):
+        voters, node_size = settings.get("voters", "rank"), settings.get("node_size")
+    elif hasattr(settings, "lioncub_voters") or hasattr(settings, "lioncub_node_size"):
+        voters = getattr(settings, "lioncub_voters", None) or "rank"
+        node_size = getattr(settings, "lioncub_node_size", None)
+    else:
+        voters, node_size = getattr(settings, "voters", "rank"), getattr(settings, "node_size", None)
+    if voters == "node":
+        return Request(NODE_VOTERS, node_size)
+    return Request(MASTER_ONLY if (node_size or 1) > 1 else FLAT, node_size)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a LionCub's step is laid out over its ``ranks``, resolved once from the settings, the
+    vote group and the environment (:func:`resolve_strategy`); ``opt.strategy``, carried by its
+    :class:`Topology`. ``node_size``: L, the ranks that shard state inside a node group (1: none);
+    ``voters``: N, the votes counted per coordinate."""
+    mode: str
+    ranks: int
+    voters: int
+    node_size: int = 1
+
+    @property
+    def node_voters(self) -> bool:
+        return self.mode == NODE_VOTERS
+
+    @property
+    def shards_state(self) -> bool:
+        """LionCub itself shards state inside node groups (node voters, master-only sharding)."""
+        return self.mode in (NODE_VOTERS, MASTER_ONLY)
+
+    def describe(self) -> str:
+        """The strategy in the settings' words (log lines, errors)."""
+        if self.mode == NODE_VOTERS:
+            return f"voters='node' ({self.voters} node groups x {self.node_size} ranks)"
+        if self.mode == MASTER_ONLY:
+            return f"voters='rank' with node_size={self.node_size} (master-only sharding, {self.voters} voters)"
+        if self.mode == INSTANCES:
+            return f"shard groups ({self.voters} groups x {self.ranks // max(self.voters, 1)} ranks)"
+        return f"flat voting ({self.voters} voters)"
+
+
+SINGLE = Strategy(FLAT, 1, 1)  # not distributed
+
+
+def resolve_strategy(settings, ranks: int, shard_groups=None) -> Strategy:
+    """THE decision of the sharding mode: ``settings`` (a LionCubConfig) over a vote group of
+    ``ranks`` ranks, or a framework's ``shard_groups`` (:class:`ShardGroups`, which are then the
+    layout). Node voters take L from ``node_size``, else the launcher (:func:`resolve_ranks_per_node`);
+    ``voters="rank"`` with ``node_size`` > 1 is master-only sharding; an L of 1 is flat voting.
+    Raises ValueError naming the setting when L cannot be found or does not divide ``ranks``."""
+    if shard_groups is not None:
+        return Strategy(INSTANCES, shard_groups.groups * shard_groups.shard_size, shard_groups.groups)
+    req = requested(settings)
+    size = req.ranks_per_node() if req.node_voters else (req.node_size or 1)
+    if ranks % size:
+        raise ValueError(f"LionCub: node_size={size} does not divide the {ranks} ranks of the vote group; allowed: a "
+                         f"divisor of {ranks}")
+    if size == 1:
+        return Strategy(FLAT, ranks, ranks)
+    if req.node_voters:
+        return Strategy(NODE_VOTERS, ranks, ranks // size, size)
+    return Strategy(MASTER_ONLY, ranks, ranks, size)
+
+
+def check_voter_settings(settings, error) -> None:
+    """The voters / node_size settings' own rules, for the config's validation (``settings`` a
+    LionCubConfig; ``error(message)`` makes the exception)."""
+    voters, node_size = settings.voters, settings.node_size
+    if not isinstance(voters, str) or voters not in ("rank", "node"):
+        raise error(f"LionCub: invalid voters={voters!r}; allowed: 'rank' | 'node'")
+    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, numbers.Integral)
+                                  or node_size < 1):
+        raise error(f"LionCub: invalid node_size={node_size!r}; allowed: None (LOCAL_WORLD_SIZE) or an integer >= 1")
+    ms = settings.momentum_sync
+    if voters == "node" and ms is not None and ms.group != "world":
+        raise error("LionCub: momentum_sync group='node' has nothing to average with voters='node' (the ranks of a "
+                    "node hold one voter's momentum, sharded, not copies of it); allowed: group='world' (the sync "
+                    "averages over the voters)")
 
 
 def group_ranks(group) -> list[int]:

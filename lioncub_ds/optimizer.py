@@ -29,7 +29,8 @@ from .config_text import constructor_doc
 from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
 from .lion import call_closure, check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
 from .lion import lion as lion_functional
-from .groups import Topology, node_size_for, consecutive_blocks, create_on_all_ranks, group_ranks, settle_at_exit
+from .groups import (INSTANCES, MASTER_ONLY, NODE_VOTERS, SINGLE, Strategy, Topology, consecutive_blocks,
+                     create_on_all_ranks, group_ranks, requested, resolve_strategy, settle_at_exit)
 from .momentum_sync import check_sync_state, sync_group_size
 from .pipeline import StepPlan
 from .sharding import describe_layout
@@ -353,42 +354,41 @@ class LionCub(Optimizer):
             # each, or this rank's reason it cannot, is agreed with the settings below, so a size that
             # differs across ranks, or fails on one rank only, gives every rank the same error
             # naming the setting (never one rank raising alone while the others wait).
-            # with shard groups the framework's groups are the layout: no node_size to resolve
-            node_size, node_problem = (1, None) if self._shard_groups is not None else _resolved(node_size_for, cfg, n)
+            # the sharding mode, decided once (lioncub_ds.groups.resolve_strategy); with shard groups
+            # the framework's groups are the layout: no node_size to resolve
+            strategy, node_problem = _resolved(lambda c, k: resolve_strategy(c, k, self._shard_groups), cfg, n)
             sync_size, sync_problem = _resolved(sync_group_size, cfg, n)
             # one all-gather: the settings that must match do (else LionCubConfigError on every
             # rank); before the N-dependent checks, which would otherwise fail on some ranks only
             # with shard groups the shard peers agree (they hold same-shaped shards), as Megatron's instances do
             peers = self._shard_groups.peers if self._shard_groups is not None else self._process_group
             agree_settings(cfg, getattr(self, "param_groups", None) or self._construction_groups,
-                           peers, resolved={"node_size": node_problem or node_size,
+                           peers, resolved={"node_size": node_problem or strategy.node_size,
                                                           "momentum_sync.group_size": sync_problem or sync_size})
             if node_problem or sync_problem:  # the same on every rank (agreed)
                 raise LionCubConfigError(node_problem or sync_problem)
-            voters = n // node_size if cfg.node_voters else n
-            if self._shard_groups is not None:
-                voters = self._shard_groups.groups
-            check_world_size(cfg, voters)  # N := the voters; before creating anything (the groups below)
-            self._topology = self.resolve_topology(self._process_group, node_size, sync_size)
+            check_world_size(cfg, strategy.voters)  # N := the voters; before creating anything (the groups below)
+            self._topology = self.resolve_topology(self._process_group, strategy, sync_size)
         return self._topology
 
-    def resolve_topology(self, group, node_size: int = 1, sync_size: int | None = None) -> Topology:
+    def resolve_topology(self, group, strategy: Strategy, sync_size: int | None = None) -> Topology:
         """The :class:`~lioncub_ds.groups.Topology` this optimizer votes over: ``group`` (None:
-        the world), plus the groups its settings need (a timeout group, a momentum-sync node
-        subgroup of ``sync_size`` ranks, the node groups of ``node_size`` ranks), created here
-        collectively: every rank of the world takes part in every group creation, in the same
-        order. The sizes are resolved and agreed once, before (:func:`lioncub_ds.groups.node_size_for`,
-        :func:`lioncub_ds.momentum_sync.sync_group_size`). An integration that makes its groups
-        elsewhere (Megatron's factory, on every rank) overrides this to return them and create none."""
+        the world), plus the groups its ``strategy`` and settings need (a timeout group, a
+        momentum-sync node subgroup of ``sync_size`` ranks, the node groups of ``strategy.node_size``
+        ranks), created here collectively: every rank of the world takes part in every group
+        creation, in the same order. The strategy and sizes are resolved and agreed once, before
+        (:func:`lioncub_ds.groups.resolve_strategy`, :func:`lioncub_ds.momentum_sync.sync_group_size`).
+        An integration that makes its groups elsewhere (Megatron's factory, on every rank) overrides
+        this to return them and create none."""
         cfg = self.config
         sg = self._shard_groups
-        if sg is not None:  # a framework's shard groups, made on every rank by the integration
+        if strategy.mode == INSTANCES:  # a framework's shard groups, made on every rank by the integration
             settle_at_exit()
             return Topology(sg.peers, sg.groups, sg.group_index, None, full_group=sg.world,
                             agree_group=sg.shard, agree_size=sg.shard_size, agree_rank=sg.shard_rank,
-                            vote_scope="inter_node")
+                            vote_scope="inter_node", strategy=strategy)
         n = dist.get_world_size(group)
-        size = node_size
+        size = strategy.node_size
         settle_at_exit()  # a distributed run: let c10d's workers finish before the interpreter's teardown
         ranks = group_ranks(group)
         ms = cfg.momentum_sync
@@ -401,21 +401,22 @@ class LionCub(Optimizer):
         if size > 1:  # this rank's node group (consecutive ranks), and for node voters its shard peers
             me = dist.get_rank(group)
             wanted.append(consecutive_blocks(ranks, size)[me // size])
-            if cfg.node_voters:
+            if strategy.mode == NODE_VOTERS:
                 wanted.append(ranks[me % size::size])
         created = create_on_all_ranks(wanted, cfg.timeout_s) if wanted else []
         self._created_groups = list(created)
         if cfg.timeout_s is not None and n > 1:
             group = created.pop(0)
-        if size > 1 and cfg.node_voters:
+        if strategy.mode == NODE_VOTERS:
             node, peers = created[-2:]
             return Topology(peers, n // size, dist.get_rank(group) // size, None, node, size,
-                            dist.get_rank(group) % size, group)
-        if size > 1:  # master-only sharding: the flat vote group, and the node group for the master
+                            dist.get_rank(group) % size, group, strategy=strategy)
+        if strategy.mode == MASTER_ONLY:  # the flat vote group, and the node group for the master
             node = created.pop()
             return Topology(group, n, dist.get_rank(group), created[0] if created else None, node, size,
-                            dist.get_rank(group) % size, group, master_only=True)
-        return Topology(group, n, dist.get_rank(group), created[0] if created else None, full_group=group)
+                            dist.get_rank(group) % size, group, strategy=strategy)
+        return Topology(group, n, dist.get_rank(group), created[0] if created else None, full_group=group,
+                        strategy=strategy)
 
     def release_process_group(self) -> None:
         """Destroy the process groups this LionCub created (its timeout group, its node
@@ -438,6 +439,13 @@ class LionCub(Optimizer):
         return list(self._created_groups)
 
     @property
+    def strategy(self) -> Strategy:
+        """How the step is laid out (:class:`lioncub_ds.groups.Strategy`: flat, master-only, node
+        voters or a framework's shard groups; ranks, voters, ranks per node), decided once from the
+        settings, the vote group and the environment. Integrations read this, never the settings."""
+        return self._ensure_topology().strategy if self.distributed else SINGLE
+
+    @property
     def topology(self) -> Topology | None:
         """The vote group and subgroups (None when not distributed)."""
         return self._ensure_topology() if self.distributed else None
@@ -449,7 +457,7 @@ class LionCub(Optimizer):
         if not self.distributed:
             return None
         t = self._topology
-        return t.full_group if t.node_voters else t.group
+        return t.full_group if t.strategy.node_voters else t.group
 
     @property
     def rank(self) -> int:
@@ -513,7 +521,7 @@ class LionCub(Optimizer):
     def _sharding(self):
         """The step's sharding strategy (lioncub_ds.sharding), or None when not distributed or when
         no state is sharded (no plan is built then: saving or loading must not install hooks)."""
-        if not self.distributed or not self.config.shards_in_node or self._topology.node_size == 1:
+        if not self.distributed or not self._topology.strategy.shards_state:
             return None
         return self.plan.sharding
 
@@ -742,7 +750,8 @@ def _check_shard_groups(sg, process_group):
 def check_shard_settings(cfg) -> None:
     """With ``shard_groups=`` the framework's shard groups are the layout: settings that make one
     of LionCub's own (or hook the autograd graph of parameters it does not see) are refused."""
-    bad = [(k, v) for k, v in (("voters", cfg.voters if cfg.node_voters else None), ("node_size", cfg.node_size),
+    req = requested(cfg)
+    bad = [(k, v) for k, v in (("voters", "node" if req.node_voters else None), ("node_size", req.node_size),
                                ("overlap", cfg.overlap or None))
            if v is not None]
     ms = cfg.momentum_sync

@@ -55,6 +55,7 @@ import torch
 
 from .comm import Collectives
 from .flags import flag_head_words, flag_words
+from .groups import FLAT, INSTANCES, MASTER_ONLY, NODE_VOTERS
 from .layout import Bucket, build_buckets
 from .telemetry import ring_bytes
 
@@ -737,12 +738,10 @@ def describe_layout(layout: dict | None) -> str:
     return f"voters='node' with node_size={layout.get('node_size')} ({layout.get('voters')} node groups voting)"
 
 
+_BY_MODE = {FLAT: Flat, MASTER_ONLY: MasterOnly, NODE_VOTERS: NodeVoters, INSTANCES: Instances}
+
+
 def make_sharding(opt, topology):
-    """The one place the sharding mode is chosen (from the resolved topology)."""
-    if topology.master_only:
-        return MasterOnly(opt, topology)
-    if topology.node_size > 1:
-        return NodeVoters(opt, topology)
-    if topology.agree_group is not None:
-        return Instances(opt, topology)
-    return Flat(opt, topology)
+    """The strategy object of the mode resolved once (``topology.strategy``,
+    :func:`lioncub_ds.groups.resolve_strategy`); nothing here decides it again."""
+    return _BY_MODE[topology.strategy.mode](opt, topology)

@@ -185,6 +185,22 @@ def master_only_scenario(rank, out_dir):
     return res
 
 
+def node_size_one_scenario(rank):
+    """voters="node" whose node size resolves to 1 is flat voting (issue 47: the mode is decided once,
+    by the resolved strategy): bf16 at stage 0 gets DeepSpeed's wrapper like a flat LionCub, and
+    trains bit for bit as the flat config does."""
+    import torch
+    dtype = torch.bfloat16
+    one = initialize(cfg_for(dtype, voters="node", node_size=1))
+    flat = initialize(cfg_for(dtype))
+    train(one, rank, 0, 3, dtype)
+    train(flat, rank, 0, 3, dtype)
+    s = one.basic_optimizer.strategy
+    return {"wrapper": type(one.optimizer).__name__, "flat_wrapper": type(flat.optimizer).__name__,
+            "mode": s.mode, "voters": s.voters, "node_size": s.node_size, "summary": one.lioncub.summary(),
+            "digest": digest(one.module.parameters()), "flat_digest": digest(flat.module.parameters())}
+
+
 def default_node_size(rank):
     import torch
     engine = initialize(cfg_for(torch.float32, voters="node"))
@@ -251,6 +267,7 @@ def main():
         "node_bf16": lambda: node_scenario(torch.bfloat16, rank, args.out),
         "node_overlap_fp32": lambda: overlap_scenario(rank),
         "default_node_size": lambda: default_node_size(rank),
+        "node_size_one_bf16": lambda: node_size_one_scenario(rank),
         "shipped_config": lambda: shipped_config(rank),
         "err_zero1": lambda: expect_error(dict(cfg_for(torch.float32, **NODE), zero_optimization={"stage": 1})),
         "err_zero2_client": lambda: expect_error(dict(cfg_for(torch.float32), zero_optimization={"stage": 2}),

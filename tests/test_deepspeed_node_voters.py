@@ -178,6 +178,21 @@ def test_unsupported_node_voter_configs_are_refused(runs, name, needles):
 
 
 @deepspeed_missing
+def test_node_size_one_is_flat_voting_with_deepspeeds_bf16_wrapper(runs):
+    """``voters: "node"`` with ``node_size: 1`` at stage 0 in bf16: the resolved strategy is flat (4
+    voters), so DeepSpeed wraps LionCub as it wraps a flat one (fp32 master copies) and the run is
+    the flat run, bit for bit, on every rank."""
+    res, _ = runs
+    out = [r["node_size_one_bf16"] for r in res]
+    for r, x in enumerate(out):
+        assert "exception" not in x, f"rank {r}: {x.get('traceback', x)}"
+        assert (x["mode"], x["voters"], x["node_size"]) == ("flat", WORLD, 1), x
+        assert x["wrapper"] == x["flat_wrapper"] != "LionCub", x
+        assert x["digest"] == x["flat_digest"] == out[0]["digest"], r
+        assert "node voters" not in x["summary"], x["summary"]
+
+
+@deepspeed_missing
 def test_master_only_sharding_trains_like_plain_lioncub_and_resumes(runs):
     """bf16 with ``"voters": "rank", "node_size": 2``: the engine equals plain-torch LionCub with the
     same settings bit for bit (which equals flat voting on fp32 masters: tests/test_node_voters.py),

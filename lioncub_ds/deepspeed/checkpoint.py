@@ -70,9 +70,9 @@ def prepare_rank_state(engine, load_dir, tag, reshard: str = "average"):
     except lc_checkpoint.CheckpointError as exc:
         if "no LionCub checkpoint files" in str(exc):
             what = ("every rank keeps its current momentum shards (voters='node'; the fp32 masters are rebuilt from "
-                    "the loaded weights)" if st.optimizer.config.node_voters
+                    "the loaded weights)" if st.optimizer.strategy.node_voters
                     else "every rank keeps its current momentum (the fp32 master shards are rebuilt from the loaded "
-                         "weights)" if st.optimizer.config.shards_in_node
+                         "weights)" if st.optimizer.strategy.shards_state
                     else "every rank continues from data-parallel rank 0's momentum")
             _compat.ds_logger().warning(f"lioncub_ds: {directory} has no per-rank LionCub files (saved without "
                                         f"lioncub_ds?): {what}")
@@ -139,7 +139,7 @@ def install_engine_hooks(engine) -> None:
             tag = _resolve_tag(engine, a["load_dir"], a.get("tag"))
             if tag is not None and os.path.isdir(os.path.join(a["load_dir"], str(tag))):
                 prepared = prepare_rank_state(engine, a["load_dir"], tag)
-        node = st is not None and st.mode == "local_momentum" and st.optimizer.config.shards_in_node
+        node = st is not None and st.mode == "local_momentum" and st.optimizer.strategy.shards_state
         if node:
             # voters="node" / master-only sharding: DeepSpeed's own file holds data-parallel rank 0's
             # state only, whose shards are not this rank's; every rank's state comes from its own file.

@@ -42,8 +42,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..config import LionCubConfig, LionCubConfigError, is_node_voters
-from ..groups import ShardGroups, group_ranks, make_shard_groups, resolve_ranks_per_node
+from ..config import LionCubConfig, LionCubConfigError
+from ..groups import ShardGroups, group_ranks, make_shard_groups, requested
 from ..layout import ELEMENT_START
 from ..optimizer import LionCub
 
@@ -89,7 +89,7 @@ def votes_requested(cfg) -> dict | None:
     if not (isinstance(opt, dict) and is_lioncub_name(opt.get("type")) and isinstance(zero, dict)):
         return None
     params = opt.get("params") or {}
-    if zero.get("stage") != 3 or not isinstance(params, dict) or not is_node_voters(params.get("voters")):
+    if zero.get("stage") != 3 or not isinstance(params, dict) or not requested(params).node_voters:
         return None
     return params
 
@@ -166,7 +166,7 @@ def make_initialize(orig):
             import deepspeed
             deepspeed.init_distributed(dist_backend=given.get("dist_backend"))
         try:  # validate before any group exists: the same settings on every rank give the same error
-            size = resolve_ranks_per_node(params.get("node_size"), "node_size")
+            size = requested(params).ranks_per_node()
         except ValueError as exc:
             raise LionCubConfigError(str(exc)) from None
         world = dist.get_world_size()

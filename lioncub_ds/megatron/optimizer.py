@@ -55,8 +55,9 @@ import types
 import torch
 import torch.distributed as dist
 
-from ..config import LionCubConfig, LionCubConfigError, is_node_voters
-from ..groups import Topology, consecutive_blocks, create_on_all_ranks, group_ranks, resolve_ranks_per_node
+from ..config import LionCubConfig, LionCubConfigError
+from ..groups import (INSTANCES, Strategy, Topology, consecutive_blocks, create_on_all_ranks, group_ranks,
+                      requested, resolve_ranks_per_node)
 from ..layout import ELEMENT_START
 from ..momentum_sync import node_group_size
 from ..optimizer import LionCub
@@ -137,25 +138,26 @@ class MegatronLionCub(LionCub):
         if given.get("overlap"):
             raise LionCubConfigError(OVERLAP_UNSUPPORTED)  # before any state exists
         # the inner LionCub always votes flat; voters='node' is the factory's layout (instances)
-        if is_node_voters(given.get("voters")):
+        req = requested(given)
+        if req.node_voters:
             raise LionCubConfigError(NODE_VOTERS_NEED_DIST_OPT)
-        if given.get("node_size") is not None:
+        if req.node_size is not None:
             raise LionCubConfigError(MASTER_ONLY_UNSUPPORTED)
         self._premade = megatron_groups
         super().__init__(params, *args, **kwargs)
 
-    def resolve_topology(self, group, node_size: int = 1, sync_size: int | None = None):
+    def resolve_topology(self, group, strategy: Strategy, sync_size: int | None = None):
         premade = getattr(self, "_premade", None)
         if premade is None:
-            return super().resolve_topology(group, node_size, sync_size)
+            return super().resolve_topology(group, strategy, sync_size)
         if premade.get("agree") is not None:  # voters='node': shard peers vote, the instance agrees
-            vote = premade["vote"]
-            return Topology(vote, dist.get_world_size(vote), dist.get_rank(vote), premade.get("node"),
-                            full_group=premade["full"],
-                            agree_group=premade["agree"], agree_size=dist.get_world_size(premade["agree"]),
-                            agree_rank=dist.get_rank(premade["agree"]), vote_scope="inter_node")
+            vote, agree = premade["vote"], premade["agree"]
+            k, size = dist.get_world_size(vote), dist.get_world_size(agree)
+            return Topology(vote, k, dist.get_rank(vote), premade.get("node"), full_group=premade["full"],
+                            agree_group=agree, agree_size=size, agree_rank=dist.get_rank(agree),
+                            vote_scope="inter_node", strategy=Strategy(INSTANCES, k * size, k))
         return Topology(premade.get("vote") or group, dist.get_world_size(group), dist.get_rank(group),
-                        premade.get("node"))
+                        premade.get("node"), strategy=strategy)
 
     #: voters='node': {"instances": K, "instance_size": L} (set by the factory); the shards this
     #: rank steps are its shards under that layout only
@@ -246,15 +248,16 @@ def lioncub_settings(lioncub=None, **kwargs) -> dict:
     # LionCub over Megatron's shards (the factory's layout), so the settings are checked as that
     # inner LionCub sees them (plain node voters' own refusals do not apply); node_size's type here,
     # its value against the instances in the factory.
-    if is_node_voters(settings.get("voters")):
-        LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, node_size=settings.get("node_size"))
+    req = requested(settings)
+    if req.node_voters:
+        LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, node_size=req.node_size)
         LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0,
                                   **{k: v for k, v in settings.items() if k not in ("voters", "node_size")})
     else:
         LionCubConfig.from_kwargs(where="lioncub setting", lr=1.0, **settings)
     if settings.get("overlap"):
         raise LionCubConfigError(OVERLAP_UNSUPPORTED)
-    if not is_node_voters(settings.get("voters")) and settings.get("node_size") is not None:
+    if not req.node_voters and req.node_size is not None:
         raise LionCubConfigError(MASTER_ONLY_UNSUPPORTED)
     return settings
 
@@ -515,7 +518,7 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
 
     model_chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     settings = lioncub_settings(lioncub, **lioncub_kwargs)
-    if is_node_voters(settings.get("voters")):
+    if requested(settings).node_voters:
         check_optimizer_config(config, node_voters=True)
         return _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_collection,
                                       dump_param_to_param_group_map)
@@ -743,7 +746,7 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(pg_collection, model_chunks, False)
     dp_group, instance = pgs["dp_cp_group"], pgs["intra_dp_cp_group"]
     dp = dist.get_world_size(dp_group)
-    size = instance_layout(dp, k, settings.get("node_size"))
+    size = instance_layout(dp, k, requested(settings).node_size)
     if dist.get_world_size(instance) != size:
         raise LionCubConfigError(f"LionCub: Megatron's instance group has {dist.get_world_size(instance)} ranks, "
                                  f"expected {size} (data-parallel size {dp} / {k} instances)")

@@ -38,7 +38,8 @@ import importlib
 import logging
 import os
 
-from ..config import LionCubConfigError, is_node_voters
+from ..config import LionCubConfigError
+from ..groups import requested
 from . import _compat
 from .args import add_lioncub_args, lioncub_settings_from_args
 
@@ -65,12 +66,12 @@ _NEEDS_DIST_OPT_OR_FSDP = "needs the distributed optimizer (or FSDP)"
 
 def _node(a) -> bool:
     """--lioncub-voters node: LionCub runs inside Megatron's distributed optimizer (instances vote)."""
-    return is_node_voters(getattr(a, "lioncub_voters", None))
+    return requested(a).node_voters
 
 
 def _node_size_problem(a) -> bool:
     """--lioncub-node-size given and not DP / K (checked once Megatron has derived the DP size)."""
-    size, dp = getattr(a, "lioncub_node_size", None), getattr(a, "data_parallel_size", None)
+    size, dp = requested(a).node_size, getattr(a, "data_parallel_size", None)
     if not _node(a) or size is None or not dp:
         return False
     k = getattr(a, "num_distributed_optimizer_instances", 1) or 1
@@ -94,7 +95,7 @@ INCOMPATIBLE_FLAGS = (
     ("lioncub_voters", lambda a: _node(a) and not getattr(a, "use_distributed_optimizer", False),
      "node voters run inside Megatron's distributed optimizer: add --use-distributed-optimizer "
      "--num-distributed-optimizer-instances K (K instances vote; each instance's DP/K ranks shard the parameters)"),
-    ("lioncub_node_size", lambda a: getattr(a, "lioncub_node_size", None) is not None and not _node(a),
+    ("lioncub_node_size", lambda a: requested(a).node_size is not None and not _node(a),
      "node_size without --lioncub-voters node (master-only sharding) is Megatron's own distributed optimizer's "
      "job; allowed: leave it unset, or --lioncub-voters node with --use-distributed-optimizer"),
     ("lioncub_node_size", _node_size_problem, _node_size_why),
