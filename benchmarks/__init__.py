@@ -18,4 +18,5 @@ BENCHMARKS: dict[str, str] = {
     "offload": "benchmarks.offload",    # the offloaded CPU step: LionCub vs DeepSpeed's CPU Lion / Adam
     "startup": "benchmarks.startup",    # interpreter start-up with / without the DeepSpeed .pth hook
     "plan_check": "benchmarks.plan_check",  # lioncub_ds.plan's predicted step times vs netns / netns_nodes
+    "big_step": "benchmarks.big_step",  # one optimizer step over a 1.3B GPT: Lion, AdamW, Triton Lion, LionCub N=8
 }

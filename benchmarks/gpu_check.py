@@ -16,7 +16,9 @@ sync-debug-mode "error" tests: the single-process step, the ZeRO apply, the loca
 distributed step, bbit); ``ranks`` (2 and 4 gloo ranks on CUDA tensors: every comm, node voters 2 x 2,
 master-only sharding; replicas bit-identical and equal to the CPU run); ``deepspeed`` (the stage-0 bf16
 example on one GPU); ``bench`` (each fused kernel against its byte floor; the fp32 Lion step against
-lion-pytorch's Triton step).
+lion-pytorch's Triton step); ``big_step`` (benchmarks/big_step.py: one optimizer step over a 1.3B-parameter
+GPT in bf16, ms per step of the fused Lion, torch's fused AdamW, lion-pytorch's Triton Lion and LionCub's
+local half + apply at N = 8, each against AdamW; its dry run is the tiny model on CPU).
 
 The dry run checks what can be checked without a GPU: the wheel list (complete for what the device
 lacks, versions pinned to the ones this venv runs, and -- when ``.whl/`` exists -- every wheel present,
@@ -431,6 +433,69 @@ def step_bench(ctx: Ctx, budget: float) -> Result:
     return Result(status, figures, note)
 
 
+BIG_STEP_NEEDED = ("lion_fused", "adamw_fused", "lioncub_N8")  # lion_pytorch_triton: a skip is a note
+BIG_STEP_MARGIN_S = 12  # the bench starts no optimizer after its budget less this (start-up, the last one's run)
+
+
+def big_step_figures(records: list[dict]) -> dict:
+    """benchmarks/big_step's records -> the summary's figures: the parameter count, ms per step of each
+    optimizer, each one's ratio to fused AdamW (and the fused Lion's to Triton's), the peak GPU memory."""
+    figures = {"params": records[0]["params"]} if records else {}
+    timed = {r["optimizer"]: r for r in records if not r.get("skipped") and r.get("ms") is not None}
+    for name, r in timed.items():
+        figures[f"{name}_ms"] = round(r["ms"], 3)
+    adamw = timed.get("adamw_fused", {}).get("ms")
+    for name, r in timed.items():
+        if adamw and name != "adamw_fused":
+            figures[f"{name}_vs_adamw"] = round(r["ms"] / adamw, 3)
+    if "lion_fused" in timed and "lion_pytorch_triton" in timed:
+        figures["lion_fused_vs_triton"] = round(timed["lion_fused"]["ms"] / timed["lion_pytorch_triton"]["ms"], 3)
+    peaks = [r.get(k) for r in timed.values() for k in ("peak_GB", "peak_check_GB") if r.get(k) is not None]
+    if peaks:
+        figures["peak_GB"] = round(max(peaks), 1)
+    return figures
+
+
+def big_step_problems(records: list[dict], dry: bool) -> list[str]:
+    """What fails the big_step step: a needed optimizer not timed, parameters not finite or unchanged
+    after its first step, and (on the GPU) Lion or LionCub not on the CUDA kernels."""
+    by = {r["optimizer"]: r for r in records}
+    problems = []
+    for name in BIG_STEP_NEEDED:
+        r = by.get(name)
+        if r is None or r.get("skipped") or r.get("ms") is None:
+            problems.append(f"{name} not timed" + (f" ({r['skipped']})" if r and r.get("skipped") else ""))
+    for name, r in by.items():
+        if r.get("skipped") or r.get("ms") is None:
+            continue
+        if not r.get("finite") or not r.get("changed_frac"):
+            problems.append(f"{name}: parameters {'not finite' if not r.get('finite') else 'unchanged'} after a step")
+        if not dry and name in ("lion_fused", "lioncub_N8") and r.get("kernels") != "cuda":
+            problems.append(f"{name} ran on the {r.get('kernels')} kernels, not cuda")
+    return problems
+
+
+def step_big_step(ctx: Ctx, budget: float) -> Result:
+    out = ctx.out / "big_step.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "benchmarks.big_step", "--json", str(out)]
+    if ctx.dry:  # the same code on CPU: the tiny model, the C++ kernels, Triton skipped
+        cmd += ["--scale", "tiny", "--device", "cpu", "--reps", "1", "--warmup", "0"]
+    else:
+        cmd += ["--scale", "full", "--device", "cuda", "--time-budget", str(max(1, int(budget - BIG_STEP_MARGIN_S)))]
+    rc, _ = ctx.run("big_step", cmd, budget)
+    records = json.loads(out.read_text()) if out.exists() else []
+    figures = big_step_figures(records)
+    problems = big_step_problems(records, ctx.dry) if records else ["no records written"]
+    skipped = [f"{r['optimizer']} skipped: {r['skipped']}" for r in records
+               if r.get("skipped") and r["optimizer"] not in BIG_STEP_NEEDED]
+    note = "; ".join(problems + skipped)
+    if ctx.dry:
+        return Result("dry-ok" if rc == 0 and not problems else "dry-failed", figures, note)
+    status = _status(rc)
+    return Result("failed" if status == "passed" and problems else status, figures, note)
+
+
 @dataclass
 class Step:
     name: str
@@ -439,15 +504,20 @@ class Step:
     fn: Callable[[Ctx, float], Result]
 
 
+# Budgets: the first H200 run took env 7, install 17, build 74, cuda_tests 27, sync_tests 15-21, ranks 60,
+# deepspeed 35, bench 10 s (docs/results.md); big_step's 45 s came from cuda_tests (100 -> 70), sync_tests
+# (40 -> 35), deepspeed (55 -> 50) and env (20 -> 15).
 STEPS = (
-    Step("env", 20, "python, torch and the GPU", step_env),
+    Step("env", 15, "python, torch and the GPU", step_env),
     Step("install", 30, "the wheels of .whl/, no index, into /tmp/site", step_install),
     Step("build", 100, "JIT-build the CUDA and C++ extensions (all cores)", step_build),
-    Step("cuda_tests", 100, "the CUDA test tier (a skip fails)", step_cuda_tests),
-    Step("sync_tests", 40, "sync debug mode 'error': step, ZeRO apply, local half + flags, bbit", step_sync_tests),
+    Step("cuda_tests", 70, "the CUDA test tier (a skip fails)", step_cuda_tests),
+    Step("sync_tests", 35, "sync debug mode 'error': step, ZeRO apply, local half + flags, bbit", step_sync_tests),
     Step("ranks", 90, "2 and 4 gloo ranks on CUDA: every comm, node voters, master-only", step_ranks),
-    Step("deepspeed", 55, "DeepSpeed stage-0 bf16 example, 1 GPU", step_deepspeed),
+    Step("deepspeed", 50, "DeepSpeed stage-0 bf16 example, 1 GPU", step_deepspeed),
     Step("bench", 45, "kernel bench at 1M/16M/268M: kernel time vs byte floor, Lion step vs Triton", step_bench),
+    Step("big_step", 45, "one step over a 1.3B GPT, bf16: Lion, AdamW fused, Triton Lion, LionCub N=8",
+         step_big_step),
 )
 
 

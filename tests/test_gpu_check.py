@@ -40,6 +40,13 @@ def test_dry_run_checks_every_step_and_writes_the_summary(tmp_path):
     assert steps["sync_tests"]["figures"]["collected"] == len(gc.SYNC_TESTS) == 4
     assert steps["ranks"]["figures"]["collected"] == 2  # 2 and 4 ranks
     assert steps["cuda_tests"]["figures"]["collected"] > 300
+    # big_step's dry run: the tiny GPT on CPU, every optimizer but Triton timed and checked
+    big = steps["big_step"]
+    assert big["figures"]["params"] == 544_256, big
+    assert {"lion_fused_ms", "adamw_fused_ms", "lioncub_N8_ms", "lion_fused_vs_adamw",
+            "lioncub_N8_vs_adamw"} <= set(big["figures"]), big
+    assert "lion_pytorch_triton skipped" in big["note"], big
+    assert json.loads((tmp_path / "big_step.json").read_text())[0]["bench"] == "big_step"
     text = res.stdout.strip().splitlines()
     assert text[0].startswith("GPU check (DRY RUN): PASSED") and len(text) <= 40  # one screen
     for st in gc.STEPS:
@@ -158,8 +165,9 @@ def test_bench_figures_and_summary(tmp_path):
     figs = gc.bench_figures(recs)  # 1M is reported but not held to the target (launch-bound)
     assert figs == {"lion_step_fp32_256M": 0.9, "vote_apply_N8_bf16_16M": 0.5, "lion_step_fp32_vs_triton": 1.2,
                     "below_target": ["vote_apply_N8_bf16_16M"]}
+    bench = next(st for st in gc.STEPS if st.name == "bench")
     steps = [(gc.STEPS[0], gc.Result("passed", {"gpu": "H100"}), 3.0),
-             (gc.STEPS[-1], gc.Result("failed", figs, "below 85%"), 40.0)]
+             (bench, gc.Result("failed", figs, "below 85%"), 40.0)]
     ctx = gc.Ctx(tmp_path, dry=False, budget_s=10)
     summary = gc.summarize(ctx, steps, {"gpu": "H100", "torch": "2.11", "python": "3.12"})
     assert not summary["passed"] and summary["seconds"] == 43.0
@@ -168,3 +176,40 @@ def test_bench_figures_and_summary(tmp_path):
     assert any(line.startswith("bench       failed") for line in text)
     assert any("lion_step_fp32_vs_triton=1.2" in line for line in text)
     assert any("note: below 85%" in line for line in text)
+
+
+def _big(name, ms, **kw):
+    rec = {"bench": "big_step", "optimizer": name, "params": 1_315_819_520, "skipped": None, "ms": ms,
+           "finite": True, "changed_frac": 0.9, "kernels": "cuda", "peak_GB": 12.0, "peak_check_GB": 14.6}
+    return {**rec, **kw}
+
+
+@pytest.mark.unit
+def test_big_step_figures_and_failures():
+    """The big_step step's figures (ms per step of each optimizer, the ratios to fused AdamW and to
+    Triton, the peak memory) and what fails it (a needed optimizer not timed, parameters not finite or
+    unchanged, Lion on other kernels than cuda); a Triton skip is a note only."""
+    recs = [_big("lion_fused", 6.0), _big("adamw_fused", 8.0, kernels="torch"), _big("lioncub_N8", 10.0),
+            _big("lion_pytorch_triton", 5.0, kernels="triton")]
+    figs = gc.big_step_figures(recs)
+    assert figs == {"params": 1_315_819_520, "lion_fused_ms": 6.0, "adamw_fused_ms": 8.0, "lioncub_N8_ms": 10.0,
+                    "lion_pytorch_triton_ms": 5.0, "lion_fused_vs_adamw": 0.75, "lioncub_N8_vs_adamw": 1.25,
+                    "lion_pytorch_triton_vs_adamw": 0.625, "lion_fused_vs_triton": 1.2, "peak_GB": 14.6}
+    assert gc.big_step_problems(recs, dry=False) == []
+    recs[-1] = {"optimizer": "lion_pytorch_triton", "params": 1, "skipped": "triton is not importable"}
+    assert gc.big_step_problems(recs, dry=False) == []
+    assert "lion_fused_vs_triton" not in gc.big_step_figures(recs)
+    bad = [_big("lion_fused", 6.0, kernels="torch"), _big("adamw_fused", 8.0, finite=False),
+           _big("lioncub_N8", 1.0, changed_frac=0.0)]
+    assert gc.big_step_problems(bad, dry=False) == ["lion_fused ran on the torch kernels, not cuda",
+                                                    "adamw_fused: parameters not finite after a step",
+                                                    "lioncub_N8: parameters unchanged after a step"]
+    assert gc.big_step_problems(bad[:1], dry=True) == ["adamw_fused not timed", "lioncub_N8 not timed"]
+    skipped = [_big("lion_fused", 6.0), {"optimizer": "adamw_fused", "skipped": "time budget spent"}]
+    assert "adamw_fused not timed (time budget spent)" in gc.big_step_problems(skipped, dry=False)
+
+
+@pytest.mark.unit
+def test_budgets_fit_one_device_call():
+    assert sum(st.budget_s for st in gc.STEPS) <= gc.BUDGET_S <= 480
+    assert [st.name for st in gc.STEPS][-2:] == ["bench", "big_step"]
