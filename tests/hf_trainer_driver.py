@@ -47,13 +47,15 @@ def main():
     p.add_argument("--no-resume", action="store_true", help="only the full run")
     p.add_argument("--eps-auto", action="store_true",
                    help='adds "eps": "auto" to the ds_config optimizer params, as HF\'s own templates have it')
+    p.add_argument("--param", action="append", default=[], metavar="KEY=JSON",
+                   help='sets optimizer.params[KEY] = JSON in the ds_config (repeatable), e.g. --param \'comm="auto"\'')
     args = p.parse_args()
     assert "lioncub_ds" not in sys.modules
     example = load_example()
     from accelerate.state import AcceleratorState
 
     config = args.config
-    if args.overlap or args.node_size or args.eps_auto:  # the template plus what a user adds to its params
+    if args.overlap or args.node_size or args.eps_auto or args.param:  # the template plus what a user adds to its params
         with open(args.config) as f:
             cfg = json.load(f)
         if args.overlap:
@@ -62,6 +64,9 @@ def main():
             cfg["optimizer"]["params"]["eps"] = "auto"
         if args.node_size:
             cfg["optimizer"]["params"].update(voters="node", node_size=args.node_size)
+        for item in args.param:
+            key, _, value = item.partition("=")
+            cfg["optimizer"]["params"][key] = json.loads(value)
         os.makedirs(args.out, exist_ok=True)
         config = os.path.join(args.out, "ds_config_edited.json")
         if int(os.environ.get("RANK", "0")) == 0:
@@ -80,7 +85,9 @@ def main():
                   "--report_to", "none", "--disable_tqdm", "true", "--save_only_model", "false", "--seed", "7"]
         runs = (("full", []),) if args.no_resume else (("full", []), ("resume", ["--resume_from", str(args.save)]))
         for name, extra in runs:
-            example.main(common + extra + ["--result_json", os.path.join(out, name)])
+            rc = example.main(common + extra + ["--result_json", os.path.join(out, name)])
+            if rc:  # a setting error: the example said it in one line from rank 0
+                return rc
             AcceleratorState._reset_state(reset_partial_state=True)  # noqa: SLF001 - see the module doc
     return 0
 

@@ -192,3 +192,100 @@ def test_reproducer_aborts_without_a_mitigation():
         pytest.skip("CPython >= 3.14 parks such threads instead of ending them (gh-87135)")
     logs = [launch_ranks("normal", env={"PYTHONPATH": str(ROOT)}) for _ in range(20)]
     assert any("terminate called without an active exception" in log for _, log in logs)
+
+
+# ----------------------------------------------------------------------------- LionCub's own "auto" values
+AUTO_LINE = ('[hf_trainer_lioncub] dropped optimizer.params.comm="auto", optimizer.params.zero_allgather="auto" '
+             'from the ds_config')
+
+
+def _example():
+    import importlib.util as iu
+    spec = iu.spec_from_file_location("hf_trainer_lioncub_example", ROOT / "examples" / "hf_trainer_lioncub.py")
+    mod = iu.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_hf
+def test_the_example_knows_which_lioncub_settings_take_auto():
+    """The example's list of LionCub keys whose "auto" it drops is every LionCub setting (and
+    DeepSpeed option) that accepts "auto", and "auto" is the default of each (dropping = the same run)."""
+    from dataclasses import fields
+
+    from lioncub_ds.config import LionCubConfig, MomentumSyncConfig
+    from lioncub_ds.deepspeed import engine
+    ex = _example()
+    takes_auto = {f.name for f in fields(LionCubConfig) if "auto" in (f.metadata.get("choices") or ())}
+    takes_auto |= {k for k in engine.INTEGRATION_KEYS if k == "zero_allgather" and "auto" in engine.ZERO_ALLGATHER_MODES}
+    assert takes_auto == set(ex.LIONCUB_AUTO_DEFAULTS)
+    defaults = {**LionCubConfig.defaults(), **engine.DEFAULT_OPTIONS}
+    assert all(defaults[k] == "auto" for k in ex.LIONCUB_AUTO_DEFAULTS)
+    assert not any("auto" in (f.metadata.get("choices") or ()) for f in fields(MomentumSyncConfig))
+    assert not set(ex.HF_FILLED_PARAMS) & takes_auto
+
+
+@needs_hf
+def test_the_example_drops_lioncub_autos_and_names_any_other():
+    ex = _example()
+    template = json.loads(CONFIG.read_text())
+    cfg = json.loads(CONFIG.read_text())
+    cfg["optimizer"]["params"].update(comm="auto", zero_allgather="auto", eps="auto")
+    assert ex.lioncub_autos_for_hf(cfg) == ["comm", "zero_allgather"]
+    # HF's own placeholders stay for HF to fill; the rest of the config is untouched
+    template["optimizer"]["params"]["eps"] = "auto"
+    assert cfg == template
+    assert ex.lioncub_autos_for_hf(json.loads(CONFIG.read_text())) == []
+    for params, path in (({"vote": "auto"}, "optimizer.params.vote"),
+                         ({"network": {"bandwidth_gbit": "auto"}}, "optimizer.params.network.bandwidth_gbit"),
+                         ({"com": "auto"}, "optimizer.params.com")):
+        cfg = json.loads(CONFIG.read_text())
+        cfg["optimizer"]["params"].update(params)
+        with pytest.raises(ex.DsConfigError) as err:
+            ex.lioncub_autos_for_hf(cfg)
+        assert str(err.value).startswith(f'ds_config {path} is "auto"') and "\n" not in str(err.value)
+    other = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "comm": "auto"}}}
+    assert ex.lioncub_autos_for_hf(other) == [] and other["optimizer"]["params"]["comm"] == "auto"
+
+
+@needs_hf
+def test_hf_trainer_trains_with_lioncub_auto_values(tmp_path):
+    """``"comm": "auto"`` and ``"zero_allgather": "auto"`` (LionCub's own values, their defaults)
+    in the HF template: the run trains (HF would stop on them: "`optimizer.params.comm` not found in
+    kwargs", once per rank), and rank 0 says in one line that the example dropped them."""
+    out = tmp_path / "out"
+    proc, log = launch(out, "--stages", "0", "--steps", "4", "--save", "100", "--no-resume",
+                       "--param", 'comm="auto"', "--param", 'zero_allgather="auto"')
+    assert proc.returncode == 0, log[-8000:]
+    assert "not found in kwargs" not in log
+    assert log.count(AUTO_LINE) == 1, log[-4000:]
+    runs = [json.loads((out / "stage0" / f"full.rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["global_step"] == 4 and r["optimizer"] == "LionCub" for r in runs)
+    assert runs[0]["digest"] == runs[1]["digest"]
+    lines = [ln for ln in log.splitlines() if "LionCub: ZeRO stage 0" in ln]
+    assert len(lines) == 1 and "comm=auto" in lines[0], lines
+
+
+BAD_VALUE_LINE = ("[hf_trainer_lioncub] ds_config optimizer.params.comm: LionCub: invalid comm='bbitt'; allowed: "
+                  "'auto' | 'allgather' | '1bit' | 'pbit' | 'int8' | 'bbit'")
+OTHER_AUTO_LINE = ('[hf_trainer_lioncub] ds_config optimizer.params.vote is "auto": HF fills "auto" in '
+                   "optimizer.params only for lr, betas, eps, weight_decay and LionCub takes it only for comm, "
+                   "zero_allgather; write a value for vote or drop the key (LionCub's default)")
+
+
+@needs_hf
+@pytest.mark.parametrize("param,line", [('comm="bbitt"', BAD_VALUE_LINE), ('vote="auto"', OTHER_AUTO_LINE)],
+                         ids=["bad-value", "auto-on-another-key"])
+def test_hf_trainer_setting_error_is_one_line_from_rank_0(tmp_path, param, line):
+    """A bad LionCub value (``"comm": "bbitt"``, raised by LionCub when DeepSpeed builds it) or
+    ``"auto"`` on a LionCub key that takes no "auto" (HF would stop with "`optimizer.params.vote`
+    not found in kwargs", once per rank): the run stops before it trains, exit status 2, with one
+    line from rank 0 naming the key (no traceback, nothing from the other rank)."""
+    out = tmp_path / "out"
+    proc, log = launch(out, "--stages", "0", "--steps", "4", "--save", "100", "--no-resume", "--param", param)
+    assert proc.returncode == 2, log[-8000:]
+    key = param.split("=")[0]
+    assert [ln for ln in log.splitlines() if f"optimizer.params.{key}" in ln] == [line], log[-8000:]
+    assert "Traceback" not in log and "not found in kwargs" not in log and "'loss'" not in log, log[-8000:]
+    assert not (out / "stage0" / "full.rank0.json").exists()
