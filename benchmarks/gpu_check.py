@@ -1,6 +1,6 @@
 """The whole GPU checklist as one command (``make gpu-check``; docs/kernels.md, "GPU checklist").
 
-A lent GPU machine has 15 minutes in all, starts included, and no package index: this runs every check
+A GPU machine may be borrowed for minutes and have no package index: this runs every check
 in one call of at most 8 minutes, in order, never stopping at a failure, each step under its own time
 budget (and all of them under ``BUDGET_S``), writing a log per step and ``summary.json`` under ``$OUT``
 (default ``gpu_check_out/``), then printing a one-screen summary: what passed, what failed, each figure.
@@ -47,16 +47,16 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEEL_DIR = ROOT / ".whl"
 SITE = Path("/tmp/site")
 EXT_DIR = Path("/tmp/tex")
-BUDGET_S = 480  # one device call of at most 8 minutes (a lent session has 15 minutes, starts included)
+BUDGET_S = 480  # one call of at most 8 minutes, leaving room for a rerun on a machine borrowed for 15
 
-# What the GPU image lacks (../shared/GPU.md), pinned to what this venv runs. pip download fetches the
+# What a bare CUDA image (torch, numpy, triton; no package index) lacks, pinned to what this venv runs. pip download fetches the
 # cp312 manylinux wheels; deepspeed has none on the index and is built from the venv (a py3-none-any wheel).
 # einops / msgpack / psutil / py-cpuinfo are deepspeed's other requirements: small, they ride along in
 # case an image lacks them (on PYTHONPATH first, they are the versions the CPU runs were tested with).
 DOWNLOADED = ("megatron-core", "lion-pytorch", "hjson", "pydantic", "pydantic-core", "annotated-types",
               "typing-inspection", "einops", "msgpack", "psutil", "py-cpuinfo")
 BUILT = ("deepspeed",)
-# What the image has (../shared/GPU.md) among the requirements of those packages: the wheel list plus these
+# What such an image has among the requirements of those packages: the wheel list plus these
 # must cover every requirement (the dry run checks it against this venv's metadata).
 DEVICE_HAS = ("torch", "numpy", "packaging", "ninja", "tqdm", "typing-extensions", "triton")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")

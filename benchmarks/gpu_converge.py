@@ -12,7 +12,7 @@ with the largest GPT of :data:`SIZES` whose three runs fit the time left, for ON
 3. the seed's three runs: global Lion, the recommendation (``cub_1bit_sync20_int8``) and AdamW.
 
 Each run's record is appended to ``docs/gpu_converge/runs.jsonl`` with its device, size and command, and
-``docs/gpu_converge/README.md``'s table is regenerated from all records (one seed per lent session: the
+``docs/gpu_converge/README.md``'s table is regenerated from all records (one seed per GPU session: the
 paired gap per seed, and its mean once several seeds exist). ``--dry``: a tiny GPT for 5 steps on the
 CPU into a scratch folder (what the tests run), so that a GPU's first minute runs the real thing.
 """
@@ -144,7 +144,7 @@ def _device_name(device: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_converge", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, default=0, help="the paired seed of this run (one per lent session)")
+    p.add_argument("--seed", type=int, default=0, help="the paired seed of this run (one per GPU session)")
     p.add_argument("--budget-s", type=float, default=300.0, help="seconds this probe may take (default 300)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=str(OUT))

@@ -16,7 +16,7 @@ from benchmarks import gpu_check as gc
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MD_MISSING = ("deepspeed", "megatron-core", "lion-pytorch", "hjson", "pydantic", "pydantic-core",
-                  "annotated-types", "typing-inspection")  # ../shared/GPU.md: what the GPU image lacks
+                  "annotated-types", "typing-inspection")  # what a bare CUDA image lacks
 
 
 @pytest.mark.dist

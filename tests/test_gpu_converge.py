@@ -1,6 +1,6 @@
 """The GPU convergence probe (benchmarks/gpu_converge.py), dry-run on the CPU: a tiny GPT for 5 steps
 through the real converge command (lr bracket, the seed's three runs, records, the regenerated table),
-so that a lent GPU's first minute runs it. The real run needs CUDA and is not part of the suite."""
+so that a GPU's first minute runs it. The real run needs CUDA and is not part of the suite."""
 from __future__ import annotations
 
 import json
