@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .conventions import padded_numel
 from .comm import make_algorithm
-from .comm.abstain import list_capacity, next_mode, real_mask
+from .comm.abstain import next_mode
 from .comm.cost import CostModel
 from .config import DEFAULT_NETWORK
 
@@ -29,7 +29,9 @@ class Bucket:
     algorithm: object = None
     mask: object = None      # uint8 plane: bit 1 at real elements (abstention lists are relative to it)
     capacity: int = 0        # entries of an abstention list (0: the plane always travels)
-    mode: str = "list"       # how abstentions travel this step: "list", "chunks" or "plane" (agreed through the flags)
+    # how abstentions travel this step: "list", "chunks" or "plane" (agreed through the flags); None
+    # where nothing abstention-related travels (int8)
+    mode: str | None = "list"
     # index inside its parameter of each parameter's (piece's) first element: None when every
     # parameter lies whole in the bucket (node voters' shards hold pieces; the hash tie rule keys on it)
     param_starts: list | None = None
@@ -98,8 +100,9 @@ def cost_model(cfg) -> CostModel:
 
 def assign_algorithms(buckets: list[Bucket], cfg, world_size: int) -> None:
     """Give every bucket its communication algorithm (``comm="auto"``: the cost model's choice
-    for its size), and for bit-encoded votes the real-element mask and the abstention list
-    capacity. Depends only on the settings and the layout: the same on every rank."""
+    for its size), and what the algorithm keeps of the bucket for its abstentions (the
+    real-element mask, the list capacity, the first mode). Depends only on the settings and the
+    layout: the same on every rank."""
     cost = cost_model(cfg)
     for b in buckets:
         if cfg.comm != "auto":
@@ -110,10 +113,8 @@ def assign_algorithms(buckets: list[Bucket], cfg, world_size: int) -> None:
             name = cost.choose(b.numel, world_size, vote=cfg.vote, tie_break=cfg.tie_break, pbit_bits=cfg.pbit_bits)
         b.algorithm = make_algorithm(name, pbit_bits=cfg.pbit_bits, vote_bits=cfg.bbit[0], rounding=cfg.bbit[1],
                                      quant=cfg.quant)
-        if b.algorithm.encoding == "bits":
-            b.mask = real_mask(b.offsets, b.piece_numels(), b.numel, b.device_dtype()[0])
-            b.capacity = list_capacity(b.numel // 8, world_size)
-            b.mode = "list"  # a count alone (capacity 0) when the bucket is small
+        b.mask, b.capacity, b.mode = b.algorithm.abstention_layout(b.offsets, b.piece_numels(), b.numel,
+                                                                   b.device_dtype()[0], world_size)
 
 
 def next_abstain_mode(mode, first=None, second=0) -> str:
@@ -134,12 +135,13 @@ def comm_batches(buckets, comm_bucket_mb: float, world_size: int) -> list[list[i
     """Bucket indices per communication batch, in launch order (last buckets first).
 
     Consecutive buckets with the same algorithm, device and dtype share a batch while their
-    packed votes (bits: numel/8 bytes; int8: numel bytes) fit ``comm_bucket_mb`` MB."""
+    votes (the algorithm's ``batch_bytes``: bits numel/8 bytes, int8 numel bytes) fit
+    ``comm_bucket_mb`` MB."""
     cap = comm_bucket_mb * 2 ** 20
     batches, cur, size = [], [], 0
     for i in reversed(range(len(buckets))):
         b = buckets[i]
-        width = b.numel // 8 if b.algorithm.encoding == "bits" else b.numel
+        width = b.algorithm.batch_bytes(b.numel)
         key = (b.algorithm.name,) + tuple(b.device_dtype())
         if cur and (key != cur_key or size + width > cap):
             batches.append(cur)

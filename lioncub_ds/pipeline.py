@@ -42,14 +42,13 @@ import torch.distributed as dist
 from . import kernels
 from .agreement import agree_settings
 from .comm import Collectives, VoteJob
-from .comm.abstain import encode as abstain_encode
 from .config import LionCubConfigError
 from .errors import ReplicaDriftError, StepInputError
 from .flags import (CHANGED_RANKS, FLAG_HEAD, MISSING_RANKS, NONFINITE_RANKS, NONFINITE_VALUES, UNUSABLE_RANKS,
                     drift_index, flag_words, host_values_on, hyper_bits, hyper_disagree, hyper_values, pack_flags,
                     unpack_flags)
-from .kernels.reference import dither_seed, int8_levels
-from .layout import assign_algorithms, comm_batches, cost_model, group_names, next_abstain_mode
+from .kernels.reference import dither_seed
+from .layout import assign_algorithms, comm_batches, cost_model, group_names
 from .lion import lr_value
 from .momentum_sync import MomentumSync, disagreement_units, drift_scale, select_params, vote_disagreement
 from .sharding import GradRead, fingerprints, make_sharding, reads_changed
@@ -429,6 +428,7 @@ class VotePipeline:
 
     def __init__(self, plan: StepPlan):
         self.plan = plan
+        self.seed = (0, 0)  # (step, this rank's seed of it): see step_seed
         self.reset()
 
     def reset(self):
@@ -455,54 +455,37 @@ class VotePipeline:
         the gradients it read (sharding.GradRead), so that an edit through ``.data`` is caught."""
         plan, b = self.plan, self.plan.buckets[i]
         cfg, opt = plan.config, plan.opt
+        algorithm = b.algorithm
         g = opt.param_groups[b.group_index]
-        b1, b2 = g["betas"]
         dev = b.device_dtype()[0]
         be = kernels.backend_for(dev.type)
         grads, momenta, missing, problem = plan.sharding.inputs(i)  # first: it may set b.params (shards)
         job = VoteJob(b.params, b.offsets, b.numel, b.param_starts, lr_value(g["lr"]), g["weight_decay"],
-                      opt.step_count + 1, cfg.tie_break, cfg.vote, keep_delta=plan.drift)
+                      opt.step_count + 1, cfg.tie_break, cfg.vote, mask=b.mask, mode=b.mode, capacity=b.capacity,
+                      keep_delta=plan.drift)
         if problem is not None:
             # This rank cannot vote: send well-formed zeros so every rank's collectives still
             # match, and say why through the flags (every rank raises together).
             self.error = self.error or problem
-            grads, momenta = [], []
-            if b.algorithm.encoding == "int8":
-                job.codes = torch.zeros(b.numel, dtype=torch.int8, device=dev)
-            else:
-                self._payload(job, b, torch.zeros(b.algorithm.planes, b.numel // 8, dtype=torch.uint8, device=dev),
-                              torch.zeros(b.numel // 8, dtype=torch.uint8, device=dev), be)
+            algorithm.no_votes(job, dev, be, plan.world_size)
             zero = torch.zeros((), dtype=torch.int64, device=dev)
-            self.local[i] = _Local(job, grads, momenta, be, zero, torch.zeros(2, dtype=torch.int32, device=dev), None)
+            self.local[i] = _Local(job, [], [], be, zero, torch.zeros(2, dtype=torch.int32, device=dev), None)
             return
+        # momentum_double_buffer: the next momenta are written in the same pass over g and m (into
+        # spare buffers: a skipped step must leave m unchanged), saving a second pass later
+        nxt = plan.sharding.next_momenta(i) if cfg.momentum_double_buffer and algorithm.advances_momenta else None
         # counts stay on the device (device_counts): finish() folds them into the step's one flag read
-        nxt = None
-        if b.algorithm.encoding == "int8":
-            job.codes, nonfinite = be.int8_local_step(grads, momenta, b.offsets, b.numel, b1, cfg.quant,
-                                                      int8_levels(plan.world_size), device_counts=True)
-            flags = torch.zeros(2, dtype=torch.int32, device=dev)
-        else:
-            # momentum_double_buffer: the next momenta are written in this same pass over g and m
-            # (into spare buffers: a skipped step must leave m unchanged), saving a second pass later
-            nxt = plan.sharding.next_momenta(i) if cfg.momentum_double_buffer else None
-            al = b.algorithm
-            if al.name == "bbit":  # b-bit codes as bit planes (job.sign), dithered per rank and step
-                sign, nz, nonfinite, _ = be.bbit_local_step(grads, momenta, b.offsets, b.numel, b1, b2, al.quant,
-                                                            al.bits, al.rounding, dither_seed(job.step, plan.rank),
-                                                            job.segments(), nxt is not None, device_counts=True,
-                                                            momenta_out=nxt)
-            else:
-                sign, nz, nonfinite, _ = be.local_step(grads, momenta, b.offsets, b.numel, b1, b2, nxt is not None,
-                                                       device_counts=True, momenta_out=nxt)
-            flags = self._payload(job, b, sign, nz, be)
+        nonfinite, flags = algorithm.local_step(job, grads, momenta, be, g["betas"], plan.world_size, self.step_seed,
+                                                momenta_out=nxt)
         read = GradRead(b.params, dev, watch)  # (node voters' shards have none: the sharding's reads)
         self.local[i] = _Local(job, grads, momenta, be, nonfinite, flags, read, nxt, missing)
 
-    def _payload(self, job, b, sign, nz, be):
-        """Fill the job's abstention payload; return its two flag entries (device; comm/abstain.py)."""
-        job.sign, job.nonzero, job.mask, job.mode, job.capacity = sign, nz, b.mask, b.mode, b.capacity
-        job.payload, flags = abstain_encode(nz, b.mask, b.mode, b.capacity, self.plan.world_size, be)
-        return flags
+    def step_seed(self, step: int) -> int:
+        """This rank's 32-bit random seed at ``step`` (reference.dither_seed), for an algorithm whose
+        local step rounds at random (bbit's dither); computed when first asked, once per step."""
+        if self.seed[0] != step:
+            self.seed = (step, dither_seed(step, self.plan.rank))
+        return self.seed[1]
 
     # ------------------------------------------------------------------ launch
     def grad_ready(self, i: int, p) -> None:
@@ -648,11 +631,9 @@ class VotePipeline:
                 b, job = plan.buckets[i], self.local[i].job
                 g = opt.param_groups[b.group_index]
                 job.lr, job.weight_decay, job.step = lr_value(g["lr"]), g["weight_decay"], step
-                if b.algorithm.encoding != "bits":
-                    continue
                 first, second = flags[FLAG_HEAD + 2 * i], flags[FLAG_HEAD + 1 + 2 * i]
-                b.algorithm.agree_planes(job, recv, first, second, coll)  # None, the payloads, or fetched
-                b.mode = next_abstain_mode(job.mode, first, second)
+                # the planes (None, the payloads, or fetched), and how abstentions travel next step
+                b.mode = b.algorithm.agree_planes(job, recv, first, second, coll)
         counted = []
         for k, batch in enumerate(plan.batches):
             jobs = [self.local[i].job for i in batch]

@@ -125,3 +125,68 @@ def test_the_reference_re_exports_the_conventions_unchanged():
              "int8_levels", "tie_segments"]
     for name in names:
         assert getattr(reference, name) is getattr(conventions, name), name
+
+
+def test_the_step_plan_never_asks_which_algorithm_it_holds():
+    """Issue 47: the pipeline and the layout call the algorithm interface (comm/base.py:
+    ``local_step``, ``launch``, ``count``, ``complete``...) and never branch on which algorithm a
+    bucket has. Read with ``ast``: no isinstance() / issubclass() naming an algorithm class, no
+    comparison of an algorithm's ``name`` / ``encoding`` / ``type(...)`` against a constant (or a
+    class), no table indexed by its name or encoding."""
+    comm_classes = {}  # class name -> its bases' names, over every comm module
+    for path in sorted((ROOT / PACKAGE / "comm").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                comm_classes[node.name] = {getattr(b, "id", getattr(b, "attr", None)) for b in node.bases}
+    algorithms, grew = {"VoteAlgorithm"}, True
+    while grew:
+        more = {name for name, bases in comm_classes.items() if bases & algorithms} - algorithms
+        algorithms |= more
+        grew = bool(more)
+    assert {"OneBitVote", "BBitVote", "Int8Vote", "PBitVote", "AllGatherVote"} <= algorithms, algorithms
+
+    def names_algorithm(node) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_algorithm(e) for e in node.elts)
+        return getattr(node, "id", getattr(node, "attr", None)) in algorithms
+
+    def is_constant(node) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return all(is_constant(e) for e in node.elts)
+        return isinstance(node, ast.Constant)
+
+    def asks_which(node) -> bool:  # al.name, al.encoding, type(al), al.__class__, type(al).__name__
+        if isinstance(node, ast.Attribute):
+            return node.attr in ("name", "encoding", "__name__", "__class__")
+        return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "type"
+
+    def questions(source: str, filename: str) -> list[str]:
+        found = []
+        for node in ast.walk(ast.parse(source, filename=filename)):
+            where = f"{filename}:{getattr(node, 'lineno', '?')}: {ast.unparse(node)}"
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass")
+                    and len(node.args) == 2 and names_algorithm(node.args[1])):
+                found.append(where)
+            elif isinstance(node, ast.Compare):
+                operands = [node.left] + node.comparators
+                if any(asks_which(a) and any(is_constant(b) or names_algorithm(b) for b in operands if b is not a)
+                       for a in operands):
+                    found.append(where)
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Attribute) and asks_which(node.slice):
+                found.append(where)
+        return found
+
+    # the checker finds each way of asking (so an empty answer below means something)
+    asking = ["isinstance(b.algorithm, Int8Vote)", "isinstance(al, (PBitVote, comm.BBitVote))",
+              "issubclass(type(al), OneBitVote)", 'al.name == "bbit"', 'b.algorithm.encoding != "bits"',
+              'al.name in ("1bit", "bbit")', "type(al) is Int8Vote", 'type(al).__name__ == "Int8Vote"',
+              "al.__class__ is BBitVote", "STEPS[al.name]"]
+    for snippet in asking:
+        assert questions(snippet, "snippet"), snippet
+    assert not questions("al.local_step(job, g, m, be, betas, n, seed)\nkey = (al.name,) + kind\n"
+                         "if al.carries_flags and key != cur_key: pass\nisinstance(x, torch.Tensor)\n", "snippet")
+
+    found = [q for name in ("pipeline.py", "layout.py")
+             for q in questions((ROOT / PACKAGE / name).read_text(), name)]
+    assert not found, ("the step asks which algorithm it holds (ask the algorithm instead: comm/base.py "
+                       "VoteAlgorithm): " + "; ".join(found))

@@ -368,3 +368,47 @@ def test_flags_ride_in_the_last_batch_of_gather_like_algorithms():
         for rank in range(n):
             assert torch.equal(res[rank][comm, mode]["params"], r["params"]), (comm, mode, rank)
         assert torch.equal(res[0][comm, "step"]["params"], r["params"]), (comm, mode)
+
+
+# ----------------------------------------------------------------------------- a rank that cannot vote
+def _unusable_gradient_on_one_rank(rank, n):
+    from lioncub_ds.errors import StepInputError
+
+    out = {}
+    for comm in ("allgather", "1bit", "pbit", "int8", "bbit"):
+        torch.manual_seed(0)
+        model = Net()
+        opt = lioncub_ds.LionCub(model.parameters(), lr=1e-2, comm=comm,
+                                 quant="l1" if comm in ("int8", "bbit") else "sign", bucket_size_mb=0.004)
+        gen = torch.Generator().manual_seed(90 + rank)
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        if rank == 1:  # this rank's votes cannot be computed: it sends the algorithm's well-formed zeros
+            model.emb.weight.grad = model.emb.weight.grad.to_sparse()
+        try:
+            opt.step()
+            error = None
+        except StepInputError as exc:
+            error = str(exc)
+        unchanged = torch.equal(before, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        for p in model.parameters():  # the collectives stayed matched: the next step runs
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        out[comm] = {"error": error, "unchanged": unchanged,
+                     "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    return out
+
+
+def test_a_rank_that_cannot_vote_sends_zeros_in_every_algorithm():
+    """A sparse gradient on one rank: that rank sends its algorithm's zero votes (VoteAlgorithm.
+    no_votes), every rank raises StepInputError with nothing changed, and the next step runs."""
+    n = 2
+    res = run_ranks(_unusable_gradient_on_one_rank, n, timeout=600)
+    for comm, r0 in res[0].items():
+        for rank in range(n):
+            r = res[rank][comm]
+            assert r["error"] is not None and "unusable input" in r["error"], (comm, rank, r["error"])
+            assert r["unchanged"], (comm, rank)
+            assert torch.equal(r["params"], r0["params"]), (comm, rank)
+    assert "sparse" in res[1]["1bit"]["error"]  # the rank with the sparse gradient names it

@@ -15,7 +15,7 @@ def make_algorithm(name: str, *, pbit_bits=None, vote_bits=2, rounding="dither",
     if name == "pbit":
         return PBitVote(pbit_bits)
     if name == "int8":
-        return Int8Vote()
+        return Int8Vote(quant)
     if name == "bbit":
         return BBitVote(vote_bits, rounding, quant)
     raise ValueError(f"unknown comm algorithm {name!r}")

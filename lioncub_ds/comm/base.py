@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..conventions import tie_segments
-from .abstain import ChunkCode, decode_lists, list_capacity, payload_bytes, plane_source, real_mask
+from .abstain import (ChunkCode, decode_lists, encode as abstain_encode, list_capacity, next_mode,
+                      payload_bytes, plane_source, real_mask)
 from ..groups import broadcast
 from ..telemetry import CommStats
 
@@ -219,8 +220,17 @@ class VoteJob:
 
 class VoteAlgorithm:
     """Interface of a vote algorithm over a *batch* of jobs (parameter buckets whose messages
-    travel together, one collective per phase):
+    travel together, one collective per phase). The step pipeline only calls it, never asks
+    which algorithm it holds (tests/test_layering.py):
 
+    * ``abstention_layout(...)`` and ``batch_bytes(numel)``: what a bucket of the layout keeps for
+      this algorithm (layout.assign_algorithms) and how much its votes weigh in a batch
+      (layout.comm_batches);
+    * ``local_step(job, grads, momenta, backend, betas, world_size, seed, momenta_out=None)``: this
+      rank's votes for one bucket, encoded as this algorithm sends them, with its abstention payload
+      and its two flag entries; ``no_votes(job, device, backend, world_size)``: well-formed zero votes for a
+      rank that cannot vote; ``advances_momenta``: whether the local step can write the next momenta
+      in its own pass (momentum_double_buffer);
     * ``launch(jobs, coll, backend, flags=None)``: issue phase 1 asynchronously (it may start during
       backward); returns a state object. An algorithm with ``carries_flags`` accepts the step's
       flag vector (int32, this rank's) and sends it to every rank in the same message: the step
@@ -229,6 +239,8 @@ class VoteAlgorithm:
     * ``received(state, jobs, coll)``: wait for phase 1; returns per job what arrived of every
       rank's abstention payload (``[N, bytes]``), or None per job where nothing abstention-related
       travels (int8);
+    * ``agree_planes(job, received, first, second, coll)``: from the step's summed flags, set
+      ``job.planes`` and return how the bucket's abstentions travel next step;
     * ``count(state, jobs, coll, backend)``: (after the step's flags set ``job.planes``) count
       what must be counted before a phase 2 and launch that phase asynchronously, if the
       algorithm has one; returns the state ``complete`` takes (default: ``state`` itself). The
@@ -242,7 +254,54 @@ class VoteAlgorithm:
     encoding = "bits"
     supports_average = True
     carries_flags = False  # phase 1 delivers every rank's message to every rank (gather-like)
+    # the local step can write the next momenta in the same pass over g and m (momentum_double_buffer)
+    advances_momenta = True
 
+    # ------------------------------------------------------------------ layout and local step
+    def abstention_layout(self, offsets, numels, numel: int, device, world_size: int) -> tuple:
+        """(mask, capacity, mode) of a bucket: the real-element plane its abstentions are relative
+        to, the capacity of an abstention list, and the first step's mode (comm/abstain.py; a
+        count alone, capacity 0, when the bucket is small). ``offsets`` / ``numels``: where each
+        parameter (piece) sits in the bucket of ``numel`` (padded) elements."""
+        return real_mask(offsets, numels, numel, device), list_capacity(numel // 8, world_size), "list"
+
+    def batch_bytes(self, numel: int) -> int:
+        """What a bucket of ``numel`` (padded) elements weighs when communication batches are cut
+        (comm_bucket_mb): its packed votes, one plane (numel/8 bytes)."""
+        return numel // 8
+
+    def local_step(self, job: VoteJob, grads, momenta, backend, betas, world_size: int, seed,
+                   momenta_out=None) -> tuple:
+        """This rank's votes for ``job``'s bucket from its gradients and momenta (c = β1·m + (1−β1)·g,
+        in one fused pass of the backend), as this algorithm sends them: ``job.sign`` (packed), the
+        nonzero plane and the abstention payload in ``job.mode``. ``seed``: step -> this rank's
+        32-bit random seed (for an algorithm that rounds at random; called only by one that does).
+        ``momenta_out`` (only where ``advances_momenta``): where the pass writes the next momenta.
+        Returns (this rank's non-finite count: int64 scalar, the bucket's two flag entries: int32
+        [2]), both left on the device: the step folds them into its one host read."""
+        beta1, beta2 = betas
+        sign, nonzero, nonfinite, _ = backend.local_step(grads, momenta, job.offsets, job.numel, beta1, beta2,
+                                                         momenta_out is not None, device_counts=True,
+                                                         momenta_out=momenta_out)
+        return nonfinite, self._encode(job, sign, nonzero, backend, world_size)
+
+    def no_votes(self, job: VoteJob, device, backend, world_size: int) -> None:
+        """Well-formed zero votes on ``device``, shaped as :meth:`local_step` gives them (this rank
+        cannot vote: every rank's collectives must still match; the step's flags say why)."""
+        nonzero = torch.zeros(job.numel // 8, dtype=torch.uint8, device=device)
+        self._encode(job, self._zero_votes(job.numel, device), nonzero, backend, world_size)
+
+    def _zero_votes(self, numel: int, device) -> torch.Tensor:
+        """A sign plane of zeros, in the local step's shape (uint8 [numel/8])."""
+        return torch.zeros(numel // 8, dtype=torch.uint8, device=device)
+
+    def _encode(self, job: VoteJob, sign, nonzero, backend, world_size: int) -> torch.Tensor:
+        """Keep the votes in ``job`` with their abstention payload; return its two flag entries."""
+        job.sign, job.nonzero = sign, nonzero
+        job.payload, flags = abstain_encode(nonzero, job.mask, job.mode, job.capacity, world_size, backend)
+        return flags
+
+    # ------------------------------------------------------------------ phases
     def shards_planes(self, vote: str) -> bool:
         """Whether whole nonzero planes (plane mode, or the planes fetched after an overflow) travel
         sharded: rank r receives only shard r of every rank's plane (an all-to-all, (N−1)/N·P/8
@@ -251,12 +310,13 @@ class VoteAlgorithm:
         majority); the others need every rank's whole plane."""
         return False
 
-    def agree_planes(self, job: VoteJob, received, first: int, second: int, coll: "Collectives") -> None:
+    def agree_planes(self, job: VoteJob, received, first: int, second: int, coll: "Collectives") -> str | None:
         """Set ``job.planes`` from the bucket's summed flag entries (the same on every rank, read
         with the step's one host read): None where nobody abstains, the planes fetched once more
         where some rank's list overflowed (:meth:`overflow_planes`), else decoded from
         ``received`` (phase 1's payload columns [N, bytes]). comm/abstain.py says what the two
-        entries mean in each mode."""
+        entries mean in each mode. Returns how the bucket's abstentions travel next step
+        (:func:`~lioncub_ds.comm.abstain.next_mode`: every rank switches together)."""
         source = plane_source(job.mode, first, second)
         job.chunk_lists = None
         if source == "none":
@@ -265,6 +325,7 @@ class VoteAlgorithm:
             job.planes = self.overflow_planes(job, coll)
         else:
             job.planes = job.payloads_from(received, self.shards_planes(job.vote), coll.rank)
+        return next_mode(job.mode, first, second)
 
     def overflow_planes(self, job: VoteJob, coll: "Collectives") -> torch.Tensor:
         """After a step in which some rank's abstention list overflowed: every rank's nonzero plane,

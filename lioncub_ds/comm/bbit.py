@@ -15,6 +15,8 @@ b = 1 with rounding="nearest" is ``1bit`` majority, bit for bit.
 """
 from __future__ import annotations
 
+import torch
+
 from .onebit import OneBitVote
 
 
@@ -25,6 +27,18 @@ class BBitVote(OneBitVote):
     def __init__(self, bits: int = 2, rounding: str = "dither", quant: str = "l1"):
         self.bits, self.rounding, self.quant = bits, rounding, quant
         self.planes = bits
+
+    def local_step(self, job, grads, momenta, backend, betas, world_size, seed, momenta_out=None):
+        """b-bit codes as b bit planes (``job.sign``), dithered with this rank's seed of the step."""
+        beta1, beta2 = betas
+        sign, nonzero, nonfinite, _ = backend.bbit_local_step(grads, momenta, job.offsets, job.numel, beta1, beta2,
+                                                              self.quant, self.bits, self.rounding, seed(job.step),
+                                                              job.segments(), momenta_out is not None,
+                                                              device_counts=True, momenta_out=momenta_out)
+        return nonfinite, self._encode(job, sign, nonzero, backend, world_size)
+
+    def _zero_votes(self, numel, device):
+        return torch.zeros(self.bits, numel // 8, dtype=torch.uint8, device=device)  # b code planes
 
     def _shard_vote(self, backend, votes, nz, j, rank, n):
         shard = j.plane_bytes // n

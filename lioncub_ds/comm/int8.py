@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..conventions import int8_levels
 from .base import Collectives, VoteAlgorithm, VoteJob
 
 
@@ -16,6 +17,28 @@ class Int8Vote(VoteAlgorithm):
     name = "int8"
     encoding = "int8"
     supports_average = False
+    advances_momenta = False  # int8_local_step writes codes only: the momenta advance in their own pass
+
+    def __init__(self, quant: str = "l1"):
+        self.quant = quant  # the per-tensor scale: l1, l0 or linf
+
+    def abstention_layout(self, offsets, numels, numel, device, world_size):
+        return None, 0, None  # a zero c gives q = 0: nothing abstention-related travels
+
+    def batch_bytes(self, numel):
+        return numel  # one int8 code per element
+
+    def local_step(self, job, grads, momenta, backend, betas, world_size, seed, momenta_out=None):
+        """Scaled int8 codes (``job.codes``); no abstention flags (zeros)."""
+        job.codes, nonfinite = backend.int8_local_step(grads, momenta, job.offsets, job.numel, betas[0], self.quant,
+                                                       int8_levels(world_size), device_counts=True)
+        return nonfinite, torch.zeros(2, dtype=torch.int32, device=job.codes.device)
+
+    def no_votes(self, job, device, backend, world_size):
+        job.codes = torch.zeros(job.numel, dtype=torch.int8, device=device)
+
+    def agree_planes(self, job, received, first, second, coll):
+        return job.mode  # no planes: every rank's code is counted, a zero as 0
 
     def launch(self, jobs: list[VoteJob], coll: Collectives, backend, flags=None):
         buf = jobs[0].codes if len(jobs) == 1 else torch.cat([j.codes for j in jobs])
