@@ -1,8 +1,10 @@
 // lioncub_cuda_common.cuh -- per-element / per-word logic of the fused kernels.
 //
-// Everything here is __host__ __device__ (LC_HD) and uses only integer ops and
-// correctly rounded single fp32 ops (no FMA: __fmul_rn/__fadd_rn/__fdiv_rn on the
-// device). The kernels (lioncub_local.cu, lioncub_vote.cu, lioncub_step.cu) add the grid-stride
+// Everything here is __host__ __device__ (LC_HD; LC_DEV for the few helpers that call a kernel's
+// lambdas) and uses only integer ops and correctly rounded single fp32 ops (no FMA:
+// __fmul_rn/__fadd_rn/__fdiv_rn on the device). The element I/O takes the dtype as a template
+// parameter (kAnyDT: read at run time) and separates loads (raw bits) from conversions, so that a
+// thread can have several units' loads in flight before its first store. The kernels (lioncub_local.cu, lioncub_vote.cu, lioncub_step.cu) add the grid-stride
 // loops, the warp shuffles and the block reductions around it, and start through lc::launch (at the
 // end of this file). The test-only host emulation (tests/cuda_emu) compiles those same .cu files
 // with a host compiler and runs their kernels, so nothing here or there is restated for it.
@@ -27,8 +29,10 @@
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
 #define LC_HD __host__ __device__ __forceinline__
+#define LC_DEV __device__ __forceinline__  // device only: the helpers that call a kernel's lambdas
 #else
 #define LC_HD inline
+#define LC_DEV inline
 #endif
 
 // Unroll hints for the device compiler only (host compilers would warn about them).
@@ -142,72 +146,151 @@ LC_HD uint16_t to16(int dt, float f) { return dt == LC_BFLOAT16 ? f_to_bf16(f) :
 // fp32 value after a round trip through dtype dt (what storing into a dt tensor keeps).
 LC_HD float round_to(int dt, float x) { return dt == LC_FLOAT32 ? x : from16(dt, to16(dt, x)); }
 
-// ----------------------------------------------------------------------------- 8-element I/O
-LC_HD float4 f4(float x, float y, float z, float w) {
-  float4 r;
-  r.x = x;
-  r.y = y;
-  r.z = z;
-  r.w = w;
-  return r;
+// ----------------------------------------------------------------------------- dtypes as template parameters
+// The element I/O and the unit bodies take their tensors' dtype codes as template parameters (DT): a
+// body compiled for one dtype has no dtype branch left. kAnyDT compiles the run-time code (the dtype
+// read from the meta) for every other case. A bucket's dtypes are in its device-side meta, so the host
+// cannot pick: a kernel picks the body once per chunk (chunked kernels) or once per group of units
+// that share one dtype combination (the others: the units of a bucket nearly always do).
+constexpr int kAnyDT = -1;
+constexpr int64_t kMixed = -1;  // units of different dtype combinations: the run-time body
+template <int DT>
+struct DTc {
+  static constexpr int value = DT;
+};
+template <int DT>
+LC_HD int dt_or(int rt) {
+  return DT == kAnyDT ? rt : DT;
 }
+LC_HD constexpr int64_t pair_code(int a, int b) { return a | (b << 8); }
 
-// Elements j..j+n-1 (n <= 8, j a multiple of 8) of a tensor of dtype dt at addr, as fp32.
-// 16-byte vector loads when the 8 elements are all there and 16-byte aligned.
-LC_HD void load8(uint64_t addr, int dt, int64_t j, int n, float v[8]) {
-  if (dt == LC_FLOAT32) {
-    const float* p = reinterpret_cast<const float*>(addr) + j;
-    if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-      const float4 x0 = reinterpret_cast<const float4*>(p)[0];
-      const float4 x1 = reinterpret_cast<const float4*>(p)[1];
-      v[0] = x0.x; v[1] = x0.y; v[2] = x0.z; v[3] = x0.w;
-      v[4] = x1.x; v[5] = x1.y; v[6] = x1.z; v[7] = x1.w;
-    } else {
-      LC_UNROLL
-      for (int i = 0; i < 8; ++i) v[i] = i < n ? p[i] : 0.0f;
-    }
-  } else {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(addr) + j;
-    uint16_t h[8];
-    if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-      const uint4 x = *reinterpret_cast<const uint4*>(p);
-      h[0] = static_cast<uint16_t>(x.x); h[1] = static_cast<uint16_t>(x.x >> 16);
-      h[2] = static_cast<uint16_t>(x.y); h[3] = static_cast<uint16_t>(x.y >> 16);
-      h[4] = static_cast<uint16_t>(x.z); h[5] = static_cast<uint16_t>(x.z >> 16);
-      h[6] = static_cast<uint16_t>(x.w); h[7] = static_cast<uint16_t>(x.w >> 16);
-    } else {
-      LC_UNROLL
-      for (int i = 0; i < 8; ++i) h[i] = i < n ? p[i] : static_cast<uint16_t>(0);
-    }
-    LC_UNROLL
-    for (int i = 0; i < 8; ++i) v[i] = from16(dt, h[i]);
+// f(DTc<dt>{}) for one tensor's dtype code (kMixed or any other code: the run-time body).
+template <class F>
+LC_DEV void dispatch_dt(int64_t code, F&& f) {
+  switch (code) {
+    case LC_FLOAT32: f(DTc<LC_FLOAT32>{}); break;
+    case LC_BFLOAT16: f(DTc<LC_BFLOAT16>{}); break;
+    case LC_FLOAT16: f(DTc<LC_FLOAT16>{}); break;
+    default: f(DTc<kAnyDT>{});
   }
 }
 
-// Store v[0..n-1] into elements j.. of a tensor of dtype dt, rounding once to dt.
-LC_HD void store8(uint64_t addr, int dt, int64_t j, int n, const float v[8]) {
+// f(DTc<a>{}, DTc<b>{}) for a (gradient, momentum) code a | b << 8: the combinations a step meets
+// (fp32 / fp32, 16-bit gradients with fp32 momenta, bf16 / bf16) compiled each; others run time.
+template <class F>
+LC_DEV void dispatch_pair(int64_t code, F&& f) {
+  switch (code) {
+    case pair_code(LC_FLOAT32, LC_FLOAT32): f(DTc<LC_FLOAT32>{}, DTc<LC_FLOAT32>{}); break;
+    case pair_code(LC_BFLOAT16, LC_FLOAT32): f(DTc<LC_BFLOAT16>{}, DTc<LC_FLOAT32>{}); break;
+    case pair_code(LC_FLOAT16, LC_FLOAT32): f(DTc<LC_FLOAT16>{}, DTc<LC_FLOAT32>{}); break;
+    case pair_code(LC_BFLOAT16, LC_BFLOAT16): f(DTc<LC_BFLOAT16>{}, DTc<LC_BFLOAT16>{}); break;
+    default: f(DTc<kAnyDT>{}, DTc<kAnyDT>{});
+  }
+}
+
+// ----------------------------------------------------------------------------- 8-element I/O
+// 8 elements as loaded, not yet converted: fp32 bits in w[0..7], 16-bit values two per word in w[0..3]
+// (element 2i in the low half). A thread issues the loads of all its units first and converts them
+// after (raw_to_f8), so that 2-4 units' loads are in flight at once, never one unit at a time.
+struct Raw8 {
+  uint32_t w[8];
+};
+
+LC_HD bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// 16-byte loads and stores of the bulk data as global-memory accesses cached in L2 only (the addresses
+// are integers in the meta, so the compiler could not tell their space and made generic ones); streamed
+// data gains nothing from L1. The host emulation reads and writes plainly.
+LC_HD uint4 ld16(const void* p) {
+#ifdef __CUDA_ARCH__
+  return __ldcg(reinterpret_cast<const uint4*>(p));
+#else
+  return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+LC_HD void st16(void* p, uint4 x) {
+#ifdef __CUDA_ARCH__
+  __stcg(reinterpret_cast<uint4*>(p), x);
+#else
+  *reinterpret_cast<uint4*>(p) = x;
+#endif
+}
+LC_HD uint4 u4(float x, float y, float z, float w) {
+  uint4 r;
+  r.x = f2u(x);
+  r.y = f2u(y);
+  r.z = f2u(z);
+  r.w = f2u(w);
+  return r;
+}
+
+// Elements j..j+n-1 (n <= 8) of a tensor of dtype DT (dt_rt: the run-time code) at addr; 16-byte vector
+// loads when the 8 elements are all there and 16-byte aligned (FULL: the caller knows they are, so
+// no scalar path is compiled). Elements past n read as 0.
+template <int DT, bool FULL = false>
+LC_HD void load_raw8(uint64_t addr, int dt_rt, int64_t j, int n, Raw8& r) {
+  if (dt_or<DT>(dt_rt) == LC_FLOAT32) {
+    const uint32_t* __restrict__ p = reinterpret_cast<const uint32_t*>(addr) + j;
+    if (FULL || (n == 8 && aligned16(p))) {
+      const uint4 x0 = ld16(p), x1 = ld16(p + 4);
+      r.w[0] = x0.x; r.w[1] = x0.y; r.w[2] = x0.z; r.w[3] = x0.w;
+      r.w[4] = x1.x; r.w[5] = x1.y; r.w[6] = x1.z; r.w[7] = x1.w;
+    } else {
+      LC_UNROLL
+      for (int i = 0; i < 8; ++i) r.w[i] = i < n ? p[i] : 0u;
+    }
+  } else {
+    const uint16_t* __restrict__ p = reinterpret_cast<const uint16_t*>(addr) + j;
+    if (FULL || (n == 8 && aligned16(p))) {
+      const uint4 x = ld16(p);
+      r.w[0] = x.x; r.w[1] = x.y; r.w[2] = x.z; r.w[3] = x.w;
+    } else {
+      LC_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = 2 * i < n ? p[2 * i] : 0u, hi = 2 * i + 1 < n ? p[2 * i + 1] : 0u;
+        r.w[i] = lo | (hi << 16);
+      }
+    }
+    LC_UNROLL
+    for (int i = 4; i < 8; ++i) r.w[i] = 0u;
+  }
+}
+
+// The 8 loaded elements as fp32.
+template <int DT>
+LC_HD void raw_to_f8(const Raw8& r, int dt_rt, float v[8]) {
+  const int dt = dt_or<DT>(dt_rt);
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i)
+    v[i] = dt == LC_FLOAT32 ? u2f(r.w[i]) : from16(dt, static_cast<uint16_t>(r.w[i >> 1] >> (16 * (i & 1))));
+}
+
+// Store v[0..n-1] into elements j.. of a tensor of dtype DT, rounding once to it.
+template <int DT, bool FULL = false>
+LC_HD void store8(uint64_t addr, int dt_rt, int64_t j, int n, const float v[8]) {
+  const int dt = dt_or<DT>(dt_rt);
   if (dt == LC_FLOAT32) {
-    float* p = reinterpret_cast<float*>(addr) + j;
-    if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-      reinterpret_cast<float4*>(p)[0] = f4(v[0], v[1], v[2], v[3]);
-      reinterpret_cast<float4*>(p)[1] = f4(v[4], v[5], v[6], v[7]);
+    float* __restrict__ p = reinterpret_cast<float*>(addr) + j;
+    if (FULL || (n == 8 && aligned16(p))) {
+      st16(p, u4(v[0], v[1], v[2], v[3]));
+      st16(p + 4, u4(v[4], v[5], v[6], v[7]));
     } else {
       LC_UNROLL
       for (int i = 0; i < 8; ++i)
         if (i < n) p[i] = v[i];
     }
   } else {
-    uint16_t* p = reinterpret_cast<uint16_t*>(addr) + j;
+    uint16_t* __restrict__ p = reinterpret_cast<uint16_t*>(addr) + j;
     uint16_t h[8];
     LC_UNROLL
     for (int i = 0; i < 8; ++i) h[i] = to16(dt, v[i]);
-    if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+    if (FULL || (n == 8 && aligned16(p))) {
       uint4 x;
       x.x = h[0] | (static_cast<uint32_t>(h[1]) << 16);
       x.y = h[2] | (static_cast<uint32_t>(h[3]) << 16);
       x.z = h[4] | (static_cast<uint32_t>(h[5]) << 16);
       x.w = h[6] | (static_cast<uint32_t>(h[7]) << 16);
-      *reinterpret_cast<uint4*>(p) = x;
+      st16(p, x);
     } else {
       LC_UNROLL
       for (int i = 0; i < 8; ++i)
@@ -217,16 +300,28 @@ LC_HD void store8(uint64_t addr, int dt, int64_t j, int n, const float v[8]) {
 }
 
 // Δ of 8 elements into a flat fp32 buffer at element e0 (n <= 8 of them).
-LC_HD void store_delta8(float* out, int64_t e0, int n, const float d[8]) {
+LC_HD void store_delta8(float* __restrict__ out, int64_t e0, int n, const float d[8]) {
   float* p = out + e0;
-  if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-    reinterpret_cast<float4*>(p)[0] = f4(d[0], d[1], d[2], d[3]);
-    reinterpret_cast<float4*>(p)[1] = f4(d[4], d[5], d[6], d[7]);
+  if (n == 8 && aligned16(p)) {
+    st16(p, u4(d[0], d[1], d[2], d[3]));
+    st16(p + 4, u4(d[4], d[5], d[6], d[7]));
   } else {
     LC_UNROLL
     for (int i = 0; i < 8; ++i)
       if (i < n) p[i] = d[i];
   }
+}
+
+// One element of dtype DT as loaded (fp32 bits or the 16-bit value), and as fp32.
+template <int DT>
+LC_HD uint32_t load_raw1(uint64_t addr, int dt_rt, int64_t j) {
+  if (dt_or<DT>(dt_rt) == LC_FLOAT32) return reinterpret_cast<const uint32_t*>(addr)[j];
+  return reinterpret_cast<const uint16_t*>(addr)[j];
+}
+template <int DT>
+LC_HD float raw1_to_f(uint32_t r, int dt_rt) {
+  const int dt = dt_or<DT>(dt_rt);
+  return dt == LC_FLOAT32 ? u2f(r) : from16(dt, static_cast<uint16_t>(r));
 }
 
 // ----------------------------------------------------------------------------- tensor lookup
@@ -299,50 +394,137 @@ LC_HD int search_chunk(const lc_tensor_meta* __restrict__ meta, int n, int64_t c
   return search_chunk_of(meta, n, chunk);
 }
 
+// The chunk [c0, c1) of an entry of `numel` elements starting at chunk `first`, as a block walks it:
+// thread x takes the units (8 elements) c0 + 8x + 8*kThreads*k, U of them per round (k = 0..U-1: their
+// loads first, then their math and stores); f(j, n): the rounds' unit starts and sizes (n = 0: none).
+template <int U, class F>
+LC_DEV void chunk_rounds(int64_t c0, int64_t c1, F&& f) {
+  for (int64_t j0 = c0 + 8 * static_cast<int64_t>(threadIdx.x); j0 < c1; j0 += 8 * kThreads * U) {
+    int64_t j[U];
+    int n[U];
+    LC_UNROLL
+    for (int k = 0; k < U; ++k) {
+      j[k] = j0 + 8 * kThreads * k;
+      const int64_t rem = c1 - j[k];
+      n[k] = rem <= 0 ? 0 : (rem < 8 ? static_cast<int>(rem) : 8);
+    }
+    f(j, n);
+  }
+}
+
+// ----------------------------------------------------------------------------- units of a bucket
+// One unit of 8 bucket elements (at 8u) of a multi-tensor launch, as a thread holds it between its
+// loads and its math: the tensor t (-1: a gap, padding or no unit), the place there (j: the index of
+// its first element, n <= 8 elements), the tensors' addresses a and b, their dtypes (code = the meta's
+// dtypes: a | b << 8) and a's and b's 8 elements as loaded (x, y).
+struct Slot {
+  uint64_t a, b;
+  int64_t j;
+  int t, n, code;
+  bool full;  // n == 8 and both tensors 16-byte aligned (j is a multiple of 8: the base decides)
+  Raw8 x, y;
+};
+LC_HD int dt_a(const Slot& s) { return s.code & 0xff; }
+LC_HD int dt_b(const Slot& s) { return (s.code >> 8) & 0xff; }
+
+// The slot of unit u (no tensor when !valid), by locate (hint as there: a thread's units only grow).
+LC_HD void find_slot(const lc_tensor_meta* __restrict__ meta, int nt, int64_t u, bool valid, int& hint, Slot& s) {
+  s.t = valid ? locate(meta, nt, 8 * u, hint) : -1;
+  s.n = 0;
+  s.code = 0;
+  s.full = true;
+  if (s.t < 0) return;
+  s.a = meta[s.t].a;
+  s.b = meta[s.t].b;
+  s.j = 8 * u - meta[s.t].offset;
+  const int64_t rem = meta[s.t].numel - s.j;
+  s.n = rem < 8 ? static_cast<int>(rem) : 8;
+  s.code = static_cast<int>(meta[s.t].dtypes & 0xffff);
+  s.full = s.n == 8 && aligned16(reinterpret_cast<const void*>(s.a)) && aligned16(reinterpret_cast<const void*>(s.b));
+}
+
+// The loads of a slot with a tensor: a's elements, and b's when `two`.
+template <int DTA, int DTB, bool FULL>
+LC_HD void load_slot(Slot& s, bool two) {
+  if (s.t < 0) return;
+  load_raw8<DTA, FULL>(s.a, dt_a(s), s.j, s.n, s.x);
+  if (two) load_raw8<DTB, FULL>(s.b, dt_b(s), s.j, s.n, s.y);
+}
+
+// A thread's round of U slots: all their loads first, then body(k) for each slot (its math and stores);
+// body also runs for slots without a tensor (their outputs are zeros). Run-time dtypes: the dtype only
+// picks the width of a load. When every slot with a tensor is whole and aligned (the usual round) the
+// loads are vector accesses only; else, with SPLIT, one slot at a time (its loads, with the scalar paths
+// of partial and unaligned units, then its body: the fewest registers, the body compiled twice), without
+// SPLIT all loads first on that path too (the body compiled once).
+template <bool SPLIT, int U, class Body>
+LC_DEV void run_slots(Slot (&s)[U], bool two, Body&& body) {
+  bool full = true;
+  LC_UNROLL
+  for (int k = 0; k < U; ++k) full = full && s[k].full;
+  if (full) {
+    LC_UNROLL
+    for (int k = 0; k < U; ++k) load_slot<kAnyDT, kAnyDT, true>(s[k], two);
+  } else if (!SPLIT) {
+    LC_UNROLL
+    for (int k = 0; k < U; ++k) load_slot<kAnyDT, kAnyDT, false>(s[k], two);
+  }
+  if (SPLIT && !full) {
+    LC_UNROLL
+    for (int k = 0; k < U; ++k) {
+      load_slot<kAnyDT, kAnyDT, false>(s[k], two);
+      body(k);
+    }
+  } else {
+    LC_UNROLL
+    for (int k = 0; k < U; ++k) body(k);
+  }
+}
+
+// The 8 loaded elements of dtype code dt as fp32, and a store of 8 values: one switch per unit into the
+// body compiled for that dtype (no dtype test per element).
+LC_HD void to_f8(const Raw8& r, int dt, float v[8]) {
+  switch (dt) {
+    case LC_FLOAT32: raw_to_f8<LC_FLOAT32>(r, dt, v); break;
+    case LC_BFLOAT16: raw_to_f8<LC_BFLOAT16>(r, dt, v); break;
+    default: raw_to_f8<LC_FLOAT16>(r, dt, v);
+  }
+}
+LC_HD void store8_dt(uint64_t addr, int dt, int64_t j, int n, const float v[8]) {
+  switch (dt) {
+    case LC_FLOAT32: store8<LC_FLOAT32>(addr, dt, j, n, v); break;
+    case LC_BFLOAT16: store8<LC_BFLOAT16>(addr, dt, j, n, v); break;
+    default: store8<LC_FLOAT16>(addr, dt, j, n, v);
+  }
+}
+
 // ----------------------------------------------------------------------------- Lion math
 // c = fl(fl(m*b1) + fl(g*omb1)), like m.float().mul(beta1).add_(g.float().mul(1 - beta1)).
 LC_HD float lion_c(float m, float g, const lc_lion_args& la) { return fadd(fmul(m, la.b1), fmul(g, la.omb1)); }
 LC_HD float lion_m(float m, float g, const lc_lion_args& la) { return fadd(fmul(m, la.b2), fmul(g, la.omb2)); }
 
-// The unit of 8 bucket elements at e0 inside tensor t of a local step's bucket: its place in the
-// tensor (j: the index of its first element, n <= 8 elements) and its g and m as fp32.
-struct Unit {
-  Tensor T;
-  int64_t j;
-  int n;
-  float g[8], m[8];
-};
-
-LC_HD void load_unit(const lc_tensor_meta* __restrict__ meta, int t, int64_t e0, Unit& u) {
-  u.T = read_meta(meta, t);
-  u.j = e0 - u.T.offset;
-  const int64_t rem = u.T.numel - u.j;
-  u.n = rem < 8 ? static_cast<int>(rem) : 8;
-  load8(u.T.a, u.T.dta, u.j, u.n, u.g);
-  load8(u.T.b, u.T.dtb, u.j, u.n, u.m);
-}
-
-// The unit's momentum update, rounded once to m's dtype and stored.
-LC_HD void update_unit_momentum(Unit& u, const lc_lion_args& la) {
+// The momentum update of 8 elements (m <- fl(fl(m*b2) + fl(g*omb2))), stored rounded once to m's dtype.
+template <int DTM, bool FULL = false>
+LC_HD void momentum_store8(const float g[8], float m[8], uint64_t addr, int dt_rt, int64_t j, int n,
+                           const lc_lion_args& la) {
   LC_UNROLL
-  for (int i = 0; i < 8; ++i) u.m[i] = lion_m(u.m[i], u.g[i], la);
-  store8(u.T.b, u.T.dtb, u.j, u.n, u.m);
+  for (int i = 0; i < 8; ++i) m[i] = lion_m(m[i], g[i], la);
+  store8<DTM, FULL>(addr, dt_rt, j, n, m);
 }
 
-// One unit (8 bucket elements, e0 = 8*u) of the local step. Returns the sign and nonzero
-// bytes; adds to the non-finite / zero counters; updates the momentum when asked.
-LC_HD void local_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const lc_lion_args& la,
-                      int update_momentum, int& hint, uint32_t& sbyte, uint32_t& zbyte, int& nbad, int& nzero) {
+// The local step of a loaded slot (g = a, m = b; reference.local_step): its sign and nonzero bytes; adds
+// to the non-finite / zero counters; with upd, the momentum update in the same pass.
+LC_HD void local_slot(const Slot& s, const lc_lion_args& la, bool upd, uint32_t& sbyte, uint32_t& zbyte, int& nbad,
+                      int& nzero) {
+  float g[8], m[8];
+  to_f8(s.x, dt_a(s), g);
+  to_f8(s.y, dt_b(s), m);
   sbyte = 0;
   zbyte = 0;
-  const int t = locate(meta, nt, e0, hint);
-  if (t < 0) return;
-  Unit u;
-  load_unit(meta, t, e0, u);
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
-    if (i < u.n) {
-      const float c = lion_c(u.m[i], u.g[i], la);
+    if (i < s.n) {
+      const float c = lion_c(m[i], g[i], la);
       const bool fin = is_finite(c);
       if (fin && c > 0.0f) sbyte |= 1u << i;
       if (fin && c != 0.0f) zbyte |= 1u << i;
@@ -350,111 +532,39 @@ LC_HD void local_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e
       nzero += c == 0.0f ? 1 : 0;
     }
   }
-  if (update_momentum) update_unit_momentum(u, la);
-}
-
-// Elements [j, j+n) of one tensor: m <- fl(fl(m*b2) + fl(g*omb2)).
-LC_HD void momentum_unit(const Tensor& T, int64_t j, int n, const lc_lion_args& la) {
-  float g[8], m[8];
-  load8(T.a, T.dta, j, n, g);
-  load8(T.b, T.dtb, j, n, m);
-  LC_UNROLL
-  for (int i = 0; i < 8; ++i) m[i] = lion_m(m[i], g[i], la);
-  store8(T.b, T.dtb, j, n, m);
-}
-
-// ----------------------------------------------------------------------------- single-process step
-
-struct LionTensor {
-  uint64_t p, g, m;
-  int64_t numel, chunk_start;
-  int dtp, dtg, dtm;
-};
-
-LC_HD LionTensor read_lion_meta(const lc_lion_meta* __restrict__ meta, int t) {
-  LionTensor r;
-  r.p = meta[t].param;
-  r.g = meta[t].grad;
-  r.m = meta[t].momentum;
-  r.numel = meta[t].numel;
-  r.chunk_start = meta[t].chunk_start;
-  const int64_t d = meta[t].dtypes;
-  r.dtp = static_cast<int>(d & 0xff);
-  r.dtg = static_cast<int>((d >> 8) & 0xff);
-  r.dtm = static_cast<int>((d >> 16) & 0xff);
-  return r;
-}
-
-// Elements [j, j+n) (n <= 8) of one tensor: one Lion step (reference.lion_step).
-LC_HD void lion_unit(const LionTensor& T, int64_t j, int n, const lc_lion_step_args& a) {
-  float g[8], m[8], p[8];
-  load8(T.g, T.dtg, j, n, g);
-  load8(T.m, T.dtm, j, n, m);
-  load8(T.p, T.dtp, j, n, p);
-  LC_UNROLL
-  for (int i = 0; i < 8; ++i) {
-    const float c = lion_c(m[i], g[i], a.betas);
-    float x = p[i];
-    if (a.apply_decay) x = round_to(T.dtp, fmul(x, a.decay));
-    p[i] = fadd(x, fmul(lcc::lion_sign(c), a.neg_lr));
-    m[i] = lion_m(m[i], g[i], a.betas);
+  if (upd) {
+    LC_UNROLL
+    for (int i = 0; i < 8; ++i) m[i] = lion_m(m[i], g[i], la);
+    store8_dt(s.b, dt_b(s), s.j, s.n, m);
   }
-  store8(T.p, T.dtp, j, n, p);
-  store8(T.m, T.dtm, j, n, m);
-}
-
-// ----------------------------------------------------------------------------- ZeRO sign all-gather apply
-// The n (<= 8) bits starting at bit `bit` of `row`, LSB first; reads only the bytes holding them.
-LC_HD uint32_t load_bits8(const uint8_t* __restrict__ row, int64_t bit, int n) {
-  const uint8_t* q = row + (bit >> 3);
-  const int sh = static_cast<int>(bit & 7);
-  uint32_t x = q[0];
-  if (sh + n > 8) x |= static_cast<uint32_t>(q[1]) << 8;
-  return (x >> sh) & ((1u << n) - 1u);
-}
-
-// Elements [j, j+n) (n <= 8) of one piece (lc_zero_piece): Δ from the owner's vote bits, apply,
-// then the low-precision copy.
-LC_HD void zero_unit(const lc_zero_piece& P, const uint8_t* __restrict__ sign, int64_t sign_stride,
-                     const uint8_t* __restrict__ nonzero, int64_t nz_stride, int64_t j, int n) {
-  const int64_t b = P.bit + j;
-  const uint32_t s = load_bits8(sign + P.row * sign_stride, b, n);
-  const uint32_t z = nonzero ? load_bits8(nonzero + P.row * nz_stride, b, n) : 0xffu;
-  float v[8];
-  load8(P.target, LC_FLOAT32, j, n, v);
-  LC_UNROLL
-  for (int i = 0; i < 8; ++i) {
-    const float d = ((z >> i) & 1u) ? (((s >> i) & 1u) ? 1.0f : -1.0f) : 0.0f;
-    float x = v[i];
-    if (P.apply_decay) x = fmul(x, P.decay);
-    v[i] = fadd(x, fmul(d, P.neg_lr));
-  }
-  store8(P.target, LC_FLOAT32, j, n, v);
-  if (P.cast) store8(P.cast, P.cast_dtype, j, n, v);
 }
 
 // ----------------------------------------------------------------------------- apply
-// theta <- fl(theta*decay) (rounded to the dtype); theta <- fl(theta + fl(Δ*neg_lr)).
-LC_HD void apply8(uint64_t addr, int dt, int64_t j, int n, const float d[8], const lc_apply_args& a) {
+// theta <- fl(theta*decay) (rounded to the dtype); theta <- fl(theta + fl(Δ*neg_lr)); x: theta as loaded.
+template <int DT, bool FULL>
+LC_HD void apply_raw8(const Raw8& x, uint64_t addr, int dt_rt, int64_t j, int n, const float d[8],
+                      const lc_apply_args& a) {
+  const int dt = dt_or<DT>(dt_rt);
   float v[8];
-  load8(addr, dt, j, n, v);
+  raw_to_f8<DT>(x, dt, v);
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
-    float x = v[i];
-    if (a.apply_decay) x = round_to(dt, fmul(x, a.decay));
-    v[i] = fadd(x, fmul(d[i], a.neg_lr));
+    float t = v[i];
+    if (a.apply_decay) t = round_to(dt, fmul(t, a.decay));
+    v[i] = fadd(t, fmul(d[i], a.neg_lr));
   }
-  store8(addr, dt, j, n, v);
+  store8<DT, FULL>(addr, dt, j, n, v);
 }
 
-// Apply the Δ of the unit at bucket element e0 to whichever parameter holds it.
-LC_HD void apply_at(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const float d[8],
-                    const lc_apply_args& a, int& hint) {
-  const int t = locate(meta, nt, e0, hint);
-  if (t < 0) return;
-  const int64_t off = meta[t].offset, numel = meta[t].numel;
-  const int64_t j = e0 - off, rem = numel - j;
-  apply8(meta[t].a, static_cast<int>(meta[t].dtypes & 0xff), j, rem < 8 ? static_cast<int>(rem) : 8, d, a);
+// Apply Δ to a loaded apply slot (its parameter in a; nothing for a gap or padding), in the body
+// compiled for the parameter's dtype.
+LC_HD void apply_slot(const Slot& s, const float d[8], const lc_apply_args& a) {
+  if (s.t < 0) return;
+  switch (dt_a(s)) {
+    case LC_FLOAT32: apply_raw8<LC_FLOAT32, false>(s.x, s.a, LC_FLOAT32, s.j, s.n, d, a); break;
+    case LC_BFLOAT16: apply_raw8<LC_BFLOAT16, false>(s.x, s.a, LC_BFLOAT16, s.j, s.n, d, a); break;
+    default: apply_raw8<LC_FLOAT16, false>(s.x, s.a, LC_FLOAT16, s.j, s.n, d, a);
+  }
 }
 
 // ----------------------------------------------------------------------------- int8
@@ -476,42 +586,6 @@ LC_HD Acc acc_combine(Acc x, Acc y, int kind) {
   return x;
 }
 
-// Element j of a tensor of dtype dt at addr, as fp32.
-LC_HD float load1(uint64_t addr, int dt, int64_t j) {
-  if (dt == LC_FLOAT32) return reinterpret_cast<const float*>(addr)[j];
-  return from16(dt, reinterpret_cast<const uint16_t*>(addr)[j]);
-}
-
-// Lane `lane` (0..kThreads-1) of the chunk [c0, c1) of tensor T (c0 a multiple of LC_CHUNK): the
-// elements c0 + lane + kThreads*k in index order (lcc's defined order), its partial statistic
-// of |c| and its number of non-finite c.
-LC_HD Acc int8_thread_partial(const Tensor& T, int64_t c0, int64_t c1, int lane, const lc_lion_args& la, int kind,
-                              int& nbad) {
-  Acc acc;
-  acc.s = 0.0;
-  acc.n = 0;
-  acc.esum = 0;
-  for (int64_t j = c0 + lane; j < c1; j += kThreads) {
-    float c = lion_c(load1(T.b, T.dtb, j), load1(T.a, T.dta, j), la);
-    if (!is_finite(c)) {
-      ++nbad;
-      c = 0.0f;
-    }
-    const float ac = fabs_(c);
-    if (kind == LC_SCALE_L1) {
-      acc.s = lcc::dadd(acc.s, static_cast<double>(ac));
-    } else if (kind == LC_SCALE_LINF) {
-      if (static_cast<double>(ac) > acc.s) acc.s = static_cast<double>(ac);
-    } else if (ac > 0.0f) {
-      double lm;
-      acc.esum += lcc::log_parts(ac, &lm);
-      acc.s = lcc::dadd(acc.s, lm);
-      acc.n += 1;
-    }
-  }
-  return acc;
-}
-
 // The per-tensor scale from the reduced statistic (reference.int8_scale); with bits (comm="bbit", 1..4)
 // the ratio of the b-bit codes instead (reference.bbit_ratio).
 LC_HD float int8_scale_of(Acc tot, int64_t numel, int kind, int bits = 0) {
@@ -522,77 +596,25 @@ LC_HD float int8_scale_of(Acc tot, int64_t numel, int kind, int bits = 0) {
   return bits ? lcc::bbit_ratio(a, kind, bits) : a;
 }
 
-// Codes of the unit at bucket element e0 (gaps and padding: 0).
-LC_HD void int8_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const lc_lion_args& la, int levels,
-                     const float* __restrict__ scales, int& hint, int8_t q[8]) {
-  LC_UNROLL
-  for (int i = 0; i < 8; ++i) q[i] = 0;
-  const int t = locate(meta, nt, e0, hint);
-  if (t < 0) return;
-  const float a = scales[t];
-  if (!(a > 0.0f) || !is_finite(a)) return;
-  Unit u;
-  load_unit(meta, t, e0, u);
+// The codes of a loaded slot (scale a of its tensor; a not > 0 or not finite: all 0).
+LC_HD void int8_slot(const Slot& s, const lc_lion_args& la, int levels, float a, int8_t q[8]) {
+  float g[8], m[8];
+  to_f8(s.x, dt_a(s), g);
+  to_f8(s.y, dt_b(s), m);
+  const bool ok = (a > 0.0f) && is_finite(a);
   const float hs = static_cast<float>(levels) * 0.5f;  // exact
   const float lim = static_cast<float>(levels);
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
-    if (i < u.n) {
-      float c = lion_c(u.m[i], u.g[i], la);
+    q[i] = 0;
+    if (ok && i < s.n) {
+      float c = lion_c(m[i], g[i], la);
       if (!is_finite(c)) c = 0.0f;
       float x = rint_even(fdiv(fmul(c, hs), a));
       x = fmin_(fmax_(x, -lim), lim);
       q[i] = static_cast<int8_t>(static_cast<int>(x));
     }
   }
-}
-
-// ----------------------------------------------------------------------------- comm="bbit"
-// The tie-index table looked up once per unit (8 elements: a byte; 32: a word) instead of once per
-// tied element: the row of the unit's first position e0 gives the tie indices of e0 .. stop-1 as
-// base + (e - e0); a row that starts inside the unit (never for conventions.tie_segments' tables,
-// whose positions are multiples of 8) is looked up again from there. Same indices, same bits.
-struct TieRun {
-  uint64_t base;
-  int64_t e0, stop;
-};
-LC_HD TieRun tie_run(const int64_t* rows, int64_t nrows, int64_t e0) {
-  if (nrows <= 0) return TieRun{static_cast<uint64_t>(e0), e0, INT64_MAX};
-  const int64_t k = lcc::tie_row(rows, nrows, e0);
-  return TieRun{static_cast<uint64_t>(rows[2 * k + 1]) + static_cast<uint64_t>(e0 - rows[2 * k]), e0,
-                k + 1 < nrows ? rows[2 * (k + 1)] : INT64_MAX};
-}
-LC_HD uint64_t tie_index_in(const TieRun& run, const int64_t* rows, int64_t nrows, int64_t e) {
-  return e < run.stop ? run.base + static_cast<uint64_t>(e - run.e0) : lcc::tie_index(rows, nrows, e);
-}
-// One unit (8 bucket elements at e0) of the b-bit local step (reference.bbit_local_step): bit i of
-// codes[j] is bit j of element e0 + i's code, zbyte its nonzero bits; adds the zeros of c to nzero; the
-// momentum update when asked. ratios[t]: tensor t's ratio. Gaps and padding: all 0.
-LC_HD void bbit_unit(const lc_tensor_meta* __restrict__ meta, int nt, int64_t e0, const lc_lion_args& la,
-                     int update_momentum, const float* __restrict__ ratios, const lc_bbit_args& bb, int& hint,
-                     uint32_t codes[4], uint32_t& zbyte, int& nzero) {
-  LC_UNROLL
-  for (int j = 0; j < 4; ++j) codes[j] = 0;
-  zbyte = 0;
-  const int t = locate(meta, nt, e0, hint);
-  if (t < 0) return;
-  Unit u;
-  load_unit(meta, t, e0, u);
-  const float ratio = ratios[t];
-  const TieRun run = bb.rounding == LC_ROUND_DITHER ? tie_run(bb.tie_rows, bb.tie_nrows, e0) : TieRun{0u, e0, e0};
-  for (int i = 0; i < u.n; ++i) {
-    const float c = lion_c(u.m[i], u.g[i], la);
-    const bool fin = is_finite(c);
-    if (fin && c != 0.0f) zbyte |= 1u << i;
-    nzero += c == 0.0f ? 1 : 0;
-    const float d =
-        bb.rounding == LC_ROUND_DITHER ? lcc::dither_u(bb.seed, tie_index_in(run, bb.tie_rows, bb.tie_nrows, e0 + i))
-                                       : 0.0f;
-    const uint32_t k = lcc::bbit_code(fin ? c : 0.0f, ratio, bb.bits, bb.rounding, d);
-    LC_UNROLL
-    for (int j = 0; j < 4; ++j) codes[j] |= ((k >> j) & 1u) << i;
-  }
-  if (update_momentum) update_unit_momentum(u, la);
 }
 
 LC_HD void store_q8(int8_t* __restrict__ out, int64_t e0, const int8_t q[8]) {
@@ -612,23 +634,58 @@ LC_HD void store_q8(int8_t* __restrict__ out, int64_t e0, const int8_t q[8]) {
   }
 }
 
-// 8 int8 codes of unit u (n <= 8 valid), as sign Δ.
-LC_HD void int8_delta8(const int8_t* __restrict__ qsum, int64_t e0, int n, float d[8]) {
-  const int8_t* p = qsum + e0;
-  int8_t q[8];
-  if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
-    const uint2 x = *reinterpret_cast<const uint2*>(p);
-    LC_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      q[i] = static_cast<int8_t>(static_cast<uint8_t>(x.x >> (8 * i)));
-      q[i + 4] = static_cast<int8_t>(static_cast<uint8_t>(x.y >> (8 * i)));
-    }
-  } else {
-    LC_UNROLL
-    for (int i = 0; i < 8; ++i) q[i] = i < n ? p[i] : static_cast<int8_t>(0);
-  }
+// ----------------------------------------------------------------------------- comm="bbit"
+// The tie-index table looked up once per unit (8 elements: a byte; 32: a word) instead of once per
+// tied element: the row of the unit's first position e0 gives the tie indices of e0 .. stop-1 as
+// base + (e - e0); a row that starts inside the unit (never for conventions.tie_segments' tables,
+// whose positions are multiples of 8) is looked up again from there. Same indices, same bits.
+struct TieRun {
+  uint64_t base;
+  int64_t e0, stop;
+};
+LC_HD TieRun tie_run(const int64_t* __restrict__ rows, int64_t nrows, int64_t e0) {
+  if (nrows <= 0) return TieRun{static_cast<uint64_t>(e0), e0, INT64_MAX};
+  const int64_t k = lcc::tie_row(rows, nrows, e0);
+  return TieRun{static_cast<uint64_t>(rows[2 * k + 1]) + static_cast<uint64_t>(e0 - rows[2 * k]), e0,
+                k + 1 < nrows ? rows[2 * (k + 1)] : INT64_MAX};
+}
+LC_HD uint64_t tie_index_in(const TieRun& run, const int64_t* __restrict__ rows, int64_t nrows, int64_t e) {
+  return e < run.stop ? run.base + static_cast<uint64_t>(e - run.e0) : lcc::tie_index(rows, nrows, e);
+}
+
+// The b-bit local step of a loaded slot at bucket element e0 (reference.bbit_local_step): bit i of
+// codes[j] is bit j of element e0 + i's code, zbyte its nonzero bits; adds the zeros of c to nzero; the
+// momentum update when asked. ratio: its tensor's ratio. Gaps and padding: all 0.
+template <int BITS>
+LC_HD void bbit_slot(const Slot& s, int64_t e0, const lc_lion_args& la, bool upd, float ratio, const lc_bbit_args& bb,
+                     uint32_t codes[BITS], uint32_t& zbyte, int& nzero) {
   LC_UNROLL
-  for (int i = 0; i < 8; ++i) d[i] = q[i] > 0 ? 1.0f : (q[i] < 0 ? -1.0f : 0.0f);
+  for (int j = 0; j < BITS; ++j) codes[j] = 0;
+  zbyte = 0;
+  if (s.t < 0) return;
+  float g[8], m[8];
+  to_f8(s.x, dt_a(s), g);
+  to_f8(s.y, dt_b(s), m);
+  const bool dither = bb.rounding == LC_ROUND_DITHER;
+  const TieRun run = dither ? tie_run(bb.tie_rows, bb.tie_nrows, e0) : TieRun{0u, e0, e0};
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    if (i < s.n) {
+      const float c = lion_c(m[i], g[i], la);
+      const bool fin = is_finite(c);
+      if (fin && c != 0.0f) zbyte |= 1u << i;
+      nzero += c == 0.0f ? 1 : 0;
+      const float d = dither ? lcc::dither_u(bb.seed, tie_index_in(run, bb.tie_rows, bb.tie_nrows, e0 + i)) : 0.0f;
+      const uint32_t k = lcc::bbit_code(fin ? c : 0.0f, ratio, BITS, bb.rounding, d);
+      LC_UNROLL
+      for (int j = 0; j < BITS; ++j) codes[j] |= ((k >> j) & 1u) << i;
+    }
+  }
+  if (upd) {
+    LC_UNROLL
+    for (int i = 0; i < 8; ++i) m[i] = lion_m(m[i], g[i], la);
+    store8_dt(s.b, dt_b(s), s.j, s.n, m);
+  }
 }
 
 // Rows -> number of bit-sliced levels (a counter of up to 2**KB - 1). 4 levels for

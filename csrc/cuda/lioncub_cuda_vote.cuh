@@ -165,44 +165,97 @@ LC_HD void shard_word(uint32_t pos, uint32_t neg, uint32_t tie, int tie_rule, in
 }
 
 // ----------------------------------------------------------------------------- comm="bbit"
-// The counts of word w over `rows` ranks' code planes ([rows, bits, row_bytes]) and nonzero planes
+// The counts of word w over `rows` ranks' code planes ([rows, BITS, row_bytes]) and nonzero planes
 // ([rows, row_bytes] or NULL: every rank votes): P[j] = #(bit j of the code & nonzero), C = #nonzero
-// (or rows), as bit-sliced counters.
-template <int KB>
-LC_HD void bbit_count_word(const uint8_t* __restrict__ planes, const uint8_t* __restrict__ nonzero, int rows, int bits,
-                           int64_t row_bytes, int64_t w, bool aligned, uint32_t P[4][KB], uint32_t* C) {
+// (or rows), as bit-sliced counters. The words of 4 ranks are loaded before they are added.
+template <int KB, int BITS>
+LC_HD void bbit_count_word(const uint8_t* __restrict__ planes, const uint8_t* __restrict__ nonzero, int rows,
+                           int64_t row_bytes, int64_t w, bool aligned, uint32_t (&P)[BITS][KB], uint32_t (&C)[KB]) {
   LC_UNROLL
   for (int k = 0; k < KB; ++k) {
     C[k] = nonzero ? 0u : (((rows >> k) & 1) ? 0xffffffffu : 0u);
     LC_UNROLL
-    for (int j = 0; j < 4; ++j) P[j][k] = 0u;
+    for (int j = 0; j < BITS; ++j) P[j][k] = 0u;
   }
-  for (int r = 0; r < rows; ++r) {
-    const uint32_t z = nonzero ? load_word(nonzero + static_cast<int64_t>(r) * row_bytes, w, row_bytes, aligned)
-                               : 0xffffffffu;
-    if (nonzero) slice_add<KB>(C, z);
-    for (int j = 0; j < bits; ++j)
-      slice_add<KB>(P[j], load_word(planes + (static_cast<int64_t>(r) * bits + j) * row_bytes, w, row_bytes, aligned) &
-                              z);
+  if (nonzero) {
+    LC_UNROLL_4
+    for (int r = 0; r < rows; ++r) {
+      const uint32_t z = load_word(nonzero + static_cast<int64_t>(r) * row_bytes, w, row_bytes, aligned);
+      uint32_t x[BITS];
+      LC_UNROLL
+      for (int j = 0; j < BITS; ++j)
+        x[j] = load_word(planes + (static_cast<int64_t>(r) * BITS + j) * row_bytes, w, row_bytes, aligned);
+      slice_add<KB>(C, z);
+      LC_UNROLL
+      for (int j = 0; j < BITS; ++j) slice_add<KB>(P[j], x[j] & z);
+    }
+  } else {
+    LC_UNROLL_4
+    for (int r = 0; r < rows; ++r) {
+      uint32_t x[BITS];
+      LC_UNROLL
+      for (int j = 0; j < BITS; ++j)
+        x[j] = load_word(planes + (static_cast<int64_t>(r) * BITS + j) * row_bytes, w, row_bytes, aligned);
+      LC_UNROLL
+      for (int j = 0; j < BITS; ++j) slice_add<KB>(P[j], x[j]);
+    }
+  }
+}
+
+// acc += b over W bit-sliced levels (the sum fits W levels).
+template <int W>
+LC_HD void slice_sum(uint32_t (&acc)[W], const uint32_t (&b)[W]) {
+  uint32_t carry = 0u;
+  LC_UNROLL
+  for (int k = 0; k < W; ++k) {
+    const uint32_t x = acc[k], y = b[k];
+    acc[k] = x ^ y ^ carry;
+    carry = (x & y) | (carry & (x ^ y));
   }
 }
 
 // The masks of the word's 32 elements from those counts: pos (Σq > 0), neg (Σq < 0) and tie (Σq == 0
-// with a voter), Σq = Σ over voting ranks of 2k - Q = 2·Σ_j 2^j·P_j − Q·C (reference.decide_sum).
-template <int KB>
-LC_HD void bbit_masks(const uint32_t P[4][KB], const uint32_t* C, int bits, uint32_t& pos, uint32_t& neg,
+// with a voter), Σq = Σ over voting ranks of 2k - Q = 2·S − Q·C with S = Σ_j 2^j·P_j
+// (reference.decide_sum), for all 32 elements at once in bit-sliced integers: b = 1 (Q = 1) compares
+// X = 2S with Y = C; b >= 2 (Q = 2^b − 2, so Σq = 2·(S + C − 2^(b−1)·C)) compares X = S + C with
+// Y = 2^(b−1)·C. X, Y < 2^(KB+b): KB + BITS levels. Exact integers: the same masks as element by element.
+template <int KB, int BITS>
+LC_HD void bbit_masks(const uint32_t (&P)[BITS][KB], const uint32_t (&C)[KB], uint32_t& pos, uint32_t& neg,
                       uint32_t& tie) {
-  const int q = lcc::bbit_qmax(bits);
-  pos = neg = tie = 0u;
-  for (int e = 0; e < 32; ++e) {
-    int sum = 0;
-    for (int j = 0; j < bits; ++j) sum += level_value<KB>(P[j], e) << j;
-    const int c = level_value<KB>(C, e);
-    const int qs = 2 * sum - q * c;
-    pos |= static_cast<uint32_t>(qs > 0) << e;
-    neg |= static_cast<uint32_t>(qs < 0) << e;
-    tie |= static_cast<uint32_t>(qs == 0 && c > 0) << e;
+  constexpr int W = KB + BITS;
+  uint32_t X[W], Y[W];
+  if (BITS == 1) {
+    LC_UNROLL
+    for (int k = 0; k < W; ++k) {
+      X[k] = k >= 1 && k - 1 < KB ? P[0][k - 1] : 0u;
+      Y[k] = k < KB ? C[k] : 0u;
+    }
+  } else {
+    LC_UNROLL
+    for (int k = 0; k < W; ++k) {
+      X[k] = k < KB ? C[k] : 0u;
+      Y[k] = k >= BITS - 1 && k - (BITS - 1) < KB ? C[k - (BITS - 1)] : 0u;
+    }
+    LC_UNROLL
+    for (int j = 0; j < BITS; ++j) {
+      uint32_t T[W];
+      LC_UNROLL
+      for (int k = 0; k < W; ++k) T[k] = k >= j && k - j < KB ? P[j][k - j] : 0u;
+      slice_sum<W>(X, T);
+    }
   }
+  uint32_t gt = 0u, lt = 0u, eq = 0xffffffffu, any = 0u;
+  LC_UNROLL
+  for (int k = W - 1; k >= 0; --k) {
+    gt |= eq & X[k] & ~Y[k];
+    lt |= eq & ~X[k] & Y[k];
+    eq &= ~(X[k] ^ Y[k]);
+  }
+  LC_UNROLL
+  for (int k = 0; k < KB; ++k) any |= C[k];
+  pos = gt;
+  neg = lt;
+  tie = eq & any;
 }
 
 // ----------------------------------------------------------------------------- lanes
@@ -295,24 +348,46 @@ LC_HD uint64_t load_lane_unit(const uint8_t* __restrict__ lanes, int64_t u, int 
   return x;
 }
 
-// Δ of unit u (elements 8u.., n <= 8 of them) from summed p-bit lanes; cnt == NULL:
-// every element has a.world_size voters (reference.lanes_apply).
-LC_HD void lanes_delta8(const uint8_t* __restrict__ plus, const uint8_t* __restrict__ cnt, int64_t u, int n, int p,
-                        const lc_apply_args& a, float d[8]) {
+// Δ of unit u (elements 8u.., n <= 8 of them) from its summed p-bit lanes as loaded (xp, and xc when
+// has_cnt, else every element has a.world_size voters; reference.lanes_apply).
+LC_HD void lanes_delta8(uint64_t xp, uint64_t xc, bool has_cnt, int64_t u, int n, int p, const lc_apply_args& a,
+                        float d[8]) {
   const uint64_t mask = (1ull << p) - 1ull;
-  const uint64_t xp = load_lane_unit(plus, u, p, n);
-  const uint64_t xc = cnt ? load_lane_unit(cnt, u, p, n) : 0ull;
   TieRun run{0u, u * 8, u * 8};
   bool have = false;
   LC_UNROLL
   for (int i = 0; i < 8; ++i) {
     if (i < n) {
       const int pl = static_cast<int>((xp >> (i * p)) & mask);
-      const int c = cnt ? static_cast<int>((xc >> (i * p)) & mask) : a.world_size;
+      const int c = has_cnt ? static_cast<int>((xc >> (i * p)) & mask) : a.world_size;
       d[i] = decide(pl, c, a, u * 8 + i, u * 8, run, have);
     } else {
       d[i] = 0.0f;
     }
+  }
+}
+
+// ----------------------------------------------------------------------------- int8 apply
+// The 8 int8 codes of the unit at e0 (n <= 8 of them; the others 0) as one little-endian integer.
+LC_HD uint64_t load_q8(const int8_t* __restrict__ qsum, int64_t e0, int n) {
+  const int8_t* p = qsum + e0;
+  if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    return static_cast<uint64_t>(x.x) | (static_cast<uint64_t>(x.y) << 32);
+  }
+  uint64_t x = 0;
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i)
+    if (i < n) x |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return x;
+}
+
+// Δ = sign of each of the 8 codes (reference.int8_apply).
+LC_HD void q8_delta(uint64_t x, float d[8]) {
+  LC_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    const int8_t q = static_cast<int8_t>(static_cast<uint8_t>(x >> (8 * i)));
+    d[i] = q > 0 ? 1.0f : (q < 0 ? -1.0f : 0.0f);
   }
 }
 

@@ -22,13 +22,17 @@ constexpr unsigned kFull = 0xffffffffu;
 
 inline bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
 
-// A warp owns a tile of 32 words (1024 elements, 128 bytes per plane row) at a time.
+// A warp owns a tile of 32 words (1024 elements, 128 bytes per plane row) at a time. Lane L takes the
+// tile's units (bytes) 32r + L, r = 0..3, two rounds at a time: their Δ inputs shuffled (by every lane),
+// then both units' parameters located and loaded together, then Δ, apply (a switch per unit into the
+// body of its parameter's dtype) and store.
 template <int KB, bool AVG>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, KB == 16 || (AVG && KB == 8) ? 2 : 3)  // resident blocks (registers <= 80 / 128)
     vote_apply_kernel(const uint8_t* __restrict__ sign, const uint8_t* __restrict__ nonzero, int rows,
                       int64_t row_bytes, int aligned, const lc_tensor_meta* __restrict__ meta, int nt,
                       lc_apply_args a, float* __restrict__ delta_out) {
   const int lane = threadIdx.x & 31;
+  const int sel = lane & 3;  // round r: byte sel of word 8r + lane/4 of the tile = unit 32r + lane
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t nwarps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int64_t nwords = (row_bytes + 3) >> 2;
@@ -45,30 +49,39 @@ __global__ void __launch_bounds__(kThreads)
     }
     uint32_t pos = 0u, neg = 0u, tie = 0u;
     if (!AVG) majority_masks<KB>(P, C, pos, neg, tie);
+#pragma unroll 1
+    for (int h = 0; h < 4; h += 2) {  // rounds h and h + 1 (warp-uniform)
+      float d[2][8];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {  // unrolled: the four rounds' shuffles and stores overlap
-      const int src = r * 8 + (lane >> 2);  // the lane owning word 8r + lane/4 of the tile
-      const int sel = lane & 3;             // byte of that word = unit 32r + lane of the tile
-      const int64_t u = tile * 128 + r * 32 + lane;
-      float d[8];
-      if (!AVG) {
-        const uint32_t ps = __shfl_sync(kFull, pos, src);
-        const uint32_t ns = __shfl_sync(kFull, neg, src);
-        const uint32_t ts = __shfl_sync(kFull, tie, src);
-        majority_delta8(ps, ns, ts, sel, a, u * 8, d);
-      } else {
-        uint32_t Ps[KB], Cs[KB];
+      for (int k = 0; k < 2; ++k) {  // Δ: its inputs shuffled by every lane, before any branch
+        const int src = (h + k) * 8 + (lane >> 2);  // the lane owning word 8r + lane/4 of the tile
+        if (!AVG) {
+          const uint32_t ps = __shfl_sync(kFull, pos, src);
+          const uint32_t ns = __shfl_sync(kFull, neg, src);
+          const uint32_t ts = __shfl_sync(kFull, tie, src);
+          majority_delta8(ps, ns, ts, sel, a, (tile * 128 + (h + k) * 32 + lane) * 8, d[k]);
+        } else {
+          uint32_t Ps[KB], Cs[KB];
 #pragma unroll
-        for (int k = 0; k < KB; ++k) {
-          Ps[k] = __shfl_sync(kFull, P[k], src);
-          Cs[k] = __shfl_sync(kFull, C[k], src);
+          for (int q = 0; q < KB; ++q) {
+            Ps[q] = __shfl_sync(kFull, P[q], src);
+            Cs[q] = __shfl_sync(kFull, C[q], src);
+          }
+          average_delta8<KB>(Ps, Cs, sel, a, d[k]);
         }
-        average_delta8<KB>(Ps, Cs, sel, a, d);
       }
-      if (u < row_bytes) {
-        if (delta_out) store_delta8(delta_out, u * 8, 8, d);
-        apply_at(meta, nt, u * 8, d, a, hint);
+      Slot s[2];  // the two units' parameters located and loaded together
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int64_t u = tile * 128 + (h + k) * 32 + lane;
+        find_slot(meta, nt, u, u < row_bytes, hint, s[k]);
       }
+      run_slots<true>(s, false, [&](int k) {
+        const int64_t u = tile * 128 + (h + k) * 32 + lane;
+        if (u >= row_bytes) return;
+        if (delta_out) store_delta8(delta_out, u * 8, 8, d[k]);
+        apply_slot(s[k], d[k], a);
+      });
     }
   }
 }
@@ -91,19 +104,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// comm="bbit": one thread per word of 32 elements of the shard.
-template <int KB>
+// comm="bbit": one thread per word of 32 elements of the shard; the codes' width BITS a template parameter.
+template <int KB, int BITS>
 __global__ void __launch_bounds__(kThreads)
-    bbit_shard_vote_kernel(const uint8_t* __restrict__ planes, const uint8_t* __restrict__ nonzero, int rows, int bits,
+    bbit_shard_vote_kernel(const uint8_t* __restrict__ planes, const uint8_t* __restrict__ nonzero, int rows,
                            int64_t row_bytes, int aligned, int tie_rule, int64_t step,
                            const int64_t* __restrict__ tie_rows, int64_t tie_nrows, uint8_t* __restrict__ out_sign,
                            uint8_t* __restrict__ out_nz, int out_aligned) {
   const int64_t nwords = (row_bytes + 3) >> 2;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < nwords; w += stride) {
-    uint32_t P[4][KB], C[KB], pos, neg, tie, os, oz;
-    bbit_count_word<KB>(planes, nonzero, rows, bits, row_bytes, w, aligned != 0, P, C);
-    bbit_masks<KB>(P, C, bits, pos, neg, tie);
+    uint32_t P[BITS][KB], C[KB], pos, neg, tie, os, oz;
+    bbit_count_word<KB, BITS>(planes, nonzero, rows, row_bytes, w, aligned != 0, P, C);
+    bbit_masks<KB, BITS>(P, C, pos, neg, tie);
     shard_word(pos, neg, tie, tie_rule, step, w * 32, tie_rows, tie_nrows, os, oz);
     store_words(out_sign, w * 4, row_bytes, &os, 1, out_aligned != 0);
     store_words(out_nz, w * 4, row_bytes, &oz, 1, out_aligned != 0);
@@ -139,7 +152,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One thread per unit of 8 elements: p bytes of plus lanes (and of cnt lanes).
+// Units per thread and round of lanes_apply / int8_apply: u, u + S (S: the grid's threads); their vote
+// inputs and parameters loaded together, then Δ, apply and store.
+constexpr int kApplyUnits = 2;
+
+// p bytes of plus lanes (and of cnt lanes) per unit of 8 elements.
 __global__ void __launch_bounds__(kThreads)
     lanes_apply_kernel(const uint8_t* __restrict__ plus, const uint8_t* __restrict__ cnt, int64_t numel, int p,
                        const lc_tensor_meta* __restrict__ meta, int nt, lc_apply_args a,
@@ -147,13 +164,28 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t units = (numel + 7) / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int hint = -1;
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
-    const int64_t e0 = u * 8, rem = numel - e0;
-    const int n = rem < 8 ? static_cast<int>(rem) : 8;
-    float d[8];
-    lanes_delta8(plus, cnt, u, n, p, a, d);
-    if (delta_out) store_delta8(delta_out, e0, n, d);
-    apply_at(meta, nt, e0, d, a, hint);
+  for (int64_t u0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u0 < units;
+       u0 += kApplyUnits * stride) {
+    Slot s[kApplyUnits];
+    uint64_t xp[kApplyUnits], xc[kApplyUnits];
+    int n[kApplyUnits];
+#pragma unroll
+    for (int k = 0; k < kApplyUnits; ++k) {
+      const int64_t u = u0 + k * stride, rem = numel - 8 * u;
+      n[k] = rem < 8 ? static_cast<int>(rem) : 8;
+      find_slot(meta, nt, u, u < units, hint, s[k]);
+      xp[k] = u < units ? load_lane_unit(plus, u, p, n[k]) : 0ull;
+      xc[k] = u < units && cnt ? load_lane_unit(cnt, u, p, n[k]) : 0ull;
+    }
+    float d[kApplyUnits][8];  // Δ decided once per unit, outside the load paths
+#pragma unroll
+    for (int k = 0; k < kApplyUnits; ++k) lanes_delta8(xp[k], xc[k], cnt != nullptr, u0 + k * stride, n[k], p, a, d[k]);
+    run_slots<false>(s, false, [&](int k) {
+      const int64_t u = u0 + k * stride;
+      if (u >= units) return;
+      if (delta_out) store_delta8(delta_out, 8 * u, n[k], d[k]);
+      apply_slot(s[k], d[k], a);
+    });
   }
 }
 
@@ -163,13 +195,26 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t units = (numel + 7) / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int hint = -1;
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
-    const int64_t e0 = u * 8, rem = numel - e0;
-    const int n = rem < 8 ? static_cast<int>(rem) : 8;
-    float d[8];
-    int8_delta8(qsum, e0, n, d);
-    if (delta_out) store_delta8(delta_out, e0, n, d);
-    apply_at(meta, nt, e0, d, a, hint);
+  for (int64_t u0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u0 < units;
+       u0 += kApplyUnits * stride) {
+    Slot s[kApplyUnits];
+    uint64_t q[kApplyUnits];
+    int n[kApplyUnits];
+#pragma unroll
+    for (int k = 0; k < kApplyUnits; ++k) {
+      const int64_t u = u0 + k * stride, rem = numel - 8 * u;
+      n[k] = rem < 8 ? static_cast<int>(rem) : 8;
+      find_slot(meta, nt, u, u < units, hint, s[k]);
+      q[k] = u < units ? load_q8(qsum, 8 * u, n[k]) : 0ull;
+    }
+    run_slots<false>(s, false, [&](int k) {
+      const int64_t u = u0 + k * stride;
+      if (u >= units) return;
+      float d[8];
+      q8_delta(q[k], d);
+      if (delta_out) store_delta8(delta_out, 8 * u, n[k], d);
+      apply_slot(s[k], d, a);
+    });
   }
 }
 
@@ -204,9 +249,21 @@ cudaError_t launch_bbit_shard_vote(const uint8_t* planes, const uint8_t* nonzero
                                    uint8_t* out_sign, uint8_t* out_nz, cudaStream_t stream) {
   const int aligned = aligned4(planes) && (nonzero == nullptr || aligned4(nonzero)) && row_bytes % 4 == 0;
   const int out_aligned = aligned4(out_sign) && aligned4(out_nz);
-  const int64_t nwords = (row_bytes + 3) / 4;
-  return launch(bbit_shard_vote_kernel<KB>, grid_for(nwords, kThreads), kThreads, stream, planes, nonzero, rows, bits,
-                row_bytes, aligned, tie, step, tie_rows, tie_nrows, out_sign, out_nz, out_aligned);
+  const int grid = grid_for((row_bytes + 3) / 4, kThreads);
+  switch (bits) {  // 1..4, checked by the caller
+    case 1:
+      return launch(bbit_shard_vote_kernel<KB, 1>, grid, kThreads, stream, planes, nonzero, rows, row_bytes, aligned,
+                    tie, step, tie_rows, tie_nrows, out_sign, out_nz, out_aligned);
+    case 2:
+      return launch(bbit_shard_vote_kernel<KB, 2>, grid, kThreads, stream, planes, nonzero, rows, row_bytes, aligned,
+                    tie, step, tie_rows, tie_nrows, out_sign, out_nz, out_aligned);
+    case 3:
+      return launch(bbit_shard_vote_kernel<KB, 3>, grid, kThreads, stream, planes, nonzero, rows, row_bytes, aligned,
+                    tie, step, tie_rows, tie_nrows, out_sign, out_nz, out_aligned);
+    default:
+      return launch(bbit_shard_vote_kernel<KB, 4>, grid, kThreads, stream, planes, nonzero, rows, row_bytes, aligned,
+                    tie, step, tie_rows, tie_nrows, out_sign, out_nz, out_aligned);
+  }
 }
 
 template <int KB>
