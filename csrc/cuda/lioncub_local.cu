@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kThreads)
 // One block per LC_CHUNK chunk of one tensor (grid-stride over the chunks of the list). A round of a thread
 // is 2 units: whole ones of aligned tensors load g and m of both first, the body compiled for the dtypes;
 // other units (a tensor's last, unaligned tensors, other dtypes) one at a time at run-time dtypes.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 3)  // without the bound ptxas chose 64 registers and spilled
     momentum_kernel(const lc_tensor_meta* __restrict__ meta, int nt, int64_t n_chunks, lc_lion_args la) {
   constexpr int U = 2;
   for (int64_t ch = blockIdx.x; ch < n_chunks; ch += gridDim.x) {

@@ -156,8 +156,9 @@ __global__ void __launch_bounds__(kThreads)
 // inputs and parameters loaded together, then Δ, apply and store.
 constexpr int kApplyUnits = 2;
 
-// p bytes of plus lanes (and of cnt lanes) per unit of 8 elements.
-__global__ void __launch_bounds__(kThreads)
+// p bytes of plus lanes (and of cnt lanes) per unit of 8 elements. At most 80 registers: 3 resident
+// blocks (sm_90: 84 bytes of spill stores, in the scalar path of unaligned 16-bit parameters).
+__global__ void __launch_bounds__(kThreads, 3)
     lanes_apply_kernel(const uint8_t* __restrict__ plus, const uint8_t* __restrict__ cnt, int64_t numel, int p,
                        const lc_tensor_meta* __restrict__ meta, int nt, lc_apply_args a,
                        float* __restrict__ delta_out) {
