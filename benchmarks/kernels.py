@@ -460,34 +460,38 @@ def host_cases(be, tensors: int = HOST_TENSORS, numel: int = HOST_NUMEL, seed: i
     zsign = torch.randint(0, 256, (N_VOTERS, total // N_VOTERS // 8), dtype=torch.uint8, generator=gen)
     ztarget = [torch.randn(total, generator=gen)]
     zpieces, znone = zlay.pieces, [torch.empty(0)]
+    lay = be.layout_for(offs, total)  # what the pipeline passes: its bucket's layout, made once
     ext = be._ext
     e = ()
     return {
-        "local_step": (lambda: be.local_step(g, m, offs, total, B1, B2, True, device_counts=True),
+        "local_step": (lambda: be.local_step(g, m, lay, total, B1, B2, True, device_counts=True),
                        lambda: ext.local_step(g, m, e, otab, total, B1, B2, True)),
         "abstain_list": (lambda: be.abstain_list(nz1, mask, 16), lambda: ext.abstain_list(nz1, mask, 16)),
         "momentum_update_list": (lambda: be.momentum_update_list(m, g, B2), lambda: ext.momentum_update(m, g, B2)),
-        "vote_apply": (lambda: be.vote_apply(planes, None, p, offs, LR, WD, 3, "hash", "majority", N_VOTERS, segs,
+        "vote_apply": (lambda: be.vote_apply(planes, None, p, lay, LR, WD, 3, "hash", "majority", N_VOTERS, segs,
                                              False),
                        lambda: ext.vote_apply(planes, None, p, otab, LR, WD, 3, 2, 0, N_VOTERS, segs, False)),
         "shard_vote": (lambda: be.shard_vote(shard, None, 3, "hash", sseg),
                        lambda: ext.shard_vote(shard, None, 3, 2, sseg)),
         "count_lanes": (lambda: be.count_lanes(shard, None, 4), lambda: ext.count_lanes(shard, None, 4)),
-        "lanes_apply": (lambda: be.lanes_apply(lanes, None, N_VOTERS, 4, p, offs, LR, WD, 3, "hash", "average",
+        "lanes_apply": (lambda: be.lanes_apply(lanes, None, N_VOTERS, 4, p, lay, LR, WD, 3, "hash", "average",
                                                segs, False),
                         lambda: ext.lanes_apply(lanes, None, N_VOTERS, 4, p, otab, LR, WD, 3, 2, 1, segs, False)),
-        "int8_local_step": (lambda: be.int8_local_step(g, m, offs, total, B1, "l1", 31, device_counts=True),
+        "int8_local_step": (lambda: be.int8_local_step(g, m, lay, total, B1, "l1", 31, device_counts=True),
                             lambda: ext.int8_local_step(g, m, otab, total, B1, 0, 31)),
-        "int8_apply": (lambda: be.int8_apply(q, p, offs, LR, WD, False),
+        "int8_apply": (lambda: be.int8_apply(q, p, lay, LR, WD, False),
                        lambda: ext.int8_apply(q, p, otab, LR, WD, False)),
         "lion_step": (lambda: be.lion_step(p, g, m, LR, WD, B1, B2), lambda: ext.lion_step(p, g, m, LR, WD, B1, B2)),
-        "bbit_local_step": (lambda: be.bbit_local_step(g, m, offs, total, B1, B2, "l1", 2, "dither", 7, segs, True,
+        "bbit_local_step": (lambda: be.bbit_local_step(g, m, lay, total, B1, B2, "l1", 2, "dither", 7, segs, True,
                                                        device_counts=True),
                             lambda: ext.bbit_local_step(g, m, e, otab, total, B1, B2, True, 0, 2, 1, 7, segs)),
         "bbit_shard_vote": (lambda: be.bbit_shard_vote(bb, None, 2, 3, "hash", sseg),
                             lambda: ext.bbit_shard_vote(bb, None, 2, 3, 2, sseg)),
         "zero_sign_apply": (lambda: be.zero_sign_apply(zsign, None, ztarget, None, zlay, [LR], [WD]),
                             lambda: ext.zero_sign_apply(zsign, None, ztarget, znone, zpieces, [LR], [WD])),
+        # a caller with an offsets list (found again by its identity; fresh outputs every call)
+        "local_step (offsets list)": (lambda: be.local_step(g, m, offs, total, B1, B2, True, device_counts=True),
+                                      lambda: ext.local_step(g, m, e, otab, total, B1, B2, True)),
         # what each call costs through the dispatcher instead (torch.ops.lioncub.*, what a compiled graph calls)
         "local_step (torch.ops)": (lambda: ops.op("local_step")(g, m, e, otab, total, B1, B2, True),
                                    lambda: ext.local_step(g, m, e, otab, total, B1, B2, True)),
@@ -542,7 +546,45 @@ def run_host(calls: int, rounds: int, buckets: int = HOST_BUCKETS) -> list[dict]
     records.append(dict(common, op=f"step: {buckets} buckets x {len(per_bucket)} calls", us_per_call=t_step,
                         best_us_per_call=best_step, extension_us=float("nan"), best_extension_us=float("nan"),
                         python_layer_us=float("nan"), add_us=t_add, in_torch_adds=t_step / t_add, buckets=buckets))
+    whole = step_host(buckets, max(1, calls // (20 * buckets)), rounds)
+    if whole is not None:
+        t_whole, best_whole = whole
+        records.append(dict(common, op=f"LionCub.step(): {buckets} buckets, 1bit", us_per_call=t_whole,
+                            best_us_per_call=best_whole, extension_us=float("nan"), best_extension_us=float("nan"),
+                            python_layer_us=float("nan"), add_us=t_add, in_torch_adds=t_whole / t_add,
+                            buckets=buckets, per_bucket_us=t_whole / buckets))
     return records
+
+
+def step_host(buckets: int, steps: int, rounds: int, comm: str = "1bit"):
+    """(median, best) µs of one whole ``LionCub.step()`` on a model of ``buckets`` parameters of
+    HOST_NUMEL elements (one bucket each) at N = N_VOTERS ranks, simulated by torch's fake process
+    group: the collectives return at once and move no data (what arrives is whatever the buffers
+    held), so this is the step's host time without the network: the pipeline, the flags and the
+    kernel calls (on 64 elements each). None where the fake group is unavailable or a process group
+    is already up."""
+    import torch.distributed as dist
+
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        return None
+    if dist.is_initialized():
+        return None
+    from lioncub_ds import LionCub
+
+    dist.init_process_group("fake", rank=0, world_size=N_VOTERS, store=FakeStore())
+    try:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(HOST_NUMEL, generator=gen)) for _ in range(buckets)]
+        opt = LionCub(params, lr=1e-4, comm=comm, bucket_size_mb=HOST_NUMEL * 4 / 2**20)
+        for p in params:
+            p.grad = torch.randn(HOST_NUMEL, generator=gen)
+        for _ in range(3):
+            opt.step()
+        return _per_call_us(opt.step, steps, rounds)
+    finally:
+        dist.destroy_process_group()
 
 
 def format_host_table(records: list[dict]) -> str:
@@ -552,10 +594,10 @@ def format_host_table(records: list[dict]) -> str:
              f"{r0['calls']} calls; load avg {r0['loadavg_1min']:.1f} on {r0['nproc']} cores",
              f"yardsticks in the same run: an empty Python call {r0['python_call_us']:.2f} us, x.add_(x) on one "
              f"element {r0['torch_add_us']:.2f} us; x add = per call / x.add_(x) timed round-robin with each op",
-             f"{'op':<34}{'us/call':>9}{'best':>8}{'ext only':>10}{'python':>9}{'x add':>7}"]
+             f"{'op':<36}{'us/call':>10}{'best':>10}{'ext only':>10}{'python':>9}{'x add':>9}"]
     for r in records:
-        lines.append(f"{r['op']:<34}{r['us_per_call']:>9.2f}{r['best_us_per_call']:>8.2f}{r['extension_us']:>10.2f}"
-                     f"{r['python_layer_us']:>9.2f}{r['in_torch_adds']:>7.1f}")
+        lines.append(f"{r['op']:<36}{r['us_per_call']:>10.2f}{r['best_us_per_call']:>10.2f}{r['extension_us']:>10.2f}"
+                     f"{r['python_layer_us']:>9.2f}{r['in_torch_adds']:>9.1f}")
     return "\n".join(lines)
 
 

@@ -4,13 +4,14 @@
 // implementation and the argument checks). This file registers the implementations of those
 // schemas: the CPU kernels of csrc/cpu (TORCH_LIBRARY_IMPL(lioncub, CPU)) and, built with
 // LIONCUB_WITH_CUDA, the CUDA launchers of csrc/cuda (TORCH_LIBRARY_IMPL(lioncub, CUDA)). The
-// same functions are also exposed to Python directly (pybind, `cuda_` names for CUDA): the eager
-// call path, which skips the dispatcher's boxing (~2 µs per call; ops.py says when each is used).
+// same functions are also exposed to Python directly (eager_calls.h: the Python module, without the
+// dispatcher's boxing; ops.py says when each is used).
 //
-// No argument checks live here: ops.py validates everything before a call (a C++ exception thrown
-// through a JIT extension crashes the process on some images). What remains are LC_INV
-// invariants that keep memory safe if an entry is called around ops.py (raw torch.ops); they are
-// unreachable through the Python API and their message says so.
+// No argument errors are raised here: ops.py validates in Python and raises the errors a user sees
+// (a C++ exception thrown through a JIT extension crashes the process on some images). What lives
+// here are LC_INV invariants, checked before anything is written: they keep memory safe if an entry
+// is called around ops.py (raw torch.ops), and they are the gate of the CPU's eager calls
+// (eager_calls.h catches them and answers None: ops.py then runs its checks).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -86,9 +87,10 @@ std::pair<int64_t, int64_t> plane_inv(const at::Tensor& t, const at::Device& dev
   return {n, t.size(-1)};
 }
 
-const uint8_t* nonzero_inv(const OptT& nz, std::pair<int64_t, int64_t> shape, const at::Device& dev) {
+// dim: the dims the planes must have (0: either; the CPU passes its sign planes' dims).
+const uint8_t* nonzero_inv(const OptT& nz, std::pair<int64_t, int64_t> shape, const at::Device& dev, int64_t dim = 0) {
   if (!nz.has_value()) return nullptr;
-  LC_INV(plane_inv(*nz, dev) == shape, "nonzero planes of the sign planes' shape");
+  LC_INV(plane_inv(*nz, dev) == shape && (dim == 0 || nz->dim() == dim), "nonzero planes of the sign planes' shape");
   return nz->data_ptr<uint8_t>();
 }
 
@@ -161,17 +163,41 @@ namespace cpu {
 
 const at::Device kDev(at::kCPU);
 int threads() { return std::max(1, at::get_num_threads()); }
+at::Tensor u8(int64_t n) { return at::empty({n}, opts(at::kByte, kDev)); }
 
-// Tensors placed in a bucket of `total` elements at `offs` (nullptr: a plain list, no bucket).
+// Tensors placed in a bucket of `total` elements at `offs` (nullptr: a plain list, no bucket),
+// inside it and not overlapping.
 std::vector<lc::Slot> slots(TL ts, const int64_t* offs, int64_t total, bool allow_f16) {
   std::vector<lc::Slot> out(ts.size());
+  std::vector<std::pair<int64_t, int64_t>> spans;
   for (size_t i = 0; i < ts.size(); ++i) {
     tensor_inv(ts[i], kDev);
-    const int64_t off = offs ? offs[i] : 0;
-    LC_INV(!offs || (off >= 0 && off % 8 == 0 && off + ts[i].numel() <= total), "a tensor inside its bucket");
-    out[i] = lc::Slot{ts[i].data_ptr(), ts[i].numel(), off, dtype_code(ts[i], allow_f16)};
+    const int64_t off = offs ? offs[i] : 0, n = ts[i].numel();
+    LC_INV(!offs || (off >= 0 && off % 8 == 0 && off + n <= total), "a tensor inside its bucket");
+    out[i] = lc::Slot{ts[i].data_ptr(), n, off, dtype_code(ts[i], allow_f16)};
+    if (offs && n) spans.emplace_back(off, off + n);
   }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) LC_INV(spans[i].first >= spans[i - 1].second, "tensors apart in a bucket");
   return out;
+}
+
+// No output's memory overlaps another output's or an input's (ops.no_shared_memory).
+void apart(TL outs, std::initializer_list<TL> ins) {
+  std::vector<std::tuple<uintptr_t, uintptr_t, bool>> spans;
+  auto add = [&](TL ts, bool out) {
+    for (const auto& t : ts)
+      if (t.numel()) {
+        const auto a = reinterpret_cast<uintptr_t>(t.data_ptr());
+        spans.emplace_back(a, a + static_cast<uintptr_t>(t.nbytes()), out);
+      }
+  };
+  add(outs, true);
+  for (TL ts : ins) add(ts, false);
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i)
+    LC_INV(!(std::get<0>(spans[i]) < std::get<1>(spans[i - 1]) && (std::get<2>(spans[i]) || std::get<2>(spans[i - 1]))),
+           "outputs apart from each other and from the inputs");
 }
 
 void same_numels(TL a, TL b) {
@@ -180,31 +206,48 @@ void same_numels(TL a, TL b) {
 }
 
 // momenta_out (empty: none): one buffer per momentum, its dtype.
-std::vector<lc::Slot> out_slots(TL momenta_out, const std::vector<lc::Slot>& m, const int64_t* offs, int64_t total) {
+std::vector<lc::Slot> out_slots(TL momenta_out, TL momenta, TL grads, const std::vector<lc::Slot>& m,
+                                const int64_t* offs, int64_t total) {
   if (momenta_out.empty()) return {};
+  apart(momenta_out, {momenta, grads});
   auto mo = slots(momenta_out, offs, total, false);
   LC_INV(mo.size() == m.size(), "one momenta_out per momentum");
   for (size_t i = 0; i < mo.size(); ++i) LC_INV(mo[i].dtype == m[i].dtype && mo[i].numel == m[i].numel, "momenta_out");
   return mo;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> local_step(TL grads, TL momenta, TL momenta_out,
-                                                          const at::Tensor& offsets, int64_t total, double beta1,
-                                                          double beta2, bool update_momentum) {
+// An output of `n` elements of `st`, zeroed (the kernels write only their tensors' bytes): the eager
+// path's reused workspace (ops.Layout) or a fresh tensor.
+void zero_out(const at::Tensor& t, at::ScalarType st, int64_t n) {
+  LC_INV(t.device().is_cpu() && t.scalar_type() == st && t.is_contiguous() && t.numel() == n, "an output buffer");
+  if (n) std::memset(t.data_ptr(), 0, static_cast<size_t>(t.nbytes()));
+}
+
+void local_step_into(TL grads, TL momenta, TL momenta_out, const at::Tensor& offsets, int64_t total, double beta1,
+                     double beta2, bool update_momentum, const at::Tensor& sign, const at::Tensor& nz,
+                     const at::Tensor& counts) {
   LC_INV(total >= 0 && total % 8 == 0, "total");
   same_numels(grads, momenta);
   const int64_t* offs = offsets_of(offsets, grads.size());
   auto g = slots(grads, offs, total, true);
   auto m = slots(momenta, offs, total, false);
-  const auto mo = out_slots(momenta_out, m, offs, total);
-  at::Tensor sign = at::zeros({total / 8}, opts(at::kByte, kDev));
-  at::Tensor nz = at::zeros({total / 8}, opts(at::kByte, kDev));
-  at::Tensor counts = at::empty({2}, opts(at::kLong, kDev));
+  const auto mo = out_slots(momenta_out, momenta, grads, m, offs, total);
+  zero_out(sign, at::kByte, total / 8);
+  zero_out(nz, at::kByte, total / 8);
+  zero_out(counts, at::kLong, 2);
   const auto r = lc::local_step(g.data(), m.data(), mo.empty() ? nullptr : mo.data(), static_cast<int64_t>(g.size()),
                                 total, beta1, beta2, update_momentum, sign.data_ptr<uint8_t>(),
                                 nz.data_ptr<uint8_t>(), threads());
   counts.data_ptr<int64_t>()[0] = r.n_nonfinite;
   counts.data_ptr<int64_t>()[1] = r.n_zero;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> local_step(TL grads, TL momenta, TL momenta_out,
+                                                          const at::Tensor& offsets, int64_t total, double beta1,
+                                                          double beta2, bool update_momentum) {
+  LC_INV(total >= 0 && total % 8 == 0, "total");
+  at::Tensor sign = u8(total / 8), nz = u8(total / 8), counts = at::empty({2}, opts(at::kLong, kDev));
+  local_step_into(grads, momenta, momenta_out, offsets, total, beta1, beta2, update_momentum, sign, nz, counts);
   return {sign, nz, counts};
 }
 
@@ -228,7 +271,7 @@ at::Tensor vote_apply(const at::Tensor& sign, const OptT& nonzero, TL params, co
                       double weight_decay, int64_t step, int64_t tie, int64_t vote, int64_t world_size,
                       const at::Tensor& segments, bool return_delta) {
   const auto shape = plane_inv(sign, kDev);
-  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev);
+  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev, sign.dim());
   const int64_t numel = shape.second * 8;
   auto p = slots(params, offsets_of(offsets, params.size()), numel, false);
   const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, tie_table(segments, kDev));
@@ -241,8 +284,8 @@ at::Tensor vote_apply(const at::Tensor& sign, const OptT& nonzero, TL params, co
 std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const OptT& nonzero, int64_t step, int64_t tie,
                                               const at::Tensor& segments) {
   const auto shape = plane_inv(sign, kDev);
-  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev);
-  LC_INV(tie >= 0 && tie <= 2, "tie code");
+  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev, sign.dim());
+  LC_INV(sign.dim() == 2 && tie >= 0 && tie <= 2, "2-D planes, tie code");
   const auto tt = tie_table(segments, kDev);
   at::Tensor out_sign = at::zeros({shape.second}, opts(at::kByte, kDev));
   at::Tensor out_nz = at::zeros({shape.second}, opts(at::kByte, kDev));
@@ -255,8 +298,8 @@ std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const OptT
 // or [0] when none can: ops.count_lanes raises, never a C++ exception)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> count_lanes(const at::Tensor& sign, const OptT& nonzero, int64_t p) {
   const auto shape = plane_inv(sign, kDev);
-  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev);
-  LC_INV(p == 1 || p == 2 || p == 4 || p == 8, "lane width");
+  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev, sign.dim());
+  LC_INV(sign.dim() == 2 && (p == 1 || p == 2 || p == 4 || p == 8), "2-D planes, lane width");
   const int64_t s = shape.second, top = (int64_t{1} << p) - 1;
   at::Tensor plus = at::zeros({s * p}, opts(at::kByte, kDev));
   at::Tensor cnt = at::zeros({nz ? s * p : 0}, opts(at::kByte, kDev));
@@ -273,7 +316,7 @@ at::Tensor lanes_apply(const at::Tensor& plus, const OptT& cnt, int64_t world_si
                        int64_t vote, const at::Tensor& segments, bool return_delta) {
   const auto shape = plane_inv(plus, kDev);
   LC_INV(plus.dim() == 1 && (p == 1 || p == 2 || p == 4 || p == 8), "1-D lanes, lane width");
-  const uint8_t* c = nonzero_inv(cnt, shape, kDev);
+  const uint8_t* c = nonzero_inv(cnt, shape, kDev, plus.dim());
   const int64_t numel = shape.second * 8 / p;
   auto prm = slots(params, offsets_of(offsets, params.size()), numel, false);
   const auto a = apply_args(lr, weight_decay, step, tie, vote, world_size, tie_table(segments, kDev));
@@ -283,18 +326,25 @@ at::Tensor lanes_apply(const at::Tensor& plus, const OptT& cnt, int64_t world_si
   return delta;
 }
 
-std::tuple<at::Tensor, at::Tensor> int8_local_step(TL grads, TL momenta, const at::Tensor& offsets, int64_t total,
-                                                   double beta1, int64_t kind, int64_t levels) {
+void int8_local_step_into(TL grads, TL momenta, const at::Tensor& offsets, int64_t total, double beta1, int64_t kind,
+                          int64_t levels, const at::Tensor& q, const at::Tensor& n_bad) {
   LC_INV(total >= 0 && kind >= 0 && kind <= 2 && levels >= 1 && levels <= 127, "int8 codes");
   same_numels(grads, momenta);
   const int64_t* offs = offsets_of(offsets, grads.size());
   auto g = slots(grads, offs, total, true);
   auto m = slots(momenta, offs, total, false);
-  at::Tensor q = at::zeros({total}, opts(at::kChar, kDev));
-  at::Tensor n_bad = at::empty({1}, opts(at::kLong, kDev));
+  zero_out(q, at::kChar, total);
+  zero_out(n_bad, at::kLong, 1);
   n_bad.data_ptr<int64_t>()[0] =
       lc::int8_local_step(g.data(), m.data(), static_cast<int64_t>(g.size()), total, beta1, static_cast<int32_t>(kind),
                           static_cast<int32_t>(levels), q.data_ptr<int8_t>(), threads());
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_local_step(TL grads, TL momenta, const at::Tensor& offsets, int64_t total,
+                                                   double beta1, int64_t kind, int64_t levels) {
+  LC_INV(total >= 0, "total");
+  at::Tensor q = at::empty({total}, opts(at::kChar, kDev)), n_bad = at::empty({1}, opts(at::kLong, kDev));
+  int8_local_step_into(grads, momenta, offsets, total, beta1, kind, levels, q, n_bad);
   return {q, n_bad};
 }
 
@@ -340,11 +390,10 @@ void zero_sign_apply(const at::Tensor& sign, const OptT& nonzero, TL targets, TL
                       static_cast<int64_t>(pieces.size()), threads());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bbit_local_step(TL grads, TL momenta, TL momenta_out,
-                                                               const at::Tensor& offsets, int64_t total, double beta1,
-                                                               double beta2, bool update_momentum, int64_t kind,
-                                                               int64_t bits, int64_t rounding, int64_t seed,
-                                                               const at::Tensor& segments) {
+void bbit_local_step_into(TL grads, TL momenta, TL momenta_out, const at::Tensor& offsets, int64_t total, double beta1,
+                          double beta2, bool update_momentum, int64_t kind, int64_t bits, int64_t rounding,
+                          int64_t seed, const at::Tensor& segments, const at::Tensor& planes, const at::Tensor& nz,
+                          const at::Tensor& counts) {
   LC_INV(total >= 0 && total % 8 == 0 && kind >= 0 && kind <= 2 && bits >= 1 && bits <= 4 &&
              (rounding == 0 || rounding == 1) && seed >= 0 && seed <= UINT32_MAX,
          "bbit codes");
@@ -352,18 +401,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bbit_local_step(TL grads, TL mome
   const int64_t* offs = offsets_of(offsets, grads.size());
   auto g = slots(grads, offs, total, true);
   auto m = slots(momenta, offs, total, false);
-  const auto mo = out_slots(momenta_out, m, offs, total);
+  const auto mo = out_slots(momenta_out, momenta, grads, m, offs, total);
   const auto tt = tie_table(segments, kDev);
   const lc_bbit_args bb{static_cast<int32_t>(bits), static_cast<int32_t>(rounding), static_cast<int32_t>(kind),
                         static_cast<uint32_t>(seed), tt.first, tt.second};
-  at::Tensor planes = at::zeros({bits, total / 8}, opts(at::kByte, kDev));
-  at::Tensor nz = at::zeros({total / 8}, opts(at::kByte, kDev));
-  at::Tensor counts = at::empty({2}, opts(at::kLong, kDev));
+  zero_out(planes, at::kByte, bits * (total / 8));
+  zero_out(nz, at::kByte, total / 8);
+  zero_out(counts, at::kLong, 2);
   const auto r = lc::bbit_local_step(g.data(), m.data(), mo.empty() ? nullptr : mo.data(),
                                      static_cast<int64_t>(g.size()), total, beta1, beta2, update_momentum, bb,
                                      planes.data_ptr<uint8_t>(), nz.data_ptr<uint8_t>(), threads());
   counts.data_ptr<int64_t>()[0] = r.n_nonfinite;
   counts.data_ptr<int64_t>()[1] = r.n_zero;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bbit_local_step(TL grads, TL momenta, TL momenta_out,
+                                                               const at::Tensor& offsets, int64_t total, double beta1,
+                                                               double beta2, bool update_momentum, int64_t kind,
+                                                               int64_t bits, int64_t rounding, int64_t seed,
+                                                               const at::Tensor& segments) {
+  LC_INV(total >= 0 && total % 8 == 0 && bits >= 1 && bits <= 4, "bbit codes");
+  at::Tensor planes = at::empty({bits, total / 8}, opts(at::kByte, kDev));
+  at::Tensor nz = u8(total / 8), counts = at::empty({2}, opts(at::kLong, kDev));
+  bbit_local_step_into(grads, momenta, momenta_out, offsets, total, beta1, beta2, update_momentum, kind, bits, rounding,
+                       seed, segments, planes, nz, counts);
   return {planes, nz, counts};
 }
 
@@ -374,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor> bbit_shard_vote(const at::Tensor& planes, con
              planes.size(0) >= 1 && planes.size(0) <= 65535 && tie >= 0 && tie <= 2,
          "code planes uint8 [N, bits, bytes]");
   const std::pair<int64_t, int64_t> shape{planes.size(0), planes.size(2)};
-  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev);
+  const uint8_t* nz = nonzero_inv(nonzero, shape, kDev, 2);
   const auto tt = tie_table(segments, kDev);
   at::Tensor out_sign = at::zeros({shape.second}, opts(at::kByte, kDev));
   at::Tensor out_nz = at::zeros({shape.second}, opts(at::kByte, kDev));
@@ -731,48 +792,4 @@ TORCH_LIBRARY_IMPL(lioncub, CUDA, m) {
 }
 #endif
 
-// pybind: the same functions without the dispatcher (the eager path of ops.py). Lists arrive as
-// std::vector (pybind's conversion) and pass on as TensorList; the GIL is released around each.
-namespace {
-template <class T>
-struct py_arg {
-  using type = T;
-};
-template <>
-struct py_arg<TL> {
-  using type = std::vector<at::Tensor>;
-};
-template <>
-struct py_arg<at::ArrayRef<double>> {
-  using type = std::vector<double>;
-};
-template <class R, class... A>
-auto direct(R (*fn)(A...)) {
-  return [fn](typename py_arg<std::decay_t<A>>::type... args) -> R {
-    pybind11::gil_scoped_release nogil;
-    return fn(args...);
-  };
-}
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lioncub_ds fused kernels: torch ops lioncub::* (CPU; CUDA when built with LIONCUB_WITH_CUDA)";
-#ifndef LIONCUB_WITH_CUDA
-#define LIONCUB_DEF_CPU(name) m.def(#name, direct(&cpu::name));
-  LIONCUB_OPS(LIONCUB_DEF_CPU)
-  m.def("abstain_list", direct(&cpu::abstain_list));
-#else
-#define LIONCUB_DEF_CUDA(name) m.def("cuda_" #name, direct(&cuda::name));
-  LIONCUB_OPS(LIONCUB_DEF_CUDA)
-#endif
-  m.def("set_isa", [](int64_t isa) { lc::set_isa(static_cast<int>(isa)); }, "0 auto, 1 baseline, 2 avx2");
-  m.def("isa", []() { return std::string(lc::isa_name()); });
-  m.def("src_hash", []() { return std::string(LIONCUB_SRC_HASH_STR); });
-  m.attr("has_cuda") = pybind11::bool_(
-#ifdef LIONCUB_WITH_CUDA
-      true
-#else
-      false
-#endif
-  );
-}
+#include "eager_calls.h"  // the Python module: the same functions without the dispatcher

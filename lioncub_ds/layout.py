@@ -37,6 +37,9 @@ class Bucket:
     param_starts: list | None = None
     lengths: list | None = None   # elements of each piece (None: each parameter's numel)
     kind: tuple | None = None     # (device, dtype) of the votes' inputs (None: the first parameter's)
+    # the bucket as the kernels keep it (comm.base.BucketKernels: the backend's layout of it, checked
+    # once, and its tie-index table), made by the pipeline at the bucket's first local step
+    kernels: object = None
 
     def piece_numels(self) -> list:
         return list(self.lengths) if self.lengths is not None else [p.numel() for p in self.params]

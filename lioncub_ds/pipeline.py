@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from . import kernels
 from .agreement import agree_settings
-from .comm import Collectives, VoteJob
+from .comm import BucketKernels, Collectives, VoteJob
 from .config import LionCubConfigError
 from .errors import ReplicaDriftError, StepInputError
 from .flags import (CHANGED_RANKS, FLAG_HEAD, MISSING_RANKS, NONFINITE_RANKS, NONFINITE_VALUES, UNUSABLE_RANKS,
@@ -460,9 +460,14 @@ class VotePipeline:
         dev = b.device_dtype()[0]
         be = kernels.backend_for(dev.type)
         grads, momenta, missing, problem = plan.sharding.inputs(i)  # first: it may set b.params (shards)
+        # the bucket's layout as the kernels keep it: made once per bucket (and backend), then passed
+        # to every kernel call of the bucket (checked once, no lookup, the local step's outputs reused)
+        k = b.kernels
+        if k is None or not k.fits(be, b.offsets, b.param_starts):
+            k = b.kernels = BucketKernels.make(be, b.offsets, b.param_starts, b.numel)
         job = VoteJob(b.params, b.offsets, b.numel, b.param_starts, lr_value(g["lr"]), g["weight_decay"],
                       opt.step_count + 1, cfg.tie_break, cfg.vote, mask=b.mask, mode=b.mode, capacity=b.capacity,
-                      keep_delta=plan.drift)
+                      keep_delta=plan.drift, kernels=k)
         if problem is not None:
             # This rank cannot vote: send well-formed zeros so every rank's collectives still
             # match, and say why through the flags (every rank raises together).

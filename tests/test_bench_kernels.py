@@ -41,12 +41,19 @@ def test_host_table_covers_every_op(capsys):
     from benchmarks import kernels as kb
     from lioncub_ds.kernels import ops
 
+    import torch.distributed as dist
+
+    group_free = not dist.is_initialized()  # the whole-step row needs its own (fake) process group
     recs = kb.run_host(calls=5, rounds=2, buckets=3)
+    assert not (group_free and dist.is_initialized())  # the fake group is gone again
     ops_timed = {r["op"] for r in recs}
     want = {n if n != "momentum_update" else "momentum_update_list" for n in ops.SCHEMAS}
     assert want <= ops_timed, want - ops_timed
     step = [r for r in recs if r["op"].startswith("step:")]
     assert len(step) == 1 and step[0]["buckets"] == 3
+    whole = [r for r in recs if r["op"].startswith("LionCub.step()")]
+    assert len(whole) == (1 if group_free else 0)
+    assert not whole or (whole[0]["buckets"] == 3 and whole[0]["per_bucket_us"] > 0)
     for r in recs:
         assert r["us_per_call"] > 0 and r["torch_add_us"] > 0
     print(kb.format_host_table(recs))

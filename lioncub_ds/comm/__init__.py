@@ -1,7 +1,7 @@
 """Vote algorithms, one module each, behind :class:`~lioncub_ds.comm.base.VoteAlgorithm`."""
 from .allgather import AllGatherVote
 from .bbit import BBitVote
-from .base import Collectives, VoteAlgorithm, VoteJob
+from .base import BucketKernels, Collectives, VoteAlgorithm, VoteJob
 from .int8 import Int8Vote
 from .onebit import OneBitVote
 from .pbit import PBitVote
@@ -21,5 +21,5 @@ def make_algorithm(name: str, *, pbit_bits=None, vote_bits=2, rounding="dither",
     raise ValueError(f"unknown comm algorithm {name!r}")
 
 
-__all__ = ["AllGatherVote", "BBitVote", "OneBitVote", "PBitVote", "Int8Vote", "Collectives", "VoteAlgorithm", "VoteJob",
-           "make_algorithm"]
+__all__ = ["AllGatherVote", "BBitVote", "BucketKernels", "OneBitVote", "PBitVote", "Int8Vote", "Collectives",
+           "VoteAlgorithm", "VoteJob", "make_algorithm"]

@@ -234,14 +234,26 @@ def payload_bytes(mode: str, plane_bytes: int, capacity: int, world_size: int = 
     return WORD * list_words(capacity)
 
 
+_THRESHOLDS: dict = {}
+
+
+def _list_thresholds(capacity: int, device) -> torch.Tensor:
+    """int32 [capacity, 0] on ``device``, made once per (capacity, device): a list's count is compared
+    with both at once."""
+    key = (capacity, device)
+    t = _THRESHOLDS.get(key)
+    if t is None:
+        t = _THRESHOLDS[key] = torch.tensor([capacity, 0], dtype=torch.int32, device=device)
+    return t
+
+
 def encode(nonzero: torch.Tensor, mask: torch.Tensor, mode: str, capacity: int, world_size: int, backend):
     """This rank's abstention payload (uint8, 1-D) in ``mode`` and its two flag entries (int32 [2],
     on the device; meaning per mode in the module docstring). ``capacity``: the list mode's K."""
     if mode == "list":
         words = backend.abstain_list(nonzero, mask, capacity)
-        count = words[0]
-        return words.view(torch.uint8), torch.stack([(count > capacity).to(torch.int32),
-                                                     (count > 0).to(torch.int32)])
+        # [count > capacity, count > 0] in two torch ops (this runs once per bucket and step)
+        return words.view(torch.uint8), torch.gt(words[:1], _list_thresholds(capacity, words.device)).to(torch.int32)
     if mode not in MODES:
         raise ValueError(f"abstention mode must be one of {MODES}, got {mode!r}")
     code = ChunkCode(nonzero.numel(), world_size)

@@ -29,7 +29,7 @@ class AllGatherVote(VoteAlgorithm):
     def complete(self, pending, jobs, coll, backend):
         cols = split_columns(pending.wait(), [w for j in jobs for w in (j.plane_bytes, j.payload.numel())])
         for j, sign in zip(jobs, cols[0::2]):
-            j.delta = backend.vote_apply(sign.contiguous(), j.planes, j.params, j.offsets, j.lr, j.weight_decay,
+            j.delta = backend.vote_apply(sign.contiguous(), j.planes, j.params, j.bucket, j.lr, j.weight_decay,
                                          j.step, j.tie_break, j.vote, coll.world_size, j.segments(),
                                          return_delta=j.keep_delta)
 

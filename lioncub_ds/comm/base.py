@@ -151,6 +151,29 @@ class Pending:
         return self.out
 
 
+@dataclass(frozen=True)
+class BucketKernels:
+    """What the kernels keep of one parameter bucket, made once (the pipeline keeps it on the bucket,
+    :meth:`make`): the backend it was made for, the bucket's offsets and parameter starts (the
+    objects it was made from), the backend's layout of the bucket (``backend.layout_for``: an
+    opaque object, checked once, which the kernel calls take in place of the offsets: no lookup
+    per call, and outputs reused from step to step) and the bucket's tie-index table."""
+    backend: object
+    offsets: list
+    param_starts: list | None
+    layout: object
+    segments: torch.Tensor
+
+    @classmethod
+    def make(cls, backend, offsets, param_starts, numel: int) -> "BucketKernels":
+        return cls(backend, offsets, param_starts, backend.layout_for(offsets, numel),
+                   tie_segments(offsets, param_starts))
+
+    def fits(self, backend, offsets, param_starts) -> bool:
+        """Whether it was made for this backend and these very offsets / starts objects."""
+        return self.backend is backend and self.offsets is offsets and self.param_starts is param_starts
+
+
 @dataclass
 class VoteJob:
     """One parameter bucket's vote in one step: local votes in, parameters updated in place."""
@@ -187,6 +210,9 @@ class VoteJob:
     # (fp32 [numel]) in ``delta``, for the vote-disagreement signal; else nothing is materialised
     keep_delta: bool = False
     delta: torch.Tensor | None = None
+    # the bucket's BucketKernels (the pipeline's, made once per bucket); used while ``offsets`` and
+    # ``param_starts`` are the objects it was made from (a redirect to a master shard changes them)
+    kernels: BucketKernels | None = None
 
     def __post_init__(self):
         if self.param_starts is not None and not isinstance(self.param_starts, (list, tuple)):
@@ -195,7 +221,18 @@ class VoteJob:
 
     def segments(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The tie-index table of bucket positions [start, stop) (conventions.tie_segments)."""
+        k = self.kernels
+        if start == 0 and stop is None and k is not None and k.offsets is self.offsets \
+                and k.param_starts is self.param_starts:
+            return k.segments
         return tie_segments(self.offsets, self.param_starts, start, stop)
+
+    @property
+    def bucket(self):
+        """What the kernel calls take as ``offsets``: the bucket's layout (BucketKernels) while the
+        offsets are the ones it was made from, else the offsets."""
+        k = self.kernels
+        return k.layout if k is not None and k.offsets is self.offsets else self.offsets
 
     @property
     def plane_bytes(self) -> int:
@@ -280,7 +317,7 @@ class VoteAlgorithm:
         Returns (this rank's non-finite count: int64 scalar, the bucket's two flag entries: int32
         [2]), both left on the device: the step folds them into its one host read."""
         beta1, beta2 = betas
-        sign, nonzero, nonfinite, _ = backend.local_step(grads, momenta, job.offsets, job.numel, beta1, beta2,
+        sign, nonzero, nonfinite, _ = backend.local_step(grads, momenta, job.bucket, job.numel, beta1, beta2,
                                                          momenta_out is not None, device_counts=True,
                                                          momenta_out=momenta_out)
         return nonfinite, self._encode(job, sign, nonzero, backend, world_size)
@@ -405,9 +442,8 @@ def planes_counted(mode: str, abstain: bool) -> bool:
 
 
 def split_columns(buf: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
-    """[N, Σ widths] -> views [N, w] in order."""
-    out, off = [], 0
-    for w in widths:
-        out.append(buf[:, off:off + w])
-        off += w
-    return out
+    """[N, Σ widths (+ unused columns)] -> views [N, w] in order (one torch call for all of them: a
+    slice per bucket costs ~2 µs of Python each)."""
+    widths = list(widths)
+    rest = buf.shape[1] - sum(widths)
+    return list(buf.split(widths + [rest] if rest else widths, dim=1))[:len(widths)]

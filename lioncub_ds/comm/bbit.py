@@ -31,7 +31,7 @@ class BBitVote(OneBitVote):
     def local_step(self, job, grads, momenta, backend, betas, world_size, seed, momenta_out=None):
         """b-bit codes as b bit planes (``job.sign``), dithered with this rank's seed of the step."""
         beta1, beta2 = betas
-        sign, nonzero, nonfinite, _ = backend.bbit_local_step(grads, momenta, job.offsets, job.numel, beta1, beta2,
+        sign, nonzero, nonfinite, _ = backend.bbit_local_step(grads, momenta, job.bucket, job.numel, beta1, beta2,
                                                               self.quant, self.bits, self.rounding, seed(job.step),
                                                               job.segments(), momenta_out is not None,
                                                               device_counts=True, momenta_out=momenta_out)

@@ -30,7 +30,7 @@ class Int8Vote(VoteAlgorithm):
 
     def local_step(self, job, grads, momenta, backend, betas, world_size, seed, momenta_out=None):
         """Scaled int8 codes (``job.codes``); no abstention flags (zeros)."""
-        job.codes, nonfinite = backend.int8_local_step(grads, momenta, job.offsets, job.numel, betas[0], self.quant,
+        job.codes, nonfinite = backend.int8_local_step(grads, momenta, job.bucket, job.numel, betas[0], self.quant,
                                                        int8_levels(world_size), device_counts=True)
         return nonfinite, torch.zeros(2, dtype=torch.int32, device=job.codes.device)
 
@@ -51,7 +51,7 @@ class Int8Vote(VoteAlgorithm):
     def complete(self, pending, jobs, coll, backend):
         summed, off = pending.wait(), 0
         for j in jobs:
-            j.delta = backend.int8_apply(summed[off:off + j.numel], j.params, j.offsets, j.lr, j.weight_decay,
+            j.delta = backend.int8_apply(summed[off:off + j.numel], j.params, j.bucket, j.lr, j.weight_decay,
                                          return_delta=j.keep_delta)
             off += j.numel
 

@@ -137,7 +137,7 @@ class OneBitVote(VoteAlgorithm):
             mine = [next(cols)] + ([next(cols)] if snz else [])
             if average:
                 cnt = None if j.planes is None else backend.count_lanes(j.planes, j.planes, p)[1]
-                j.delta = backend.lanes_apply(mine[0].reshape(-1), cnt, n, p, j.params, j.offsets, j.lr,
+                j.delta = backend.lanes_apply(mine[0].reshape(-1), cnt, n, p, j.params, j.bucket, j.lr,
                                               j.weight_decay, j.step, j.tie_break, "average", j.segments(),
                                               return_delta=j.keep_delta)
                 continue
@@ -149,7 +149,7 @@ class OneBitVote(VoteAlgorithm):
             else:  # Δ = 0 exactly where no rank voted (every rank knows the planes)
                 full_nz = None if j.planes is None else any_voter(j.planes).view(1, -1)
             # One "voter" (the agreed result): counting it reproduces Δ exactly, no tie is possible.
-            j.delta = backend.vote_apply(full_sign, full_nz, j.params, j.offsets, j.lr, j.weight_decay, j.step,
+            j.delta = backend.vote_apply(full_sign, full_nz, j.params, j.bucket, j.lr, j.weight_decay, j.step,
                                          j.tie_break, "majority", 1, j.segments(), return_delta=j.keep_delta)
 
     def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False,

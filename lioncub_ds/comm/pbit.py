@@ -64,7 +64,7 @@ class PBitVote(VoteAlgorithm):
             cnt = None
             if j.planes is not None:  # voters per element, from every rank's nonzero plane
                 _, cnt = backend.count_lanes(j.planes, j.planes, p)
-            j.delta = backend.lanes_apply(plus.reshape(-1), cnt, n, p, j.params, j.offsets, j.lr, j.weight_decay,
+            j.delta = backend.lanes_apply(plus.reshape(-1), cnt, n, p, j.params, j.bucket, j.lr, j.weight_decay,
                                           j.step, j.tie_break, j.vote, j.segments(), return_delta=j.keep_delta)
 
     def wire_bytes(self, numel, world_size, *, mode="list", vote="majority", tie_break="hash", abstain=False,

@@ -13,7 +13,8 @@ cannot be built), ``torch`` (pure-torch reference, never builds), ``cpp`` or ``c
 (must load, or raise).
 
 Every backend exposes the same functions as :mod:`.reference` (which *is* the torch
-backend): local_step, abstain_list, momentum_update_list, vote_apply, shard_vote, count_lanes,
+backend), and ``layout_for(offsets, total)`` (a bucket's layout, checked once, that its owner
+passes as ``offsets``): local_step, abstain_list, momentum_update_list, vote_apply, shard_vote, count_lanes,
 lanes_apply, int8_local_step, int8_apply, lion_step (the single-process step),
 zero_sign_apply (the ZeRO sign all-gather apply) and bbit_local_step / bbit_shard_vote (comm="bbit")
 (:class:`Backend`). The native backend validates
@@ -41,6 +42,13 @@ class Backend(Protocol):
     signatures of :mod:`.reference` (``segments``: a tie-index table, reference.tie_segments)."""
 
     name: str
+
+    def layout_for(self, offsets, total):
+        """A bucket's layout (``offsets`` in a bucket of ``total`` elements), checked once, to keep
+        and pass as ``offsets`` to every call of that bucket: an opaque object of this backend (the
+        native one: :class:`.ops.Layout`: no lookup per call, and on the CPU the local steps' outputs
+        are reused, valid until the bucket's next call of that op; the reference: the offsets)."""
+        ...
 
     def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False,
                    device_counts=False, momenta_out=None): ...
@@ -88,6 +96,11 @@ class TorchBackend:
     zero_sign_apply = staticmethod(reference.zero_sign_apply)
     bbit_local_step = staticmethod(reference.bbit_local_step)
     bbit_shard_vote = staticmethod(reference.bbit_shard_vote)
+
+    @staticmethod
+    def layout_for(offsets, total):
+        """The reference checks every call: a bucket's layout is its offsets."""
+        return offsets
 
     @staticmethod
     def momentum_update_list(momenta, grads, beta2):

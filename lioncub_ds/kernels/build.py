@@ -16,7 +16,7 @@ from pathlib import Path
 CPP_EXT_NAME = "lioncub_cpu"             # JIT module name (TORCH_EXTENSIONS_DIR/<name>)
 CPP_MODULE = "lioncub_ds._lioncub_cpu"   # prebuilt by LIONCUB_BUILD_EXT=1 pip install .
 CPP_SOURCES = ("bindings.cpp", "cpu/lioncub_cpu_local.cpp", "cpu/lioncub_cpu_vote.cpp", "cpu/lioncub_cpu_dispatch.cpp")
-CPP_HEADERS = ("common/lioncub_common.h", "cpu/lioncub_cpu.h", "cpu/lioncub_cpu_detail.h",
+CPP_HEADERS = ("eager_calls.h", "common/lioncub_common.h", "cpu/lioncub_cpu.h", "cpu/lioncub_cpu_detail.h",
                "cpu/lioncub_cpu_isa.h", "cpu/lioncub_cpu_isa_instantiate.h", "cpu/lioncub_cpu_local.inl",
                "cpu/lioncub_cpu_vote.inl")
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")

@@ -10,12 +10,17 @@
   non-tensor) names the argument and what is allowed. Tensors the kernels do not handle
   (non-contiguous, float64, another device type) are not errors: they take the reference path,
   whose results are the contract.
-* **Once per bucket, not per call**: the structural checks of a bucket (offsets multiples of 8,
-  inside the bucket, not overlapping) and its tie-index table (on the kernels' device) are built
-  the first time a bucket is seen and kept in a :class:`Layout`, found again by the identity of
-  the caller's ``offsets`` list (the pipeline keeps one per bucket); tensors that stay the same
-  objects from call to call (parameters, momenta) are checked once per layout, fresh ones
-  (gradients, received planes) with a few attribute reads. docs/kernels.md measures what is left.
+* **Once per bucket, not per call**: a bucket's offsets (non-negative multiples of 8 inside the
+  bucket) and its tie-index table (on the kernels' device) are checked and built once and kept in a
+  :class:`Layout`: the bucket's owner (the pipeline) makes it with ``backend.layout_for`` and passes
+  it as ``offsets`` (no lookup; on the CPU the local steps then write into the layout's workspace,
+  the same outputs every step); an offsets list is found again by its identity.
+* **One C++ call per call on the CPU**: for a known layout, the call goes first to the extension's
+  gated entry (``try_<op>``: the op's own invariants over every tensor, then the kernel), which
+  answers None instead of running when an argument does not fit; the Python checks then run (the
+  ValueError naming the argument, or the reference path). On CUDA, tensors that stay the same
+  objects (parameters, momenta) are checked once per layout, fresh ones (gradients, received planes)
+  with a few attribute reads. docs/kernels.md measures what is left.
 
 :class:`NativeBackend` (``name`` "cpp" for CPU tensors, "cuda" for CUDA tensors) has exactly the
 signatures and results of :mod:`.reference`. In eager mode it calls the registered C++ functions
@@ -25,6 +30,7 @@ directly (the same functions, without the dispatcher's boxing: ~2 µs less per c
 from __future__ import annotations
 
 import operator
+import types
 import weakref
 from collections import OrderedDict
 
@@ -188,6 +194,8 @@ def all_plain(ts, dtypes, device_type="cpu") -> bool:
 
 
 def _int_offsets(offsets) -> list:
+    if offsets.__class__ is Layout:
+        return list(offsets.offsets)
     if isinstance(offsets, torch.Tensor):
         return [int(v) for v in offsets.tolist()]
     return [int(v) for v in offsets]
@@ -437,15 +445,29 @@ class Layout:
     the kernels), the bucket size, its tie-index table (one copy per device) and the tensors already
     checked against it (by identity). Built by :func:`layout_for`."""
 
-    __slots__ = ("key", "offsets", "limit", "table", "seen", "_tables")
+    __slots__ = ("key", "offsets", "limit", "table", "seen", "_tables", "owned", "ws")
 
-    def __init__(self, key, offs, limit):
+    def __init__(self, key, offs, limit, owned=False):
         self.key = key                    # the caller's offsets object (held: its id stays unique)
         self.offsets = offs               # list of ints (validated)
         self.limit = limit
         self.table = torch.tensor(offs, dtype=torch.int64)
         self.seen = {}                    # argument name -> weak references to the tensors checked against it
         self._tables = {}
+        # made by NativeBackend.layout_for and kept by the bucket's owner: the CPU local steps write into
+        # ws (op -> (its output buffers, the result tuple over them)), valid until that op's next call
+        self.owned = owned
+        self.ws = {}
+
+    def __repr__(self):
+        return f"Layout({len(self.offsets)} tensors in {self.limit} elements{', owned' if self.owned else ''})"
+
+    def outputs(self, key, make):
+        """The workspace entry ``key`` (made by ``make()`` the first time)."""
+        w = self.ws.get(key)
+        if w is None:
+            w = self.ws[key] = make()
+        return w
 
     def tie_table(self, device):
         """The bucket's tie-index table (conventions.tie_segments of the offsets) on ``device``."""
@@ -462,7 +484,12 @@ _MAX_LAYOUTS = 4096  # buckets of every live plan (a least-recently-used bound: 
 def layout_for(offsets, limit: int) -> Layout:
     """The :class:`Layout` of ``offsets`` in a bucket of ``limit`` elements: found again by the identity
     of the offsets object (and its unchanged content), else checked and made. Raises ValueError for
-    offsets that are not non-negative multiples of 8 inside the bucket."""
+    offsets that are not non-negative multiples of 8 inside the bucket. A Layout passed as
+    ``offsets`` is itself (when its bucket has ``limit`` elements)."""
+    if offsets.__class__ is Layout:
+        if offsets.limit == limit:
+            return offsets
+        offsets = offsets.key
     lay = _LAYOUTS.get(id(offsets))
     if lay is not None and lay.key is offsets and lay.limit == limit and (
             lay.offsets == offsets if isinstance(offsets, list) else lay.offsets == _int_offsets(offsets)):
@@ -475,6 +502,17 @@ def layout_for(offsets, limit: int) -> Layout:
     while len(_LAYOUTS) > _MAX_LAYOUTS:
         _LAYOUTS.popitem(last=False)
     return lay
+
+
+def known_layout(offsets):
+    """The Layout that ``offsets`` stands for without checking anything new: itself, or the cached
+    layout of this (unchanged) offsets list; None otherwise (the call then checks it in full)."""
+    if offsets.__class__ is Layout:
+        return offsets
+    lay = _LAYOUTS.get(id(offsets))
+    if lay is not None and lay.key is offsets and offsets.__class__ is list and lay.offsets == offsets:
+        return lay
+    return None
 
 
 def _refs(ts) -> tuple:
@@ -532,6 +570,48 @@ def _packed(t):
 
 
 _EMPTY = ()
+_compiling = torch.compiler.is_compiling
+
+
+def _local_ws(total, planes=None):
+    """A local step's workspace (CPU): (sign or code planes, nonzero plane, counts int64 [2]) and the
+    result tuple over them (the counts as 0-dim views: the device_counts form)."""
+    first = torch.zeros(total // 8 if planes is None else (planes, total // 8), dtype=torch.uint8)
+    nz, counts = torch.zeros(total // 8, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64)
+    return (first, nz, counts), (first, nz, counts[0], counts[1])
+
+
+def _int8_ws(total):
+    q, n_bad = torch.zeros(total, dtype=torch.int8), torch.zeros(1, dtype=torch.int64)
+    return (q, n_bad), (q, n_bad.reshape(()))
+
+
+def _outs_ok(momenta_out, momenta) -> bool:
+    """momenta_out for a gated call: None, or a list / tuple of one tensor per momentum (the C++ side
+    reads an empty list as none)."""
+    return momenta_out is None or (momenta_out.__class__ in (list, tuple) and len(momenta_out) == len(momenta))
+
+
+def _rows(planes) -> int:
+    """Rows of 2-D planes ([N, bytes]); anything else counts as too many (the checks then run)."""
+    return planes.shape[0] if isinstance(planes, torch.Tensor) and planes.dim() == 2 else 1 << 62
+
+
+def _memo(table: dict, key, make):
+    """``make()`` remembered under ``key`` (the few enum / code combinations a run uses); an unhashable
+    key is not remembered."""
+    try:
+        return table[key]
+    except KeyError:
+        v = table[key] = make()
+        return v
+    except TypeError:
+        return make()
+
+
+_APPLY_CODES: dict = {}
+_QUANT_CODES: dict = {}
+_BBIT_CODES: dict = {}
 
 
 class NativeBackend:
@@ -542,6 +622,11 @@ class NativeBackend:
     ``return_delta=False`` to skip materialising it (4 bytes per element of extra writes). On CUDA
     nothing synchronizes with the host except what returns host ints: ``device_counts=False`` of the
     local steps, and count_lanes' overflow check when a count could overflow.
+
+    :meth:`layout_for` gives a bucket's owner (the pipeline) its :class:`Layout` to pass as
+    ``offsets``. On the CPU a call with a known layout is one gated C++ call (module docstring),
+    and the local steps of an owned layout return the layout's workspace: the same tensors every
+    call, valid until that op's next call with that layout.
     """
 
     def __init__(self, ext, device_type: str = "cpu"):
@@ -554,6 +639,41 @@ class NativeBackend:
         self._cuda = device_type == "cuda"
         self._on_device = operator.attrgetter("is_cuda" if self._cuda else "is_cpu")
         self._direct = {}
+        # the gated entries (try_<op>) of a CPU build that has them; a stand-in module (tests) takes
+        # the Python checks alone
+        self._try = ext if (not self._cuda and isinstance(ext, types.ModuleType)
+                            and hasattr(ext, "try_local_step_into")) else None
+
+    def layout_for(self, offsets, total) -> Layout:
+        """A bucket's :class:`Layout`, checked now (offsets non-negative multiples of 8 inside ``total``
+        elements), for its owner to keep and pass as ``offsets`` to every call of the bucket."""
+        total = check_total(total)
+        if offsets.__class__ is Layout:
+            offsets = offsets.key
+        offs = _int_offsets(offsets)
+        check_offsets(offs, total)
+        return Layout(offsets, offs, total, owned=True)
+
+    def _eager(self, offsets):
+        """The known layout of a call that may take the gated C++ entry, else None."""
+        if self._try is None or _compiling():
+            return None
+        return known_layout(offsets)
+
+    @staticmethod
+    def _cpu_table(segments, lay):
+        """tie_table on the CPU, or None where it would raise (the Python checks then raise in order)."""
+        try:
+            return tie_table(segments, "cpu", lay)
+        except (ValueError, TypeError, RuntimeError):
+            return None
+
+    def _gated(self, name, *args):
+        """The extension's ``try_<name>``: its result, or None when an argument does not fit."""
+        try:
+            return getattr(self._try, "try_" + name)(*args)
+        except TypeError:  # an argument pybind cannot convert (not a tensor list...): the checks say which
+            return None
 
     def __repr__(self):
         return f"NativeBackend({self.name})"
@@ -610,7 +730,14 @@ class NativeBackend:
     # -- (a) local step
     def local_step(self, grads, momenta, offsets, total, beta1, beta2, update_momentum=False, device_counts=False,
                    momenta_out=None):
-        lay = None if torch.compiler.is_compiling() else layout_for(offsets, check_total(total))
+        lay = self._eager(offsets)
+        if lay is not None and grads and lay.limit == total and _outs_ok(momenta_out, momenta):
+            args = (grads, momenta, _EMPTY if momenta_out is None else momenta_out, lay.table, lay.limit, beta1,
+                    beta2, bool(update_momentum))
+            r = self._local_gated("local_step", lay, args, _local_ws, device_counts)
+            if r is not None:
+                return r
+        lay = None if _compiling() else layout_for(offsets, check_total(total))
         fast = lay is not None and self._local_ok(lay, grads, momenta, momenta_out)
         if not fast:
             total, offs = validate_local(grads, momenta, offsets, total, momenta_out)
@@ -636,6 +763,22 @@ class NativeBackend:
         n_bad, n_zero = counts.tolist()
         return sign, nz, n_bad, n_zero
 
+    def _local_gated(self, name, lay, args, make_ws, device_counts):
+        """A gated local step (None: an argument does not fit): into the layout's workspace when the
+        layout is owned, else into fresh outputs."""
+        if lay.owned:
+            bufs, res = lay.outputs(name, lambda: make_ws(lay.limit))
+            if self._gated(name + "_into", *args, *bufs) is None:
+                return None
+        else:
+            bufs = self._gated(name, *args)
+            if bufs is None:
+                return None
+            res = (*bufs[:-1], *bufs[-1].unbind()) if name != "int8_local_step" else (bufs[0], bufs[1].reshape(()))
+        if device_counts:
+            return res
+        return (*bufs[:-1], *bufs[-1].tolist()) if name != "int8_local_step" else (bufs[0], int(bufs[1].item()))
+
     def _local_ok(self, lay, grads, momenta, momenta_out) -> bool:
         numels = lay.seen.get("numels")
         if numels is None or not self._fits(grads, numels, GRAD_DTYPES):
@@ -658,6 +801,10 @@ class NativeBackend:
         return (first, nz, *ref.as_device_counts(dev, 0, 0)) if device_counts else (first, nz, 0, 0)
 
     def abstain_list(self, nonzero, mask, capacity):
+        if self._try is not None and capacity.__class__ is int and not _compiling():
+            r = self._gated("abstain_list", nonzero, mask, capacity)
+            if r is not None:
+                return r
         capacity = validate_abstain_list(nonzero, mask, capacity)
         if self._cuda or not (is_plain(nonzero, (torch.uint8,)) and is_plain(mask, (torch.uint8,))):
             # CUDA: the reference's torch ops (asynchronous, fixed-size outputs) are its implementation
@@ -666,6 +813,8 @@ class NativeBackend:
 
     # -- (b) momentum
     def momentum_update_list(self, momenta, grads, beta2):
+        if self._try is not None and not _compiling() and self._gated("momentum_update", momenta, grads, beta2):
+            return
         seen = self._momentum_seen  # the momenta checked last time (by identity) and their sizes
         if grads and _same(momenta, seen[0]) and self._fits(grads, seen[1], GRAD_DTYPES):
             self._run("momentum_update", momenta, grads, beta2)
@@ -691,7 +840,16 @@ class NativeBackend:
 
     def vote_apply(self, sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size,
                    segments=None, return_delta=True):
-        v, t, world = vote_codes(tie_break, vote, world_size)
+        v, t, world = _memo(_APPLY_CODES, (tie_break, vote, world_size),
+                            lambda: vote_codes(tie_break, vote, world_size))
+        lay = self._eager(offsets)
+        if lay is not None:
+            table = self._cpu_table(segments, lay)
+            if table is not None:
+                delta = self._gated("vote_apply", sign, nonzero, params, lay.table, lr, weight_decay, step, t, v,
+                                    world, table, bool(return_delta))
+                if delta is not None:
+                    return delta if return_delta else None
         check_planes(sign, nonzero, False)
         sign, nonzero = _packed(sign), _packed(nonzero)
         limit = sign.shape[-1] * 8
@@ -708,7 +866,12 @@ class NativeBackend:
 
     # -- (d) two-phase vote, phase 1
     def shard_vote(self, sign, nonzero, step, tie_break, segments):
-        t = ref.enum_code("tie_break", tie_break)
+        t = _memo(_APPLY_CODES, ("tie", tie_break), lambda: ref.enum_code("tie_break", tie_break))
+        if self._try is not None and not _compiling():
+            table = self._cpu_table(segments, None)
+            r = None if table is None else self._gated("shard_vote", sign, nonzero, step, t, table)
+            if r is not None:
+                return r
         check_planes(sign, nonzero, True)
         sign, nonzero = _packed(sign), _packed(nonzero)
         if not (self._plane_ok(sign) and self._plane_ok(nonzero)):
@@ -718,13 +881,19 @@ class NativeBackend:
     # -- (e) p-bit count lanes
     def count_lanes(self, sign, nonzero, p):
         p = check_lane_width(p)
-        check_planes(sign, nonzero, True)
-        if nonzero is None and sign.shape[1] > 0 and sign.shape[0] > (1 << p) - 1:
-            raise ValueError(f"count {sign.shape[0]} does not fit a {p}-bit lane")
-        sign, nonzero = _packed(sign), _packed(nonzero)
-        if not (self._plane_ok(sign, max_rows=255 if self._cuda else 65535) and self._plane_ok(nonzero)):
-            return ref.count_lanes(sign, nonzero, p)
-        plus, cnt, overflow = self._run("count_lanes", sign, nonzero, p)
+        # gated unless a count could overflow a lane without nonzero planes (an error, raised below)
+        r = self._gated("count_lanes", sign, nonzero, p) if (
+            self._try is not None and not _compiling()
+            and (nonzero is not None or _rows(sign) <= (1 << p) - 1)) else None
+        if r is None:
+            check_planes(sign, nonzero, True)
+            if nonzero is None and sign.shape[1] > 0 and sign.shape[0] > (1 << p) - 1:
+                raise ValueError(f"count {sign.shape[0]} does not fit a {p}-bit lane")
+            sign, nonzero = _packed(sign), _packed(nonzero)
+            if not (self._plane_ok(sign, max_rows=255 if self._cuda else 65535) and self._plane_ok(nonzero)):
+                return ref.count_lanes(sign, nonzero, p)
+            r = self._run("count_lanes", sign, nonzero, p)
+        plus, cnt, overflow = r
         if overflow.numel() and int(overflow.item()) != 0:  # a host read only when a count could overflow
             ref.count_lanes(sign, nonzero, p)  # the error path: raises the reference's message (the count)
             raise ValueError(f"a count does not fit a {p}-bit lane")
@@ -734,7 +903,16 @@ class NativeBackend:
     def lanes_apply(self, plus_lanes, cnt_lanes, world_size, p, params, offsets, lr, weight_decay, step, tie_break,
                     vote, segments=None, return_delta=True):
         p = check_lane_width(p)
-        v, t, world = vote_codes(tie_break, vote, world_size)
+        v, t, world = _memo(_APPLY_CODES, (tie_break, vote, world_size),
+                            lambda: vote_codes(tie_break, vote, world_size))
+        lay = self._eager(offsets)
+        if lay is not None:
+            table = self._cpu_table(segments, lay)
+            if table is not None:
+                delta = self._gated("lanes_apply", plus_lanes, cnt_lanes, world, p, params, lay.table, lr,
+                                    weight_decay, step, t, v, table, bool(return_delta))
+                if delta is not None:
+                    return delta if return_delta else None
         check_tensors([("plus_lanes", plus_lanes), ("cnt_lanes", cnt_lanes)])
         if cnt_lanes is not None and cnt_lanes.numel() != plus_lanes.numel():
             raise ValueError(f"lioncub kernels: cnt_lanes has {cnt_lanes.numel()} bytes but plus_lanes has "
@@ -755,8 +933,14 @@ class NativeBackend:
 
     # -- (g) int8 codes
     def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels, device_counts=False):
-        code = ref.enum_code("quant scale", kind)
-        lay = None if torch.compiler.is_compiling() else layout_for(offsets, check_total(total))
+        code = _memo(_QUANT_CODES, kind, lambda: ref.enum_code("quant scale", kind))
+        lay = self._eager(offsets)
+        if lay is not None and grads and lay.limit == total and levels.__class__ is int:
+            r = self._local_gated("int8_local_step", lay, (grads, momenta, lay.table, lay.limit, beta1, code, levels),
+                                  _int8_ws, device_counts)
+            if r is not None:
+                return r
+        lay = None if _compiling() else layout_for(offsets, check_total(total))
         if lay is not None and 1 <= levels <= 127 and self._local_ok(lay, grads, momenta, None):
             table, total = lay.table, lay.limit
         else:
@@ -778,6 +962,11 @@ class NativeBackend:
 
     # -- (h) int8 apply
     def int8_apply(self, qsum, params, offsets, lr, weight_decay, return_delta=True):
+        lay = self._eager(offsets)
+        if lay is not None:
+            delta = self._gated("int8_apply", qsum, params, lay.table, lr, weight_decay, bool(return_delta))
+            if delta is not None:
+                return delta if return_delta else None
         check_tensors([("qsum", qsum)])
         qsum = _packed(qsum)
         limit = qsum.numel()
@@ -793,6 +982,9 @@ class NativeBackend:
     def lion_step(self, params, grads, momenta, lr, weight_decay, beta1, beta2):
         """One pass per tensor; tensors the kernel does not take (non-contiguous, float64, fp16
         parameters) take the reference path in the same call."""
+        if self._try is not None and params and not _compiling() and self._gated(
+                "lion_step", params, grads, momenta, lr, weight_decay, beta1, beta2):
+            return
         if not torch.compiler.is_compiling() and len(params) == len(grads) == len(momenta) and params \
                 and _same(params, self._lion_seen[0]) and _same(momenta, self._lion_seen[1]) \
                 and self._fits(grads, self._lion_seen[2], GRAD_DTYPES):
@@ -821,8 +1013,20 @@ class NativeBackend:
     # -- (k) comm="bbit": the local step and the shard owner's vote
     def bbit_local_step(self, grads, momenta, offsets, total, beta1, beta2, kind, bits, rounding, seed, segments,
                         update_momentum=False, device_counts=False, momenta_out=None):
+        lay = self._eager(offsets)
+        if lay is not None and grads and lay.limit == total and seed.__class__ is int and _outs_ok(momenta_out,
+                                                                                                   momenta):
+            code, b, rcode = _memo(_BBIT_CODES, (kind, bits.__class__, bits, rounding),
+                                   lambda: validate_bbit_codes(kind, bits, rounding, 0)[:3])
+            table = self._cpu_table(segments, None)
+            if table is not None:
+                args = (grads, momenta, _EMPTY if momenta_out is None else momenta_out, lay.table, lay.limit, beta1,
+                        beta2, bool(update_momentum), code, b, rcode, seed, table)
+                r = self._local_gated("bbit_local_step", lay, args, lambda total: _local_ws(total, b), device_counts)
+                if r is not None:
+                    return r
         code, bits, rcode, seed = validate_bbit_codes(kind, bits, rounding, seed)
-        lay = None if torch.compiler.is_compiling() else layout_for(offsets, check_total(total))
+        lay = None if _compiling() else layout_for(offsets, check_total(total))
         if lay is not None and self._local_ok(lay, grads, momenta, momenta_out):
             table, total = lay.table, lay.limit
         else:
@@ -848,7 +1052,12 @@ class NativeBackend:
         return planes, nz, n_bad, n_zero
 
     def bbit_shard_vote(self, planes, nonzero, bits, step, tie_break, segments):
-        t = ref.enum_code("tie_break", tie_break)
+        t = _memo(_APPLY_CODES, ("tie", tie_break), lambda: ref.enum_code("tie_break", tie_break))
+        if self._try is not None and bits.__class__ is int and not _compiling():
+            table = self._cpu_table(segments, None)
+            r = None if table is None else self._gated("bbit_shard_vote", planes, nonzero, bits, step, t, table)
+            if r is not None:
+                return r
         bits = check_bits(bits)
         validate_code_planes(planes, nonzero, bits)
         planes, nonzero = _packed(planes), _packed(nonzero)
