@@ -164,6 +164,11 @@ namespace cpu {
 const at::Device kDev(at::kCPU);
 int threads() { return std::max(1, at::get_num_threads()); }
 at::Tensor u8(int64_t n) { return at::empty({n}, opts(at::kByte, kDev)); }
+at::Tensor zeroed(int64_t n, at::ScalarType st) {  // at::zeros without the fill's dispatch (~0.3 µs)
+  at::Tensor t = at::empty({n}, opts(st, kDev));
+  if (n) std::memset(t.data_ptr(), 0, static_cast<size_t>(t.nbytes()));
+  return t;
+}
 
 // Tensors placed in a bucket of `total` elements at `offs` (nullptr: a plain list, no bucket),
 // inside it and not overlapping.
@@ -287,8 +292,8 @@ std::tuple<at::Tensor, at::Tensor> shard_vote(const at::Tensor& sign, const OptT
   const uint8_t* nz = nonzero_inv(nonzero, shape, kDev, sign.dim());
   LC_INV(sign.dim() == 2 && tie >= 0 && tie <= 2, "2-D planes, tie code");
   const auto tt = tie_table(segments, kDev);
-  at::Tensor out_sign = at::zeros({shape.second}, opts(at::kByte, kDev));
-  at::Tensor out_nz = at::zeros({shape.second}, opts(at::kByte, kDev));
+  at::Tensor out_sign = zeroed(shape.second, at::kByte);
+  at::Tensor out_nz = zeroed(shape.second, at::kByte);
   lc::shard_vote(sign.data_ptr<uint8_t>(), nz, shape.first, shape.second, step, static_cast<int32_t>(tie), tt.first,
                  tt.second, out_sign.data_ptr<uint8_t>(), out_nz.data_ptr<uint8_t>(), threads());
   return {out_sign, out_nz};
@@ -301,10 +306,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> count_lanes(const at::Tensor& sig
   const uint8_t* nz = nonzero_inv(nonzero, shape, kDev, sign.dim());
   LC_INV(sign.dim() == 2 && (p == 1 || p == 2 || p == 4 || p == 8), "2-D planes, lane width");
   const int64_t s = shape.second, top = (int64_t{1} << p) - 1;
-  at::Tensor plus = at::zeros({s * p}, opts(at::kByte, kDev));
-  at::Tensor cnt = at::zeros({nz ? s * p : 0}, opts(at::kByte, kDev));
+  at::Tensor plus = zeroed(s * p, at::kByte);
+  at::Tensor cnt = zeroed(nz ? s * p : 0, at::kByte);
   const bool check = nz && shape.first > top && s > 0;
-  at::Tensor overflow = at::zeros({check ? 1 : 0}, opts(at::kInt, kDev));
+  at::Tensor overflow = zeroed(check ? 1 : 0, at::kInt);
   const int64_t mx = lc::count_lanes(sign.data_ptr<uint8_t>(), nz, shape.first, s, static_cast<int>(p),
                                      plus.data_ptr<uint8_t>(), nz ? cnt.data_ptr<uint8_t>() : nullptr, threads());
   if (check && mx > top) overflow.data_ptr<int32_t>()[0] = 1;
@@ -437,8 +442,8 @@ std::tuple<at::Tensor, at::Tensor> bbit_shard_vote(const at::Tensor& planes, con
   const std::pair<int64_t, int64_t> shape{planes.size(0), planes.size(2)};
   const uint8_t* nz = nonzero_inv(nonzero, shape, kDev, 2);
   const auto tt = tie_table(segments, kDev);
-  at::Tensor out_sign = at::zeros({shape.second}, opts(at::kByte, kDev));
-  at::Tensor out_nz = at::zeros({shape.second}, opts(at::kByte, kDev));
+  at::Tensor out_sign = zeroed(shape.second, at::kByte);
+  at::Tensor out_nz = zeroed(shape.second, at::kByte);
   lc::bbit_shard_vote(planes.data_ptr<uint8_t>(), nz, shape.first, static_cast<int>(bits), shape.second, step,
                       static_cast<int32_t>(tie), tt.first, tt.second, out_sign.data_ptr<uint8_t>(),
                       out_nz.data_ptr<uint8_t>(), threads());

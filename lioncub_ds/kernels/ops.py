@@ -643,6 +643,7 @@ class NativeBackend:
         # the Python checks alone
         self._try = ext if (not self._cuda and isinstance(ext, types.ModuleType)
                             and hasattr(ext, "try_local_step_into")) else None
+        self._tries = {}
 
     def layout_for(self, offsets, total) -> Layout:
         """A bucket's :class:`Layout`, checked now (offsets non-negative multiples of 8 inside ``total``
@@ -670,8 +671,11 @@ class NativeBackend:
 
     def _gated(self, name, *args):
         """The extension's ``try_<name>``: its result, or None when an argument does not fit."""
+        fn = self._tries.get(name)
+        if fn is None:
+            fn = self._tries[name] = getattr(self._try, "try_" + name)
         try:
-            return getattr(self._try, "try_" + name)(*args)
+            return fn(*args)
         except TypeError:  # an argument pybind cannot convert (not a tensor list...): the checks say which
             return None
 
@@ -1072,6 +1076,15 @@ class NativeBackend:
                                       None if not isinstance(nonzero, torch.Tensor) else tuple(nonzero.shape))
         if (seen is not None and seen[0] is layout and seen[1] == key and _same(targets, seen[2])
                 and (casts is None) == (seen[3] is None) and (casts is None or _same(casts, seen[3]))
+                and len(lrs) == len(weight_decays) == len(targets)):
+            none = seen[4]
+            if self._try is not None and not _compiling() and self._gated(
+                    "zero_sign_apply", sign, nonzero, targets,
+                    seen[6] if casts is None else [none if c is None else c for c in casts], seen[5], lrs,
+                    weight_decays):
+                return  # the planes' dtype, dims and rows checked by the gate; the rest by identity above
+        if (seen is not None and seen[0] is layout and seen[1] == key and _same(targets, seen[2])
+                and (casts is None) == (seen[3] is None) and (casts is None or _same(casts, seen[3]))
                 and len(lrs) == len(weight_decays) == len(targets) and self._plane_ok(sign)
                 and self._plane_ok(nonzero)):
             none = seen[4]
@@ -1090,6 +1103,7 @@ class NativeBackend:
         none = targets[0].new_empty(0) if targets else torch.empty(0)
         cast_args, pieces = [none if c is None else c for c in cast_list], layout.pieces
         if not torch.compiler.is_compiling():  # (a ZeroLayout is small and takes no weak reference)
-            self._zero_seen = (layout, key, _refs(targets), None if casts is None else _refs(casts), none, pieces)
+            self._zero_seen = (layout, key, _refs(targets), None if casts is None else _refs(casts), none, pieces,
+                               [none] * len(targets))
         self._run("zero_sign_apply", sign, nonzero, targets, cast_args, pieces, [float(v) for v in lrs],
                   [float(v) for v in weight_decays])
