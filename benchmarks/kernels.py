@@ -417,7 +417,7 @@ def format_table(records: list[dict]) -> str:
 
 # ----------------------------------------------------------------------------- host cost per call
 HOST_TENSORS = 8   # tensors per bucket (a bucket of a few parameters)
-HOST_NUMEL = 64    # elements per tensor: the kernels' own work is negligible, the call is what is timed
+HOST_NUMEL = 16    # elements per tensor (two bytes of votes): the per-call cost, not the kernels' element work
 HOST_BUCKETS = 100
 
 

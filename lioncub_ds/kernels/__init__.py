@@ -126,6 +126,9 @@ def backend_for(device_type: str = "cpu"):
     """The backend object for tensors on ``device_type`` ('cpu' or 'cuda')."""
     want = requested()
     key = (want, device_type)
+    be = _cache.get(key)  # called per bucket and step: no lock once made
+    if be is not None:
+        return be
     with _lock:
         if key in _cache:
             return _cache[key]
