@@ -669,6 +669,16 @@ class NativeBackend:
         except (ValueError, TypeError, RuntimeError):
             return None
 
+    def _gated_apply(self, name, offsets, segments, args_of):
+        """An apply through its gated entry for a known layout: (whether it ran, its Δ);
+        ``args_of(offsets table, tie table)`` gives the entry's arguments."""
+        lay = self._eager(offsets)
+        table = None if lay is None else self._cpu_table(segments, lay)
+        if table is None:
+            return False, None
+        delta = self._gated(name, *args_of(lay.table, table))
+        return delta is not None, delta
+
     def _gated(self, name, *args):
         """The extension's ``try_<name>``: its result, or None when an argument does not fit."""
         fn = self._tries.get(name)
@@ -846,14 +856,10 @@ class NativeBackend:
                    segments=None, return_delta=True):
         v, t, world = _memo(_APPLY_CODES, (tie_break, vote, world_size),
                             lambda: vote_codes(tie_break, vote, world_size))
-        lay = self._eager(offsets)
-        if lay is not None:
-            table = self._cpu_table(segments, lay)
-            if table is not None:
-                delta = self._gated("vote_apply", sign, nonzero, params, lay.table, lr, weight_decay, step, t, v,
-                                    world, table, bool(return_delta))
-                if delta is not None:
-                    return delta if return_delta else None
+        ran, delta = self._gated_apply("vote_apply", offsets, segments, lambda offs, tt: (
+            sign, nonzero, params, offs, lr, weight_decay, step, t, v, world, tt, bool(return_delta)))
+        if ran:
+            return delta if return_delta else None
         check_planes(sign, nonzero, False)
         sign, nonzero = _packed(sign), _packed(nonzero)
         limit = sign.shape[-1] * 8
@@ -909,14 +915,10 @@ class NativeBackend:
         p = check_lane_width(p)
         v, t, world = _memo(_APPLY_CODES, (tie_break, vote, world_size),
                             lambda: vote_codes(tie_break, vote, world_size))
-        lay = self._eager(offsets)
-        if lay is not None:
-            table = self._cpu_table(segments, lay)
-            if table is not None:
-                delta = self._gated("lanes_apply", plus_lanes, cnt_lanes, world, p, params, lay.table, lr,
-                                    weight_decay, step, t, v, table, bool(return_delta))
-                if delta is not None:
-                    return delta if return_delta else None
+        ran, delta = self._gated_apply("lanes_apply", offsets, segments, lambda offs, tt: (
+            plus_lanes, cnt_lanes, world, p, params, offs, lr, weight_decay, step, t, v, tt, bool(return_delta)))
+        if ran:
+            return delta if return_delta else None
         check_tensors([("plus_lanes", plus_lanes), ("cnt_lanes", cnt_lanes)])
         if cnt_lanes is not None and cnt_lanes.numel() != plus_lanes.numel():
             raise ValueError(f"lioncub kernels: cnt_lanes has {cnt_lanes.numel()} bytes but plus_lanes has "
