@@ -4,9 +4,10 @@
   and one fake implementation (output shapes only), so ``torch.compile`` can trace a call and
   ``torch.library.opcheck`` can test it. ``csrc/bindings.cpp`` (the one binding file) registers the
   CPU kernels and, built with CUDA, the CUDA launchers as the implementations of these schemas.
-* **Checked once**: the arguments are validated here, in Python, before any extension call (a C++
-  exception thrown through a JIT extension crashes the process on some images; bindings.cpp keeps
-  only memory-safety invariants that the API cannot reach). A ValueError (TypeError for a
+* **Errors raised in one place**: the errors a user sees are raised here, in Python (a C++ exception
+  thrown through a JIT extension crashes the process on some images); bindings.cpp's invariants,
+  checked before anything is written, only decide whether the CPU's gated entry runs (a failure is
+  caught inside the extension: the checks here then run). A ValueError (TypeError for a
   non-tensor) names the argument and what is allowed. Tensors the kernels do not handle
   (non-contiguous, float64, another device type) are not errors: they take the reference path,
   whose results are the contract.
