@@ -491,9 +491,8 @@ def layout_for(offsets, limit: int) -> Layout:
         if offsets.limit == limit:
             return offsets
         offsets = offsets.key
-    lay = _LAYOUTS.get(id(offsets))
-    if lay is not None and lay.key is offsets and lay.limit == limit and (
-            lay.offsets == offsets if isinstance(offsets, list) else lay.offsets == _int_offsets(offsets)):
+    lay = _cached_layout(offsets)
+    if lay is not None and lay.limit == limit:
         return lay
     offs = _int_offsets(offsets)
     check_offsets(offs, limit)
@@ -505,15 +504,21 @@ def layout_for(offsets, limit: int) -> Layout:
     return lay
 
 
+def _cached_layout(offsets):
+    """The cached Layout of this very offsets object, if its content is unchanged; else None."""
+    lay = _LAYOUTS.get(id(offsets))
+    if lay is not None and lay.key is offsets and (
+            lay.offsets == offsets if isinstance(offsets, list) else lay.offsets == _int_offsets(offsets)):
+        return lay
+    return None
+
+
 def known_layout(offsets):
     """The Layout that ``offsets`` stands for without checking anything new: itself, or the cached
     layout of this (unchanged) offsets list; None otherwise (the call then checks it in full)."""
     if offsets.__class__ is Layout:
         return offsets
-    lay = _LAYOUTS.get(id(offsets))
-    if lay is not None and lay.key is offsets and offsets.__class__ is list and lay.offsets == offsets:
-        return lay
-    return None
+    return _cached_layout(offsets) if offsets.__class__ is list else None
 
 
 def _refs(ts) -> tuple:
@@ -789,10 +794,10 @@ class NativeBackend:
             bufs = self._gated(name, *args)
             if bufs is None:
                 return None
-            res = (*bufs[:-1], *bufs[-1].unbind()) if name != "int8_local_step" else (bufs[0], bufs[1].reshape(()))
+            res = (*bufs[:-1], *bufs[-1].unbind())  # the counts (int8: its one) as 0-dim tensors
         if device_counts:
             return res
-        return (*bufs[:-1], *bufs[-1].tolist()) if name != "int8_local_step" else (bufs[0], int(bufs[1].item()))
+        return (*bufs[:-1], *bufs[-1].tolist())
 
     def _local_ok(self, lay, grads, momenta, momenta_out) -> bool:
         numels = lay.seen.get("numels")
@@ -1077,19 +1082,15 @@ class NativeBackend:
         # the layout, targets and casts of the last call (identity) and the plane shapes: checked then
         seen, key = self._zero_seen, (tuple(sign.shape) if isinstance(sign, torch.Tensor) else None,
                                       None if not isinstance(nonzero, torch.Tensor) else tuple(nonzero.shape))
-        if (seen is not None and seen[0] is layout and seen[1] == key and _same(targets, seen[2])
-                and (casts is None) == (seen[3] is None) and (casts is None or _same(casts, seen[3]))
-                and len(lrs) == len(weight_decays) == len(targets)):
-            none = seen[4]
-            if self._try is not None and not _compiling() and self._gated(
-                    "zero_sign_apply", sign, nonzero, targets,
-                    seen[6] if casts is None else [none if c is None else c for c in casts], seen[5], lrs,
-                    weight_decays):
-                return  # the planes' dtype, dims and rows checked by the gate; the rest by identity above
-        if (seen is not None and seen[0] is layout and seen[1] == key and _same(targets, seen[2])
-                and (casts is None) == (seen[3] is None) and (casts is None or _same(casts, seen[3]))
-                and len(lrs) == len(weight_decays) == len(targets) and self._plane_ok(sign)
-                and self._plane_ok(nonzero)):
+        known = (seen is not None and seen[0] is layout and seen[1] == key and _same(targets, seen[2])
+                 and (casts is None) == (seen[3] is None) and (casts is None or _same(casts, seen[3]))
+                 and len(lrs) == len(weight_decays) == len(targets))
+        if known and self._try is not None and not _compiling() and self._gated(
+                "zero_sign_apply", sign, nonzero, targets,
+                seen[6] if casts is None else [seen[4] if c is None else c for c in casts], seen[5], lrs,
+                weight_decays):
+            return  # the planes' dtype, dims and rows checked by the gate; the rest by identity above
+        if known and self._plane_ok(sign) and self._plane_ok(nonzero):
             none = seen[4]
             self._run("zero_sign_apply", sign, nonzero, targets,
                       [none] * len(targets) if casts is None else [none if c is None else c for c in casts], seen[5],
