@@ -324,3 +324,37 @@ def test_the_pipeline_keeps_one_layout_per_bucket_and_the_reference_bits():
             assert all(p for p in ptrs), (r, comm)               # every bucket has its workspace
             for a, b in zip(cpp["params"] + cpp["momenta"], ref["params"] + ref["momenta"]):
                 assert torch.equal(a, b), (r, comm)
+
+
+@pytest.mark.parametrize("gdt,mdt", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                     (torch.bfloat16, torch.float32)])
+def test_the_gated_calls_equal_the_reference_in_every_dtype(be, gdt, mdt):
+    """Through the bucket's layout (the gated entries, the workspace), bf16 / fp16 gradients and bf16
+    momenta and parameters: every output, momentum and parameter equals the reference bit for bit
+    over steps with exact zeros and ties (N = 4 random planes tie often), odd sizes."""
+    base, offs, total = _bucket(20)
+    momenta = [t.to(mdt) for t in base]
+    params = [t.to(mdt) for t in _bucket(21)[0]]
+    ref_m, ref_p = [m.clone() for m in momenta], [p.clone() for p in params]
+    lay = be.layout_for(offs, total)
+    seg = reference.tie_segments(offs)
+    for step in range(1, 4):
+        grads = [g.to(gdt) for g in _bucket(30 + step)[0]]
+        grads[0][:5] = 0  # exact zeros: abstentions
+        want = reference.local_step(grads, ref_m, offs, total, B1, B2, False)
+        got = be.local_step(grads, momenta, lay, total, B1, B2, False)
+        assert all(_same(a, b) for a, b in zip(want, got))
+        want_q = reference.int8_local_step(grads, ref_m, offs, total, B1, "l1", 31)
+        got_q = be.int8_local_step(grads, momenta, lay, total, B1, "l1", 31)
+        assert all(_same(a, b) for a, b in zip(want_q, got_q))
+        want_b = reference.bbit_local_step(grads, ref_m, offs, total, B1, B2, "l1", 2, "dither", step, seg)
+        got_b = be.bbit_local_step(grads, momenta, lay, total, B1, B2, "l1", 2, "dither", step, seg)
+        assert all(_same(a, b) for a, b in zip(want_b, got_b))
+        sign = torch.randint(0, 256, (N, total // 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(step))
+        nz = torch.randint(0, 256, (N, total // 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+        d_ref = reference.vote_apply(sign, nz, ref_p, offs, LR, WD, step, "hash", "majority", N, seg)
+        d_got = be.vote_apply(sign, nz, params, lay, LR, WD, step, "hash", "majority", N, seg)
+        assert _same(d_ref, d_got)
+        reference.momentum_update(ref_m[1], grads[1], B2)
+        be.momentum_update_list(momenta[1:2], grads[1:2], B2)
+        assert all(_same(a, b) for a, b in zip(ref_p + ref_m, params + momenta))
