@@ -107,10 +107,11 @@ inline void masks64(const float* c, uint64_t& gt, uint64_t& nz, uint64_t& fin, u
 #endif
 }
 
-// tie_hash(step, index) of the 64 positions e .. e+63 under a tie-index table (the hash tie rule's
-// bit 0, the dither's high bits): one segment and one high word (the common case) is a 32-bit loop
-// that vectorizes.
-inline void tie_hashes64(uint64_t step, const int64_t* rows, int64_t nrows, int64_t e, uint32_t* h) {
+// tie_hash(step, index) of the n <= 64 positions e .. e+n-1 under a tie-index table (the hash tie
+// rule's bit 0, the dither's high bits): one segment and one high word (the common case) is a 32-bit
+// loop over all 64 that vectorizes; where a row starts inside the run (small tensors), the rows are
+// walked from e's (they are sorted by position) instead of searched per element.
+inline void tie_hashes64(uint64_t step, const int64_t* rows, int64_t nrows, int64_t e, uint32_t* h, int n = 64) {
   const uint64_t idx0 = tie_index(rows, nrows, e);
   const uint32_t lo0 = static_cast<uint32_t>(idx0);
   if (tie_next_start(rows, nrows, e) >= e + 64 && lo0 <= 0xFFFFFFFFu - 63u) {
@@ -118,7 +119,16 @@ inline void tie_hashes64(uint64_t step, const int64_t* rows, int64_t nrows, int6
     for (int j = 0; j < 64; ++j) h[j] = tie_hash_mix((lo0 + static_cast<uint32_t>(j)) * 0x9E3779B1u + hb);
     return;
   }
-  for (int j = 0; j < 64; ++j) h[j] = tie_hash(step, tie_index(rows, nrows, e + j));
+  if (nrows <= 0) {
+    for (int j = 0; j < n; ++j) h[j] = tie_hash(step, static_cast<uint64_t>(e + j));
+    return;
+  }
+  int64_t k = tie_row(rows, nrows, e);
+  for (int j = 0; j < n; ++j) {
+    const int64_t pos = e + j;
+    while (k + 1 < nrows && rows[2 * (k + 1)] <= pos) ++k;  // tie_row(rows, nrows, pos)
+    h[j] = tie_hash(step, static_cast<uint64_t>(rows[2 * k + 1]) + static_cast<uint64_t>(pos - rows[2 * k]));
+  }
 }
 
 inline void store_bits(uint8_t* out, uint64_t bits, int nbytes) {

@@ -105,6 +105,7 @@ struct Item {
 
 std::vector<Item> chunk_items(const Slot* slots, int64_t ntensors, int64_t chunk, int64_t* work) {
   std::vector<Item> items;
+  items.reserve(static_cast<size_t>(ntensors));  // one allocation for a bucket of small tensors
   int64_t w = 0;
   for (int64_t t = 0; t < ntensors; ++t) {
     const int64_t n = slots[t].numel;
@@ -191,13 +192,27 @@ struct SumAcc {
   int64_t bad = 0;   // #non-finite c
 };
 
+// lcc::lane_tree when the lanes past `live` hold +0.0: the same result without adding them. x + (+0.0)
+// == x unless x is -0.0, and no lane is ever -0.0: each starts at +0.0, and a round-to-nearest sum is
+// -0.0 only when both of its terms are.
+inline double live_lane_tree(double* acc, int live) {
+  for (int s = kSumLanes / 2; s > 0; s >>= 1) {
+    for (int l = 0; l + s < live && l < s; ++l) acc[l] = dadd(acc[l], acc[l + s]);
+    live = std::min(live, s);
+  }
+  return live > 0 ? acc[0] : 0.0;
+}
+
 template <int GT, int MT>
 struct Int8Tensor {
   // The block [b, e) (b a multiple of kSumBlock): lane l adds elements b + l + 256k in index order.
   static SumAcc block(const Slot& g, const Slot& m, int64_t b, int64_t e, float b1, float ob1, int kind) {
     alignas(64) float tmp[512];
     alignas(64) double acc[kSumLanes];
-    for (int l = 0; l < kSumLanes; ++l) acc[l] = 0.0;
+    // lanes at or past `live` would stay +0.0: neither zeroed nor added, so a small tensor does not pay
+    // the 256 lanes (live_lane_tree)
+    const int live = static_cast<int>(std::min<int64_t>(e - b, kSumLanes));
+    for (int l = 0; l < live; ++l) acc[l] = 0.0;
     SumAcc r;
     float mx = 0.0f;
     for (int64_t i = b; i < e; i += 512) {  // i - b is a multiple of 512: element i + j is in lane j & 255
@@ -220,7 +235,7 @@ struct Int8Tensor {
         for (int64_t j = 0; j < n; ++j) mx = tmp[j] > mx ? tmp[j] : mx;
       }
     }
-    r.s = kind == kScaleLinf ? static_cast<double>(mx) : lane_tree(acc);
+    r.s = kind == kScaleLinf ? static_cast<double>(mx) : live_lane_tree(acc, live);
     return r;
   }
   static void quantize(const Slot& g, const Slot& m, int64_t b, int64_t e, float b1, float ob1, float hs,
@@ -267,6 +282,7 @@ struct Task {
 std::vector<float> tensor_scales(const Slot* grads, const Slot* momenta, int64_t ntensors, float b1, float ob1,
                                  int32_t kind, int nthr, int64_t* bad) {
   std::vector<Task> tasks;
+  tasks.reserve(static_cast<size_t>(ntensors));
   std::vector<int64_t> first(ntensors + 1, 0);
   for (int64_t t = 0; t < ntensors; ++t) {
     first[t] = static_cast<int64_t>(tasks.size());
@@ -319,6 +335,7 @@ int64_t int8_local_step_impl(const Slot* grads, const Slot* momenta, int64_t nte
 
   // quantize
   std::vector<Task> qtasks;
+  qtasks.reserve(static_cast<size_t>(ntensors));
   for (int64_t t = 0; t < ntensors; ++t) {
     const float a = scale[t];
     if (!(a > 0.0f) || !std::isfinite(a)) continue;  // a == 0 or non-finite: q stays 0
@@ -361,15 +378,16 @@ void bbit_range(const void* g, const void* m, void* mo, int64_t base, int64_t e0
     const int64_t byte0 = (base + i0) >> 3;
     const int nbytes = (n + 7) >> 3;
     store_bits(nzbytes + byte0, z & valid, nbytes);
+    // the last run of a tensor (n < 64) computes its n elements only: a small tensor is one such run
     if (bb.rounding == kDither) {
-      tie_hashes64(bb.seed, bb.tie_rows, bb.tie_nrows, base + i0, h);
-      for (int j = 0; j < 64; ++j) u[j] = static_cast<float>(h[j] >> 8) * 5.9604644775390625e-08f;  // dither_u
+      tie_hashes64(bb.seed, bb.tie_rows, bb.tie_nrows, base + i0, h, n);
+      for (int j = 0; j < n; ++j) u[j] = static_cast<float>(h[j] >> 8) * 5.9604644775390625e-08f;  // dither_u
     }
-    for (int j = 0; j < 64; ++j)
+    for (int j = 0; j < n; ++j)
       code[j] = bbit_code(((f >> j) & 1u) ? c[j] : 0.0f, ratio, bb.bits, bb.rounding, u[j]);
     for (int b = 0; b < bb.bits; ++b) {
       uint64_t word = 0;
-      for (int j = 0; j < 64; ++j) word |= static_cast<uint64_t>((code[j] >> b) & 1u) << j;
+      for (int j = 0; j < n; ++j) word |= static_cast<uint64_t>((code[j] >> b) & 1u) << j;
       store_bits(planes + b * plane_bytes + byte0, word & valid, nbytes);
     }
   }

@@ -463,13 +463,6 @@ class Layout:
     def __repr__(self):
         return f"Layout({len(self.offsets)} tensors in {self.limit} elements{', owned' if self.owned else ''})"
 
-    def outputs(self, key, make):
-        """The workspace entry ``key`` (made by ``make()`` the first time)."""
-        w = self.ws.get(key)
-        if w is None:
-            w = self.ws[key] = make()
-        return w
-
     def tie_table(self, device):
         """The bucket's tie-index table (conventions.tie_segments of the offsets) on ``device``."""
         t = self._tables.get(device)
@@ -511,14 +504,6 @@ def _cached_layout(offsets):
             lay.offsets == offsets if isinstance(offsets, list) else lay.offsets == _int_offsets(offsets)):
         return lay
     return None
-
-
-def known_layout(offsets):
-    """The Layout that ``offsets`` stands for without checking anything new: itself, or the cached
-    layout of this (unchanged) offsets list; None otherwise (the call then checks it in full)."""
-    if offsets.__class__ is Layout:
-        return offsets
-    return _cached_layout(offsets) if offsets.__class__ is list else None
 
 
 def _refs(ts) -> tuple:
@@ -587,7 +572,7 @@ def _local_ws(total, planes=None):
     return (first, nz, counts), (first, nz, counts[0], counts[1])
 
 
-def _int8_ws(total):
+def _int8_ws(total, planes=None):
     q, n_bad = torch.zeros(total, dtype=torch.int8), torch.zeros(1, dtype=torch.int64)
     return (q, n_bad), (q, n_bad.reshape(()))
 
@@ -649,7 +634,8 @@ class NativeBackend:
         # the Python checks alone
         self._try = ext if (not self._cuda and isinstance(ext, types.ModuleType)
                             and hasattr(ext, "try_local_step_into")) else None
-        self._tries = {}
+        self._tries = {} if self._try is None else {
+            n[4:]: getattr(ext, n) for n in dir(ext) if n.startswith("try_")}
 
     def layout_for(self, offsets, total) -> Layout:
         """A bucket's :class:`Layout`, checked now (offsets non-negative multiples of 8 inside ``total``
@@ -663,9 +649,38 @@ class NativeBackend:
 
     def _eager(self, offsets):
         """The known layout of a call that may take the gated C++ entry, else None."""
+        if self._try is None:
+            return None
+        cls = offsets.__class__
+        lay = offsets if cls is Layout else (_cached_layout(offsets) if cls is list else None)
+        return None if lay is None or _compiling() else lay
+
+    def _gate_tables(self, offsets, segments):
+        """(the known layout, the CPU tie table) of a gated call, in one look (a call's Python costs
+        ~0.1-0.2 µs here: the applies make this one call, not five); None where the call cannot take
+        the gated entry or the tie table would raise (the Python checks then raise in order)."""
+        lay = self._eager(offsets)
+        if lay is None:
+            return None
+        if segments is None:
+            table = lay._tables.get("cpu")
+        else:
+            hit = _TABLES.get(id(segments)) if segments.__class__ is torch.Tensor else None
+            table = hit[1]["cpu"] if hit is not None and hit[0] is segments else None
+        if table is None:
+            table = self._cpu_table(segments, lay)
+        return None if table is None else (lay, table)
+
+    def _segments_table(self, segments):
+        """The CPU tie table of a shard vote's segments for its gated entry (None: the checks run)."""
         if self._try is None or _compiling():
             return None
-        return known_layout(offsets)
+        return self._tie_cpu(segments)
+
+    def _tie_cpu(self, segments):
+        """A caller's tie-index table on the CPU (known by identity after the first time), or None."""
+        hit = _TABLES.get(id(segments)) if segments.__class__ is torch.Tensor else None
+        return hit[1]["cpu"] if hit is not None and hit[0] is segments else self._cpu_table(segments, None)
 
     @staticmethod
     def _cpu_table(segments, lay):
@@ -675,23 +690,10 @@ class NativeBackend:
         except (ValueError, TypeError, RuntimeError):
             return None
 
-    def _gated_apply(self, name, offsets, segments, args_of):
-        """An apply through its gated entry for a known layout: (whether it ran, its Δ);
-        ``args_of(offsets table, tie table)`` gives the entry's arguments."""
-        lay = self._eager(offsets)
-        table = None if lay is None else self._cpu_table(segments, lay)
-        if table is None:
-            return False, None
-        delta = self._gated(name, *args_of(lay.table, table))
-        return delta is not None, delta
-
     def _gated(self, name, *args):
         """The extension's ``try_<name>``: its result, or None when an argument does not fit."""
-        fn = self._tries.get(name)
-        if fn is None:
-            fn = self._tries[name] = getattr(self._try, "try_" + name)
         try:
-            return fn(*args)
+            return self._tries[name](*args)
         except TypeError:  # an argument pybind cannot convert (not a tensor list...): the checks say which
             return None
 
@@ -783,12 +785,18 @@ class NativeBackend:
         n_bad, n_zero = counts.tolist()
         return sign, nz, n_bad, n_zero
 
-    def _local_gated(self, name, lay, args, make_ws, device_counts):
-        """A gated local step (None: an argument does not fit): into the layout's workspace when the
-        layout is owned, else into fresh outputs."""
+    def _local_gated(self, name, lay, args, make_ws, device_counts, planes=None):
+        """A gated local step (None: an argument does not fit): into the layout's workspace
+        (``make_ws(total, planes)`` the first time) when the layout is owned, else into fresh outputs."""
         if lay.owned:
-            bufs, res = lay.outputs(name, lambda: make_ws(lay.limit))
-            if self._gated(name + "_into", *args, *bufs) is None:
+            w = lay.ws.get(name)
+            if w is None:
+                w = lay.ws[name] = make_ws(lay.limit, planes)
+            bufs, res = w
+            try:
+                if self._tries[name + "_into"](*args, *bufs) is None:
+                    return None
+            except TypeError:  # as _gated
                 return None
         else:
             bufs = self._gated(name, *args)
@@ -862,10 +870,12 @@ class NativeBackend:
                    segments=None, return_delta=True):
         v, t, world = _memo(_APPLY_CODES, (tie_break, vote, world_size),
                             lambda: vote_codes(tie_break, vote, world_size))
-        ran, delta = self._gated_apply("vote_apply", offsets, segments, lambda offs, tt: (
-            sign, nonzero, params, offs, lr, weight_decay, step, t, v, world, tt, bool(return_delta)))
-        if ran:
-            return delta if return_delta else None
+        gate = self._gate_tables(offsets, segments)
+        if gate is not None:
+            delta = self._gated("vote_apply", sign, nonzero, params, gate[0].table, lr, weight_decay, step, t, v,
+                                world, gate[1], bool(return_delta))
+            if delta is not None:
+                return delta if return_delta else None
         check_planes(sign, nonzero, False)
         sign, nonzero = _packed(sign), _packed(nonzero)
         limit = sign.shape[-1] * 8
@@ -883,11 +893,10 @@ class NativeBackend:
     # -- (d) two-phase vote, phase 1
     def shard_vote(self, sign, nonzero, step, tie_break, segments):
         t = _memo(_APPLY_CODES, ("tie", tie_break), lambda: ref.enum_code("tie_break", tie_break))
-        if self._try is not None and not _compiling():
-            table = self._cpu_table(segments, None)
-            r = None if table is None else self._gated("shard_vote", sign, nonzero, step, t, table)
-            if r is not None:
-                return r
+        table = self._segments_table(segments)
+        r = None if table is None else self._gated("shard_vote", sign, nonzero, step, t, table)
+        if r is not None:
+            return r
         check_planes(sign, nonzero, True)
         sign, nonzero = _packed(sign), _packed(nonzero)
         if not (self._plane_ok(sign) and self._plane_ok(nonzero)):
@@ -921,10 +930,12 @@ class NativeBackend:
         p = check_lane_width(p)
         v, t, world = _memo(_APPLY_CODES, (tie_break, vote, world_size),
                             lambda: vote_codes(tie_break, vote, world_size))
-        ran, delta = self._gated_apply("lanes_apply", offsets, segments, lambda offs, tt: (
-            plus_lanes, cnt_lanes, world, p, params, offs, lr, weight_decay, step, t, v, tt, bool(return_delta)))
-        if ran:
-            return delta if return_delta else None
+        gate = self._gate_tables(offsets, segments)
+        if gate is not None:
+            delta = self._gated("lanes_apply", plus_lanes, cnt_lanes, world, p, params, gate[0].table, lr,
+                                weight_decay, step, t, v, gate[1], bool(return_delta))
+            if delta is not None:
+                return delta if return_delta else None
         check_tensors([("plus_lanes", plus_lanes), ("cnt_lanes", cnt_lanes)])
         if cnt_lanes is not None and cnt_lanes.numel() != plus_lanes.numel():
             raise ValueError(f"lioncub kernels: cnt_lanes has {cnt_lanes.numel()} bytes but plus_lanes has "
@@ -1030,11 +1041,11 @@ class NativeBackend:
                                                                                                    momenta):
             code, b, rcode = _memo(_BBIT_CODES, (kind, bits.__class__, bits, rounding),
                                    lambda: validate_bbit_codes(kind, bits, rounding, 0)[:3])
-            table = self._cpu_table(segments, None)
+            table = self._tie_cpu(segments)
             if table is not None:
                 args = (grads, momenta, _EMPTY if momenta_out is None else momenta_out, lay.table, lay.limit, beta1,
                         beta2, bool(update_momentum), code, b, rcode, seed, table)
-                r = self._local_gated("bbit_local_step", lay, args, lambda total: _local_ws(total, b), device_counts)
+                r = self._local_gated("bbit_local_step", lay, args, _local_ws, device_counts, b)
                 if r is not None:
                     return r
         code, bits, rcode, seed = validate_bbit_codes(kind, bits, rounding, seed)
@@ -1065,11 +1076,10 @@ class NativeBackend:
 
     def bbit_shard_vote(self, planes, nonzero, bits, step, tie_break, segments):
         t = _memo(_APPLY_CODES, ("tie", tie_break), lambda: ref.enum_code("tie_break", tie_break))
-        if self._try is not None and bits.__class__ is int and not _compiling():
-            table = self._cpu_table(segments, None)
-            r = None if table is None else self._gated("bbit_shard_vote", planes, nonzero, bits, step, t, table)
-            if r is not None:
-                return r
+        table = self._segments_table(segments) if bits.__class__ is int else None
+        r = None if table is None else self._gated("bbit_shard_vote", planes, nonzero, bits, step, t, table)
+        if r is not None:
+            return r
         bits = check_bits(bits)
         validate_code_planes(planes, nonzero, bits)
         planes, nonzero = _packed(planes), _packed(nonzero)
