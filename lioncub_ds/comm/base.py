@@ -246,7 +246,7 @@ class VoteJob:
         self.planes_sharded = sharded and self.mode in ("plane", "chunks")
         self.chunk_lists = None
         if self.mode == "plane":
-            return received
+            return received.contiguous()  # a column of phase 1's output: the kernels take it as one block
         if self.mode == "chunks":
             code = ChunkCode(self.plane_bytes, received.shape[0])
             planes, self.chunk_lists = code.decode(received, self.mask, rank if self.planes_sharded else None)

@@ -137,15 +137,17 @@ class OneBitVote(VoteAlgorithm):
             mine = [next(cols)] + ([next(cols)] if snz else [])
             if average:
                 cnt = None if j.planes is None else backend.count_lanes(j.planes, j.planes, p)[1]
-                j.delta = backend.lanes_apply(mine[0].reshape(-1), cnt, n, p, j.params, j.bucket, j.lr,
+                j.delta = backend.lanes_apply(mine[0].contiguous().view(-1), cnt, n, p, j.params, j.bucket, j.lr,
                                               j.weight_decay, j.step, j.tie_break, "average", j.segments(),
                                               return_delta=j.keep_delta)
                 continue
-            full_sign = mine[0].reshape(1, -1)
+            # a column of the gathered [N, widths] (copied once; a 1-byte column would stay a strided view,
+            # which the kernels' gated entry does not take)
+            full_sign = mine[0].contiguous().view(1, -1)
             if snz == "chunks":  # where Δ is 0: from the owners' full-chunk bits and every rank's list
                 full_nz = ChunkCode(j.plane_bytes, n).result_nonzero(mine[1], j.chunk_lists, j.mask).view(1, -1)
             elif snz:
-                full_nz = mine[1].reshape(1, -1)
+                full_nz = mine[1].contiguous().view(1, -1)
             else:  # Δ = 0 exactly where no rank voted (every rank knows the planes)
                 full_nz = None if j.planes is None else any_voter(j.planes).view(1, -1)
             # One "voter" (the agreed result): counting it reproduces Δ exactly, no tie is possible.
