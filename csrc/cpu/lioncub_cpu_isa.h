@@ -108,13 +108,13 @@ inline void masks64(const float* c, uint64_t& gt, uint64_t& nz, uint64_t& fin, u
 }
 
 // tie_hash(step, index) of the n <= 64 positions e .. e+n-1 under a tie-index table (the hash tie
-// rule's bit 0, the dither's high bits): one segment and one high word (the common case) is a 32-bit
-// loop over all 64 that vectorizes; where a row starts inside the run (small tensors), the rows are
+// rule's bit 0, the dither's high bits): one segment and one high word over the n (the common case)
+// is a 32-bit loop over all 64 that vectorizes; where a row starts inside the run, the rows are
 // walked from e's (they are sorted by position) instead of searched per element.
 inline void tie_hashes64(uint64_t step, const int64_t* rows, int64_t nrows, int64_t e, uint32_t* h, int n = 64) {
   const uint64_t idx0 = tie_index(rows, nrows, e);
   const uint32_t lo0 = static_cast<uint32_t>(idx0);
-  if (tie_next_start(rows, nrows, e) >= e + 64 && lo0 <= 0xFFFFFFFFu - 63u) {
+  if (tie_next_start(rows, nrows, e) >= e + n && lo0 <= 0xFFFFFFFFu - 63u) {  // (h[j >= n]: not read)
     const uint32_t hb = tie_hash_base(step, static_cast<uint32_t>(idx0 >> 32));
     for (int j = 0; j < 64; ++j) h[j] = tie_hash_mix((lo0 + static_cast<uint32_t>(j)) * 0x9E3779B1u + hb);
     return;
