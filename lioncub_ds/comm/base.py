@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -163,11 +163,21 @@ class BucketKernels:
     param_starts: list | None
     layout: object
     segments: torch.Tensor
+    # the tie-index tables of slices of the bucket (a shard owner's), by (start, stop): made once, so
+    # that the kernels also know them by identity from step to step
+    slices: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def make(cls, backend, offsets, param_starts, numel: int) -> "BucketKernels":
         return cls(backend, offsets, param_starts, backend.layout_for(offsets, numel),
                    tie_segments(offsets, param_starts))
+
+    def slice_segments(self, start: int, stop: int | None) -> torch.Tensor:
+        key = (start, stop)
+        t = self.slices.get(key)
+        if t is None:
+            t = self.slices[key] = tie_segments(self.offsets, self.param_starts, start, stop)
+        return t
 
     def fits(self, backend, offsets, param_starts) -> bool:
         """Whether it was made for this backend and these very offsets / starts objects."""
@@ -222,9 +232,8 @@ class VoteJob:
     def segments(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The tie-index table of bucket positions [start, stop) (conventions.tie_segments)."""
         k = self.kernels
-        if start == 0 and stop is None and k is not None and k.offsets is self.offsets \
-                and k.param_starts is self.param_starts:
-            return k.segments
+        if k is not None and k.offsets is self.offsets and k.param_starts is self.param_starts:
+            return k.segments if start == 0 and stop is None else k.slice_segments(start, stop)
         return tie_segments(self.offsets, self.param_starts, start, stop)
 
     @property
