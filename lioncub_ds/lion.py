@@ -28,6 +28,21 @@ def call_closure(closure):
         return closure()
 
 
+def count_steps(states) -> None:
+    """Adds 1 to the "step" counter of each parameter state. The counters are 0-dim float32 CPU
+    tensors (as torch.optim keeps them): one foreach op for all of them, since one op per
+    parameter costs a small model's step more host time than the fused update itself."""
+    steps = [s["step"] for s in states]
+    if steps and all(t.__class__ is torch.Tensor and t.dtype is torch.float32 and t.is_cpu for t in steps):
+        torch._foreach_add_(steps, _ONE, alpha=1.0)  # a loop in C++; the tensor 1 is not wrapped per counter
+        return
+    for s in states:  # anything else (another dtype or device, a plain int) as before
+        s["step"] += 1
+
+
+_ONE = torch.ones((), dtype=torch.float32)
+
+
 def lr_value(lr, owner="Lion"):
     """``lr`` as a float. torch optimizers accept a 1-element tensor lr (schedulers and
     ``torch.compile`` users pass one): it is read with ``float()`` when used (one host read per
@@ -213,6 +228,5 @@ class Lion(Optimizer):
             beta1, beta2 = group["betas"]
             lion(params, grads, momenta, lr=lr_value(group["lr"]), beta1=beta1, beta2=beta2,
                  weight_decay=group["weight_decay"], foreach=group["foreach"])
-            for p in params:
-                self.state[p]["step"] += 1
+            count_steps([self.state[p] for p in params])
         return loss

@@ -27,7 +27,8 @@ from .comm.pbit import check_lane_bits
 from .config import CONSTRUCTOR_ONLY, LionCubConfig, LionCubConfigError
 from .config_text import constructor_doc
 from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
-from .lion import call_closure, check_param_group, lr_value, nonfinite_count, restore_momenta, saved_momenta
+from .lion import (call_closure, check_param_group, count_steps, lr_value, nonfinite_count, restore_momenta,
+                   saved_momenta)
 from .lion import lion as lion_functional
 from .groups import (INSTANCES, MASTER_ONLY, NODE_VOTERS, SINGLE, Strategy, Topology, consecutive_blocks,
                      create_on_all_ranks, group_ranks, requested, resolve_strategy, settle_at_exit)
@@ -654,8 +655,7 @@ class LionCub(Optimizer):
             b1, b2 = g["betas"]
             lion_functional(params, grads, momenta, lr=lr_value(g["lr"]), beta1=b1, beta2=b2,
                             weight_decay=g["weight_decay"], foreach=self.config.foreach)
-            for p in params:
-                self.state[p]["step"] += 1
+            count_steps([self.state[p] for p in params])
         self._step_count += 1
 
     # ------------------------------------------------------------------ overlap with backward

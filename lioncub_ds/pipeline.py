@@ -49,7 +49,7 @@ from .flags import (CHANGED_RANKS, FLAG_HEAD, MISSING_RANKS, NONFINITE_RANKS, NO
                     unpack_flags)
 from .kernels.reference import dither_seed
 from .layout import assign_algorithms, comm_batches, cost_model, group_names
-from .lion import lr_value
+from .lion import count_steps, lr_value
 from .momentum_sync import MomentumSync, disagreement_units, drift_scale, select_params, vote_disagreement
 from .sharding import GradRead, fingerprints, make_sharding, reads_changed
 
@@ -277,9 +277,7 @@ class StepPlan:
         self.sharding.finish()  # sharded state: the group all-gathers the updated shards into the parameters
         kept.restore_params(opt.momenta)
         idle_ids = {id(p) for p in idle}
-        for p in self.params():
-            if id(p) not in idle_ids and "step" in opt.state[p]:
-                opt.state[p]["step"] += 1
+        count_steps([st for st in (opt.state[p] for p in self.params() if id(p) not in idle_ids) if "step" in st])
         if self.msync is not None:
             where = self.msync.scope(step - 1)  # drift: from the previous step's signal (observed above)
             if where is not None:

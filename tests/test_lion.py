@@ -128,3 +128,26 @@ def test_lioncub_single_process_equals_lion_bit_for_bit(dtype):
              steps=40)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_step_counters_count_every_step_and_skip_parameters_without_a_gradient():
+    """state["step"] (a float32 CPU tensor per parameter, as torch.optim keeps it) after 3 steps, for
+    Lion and one-rank LionCub, with a parameter that has no gradient in one step; a counter loaded as
+    another type (an int, an int64 tensor) keeps counting in its type."""
+    from lioncub_ds import LionCub
+    from lioncub_ds.lion import count_steps
+
+    for make in (Lion, LionCub):
+        ps = [torch.nn.Parameter(torch.randn(n)) for n in (3, 9, 1)]
+        opt = make(ps, lr=1e-3)
+        for step in range(3):
+            for i, p in enumerate(ps):
+                p.grad = None if (i == 1 and step == 1) else torch.randn_like(p)
+            opt.step()
+        steps = [opt.state[p]["step"] for p in ps]
+        assert [s.item() for s in steps] == [3.0, 2.0, 3.0], make
+        assert all(s.dtype == torch.float32 and s.dim() == 0 and s.is_cpu for s in steps)
+    states = [{"step": 4}, {"step": torch.tensor(2)}, {"step": torch.tensor(1.0)}]
+    count_steps(states)
+    assert states[0]["step"] == 5 and states[1]["step"].dtype == torch.int64 and states[1]["step"].item() == 3
+    assert states[2]["step"].item() == 2.0
