@@ -213,3 +213,15 @@ def test_big_step_figures_and_failures():
 def test_budgets_fit_one_device_call():
     assert sum(st.budget_s for st in gc.STEPS) <= gc.BUDGET_S <= 480
     assert [st.name for st in gc.STEPS][-2:] == ["bench", "big_step"]
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with a GPU this would run the real JIT builds")
+def test_the_build_step_builds_both_extensions_at_once_and_fails_when_one_fails():
+    """The build step's code starts one process per extension: on a CPU machine the C++ one loads
+    (its timing line printed) while the CUDA one cannot, and the step's exit status says so."""
+    res = subprocess.run([sys.executable, "-c", gc.BUILD_CODE], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [ln.split() for ln in res.stdout.splitlines() if ln.startswith("GPU_CHECK_BUILD ")]
+    assert [ln[1] for ln in lines] == ["cpp"] and float(lines[0][4]) >= 0, res.stdout + res.stderr
+    assert res.returncode != 0 and "CUDA" in res.stderr, res.stderr[-2000:]
