@@ -527,18 +527,25 @@ def run_host(calls: int, rounds: int, buckets: int = HOST_BUCKETS) -> list[dict]
     # times); x add, the median of each round's ratio, uses every round.
     fastest = [yard["torch_add_1elem"][1]]
     fast = lambda a: a <= 1.25 * fastest[0]  # noqa: E731
-    for name, (public, raw) in host_cases(be).items():
-        # round-robin: the public call, the extension alone and the yardstick in turn, so that load
-        # changes within the run (other jobs) hit the three alike
-        rr = {k: [] for k in ("public", "raw", "add")}
+
+    def fast_rounds(fns: dict):
+        """µs per call of each of ``fns`` ({name: (fn, calls per round)}) and of the yardstick ("add"),
+        per round, timed round-robin so that load changes within the run (other jobs) hit them alike;
+        and the rounds run at the machine's usual speed (all rounds if none was)."""
+        rr = {k: [] for k in (*fns, "add")}
         for _ in range(5):
             for _ in range(rounds):
-                for k, fn in (("public", public), ("raw", raw), ("add", lambda: x.add_(x))):
-                    rr[k].append(_per_call_us(fn, calls, 1)[0])
+                for k, (fn, n) in fns.items():
+                    rr[k].append(_per_call_us(fn, n, 1)[0])
+                rr["add"].append(_per_call_us(lambda: x.add_(x), calls, 1)[0])
                 fastest[0] = min(fastest[0], rr["add"][-1])
             if sum(map(fast, rr["add"])) >= 3:
                 break
         keep = [i for i, a in enumerate(rr["add"]) if fast(a)] or list(range(len(rr["add"])))
+        return rr, keep
+
+    for name, (public, raw) in host_cases(be).items():
+        rr, keep = fast_rounds({"public": (public, calls), "raw": (raw, calls)})
         t_pub, t_raw, t_add = (statistics.median([rr[k][i] for i in keep]) for k in ("public", "raw", "add"))
         ratio = statistics.median(p / a for p, a in zip(rr["public"], rr["add"]))
         records.append(dict(common, op=name, us_per_call=t_pub, best_us_per_call=min(rr["public"]),
@@ -555,17 +562,10 @@ def run_host(calls: int, rounds: int, buckets: int = HOST_BUCKETS) -> list[dict]
             c["vote_apply"][0]()
 
     def paired(fn, n):
-        """(median, best, the yardstick's median) of ``fn`` timed round-robin with x.add_(x), over the
-        rounds in which the yardstick ran within 25% of the run's fastest (as above)."""
-        ts, adds = [], []
-        for _ in range(5):
-            for _ in range(rounds):
-                ts.append(_per_call_us(fn, n, 1)[0])
-                adds.append(_per_call_us(lambda: x.add_(x), max(1, calls // 4), 1)[0])
-            if sum(map(fast, adds)) >= 3:
-                break
-        keep = [i for i, a in enumerate(adds) if fast(a)] or list(range(len(adds)))
-        return statistics.median([ts[i] for i in keep]), min(ts), statistics.median([adds[i] for i in keep])
+        """(median, best, the yardstick's median) of ``fn`` over the rounds at the usual speed."""
+        rr, keep = fast_rounds({"fn": (fn, n)})
+        return (statistics.median([rr["fn"][i] for i in keep]), min(rr["fn"]),
+                statistics.median([rr["add"][i] for i in keep]))
 
     t_step, best_step, t_add = paired(one_step, max(1, calls // (10 * buckets)))
     records.append(dict(common, op=f"step: {buckets} buckets x {len(per_bucket)} calls", us_per_call=t_step,

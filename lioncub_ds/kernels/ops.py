@@ -660,15 +660,7 @@ class NativeBackend:
         ~0.1-0.2 µs here: the applies make this one call, not five); None where the call cannot take
         the gated entry or the tie table would raise (the Python checks then raise in order)."""
         lay = self._eager(offsets)
-        if lay is None:
-            return None
-        if segments is None:
-            table = lay._tables.get("cpu")
-        else:
-            hit = _TABLES.get(id(segments)) if segments.__class__ is torch.Tensor else None
-            table = hit[1]["cpu"] if hit is not None and hit[0] is segments else None
-        if table is None:
-            table = self._cpu_table(segments, lay)
+        table = None if lay is None else self._tie_cpu(segments, lay)
         return None if table is None else (lay, table)
 
     def _segments_table(self, segments):
@@ -677,10 +669,13 @@ class NativeBackend:
             return None
         return self._tie_cpu(segments)
 
-    def _tie_cpu(self, segments):
-        """A caller's tie-index table on the CPU (known by identity after the first time), or None."""
+    def _tie_cpu(self, segments, lay=None):
+        """The tie-index table on the CPU: the layout's own for ``segments=None``, else the caller's
+        (known by identity after the first time); None where it would raise."""
+        if segments is None and lay is not None:
+            return lay.tie_table("cpu")
         hit = _TABLES.get(id(segments)) if segments.__class__ is torch.Tensor else None
-        return hit[1]["cpu"] if hit is not None and hit[0] is segments else self._cpu_table(segments, None)
+        return hit[1]["cpu"] if hit is not None and hit[0] is segments else self._cpu_table(segments, lay)
 
     @staticmethod
     def _cpu_table(segments, lay):
@@ -793,10 +788,7 @@ class NativeBackend:
             if w is None:
                 w = lay.ws[name] = make_ws(lay.limit, planes)
             bufs, res = w
-            try:
-                if self._tries[name + "_into"](*args, *bufs) is None:
-                    return None
-            except TypeError:  # as _gated
+            if self._gated(name + "_into", *args, *bufs) is None:
                 return None
         else:
             bufs = self._gated(name, *args)
