@@ -2,8 +2,9 @@
 //
 // The op implementations of bindings.cpp, called without the dispatcher (the eager path of
 // lioncub_ds/kernels/ops.py: the dispatcher's boxing costs ~2 µs per call; torch.compile uses the
-// registered ops). Lists arrive as std::vector (pybind's conversion) and pass on as TensorList; the
-// GIL is released around an op that reads at least kGilFreeElements elements.
+// registered ops). Tensors and tensor lists arrive borrowed from their Python objects (no reference
+// count changes on the tensors; below) and pass on as at::Tensor / TensorList; the GIL is released
+// around an op that reads at least kGilFreeElements elements.
 //
 // Two forms per op on the CPU build:
 // * `name`: the op itself (ops.py calls it after its Python checks passed);
@@ -17,13 +18,144 @@
 #pragma once
 
 namespace {
+// Tensor arguments borrowed from their Python objects for the length of a call. pybind's own
+// conversion copies each at::Tensor, and a copy of a tensor that Python holds costs an incref and a
+// decref through torch's Python interpreter hooks (a GIL acquire each): ~10% of a small call. A
+// borrow is the same TensorImpl at +0 references (c10::MaybeOwnedTraits, as at::borrow_from_optional_tensor
+// does); the Python objects are held (Py_INCREF, with the GIL) so that a call which releases the GIL
+// cannot outlive them, and let go, with the GIL held again, when the call's arguments are destroyed.
+// What a call accepts is what pybind's caster accepts: torch.Tensor and its subclasses.
+using TensorBorrow = c10::MaybeOwnedTraits<at::Tensor>;
+
+struct HeldObjects {
+  std::vector<PyObject*> objs;
+  HeldObjects() = default;
+  HeldObjects(HeldObjects&& o) noexcept : objs(std::move(o.objs)) { o.objs.clear(); }
+  HeldObjects& operator=(HeldObjects&&) = delete;
+  ~HeldObjects() {
+    for (PyObject* o : objs) Py_DECREF(o);
+  }
+  bool hold(PyObject* o) {
+    if (!THPVariable_Check(o)) return false;
+    Py_INCREF(o);
+    objs.push_back(o);
+    return true;
+  }
+};
+
+struct BorrowedTensors {  // a Tensor[] argument
+  std::vector<at::Tensor> ts;
+  HeldObjects held;
+  BorrowedTensors() = default;
+  BorrowedTensors(BorrowedTensors&& o) noexcept : ts(std::move(o.ts)), held(std::move(o.held)) { o.ts.clear(); }
+  BorrowedTensors& operator=(BorrowedTensors&&) = delete;
+  ~BorrowedTensors() {
+    for (auto& t : ts) TensorBorrow::destroyBorrow(t);
+  }
+  operator TL() const { return ts; }  // NOLINT(google-explicit-constructor): the op's argument
+};
+
+struct BorrowedTensor {  // a Tensor argument
+  at::Tensor t;
+  HeldObjects held;
+  BorrowedTensor() = default;
+  BorrowedTensor(BorrowedTensor&& o) noexcept : t(std::move(o.t)), held(std::move(o.held)) {}
+  BorrowedTensor& operator=(BorrowedTensor&&) = delete;
+  ~BorrowedTensor() { TensorBorrow::destroyBorrow(t); }
+  operator const at::Tensor&() const { return t; }  // NOLINT(google-explicit-constructor)
+};
+
+struct BorrowedOptTensor {  // a Tensor? argument (None: no value)
+  OptT t;
+  HeldObjects held;
+  BorrowedOptTensor() = default;
+  BorrowedOptTensor(BorrowedOptTensor&& o) noexcept : t(std::move(o.t)), held(std::move(o.held)) { o.t.reset(); }
+  BorrowedOptTensor& operator=(BorrowedOptTensor&&) = delete;
+  ~BorrowedOptTensor() {
+    if (t) TensorBorrow::destroyBorrow(*t);
+  }
+  operator const OptT&() const { return t; }  // NOLINT(google-explicit-constructor)
+};
+}  // namespace
+
+namespace pybind11::detail {
+template <>
+struct type_caster<BorrowedTensors> {
+  PYBIND11_TYPE_CASTER(BorrowedTensors, _("list[torch.Tensor]"));
+  bool load(handle src, bool) {
+    // what pybind's list caster takes: any sequence but str / bytes (a list or tuple as it is, others
+    // through a list of their items; the items are held, so that list may go at the end of load)
+    PyObject* o = src.ptr();
+    if (!PyList_Check(o) && !PyTuple_Check(o)) {
+      if (!PySequence_Check(o) || PyUnicode_Check(o) || PyBytes_Check(o)) return false;
+      const object items = reinterpret_steal<object>(PySequence_List(o));
+      if (!items) {
+        PyErr_Clear();
+        return false;
+      }
+      return load_items(items.ptr());
+    }
+    return load_items(o);
+  }
+
+ private:
+  bool load_items(PyObject* o) {
+    const bool list = PyList_Check(o);
+    const Py_ssize_t n = list ? PyList_GET_SIZE(o) : PyTuple_GET_SIZE(o);
+    value.ts.reserve(static_cast<size_t>(n));
+    value.held.objs.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = list ? PyList_GET_ITEM(o, i) : PyTuple_GET_ITEM(o, i);
+      if (!value.held.hold(item)) return false;
+      value.ts.push_back(TensorBorrow::createBorrow(THPVariable_Unpack(item)));
+    }
+    return true;
+  }
+
+ public:
+  static handle cast(const BorrowedTensors&, return_value_policy, handle) = delete;
+};
+
+template <>
+struct type_caster<BorrowedTensor> {
+  PYBIND11_TYPE_CASTER(BorrowedTensor, _("torch.Tensor"));
+  bool load(handle src, bool) {
+    if (!value.held.hold(src.ptr())) return false;
+    value.t = TensorBorrow::createBorrow(THPVariable_Unpack(src.ptr()));
+    return true;
+  }
+  static handle cast(const BorrowedTensor&, return_value_policy, handle) = delete;
+};
+
+template <>
+struct type_caster<BorrowedOptTensor> {
+  PYBIND11_TYPE_CASTER(BorrowedOptTensor, _("torch.Tensor | None"));
+  bool load(handle src, bool) {
+    if (src.is_none()) return true;
+    if (!value.held.hold(src.ptr())) return false;
+    value.t.emplace(TensorBorrow::createBorrow(THPVariable_Unpack(src.ptr())));
+    return true;
+  }
+  static handle cast(const BorrowedOptTensor&, return_value_policy, handle) = delete;
+};
+}  // namespace pybind11::detail
+
+namespace {
 template <class T>
 struct py_arg {
   using type = T;
 };
 template <>
 struct py_arg<TL> {
-  using type = std::vector<at::Tensor>;
+  using type = BorrowedTensors;
+};
+template <>
+struct py_arg<at::Tensor> {
+  using type = BorrowedTensor;
+};
+template <>
+struct py_arg<OptT> {
+  using type = BorrowedOptTensor;
 };
 template <>
 struct py_arg<at::ArrayRef<double>> {
@@ -38,10 +170,11 @@ int64_t elements_of(const T&) {
   return 0;
 }
 inline int64_t elements_of(const at::Tensor& t) { return t.defined() ? t.numel() : 0; }
-inline int64_t elements_of(const OptT& t) { return t ? elements_of(*t) : 0; }
-inline int64_t elements_of(const std::vector<at::Tensor>& ts) {
+inline int64_t elements_of(const BorrowedTensor& t) { return elements_of(t.t); }
+inline int64_t elements_of(const BorrowedOptTensor& t) { return t.t ? elements_of(*t.t) : 0; }
+inline int64_t elements_of(const BorrowedTensors& ts) {
   int64_t n = 0;
-  for (const auto& t : ts) n += elements_of(t);
+  for (const auto& t : ts.ts) n += elements_of(t);
   return n;
 }
 template <class... T>

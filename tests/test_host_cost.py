@@ -384,3 +384,77 @@ def test_the_gated_calls_equal_the_reference_in_every_dtype(be, gdt, mdt):
         reference.momentum_update(ref_m[1], grads[1], B2)
         be.momentum_update_list(momenta[1:2], grads[1:2], B2)
         assert all(_same(a, b) for a, b in zip(ref_p + ref_m, params + momenta))
+
+
+# ----------------------------------------------------------------------------- borrowed arguments
+# The extension's Python module takes tensors borrowed from their Python objects (csrc/eager_calls.h):
+# no reference count of a tensor changes for a call, the objects are held while a call runs without
+# the GIL, and a call accepts what pybind's conversion accepted.
+
+def _refcounts(ts):
+    """Python's reference count and the C++ TensorImpl's use count of each tensor."""
+    import sys
+    return [(sys.getrefcount(t), t._use_count()) for t in ts]
+
+
+def test_borrowed_arguments_leave_every_reference_count_as_it_was(be):
+    g, offs, total = _bucket(20)
+    m, _, _ = _bucket(21)
+    otab = torch.tensor(offs, dtype=torch.int64)
+    segs = reference.tie_segments(offs)
+    before = _refcounts([*g, *m, otab, segs])
+    ext = be._ext
+    for _ in range(50):
+        ext.local_step(g, m, (), otab, total, B1, B2, True)
+        assert ext.try_local_step(g, m, (), otab, total, B1, B2, True) is not None
+        ext.bbit_local_step(g, m, (), otab, total, B1, B2, True, 0, 2, 1, 7, segs)
+        # a list that fails half-way (a non-tensor after two tensors) lets go of what it took
+        assert be._gated("local_step", [g[0], g[1], "x", g[3]], m, (), otab, total, B1, B2, True) is None
+        assert be._gated("local_step", g, m, (), "not a tensor", total, B1, B2, True) is None
+    assert _refcounts([*g, *m, otab, segs]) == before
+
+
+def test_borrowed_arguments_take_what_pybind_took(be):
+    import collections
+
+    g, offs, total = _bucket(22)
+    m, _, _ = _bucket(23)
+    want = reference.local_step(g, [t.clone() for t in m], offs, total, B1, B2)
+    params = [torch.nn.Parameter(t.clone()) for t in g]  # a tensor subclass
+    for grads in (g, tuple(g), collections.deque(g), params):
+        got = be._ext.local_step(grads, [t.clone() for t in m], (), torch.tensor(offs, dtype=torch.int64), total,
+                                 B1, B2, False)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for bad in ("abc", b"abc", 3, None, [g[0], None]):
+        assert be._gated("local_step", bad, m, (), torch.tensor(offs, dtype=torch.int64), total, B1, B2,
+                         False) is None
+
+
+def test_a_call_without_the_gil_holds_its_tensors(be):
+    """A call of >= 16K elements releases the GIL; another thread that drops the only references to
+    its tensors meanwhile (and allocates tensors of their sizes, which would take their memory) must
+    not free them under the kernel: the bits stay the reference's."""
+    import threading
+
+    sizes = [(1 << 20) + 8] * 4  # ~20 ms of kernel: the other thread runs inside the call
+    g, offs, total = _bucket(24, sizes)
+    m, _, _ = _bucket(25, sizes)
+    want = reference.local_step(g, [t.clone() for t in m], offs, total, B1, B2)
+    otab = torch.tensor(offs, dtype=torch.int64)
+    for _ in range(3):
+        grads = [t.clone() for t in g]
+        moms = [t.clone() for t in m]
+        started, junk = threading.Event(), []
+
+        def drop():
+            started.wait()
+            grads.clear()  # the call's lists held the last references to its tensors
+            moms.clear()
+            junk.extend(torch.full((n,), float("nan")) for n in sizes * 2)
+
+        th = threading.Thread(target=drop)
+        th.start()
+        started.set()
+        got = be._ext.local_step(grads, moms, (), otab, total, B1, B2, False)
+        th.join()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

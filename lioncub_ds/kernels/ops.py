@@ -1022,6 +1022,7 @@ class NativeBackend:
             qualifies, params, grads, momenta, lr, weight_decay, beta1, beta2)
 
     _lion_seen = (None, None, ())
+    _bbit_last = (None, None, None, None, None)  # bbit_local_step: (kind, bits, rounding, segments, resolved)
     _momentum_seen = (None, ())
     _zero_seen = None
 
@@ -1031,9 +1032,17 @@ class NativeBackend:
         lay = self._eager(offsets)
         if lay is not None and grads and lay.limit == total and seed.__class__ is int and _outs_ok(momenta_out,
                                                                                                    momenta):
-            code, b, rcode = _memo(_BBIT_CODES, (kind, bits.__class__, bits, rounding),
-                                   lambda: validate_bbit_codes(kind, bits, rounding, 0)[:3])
-            table = self._tie_cpu(segments)
+            # the codes and the tie table of the last call's settings, recognised by identity (a step
+            # passes the same objects each time): one look instead of a memo key and a table lookup
+            last = self._bbit_last
+            if last[0] is kind and last[1] is bits and last[2] is rounding and last[3] is segments:
+                code, b, rcode, table = last[4]
+            else:
+                code, b, rcode = _memo(_BBIT_CODES, (kind, bits.__class__, bits, rounding),
+                                       lambda: validate_bbit_codes(kind, bits, rounding, 0)[:3])
+                table = self._tie_cpu(segments)
+                if table is not None and segments is not None:
+                    self._bbit_last = (kind, bits, rounding, segments, (code, b, rcode, table))
             if table is not None:
                 args = (grads, momenta, _EMPTY if momenta_out is None else momenta_out, lay.table, lay.limit, beta1,
                         beta2, bool(update_momentum), code, b, rcode, seed, table)
