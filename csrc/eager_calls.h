@@ -28,7 +28,7 @@ namespace {
 using TensorBorrow = c10::MaybeOwnedTraits<at::Tensor>;
 
 struct HeldObjects {
-  std::vector<PyObject*> objs;
+  c10::SmallVector<PyObject*, 16> objs;
   HeldObjects() = default;
   HeldObjects(HeldObjects&& o) noexcept : objs(std::move(o.objs)) { o.objs.clear(); }
   HeldObjects& operator=(HeldObjects&&) = delete;
@@ -43,8 +43,8 @@ struct HeldObjects {
   }
 };
 
-struct BorrowedTensors {  // a Tensor[] argument
-  std::vector<at::Tensor> ts;
+struct BorrowedTensors {  // a Tensor[] argument (up to 16 tensors without a heap allocation)
+  c10::SmallVector<at::Tensor, 16> ts;
   HeldObjects held;
   BorrowedTensors() = default;
   BorrowedTensors(BorrowedTensors&& o) noexcept : ts(std::move(o.ts)), held(std::move(o.held)) { o.ts.clear(); }

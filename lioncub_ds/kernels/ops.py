@@ -785,10 +785,13 @@ class NativeBackend:
         (``make_ws(total, planes)`` the first time) when the layout is owned, else into fresh outputs."""
         if lay.owned:
             w = lay.ws.get(name)
-            if w is None:
-                w = lay.ws[name] = make_ws(lay.limit, planes)
-            bufs, res = w
-            if self._gated(name + "_into", *args, *bufs) is None:
+            if w is None:  # (outputs, the result over them, the op's gated entry into them)
+                w = lay.ws[name] = (*make_ws(lay.limit, planes), self._tries[name + "_into"])
+            bufs, res, into = w
+            try:
+                if into(*args, *bufs) is None:
+                    return None
+            except TypeError:  # as _gated: an argument pybind cannot convert
                 return None
         else:
             bufs = self._gated(name, *args)
@@ -1030,8 +1033,8 @@ class NativeBackend:
     def bbit_local_step(self, grads, momenta, offsets, total, beta1, beta2, kind, bits, rounding, seed, segments,
                         update_momentum=False, device_counts=False, momenta_out=None):
         lay = self._eager(offsets)
-        if lay is not None and grads and lay.limit == total and seed.__class__ is int and _outs_ok(momenta_out,
-                                                                                                   momenta):
+        if lay is not None and grads and lay.limit == total and seed.__class__ is int and (
+                momenta_out is None or _outs_ok(momenta_out, momenta)):
             # the codes and the tie table of the last call's settings, recognised by identity (a step
             # passes the same objects each time): one look instead of a memo key and a table lookup
             last = self._bbit_last
