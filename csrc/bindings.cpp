@@ -172,25 +172,18 @@ at::Tensor zeroed(int64_t n, at::ScalarType st) {  // at::zeros without the fill
 
 // Tensors placed in a bucket of `total` elements at `offs` (nullptr: a plain list, no bucket),
 // inside it and not overlapping.
-// A call's tensors as the kernels' slots; a bucket of up to 16 tensors without a heap allocation
-// (a malloc and free per list is a measurable part of a small call).
-using Slots = c10::SmallVector<lc::Slot, 16>;
-
+using Slots = c10::SmallVector<lc::Slot, 16>;  // up to 16 tensors without a heap allocation (~0.1 µs)
 Slots slots(TL ts, const int64_t* offs, int64_t total, bool allow_f16) {
   Slots out(ts.size());
   c10::SmallVector<std::pair<int64_t, int64_t>, 16> spans;
-  bool sorted = true;  // a bucket's offsets usually increase: no sort then
   for (size_t i = 0; i < ts.size(); ++i) {
     tensor_inv(ts[i], kDev);
     const int64_t off = offs ? offs[i] : 0, n = ts[i].numel();
     LC_INV(!offs || (off >= 0 && off % 8 == 0 && off + n <= total), "a tensor inside its bucket");
     out[i] = lc::Slot{ts[i].data_ptr(), n, off, dtype_code(ts[i], allow_f16)};
-    if (offs && n) {
-      sorted = sorted && (spans.empty() || spans.back() <= std::pair<int64_t, int64_t>(off, off + n));
-      spans.emplace_back(off, off + n);
-    }
+    if (offs && n) spans.emplace_back(off, off + n);
   }
-  if (!sorted) std::sort(spans.begin(), spans.end());
+  std::sort(spans.begin(), spans.end());
   for (size_t i = 1; i < spans.size(); ++i) LC_INV(spans[i].first >= spans[i - 1].second, "tensors apart in a bucket");
   return out;
 }
@@ -219,8 +212,7 @@ void same_numels(TL a, TL b) {
 }
 
 // momenta_out (empty: none): one buffer per momentum, its dtype.
-Slots out_slots(TL momenta_out, TL momenta, TL grads, const Slots& m,
-                                const int64_t* offs, int64_t total) {
+Slots out_slots(TL momenta_out, TL momenta, TL grads, const Slots& m, const int64_t* offs, int64_t total) {
   if (momenta_out.empty()) return {};
   apart(momenta_out, {momenta, grads});
   auto mo = slots(momenta_out, offs, total, false);
