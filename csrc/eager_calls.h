@@ -22,9 +22,10 @@ namespace {
 // conversion copies each at::Tensor, and a copy of a tensor that Python holds costs an incref and a
 // decref through torch's Python interpreter hooks (a GIL acquire each): ~10% of a small call. A
 // borrow is the same TensorImpl at +0 references (c10::MaybeOwnedTraits, as at::borrow_from_optional_tensor
-// does); the Python objects are held (Py_INCREF, with the GIL) so that a call which releases the GIL
-// cannot outlive them, and let go, with the GIL held again, when the call's arguments are destroyed.
-// What a call accepts is what pybind's caster accepts: torch.Tensor and its subclasses.
+// does); the Python objects are held (Py_INCREF, with the GIL) and let go, with the GIL held again,
+// when the call's arguments are destroyed. A call that releases the GIL (a large one: the copies'
+// cost is nothing there) makes its borrows owning first. What a call accepts is what pybind's
+// casters accept: torch.Tensor and its subclasses, in any iterable but str / bytes / a mapping.
 using TensorBorrow = c10::MaybeOwnedTraits<at::Tensor>;
 
 struct HeldObjects {
@@ -43,14 +44,32 @@ struct HeldObjects {
   }
 };
 
+// A borrow becomes an owning reference (own(), with the GIL held) before a call releases the GIL:
+// holding the Python object does not hold its TensorImpl against torch.utils.swap_tensors from
+// another thread (it refuses a tensor with other references; a borrow adds none).
+inline void own_borrow(at::Tensor& t) {
+  at::Tensor owned(t);  // +1, with the GIL held (torch's hooks may take it)
+  TensorBorrow::destroyBorrow(t);
+  t = std::move(owned);
+}
+
 struct BorrowedTensors {  // a Tensor[] argument (up to 16 tensors without a heap allocation)
   c10::SmallVector<at::Tensor, 16> ts;
   HeldObjects held;
+  bool owned = false;
   BorrowedTensors() = default;
-  BorrowedTensors(BorrowedTensors&& o) noexcept : ts(std::move(o.ts)), held(std::move(o.held)) { o.ts.clear(); }
+  BorrowedTensors(BorrowedTensors&& o) noexcept : ts(std::move(o.ts)), held(std::move(o.held)), owned(o.owned) {
+    o.ts.clear();
+  }
   BorrowedTensors& operator=(BorrowedTensors&&) = delete;
   ~BorrowedTensors() {
-    for (auto& t : ts) TensorBorrow::destroyBorrow(t);
+    if (!owned)
+      for (auto& t : ts) TensorBorrow::destroyBorrow(t);
+  }
+  void own() {
+    if (!owned)
+      for (auto& t : ts) own_borrow(t);
+    owned = true;
   }
   operator TL() const { return ts; }  // NOLINT(google-explicit-constructor): the op's argument
 };
@@ -58,21 +77,35 @@ struct BorrowedTensors {  // a Tensor[] argument (up to 16 tensors without a hea
 struct BorrowedTensor {  // a Tensor argument
   at::Tensor t;
   HeldObjects held;
+  bool owned = false;
   BorrowedTensor() = default;
-  BorrowedTensor(BorrowedTensor&& o) noexcept : t(std::move(o.t)), held(std::move(o.held)) {}
+  BorrowedTensor(BorrowedTensor&& o) noexcept : t(std::move(o.t)), held(std::move(o.held)), owned(o.owned) {}
   BorrowedTensor& operator=(BorrowedTensor&&) = delete;
-  ~BorrowedTensor() { TensorBorrow::destroyBorrow(t); }
+  ~BorrowedTensor() {
+    if (!owned) TensorBorrow::destroyBorrow(t);
+  }
+  void own() {
+    if (!owned && t.defined()) own_borrow(t);
+    owned = true;
+  }
   operator const at::Tensor&() const { return t; }  // NOLINT(google-explicit-constructor)
 };
 
 struct BorrowedOptTensor {  // a Tensor? argument (None: no value)
   OptT t;
   HeldObjects held;
+  bool owned = false;
   BorrowedOptTensor() = default;
-  BorrowedOptTensor(BorrowedOptTensor&& o) noexcept : t(std::move(o.t)), held(std::move(o.held)) { o.t.reset(); }
+  BorrowedOptTensor(BorrowedOptTensor&& o) noexcept : t(std::move(o.t)), held(std::move(o.held)), owned(o.owned) {
+    o.t.reset();
+  }
   BorrowedOptTensor& operator=(BorrowedOptTensor&&) = delete;
   ~BorrowedOptTensor() {
-    if (t) TensorBorrow::destroyBorrow(*t);
+    if (t && !owned) TensorBorrow::destroyBorrow(*t);
+  }
+  void own() {
+    if (!owned && t) own_borrow(*t);
+    owned = true;
   }
   operator const OptT&() const { return t; }  // NOLINT(google-explicit-constructor)
 };
@@ -81,14 +114,15 @@ struct BorrowedOptTensor {  // a Tensor? argument (None: no value)
 namespace pybind11::detail {
 template <>
 struct type_caster<BorrowedTensors> {
-  PYBIND11_TYPE_CASTER(BorrowedTensors, _("list[torch.Tensor]"));
+  PYBIND11_TYPE_CASTER(BorrowedTensors, const_name("list[torch.Tensor]"));
   bool load(handle src, bool) {
-    // what pybind's list caster takes: any sequence but str / bytes (a list or tuple as it is, others
-    // through a list of their items; the items are held, so that list may go at the end of load)
+    // what pybind's list caster takes: any iterable but str / bytes / a mapping (a list or tuple as
+    // it is, others through a list of their items; the items are held, so that list may go at the
+    // end of load)
     PyObject* o = src.ptr();
     if (!PyList_Check(o) && !PyTuple_Check(o)) {
-      if (!PySequence_Check(o) || PyUnicode_Check(o) || PyBytes_Check(o)) return false;
-      const object items = reinterpret_steal<object>(PySequence_List(o));
+      if (PyUnicode_Check(o) || PyBytes_Check(o) || PyByteArray_Check(o) || PyDict_Check(o)) return false;
+      const object items = reinterpret_steal<object>(PySequence_List(o));  // fails for a non-iterable
       if (!items) {
         PyErr_Clear();
         return false;
@@ -118,7 +152,7 @@ struct type_caster<BorrowedTensors> {
 
 template <>
 struct type_caster<BorrowedTensor> {
-  PYBIND11_TYPE_CASTER(BorrowedTensor, _("torch.Tensor"));
+  PYBIND11_TYPE_CASTER(BorrowedTensor, const_name("torch.Tensor"));
   bool load(handle src, bool) {
     if (!value.held.hold(src.ptr())) return false;
     value.t = TensorBorrow::createBorrow(THPVariable_Unpack(src.ptr()));
@@ -129,7 +163,7 @@ struct type_caster<BorrowedTensor> {
 
 template <>
 struct type_caster<BorrowedOptTensor> {
-  PYBIND11_TYPE_CASTER(BorrowedOptTensor, _("torch.Tensor | None"));
+  PYBIND11_TYPE_CASTER(BorrowedOptTensor, const_name("torch.Tensor | None"));
   bool load(handle src, bool) {
     if (src.is_none()) return true;
     if (!value.held.hold(src.ptr())) return false;
@@ -183,11 +217,24 @@ bool releases_gil(const T&... args) {
 }
 using OptionalNoGil = std::optional<pybind11::gil_scoped_release>;
 
+// The borrowed arguments made owning, then the GIL released: for a call of >= kGilFreeElements.
+template <class T>
+void own(T&) {}
+inline void own(BorrowedTensors& a) { a.own(); }
+inline void own(BorrowedTensor& a) { a.own(); }
+inline void own(BorrowedOptTensor& a) { a.own(); }
+template <class... T>
+void release_gil_for(OptionalNoGil& nogil, T&... args) {
+  if (!releases_gil(args...)) return;
+  (own(args), ...);
+  nogil.emplace();
+}
+
 template <class R, class... A>
 auto direct(R (*fn)(A...)) {
   return [fn](typename py_arg<std::decay_t<A>>::type... args) -> R {
     OptionalNoGil nogil;
-    if (releases_gil(args...)) nogil.emplace();
+    release_gil_for(nogil, args...);
     return fn(args...);
   };
 }
@@ -200,7 +247,7 @@ auto gated(R (*fn)(A...)) {
     if constexpr (std::is_void_v<R>) {
       {
         OptionalNoGil nogil;
-        if (releases_gil(args...)) nogil.emplace();
+        release_gil_for(nogil, args...);
         try {
           fn(args...);
         } catch (...) {
@@ -212,7 +259,7 @@ auto gated(R (*fn)(A...)) {
       std::optional<R> r;
       {
         OptionalNoGil nogil;
-        if (releases_gil(args...)) nogil.emplace();
+        release_gil_for(nogil, args...);
         try {
           r.emplace(fn(args...));
         } catch (...) {

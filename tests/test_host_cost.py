@@ -421,11 +421,11 @@ def test_borrowed_arguments_take_what_pybind_took(be):
     m, _, _ = _bucket(23)
     want = reference.local_step(g, [t.clone() for t in m], offs, total, B1, B2)
     params = [torch.nn.Parameter(t.clone()) for t in g]  # a tensor subclass
-    for grads in (g, tuple(g), collections.deque(g), params):
+    for grads in (g, tuple(g), collections.deque(g), params, (t for t in g), dict(enumerate(g)).values()):
         got = be._ext.local_step(grads, [t.clone() for t in m], (), torch.tensor(offs, dtype=torch.int64), total,
                                  B1, B2, False)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    for bad in ("abc", b"abc", 3, None, [g[0], None]):
+    for bad in ("abc", b"abc", 3, None, [g[0], None], dict(enumerate(g))):
         assert be._gated("local_step", bad, m, (), torch.tensor(offs, dtype=torch.int64), total, B1, B2,
                          False) is None
 
@@ -453,6 +453,40 @@ def test_a_call_without_the_gil_holds_its_tensors(be):
             junk.extend(torch.full((n,), float("nan")) for n in sizes * 2)
 
         th = threading.Thread(target=drop)
+        th.start()
+        started.set()
+        got = be._ext.local_step(grads, moms, (), otab, total, B1, B2, False)
+        th.join()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_call_without_the_gil_owns_its_tensors_against_a_swap(be):
+    """torch.utils.swap_tensors refuses a tensor that C++ also references; a GIL-free call takes owning
+    references first (a borrow adds none), so a swap from another thread mid-call cannot pull a tensor's
+    memory from under the kernel (the swapped-in tensors are then dropped and overwritten)."""
+    import threading
+
+    sizes = [(1 << 20) + 8] * 4
+    g, offs, total = _bucket(26, sizes)
+    m, _, _ = _bucket(27, sizes)
+    want = reference.local_step(g, [t.clone() for t in m], offs, total, B1, B2)
+    otab = torch.tensor(offs, dtype=torch.int64)
+    for _ in range(3):
+        grads, moms = [t.clone() for t in g], [t.clone() for t in m]  # ready before the other thread wakes
+        started, junk = threading.Event(), []
+
+        def swap():
+            started.wait()
+            for i in range(len(grads)):
+                other = torch.zeros(sizes[i])
+                try:
+                    torch.utils.swap_tensors(grads[i], other)
+                except RuntimeError:  # refused: the call holds a reference
+                    continue
+                del other  # what the kernel would read if the swap went through
+            junk.extend(torch.full((n,), float("nan")) for n in sizes * 2)
+
+        th = threading.Thread(target=swap)
         th.start()
         started.set()
         got = be._ext.local_step(grads, moms, (), otab, total, B1, B2, False)
