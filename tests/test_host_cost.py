@@ -460,35 +460,39 @@ def test_a_call_without_the_gil_holds_its_tensors(be):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_a_call_without_the_gil_owns_its_tensors_against_a_swap(be):
-    """torch.utils.swap_tensors refuses a tensor that C++ also references; a GIL-free call takes owning
-    references first (a borrow adds none), so a swap from another thread mid-call cannot pull a tensor's
-    memory from under the kernel (the swapped-in tensors are then dropped and overwritten)."""
+def test_a_call_without_the_gil_owns_its_tensors(be):
+    """A GIL-free call takes owning references to its tensors first (a borrow adds none): while it runs,
+    each tensor's use count is 2, so torch.utils.swap_tensors from another thread refuses to pull the
+    memory from under the kernel. Another thread reads the use count during the call (a call of ~10-50
+    ms on one thread; up to 5 tries, for a machine too loaded to run that thread in time)."""
     import threading
 
-    sizes = [(1 << 20) + 8] * 4
+    sizes = [(1 << 21) + 8] * 6
     g, offs, total = _bucket(26, sizes)
     m, _, _ = _bucket(27, sizes)
-    want = reference.local_step(g, [t.clone() for t in m], offs, total, B1, B2)
     otab = torch.tensor(offs, dtype=torch.int64)
-    for _ in range(3):
-        grads, moms = [t.clone() for t in g], [t.clone() for t in m]  # ready before the other thread wakes
-        started, junk = threading.Event(), []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seen = []
+        for _ in range(5):
+            grads, moms = [t.clone() for t in g], [t.clone() for t in m]
+            started, done = threading.Event(), threading.Event()
 
-        def swap():
-            started.wait()
-            for i in range(len(grads)):
-                other = torch.zeros(sizes[i])
-                try:
-                    torch.utils.swap_tensors(grads[i], other)
-                except RuntimeError:  # refused: the call holds a reference
-                    continue
-                del other  # what the kernel would read if the swap went through
-            junk.extend(torch.full((n,), float("nan")) for n in sizes * 2)
+            def watch():
+                started.wait()
+                while not done.is_set():
+                    seen.append(grads[-1]._use_count())
 
-        th = threading.Thread(target=swap)
-        th.start()
-        started.set()
-        got = be._ext.local_step(grads, moms, (), otab, total, B1, B2, False)
-        th.join()
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            th = threading.Thread(target=watch)
+            th.start()
+            started.set()
+            be._ext.local_step(grads, moms, (), otab, total, B1, B2, False)
+            done.set()
+            th.join()
+            if 2 in seen:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    assert 2 in seen, f"use counts seen during the calls: {sorted(set(seen))}"
+    assert grads[-1]._use_count() == 1  # and given back after the call
