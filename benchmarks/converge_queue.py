@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -35,15 +36,22 @@ def tag(n: int, variant: str, seed: int) -> str:
     return f"n{n}_{variant}_s{seed}"
 
 
-def finished(folders, protocol: str) -> set[tuple[int, str, int]]:
+def finished(folders, protocol: str, preset: dict | None = None) -> set[tuple[int, str, int]]:
     """(N, variant, seed) of the runs of ``protocol`` recorded in any ``*.jsonl`` of ``folders``
-    (unreadable lines, from a run cut off mid-write, are skipped)."""
+    (unreadable lines, from a run cut off mid-way through a write, are skipped). ``preset``: the
+    settings the queue's runs use (PRESET_KEYS: model shape, steps, betas, ...); a record made with
+    other values is another run, so it does not count (a width-256 queue must not skip the
+    width-128 runs of the same folder: both are "lion_w300 (with d_model changed)")."""
+    want = {k: json.dumps(v) for k, v in (preset or {}).items()}
     done = set()
     for folder in folders:
         for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
             for r in C.jsonl_records(path):
-                if r is not None and r.get("bench") == "converge" and r.get("protocol") == protocol:
-                    done.add((r["world_size"], r["variant"], r["seed"]))
+                if r is None or r.get("bench") != "converge" or r.get("protocol") != protocol:
+                    continue
+                if any(k in r and json.dumps(r[k]) != v for k, v in want.items()):
+                    continue
+                done.add((r["world_size"], r["variant"], r["seed"]))
     return done
 
 
@@ -122,8 +130,9 @@ def main(argv=None) -> int:
         conv = C.build_parser().parse_args(["--protocol", args.protocol, *args.extra])
     except SystemExit:
         p.error(f"the flags after -- ({' '.join(args.extra)}) are not bench converge flags")
-    protocol_name = C.apply_protocol(conv).protocol_name
-    done = finished([args.dir, *args.done], protocol_name)
+    conv = C.apply_protocol(conv)
+    preset = {k: v for k, v in C.make_cfg(**conv.settings).items() if k in C.PRESET_KEYS}
+    done = finished([args.dir, *args.done], conv.protocol_name, preset)
     every = jobs(args.world_sizes, args.variants, args.seeds)
     todo = [j for j in every if j not in done]
     print(f"[converge_queue] {len(todo)} runs to do, {len(every) - len(todo)} already done; {args.workers} at a "

@@ -34,6 +34,24 @@ def test_finished_reads_every_jsonl_of_the_protocol_and_skips_torn_lines(tmp_pat
 
 
 @pytest.mark.unit
+def test_a_run_of_another_shape_under_the_same_name_is_not_done(tmp_path, capsys):
+    # widths 128 and 256 are both "lion_w300 (with d_model changed)": the record's own settings decide
+    rec = lambda d: json.dumps({"bench": "converge", "protocol": "lion_w300 (with d_model changed)", "world_size": 16,
+                                "variant": "lion", "seed": 0, "d_model": d, "betas": [0.8, 0.9]})
+    (tmp_path / "w128.jsonl").write_text(rec(128) + "\n")
+    name = "lion_w300 (with d_model changed)"
+    assert Q.finished([tmp_path], name, {"d_model": 128, "betas": [0.8, 0.9]}) == {(16, "lion", 0)}
+    assert Q.finished([tmp_path], name, {"d_model": 256, "betas": [0.8, 0.9]}) == set()
+    assert Q.finished([tmp_path], name, {"d_model": 128, "betas": [0.9, 0.99]}) == set()
+    argv = ["--protocol", "lion_w300", "--world-sizes", "16", "--seeds", "0", "--variants", "lion", "--dir",
+            str(tmp_path / "q"), "--done", str(tmp_path), "--dry-run", "--"]
+    assert Q.main(argv + ["--d-model", "256"]) == 0
+    assert "1 runs to do, 0 already done" in capsys.readouterr().out
+    assert Q.main(argv + ["--d-model", "128"]) == 0
+    assert "0 runs to do, 1 already done" in capsys.readouterr().out
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("change, message", [
     ({"--variants": "cub_nope"}, "unknown converge variant 'cub_nope'"),
     ({"--workers": "0"}, "--workers 0: must be >= 1"),
