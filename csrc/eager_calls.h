@@ -53,62 +53,47 @@ inline void own_borrow(at::Tensor& t) {
   t = std::move(owned);
 }
 
-struct BorrowedTensors {  // a Tensor[] argument (up to 16 tensors without a heap allocation)
-  c10::SmallVector<at::Tensor, 16> ts;
-  HeldObjects held;
-  bool owned = false;
-  BorrowedTensors() = default;
-  BorrowedTensors(BorrowedTensors&& o) noexcept : ts(std::move(o.ts)), held(std::move(o.held)), owned(o.owned) {
-    o.ts.clear();
-  }
-  BorrowedTensors& operator=(BorrowedTensors&&) = delete;
-  ~BorrowedTensors() {
-    if (!owned)
-      for (auto& t : ts) TensorBorrow::destroyBorrow(t);
-  }
-  void own() {
-    if (!owned)
-      for (auto& t : ts) own_borrow(t);
-    owned = true;
-  }
-  operator TL() const { return ts; }  // NOLINT(google-explicit-constructor): the op's argument
-};
+// One holder for the three argument kinds: S is the borrowed value as the op takes it (a tensor
+// list, a tensor, or an optional tensor); each_tensor visits the tensors it holds, clear_moved empties a
+// moved-from value so that its destructor lets nothing go twice.
+template <class F>
+void each_tensor(c10::SmallVector<at::Tensor, 16>& ts, F f) {
+  for (auto& t : ts) f(t);
+}
+template <class F>
+void each_tensor(at::Tensor& t, F f) {
+  if (t.defined()) f(t);
+}
+template <class F>
+void each_tensor(OptT& t, F f) {
+  if (t) f(*t);
+}
+inline void clear_moved(c10::SmallVector<at::Tensor, 16>& ts) { ts.clear(); }
+inline void clear_moved(at::Tensor& t) { t = at::Tensor(); }
+inline void clear_moved(OptT& t) { t.reset(); }
 
-struct BorrowedTensor {  // a Tensor argument
-  at::Tensor t;
+template <class S>
+struct Borrowed {
+  S v;
   HeldObjects held;
   bool owned = false;
-  BorrowedTensor() = default;
-  BorrowedTensor(BorrowedTensor&& o) noexcept : t(std::move(o.t)), held(std::move(o.held)), owned(o.owned) {}
-  BorrowedTensor& operator=(BorrowedTensor&&) = delete;
-  ~BorrowedTensor() {
-    if (!owned) TensorBorrow::destroyBorrow(t);
+  Borrowed() = default;
+  Borrowed(Borrowed&& o) noexcept : v(std::move(o.v)), held(std::move(o.held)), owned(o.owned) { clear_moved(o.v); }
+  Borrowed& operator=(Borrowed&&) = delete;
+  ~Borrowed() {
+    if (!owned) each_tensor(v, [](at::Tensor& t) { TensorBorrow::destroyBorrow(t); });
   }
   void own() {
-    if (!owned && t.defined()) own_borrow(t);
+    if (!owned) each_tensor(v, own_borrow);
     owned = true;
   }
-  operator const at::Tensor&() const { return t; }  // NOLINT(google-explicit-constructor)
+  // the op's argument (a tensor list passes as a TensorList view of the borrows)
+  using Arg = std::conditional_t<std::is_same_v<S, at::Tensor> || std::is_same_v<S, OptT>, const S&, TL>;
+  operator Arg() const { return v; }  // NOLINT(google-explicit-constructor)
 };
-
-struct BorrowedOptTensor {  // a Tensor? argument (None: no value)
-  OptT t;
-  HeldObjects held;
-  bool owned = false;
-  BorrowedOptTensor() = default;
-  BorrowedOptTensor(BorrowedOptTensor&& o) noexcept : t(std::move(o.t)), held(std::move(o.held)), owned(o.owned) {
-    o.t.reset();
-  }
-  BorrowedOptTensor& operator=(BorrowedOptTensor&&) = delete;
-  ~BorrowedOptTensor() {
-    if (t && !owned) TensorBorrow::destroyBorrow(*t);
-  }
-  void own() {
-    if (!owned && t) own_borrow(*t);
-    owned = true;
-  }
-  operator const OptT&() const { return t; }  // NOLINT(google-explicit-constructor)
-};
+using BorrowedTensors = Borrowed<c10::SmallVector<at::Tensor, 16>>;  // Tensor[] (16 without a heap allocation)
+using BorrowedTensor = Borrowed<at::Tensor>;                          // Tensor
+using BorrowedOptTensor = Borrowed<OptT>;                             // Tensor? (None: no value)
 }  // namespace
 
 namespace pybind11::detail {
@@ -136,12 +121,12 @@ struct type_caster<BorrowedTensors> {
   bool load_items(PyObject* o) {
     const bool list = PyList_Check(o);
     const Py_ssize_t n = list ? PyList_GET_SIZE(o) : PyTuple_GET_SIZE(o);
-    value.ts.reserve(static_cast<size_t>(n));
+    value.v.reserve(static_cast<size_t>(n));
     value.held.objs.reserve(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* item = list ? PyList_GET_ITEM(o, i) : PyTuple_GET_ITEM(o, i);
       if (!value.held.hold(item)) return false;
-      value.ts.push_back(TensorBorrow::createBorrow(THPVariable_Unpack(item)));
+      value.v.push_back(TensorBorrow::createBorrow(THPVariable_Unpack(item)));
     }
     return true;
   }
@@ -155,7 +140,7 @@ struct type_caster<BorrowedTensor> {
   PYBIND11_TYPE_CASTER(BorrowedTensor, const_name("torch.Tensor"));
   bool load(handle src, bool) {
     if (!value.held.hold(src.ptr())) return false;
-    value.t = TensorBorrow::createBorrow(THPVariable_Unpack(src.ptr()));
+    value.v = TensorBorrow::createBorrow(THPVariable_Unpack(src.ptr()));
     return true;
   }
   static handle cast(const BorrowedTensor&, return_value_policy, handle) = delete;
@@ -167,7 +152,7 @@ struct type_caster<BorrowedOptTensor> {
   bool load(handle src, bool) {
     if (src.is_none()) return true;
     if (!value.held.hold(src.ptr())) return false;
-    value.t.emplace(TensorBorrow::createBorrow(THPVariable_Unpack(src.ptr())));
+    value.v.emplace(TensorBorrow::createBorrow(THPVariable_Unpack(src.ptr())));
     return true;
   }
   static handle cast(const BorrowedOptTensor&, return_value_policy, handle) = delete;
@@ -204,12 +189,15 @@ int64_t elements_of(const T&) {
   return 0;
 }
 inline int64_t elements_of(const at::Tensor& t) { return t.defined() ? t.numel() : 0; }
-inline int64_t elements_of(const BorrowedTensor& t) { return elements_of(t.t); }
-inline int64_t elements_of(const BorrowedOptTensor& t) { return t.t ? elements_of(*t.t) : 0; }
-inline int64_t elements_of(const BorrowedTensors& ts) {
+inline int64_t elements_of(const OptT& t) { return t ? elements_of(*t) : 0; }
+inline int64_t elements_of(TL ts) {
   int64_t n = 0;
-  for (const auto& t : ts.ts) n += elements_of(t);
+  for (const auto& t : ts) n += elements_of(t);
   return n;
+}
+template <class S>
+int64_t elements_of(const Borrowed<S>& a) {
+  return elements_of(static_cast<typename Borrowed<S>::Arg>(a));
 }
 template <class... T>
 bool releases_gil(const T&... args) {
@@ -220,9 +208,10 @@ using OptionalNoGil = std::optional<pybind11::gil_scoped_release>;
 // The borrowed arguments made owning, then the GIL released: for a call of >= kGilFreeElements.
 template <class T>
 void own(T&) {}
-inline void own(BorrowedTensors& a) { a.own(); }
-inline void own(BorrowedTensor& a) { a.own(); }
-inline void own(BorrowedOptTensor& a) { a.own(); }
+template <class S>
+void own(Borrowed<S>& a) {
+  a.own();
+}
 template <class... T>
 void release_gil_for(OptionalNoGil& nogil, T&... args) {
   if (!releases_gil(args...)) return;
