@@ -21,6 +21,7 @@ each with real ``deepspeed.initialize`` engines (DS_ACCELERATOR=cpu):
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -40,9 +41,9 @@ LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.99)
 ENV = {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(L), "LIONCUB_KERNELS": "torch"}
 
 
-def _model():
+def _model(seed=0):
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         # odd sizes: 15x7 does not split evenly over 2 ranks (ZeRO-3 pads the last partition)
         return torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.Tanh(), torch.nn.Linear(15, 3))
 
@@ -64,9 +65,9 @@ def _cfg(dtype="fp32", clip=0.0, offload=False, stage=3, **params):
     return cfg
 
 
-def _engine(cfg):
+def _engine(cfg, seed=0):
     import deepspeed
-    model = _model()
+    model = _model(seed)
     if cfg.get("bf16", {}).get("enabled"):
         model = model.to(torch.bfloat16)
     return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
@@ -221,6 +222,15 @@ def _resume(engine, rank, dtype, ckpt_dir):
     a = _engine(_cfg(dtype, voters="node", node_size=L))
     _train(a, rank, 1, SAVE_AT, dtype)
     a.save_checkpoint(ckpt_dir, tag="t")
+    saved_full = _full_params(a)
+    dist.barrier()
+    consolidated = None
+    if rank == 0:  # DeepSpeed's zero_to_fp32 refuses the per-group files; the helper reads group 0's
+        from lioncub_ds.deepspeed import zero3_fp32_state_dict
+        sd = zero3_fp32_state_dict(ckpt_dir, tag="t")
+        names = [n for n, _ in a.module.named_parameters()]
+        consolidated = sorted(sd) == sorted(names) and all(
+            torch.equal(sd[n].reshape(-1), p.reshape(-1)) for n, p in zip(names, saved_full))
     b = _engine(_cfg(dtype, voters="node", node_size=L))
     b.load_checkpoint(ckpt_dir, tag="t")
     _train(b, rank, SAVE_AT + 1, STEPS, dtype)
@@ -244,7 +254,20 @@ def _resume(engine, rank, dtype, ckpt_dir):
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
         refused = f"{type(exc).__name__}: {exc}"
     unchanged = all(torch.equal(x, y) for x, y in zip(_full_params(b), before))
-    return {"resumed": resumed, "files": files, "refused": refused, "unchanged_after_refusal": unchanged}
+    # node-local storage: the layout file is missing on the other node (ranks 2, 3 here); every rank
+    # refuses together (without the agreement, ranks 0, 1 would load and 2, 3 raise)
+    local = ckpt_dir + "_local"
+    if rank == 0:
+        shutil.copytree(ckpt_dir, local)
+        os.remove(os.path.join(local, "t", "lioncub_zero3_layout.json"))
+    dist.barrier()
+    try:
+        b.load_checkpoint(ckpt_dir if rank < WORLD // 2 else local, tag="t")
+        refused_local = None
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        refused_local = f"{type(exc).__name__}: {exc}"
+    return {"resumed": resumed, "files": files, "refused": refused, "unchanged_after_refusal": unchanged,
+            "refused_local": refused_local, "consolidated": consolidated}
 
 
 def _skip_scenario(rank):
@@ -277,6 +300,43 @@ def _plain_scenario(rank, stage, offload):
             "summary": engine.lioncub.summary()}
 
 
+def _seeded_scenario(rank):
+    """A model seeded per rank (as scripts that seed by rank do): the groups start from rank 0's
+    weights, so the run equals the one where every rank built the same model."""
+    engine = _engine(_cfg("fp32", voters="node", node_size=L), seed=rank)
+    _train(engine, rank, 1, STEPS, "fp32")
+    return {"params": _full_params(engine)}
+
+
+def _zero_init_refusal(rank):
+    """A model built under deepspeed.zero.Init (partitioned over the world): refused by name."""
+    import deepspeed
+    cfg = _cfg("fp32", voters="node", node_size=L)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = _model()
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _size_disagreement(rank):
+    """node_size from the launcher's LOCAL_SIZE, 2 on one node and 4 on the other: every rank
+    raises the same error (the ranks of size 4 would otherwise build plain ZeRO-3 while the others
+    wait in the group set-up)."""
+    cfg = _cfg("fp32", voters="node")
+    old = {var: os.environ.pop(var, None) for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")}
+    os.environ["LOCAL_SIZE"] = "2" if rank < WORLD // 2 else "4"
+    try:
+        return _refusal(cfg)
+    finally:
+        for var, value in old.items():
+            os.environ.pop(var, None)
+            if value is not None:
+                os.environ[var] = value
+
+
 def _refusal(cfg, client=False):
     import deepspeed
     from lioncub_ds import LionCub
@@ -304,7 +364,14 @@ def _all(rank, world_size, tmp):
            # a plain engine after the vote engines: DeepSpeed keeps the last mpu in a module global
            "plain3_after": _plain_scenario(rank, 3, False),
            "refuse_offload_votes": _refusal(_cfg("fp32", stage=2, offload=True, voters="node", node_size=L)),
-           "refuse_client": _refusal({k: v for k, v in _cfg("fp32").items() if k != "optimizer"}, client=True)}
+           "refuse_client": _refusal({k: v for k, v in _cfg("fp32").items() if k != "optimizer"}, client=True),
+           "seeded": _seeded_scenario(rank),
+           "refuse_zero_init": _zero_init_refusal(rank),
+           "refuse_sizes": _size_disagreement(rank),
+           "refuse_zeropp": _refusal(dict(_cfg("fp32", voters="node", node_size=L),
+                                          zero_optimization={"stage": 3, "zero_quantized_gradients": True})),
+           "refuse_base64": _refusal(base64.urlsafe_b64encode(
+               json.dumps(_cfg("fp32", voters="node", node_size=L)).encode()).decode())}
     return out
 
 
@@ -353,11 +420,33 @@ def test_resume_is_exact_and_another_layout_is_refused_before_loading(results):
         assert x["resumed"], f"rank {r}: resume differs"
         assert x["refused"] and "1 shard groups x 4 ranks" in x["refused"] and "node_size" in x["refused"], x
         assert x["unchanged_after_refusal"]
+    assert results[0]["fp32"]["consolidated"], "zero3_fp32_state_dict differs from the saved model"
     files = results[0]["fp32"]["files"]
     # every group's ZeRO files (their momenta differ), and the layout
     assert "lioncub_zero3_layout.json" in files
     assert any("group1" in f and f.endswith("optim_states.pt") for f in files), files
     assert sum(f.endswith("optim_states.pt") for f in files) == WORLD, files
+
+
+def test_a_checkpoint_some_rank_cannot_verify_is_refused_on_every_rank(results):
+    for r, res in enumerate(results):
+        x = res["fp32"]["refused_local"]
+        assert x and "nothing was loaded" in x, (r, x)
+
+
+def test_groups_start_from_rank_zeros_weights_when_ranks_seed_apart(results):
+    for r, res in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(res["seeded"]["params"], res["fp32"]["full_final"])), \
+            f"rank {r}: a run whose ranks built different models differs from the same-model run"
+
+
+def test_a_zero_init_model_and_disagreeing_node_sizes_are_refused_on_every_rank(results):
+    for r, res in enumerate(results):
+        assert "zero.Init" in res["refuse_zero_init"] and "voters='rank'" in res["refuse_zero_init"], (r, res)
+        assert "resolved different node sizes" in res["refuse_sizes"] and "rank 3: 4" in res["refuse_sizes"], \
+            (r, res["refuse_sizes"])
+        assert "zero_quantized_gradients=True" in res["refuse_zeropp"] and "Allowed" in res["refuse_zeropp"], r
+        assert "could not" in res["refuse_base64"] and "voters='node'" in res["refuse_base64"], r
 
 
 def test_a_non_finite_gradient_in_one_group_skips_the_step_in_every_group(results):

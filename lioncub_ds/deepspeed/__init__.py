@@ -27,11 +27,12 @@ from ._compat import DeepSpeedCompatError
 from .engine import (INTEGRATION_KEYS, OPTIMIZER_NAME, LionCubDeepSpeedError, config_warnings, is_registered,
                      lioncub_of, register, set_options, split_params)
 from .zero import ZeroSignAllGatherError
+from .zero3 import fp32_state_dict as zero3_fp32_state_dict
 
 __all__ = ["register", "is_registered", "lioncub_of", "comm_stats", "state_bytes", "save_checkpoint", "load_checkpoint",
            "save_rank_state", "load_rank_state", "set_options", "split_params", "config_warnings",
            "LionCubDeepSpeedError", "DeepSpeedCompatError",
-           "ZeroSignAllGatherError", "OPTIMIZER_NAME", "INTEGRATION_KEYS"]
+           "ZeroSignAllGatherError", "OPTIMIZER_NAME", "INTEGRATION_KEYS", "zero3_fp32_state_dict"]
 
 
 def comm_stats(engine) -> dict:

@@ -379,6 +379,19 @@ def build_optimizer(engine, model_parameters):
             opt = zero3.build(engine, model_parameters, config)
             setattr(opt, _OPTIONS_ATTR, options)
             return opt
+        if requested(params).node_voters and dist.is_available() and dist.is_initialized():
+            # votes were asked for, but the wrapped deepspeed.initialize made no node groups: one group
+            # (L = the world) is plain ZeRO-3; anything else means it could not read the ds_config
+            try:
+                size = requested(params).ranks_per_node()
+            except ValueError as exc:
+                raise LionCubConfigError(str(exc)) from None
+            if size != dist.get_world_size():
+                raise zero3.ZeRO3VotesError(
+                    "LionCub: optimizer.params voters='node' at zero_optimization.stage=3 needs deepspeed.initialize "
+                    "to read the ds_config before DeepSpeed builds the engine (it makes the node groups), and it "
+                    "could not (a config given in a form other than a dict or a JSON/HJSON file path, e.g. base64?). "
+                    "Allowed: config=<dict> or a path to the JSON file, with lioncub_ds imported or installed.")
         config = zero3.inner_config(config)  # one ZeRO-3 group over every rank: global Lion, no vote
     opt = LionCub(model_parameters, process_group=group, config=config)
     if stage >= 1 and group is not None:

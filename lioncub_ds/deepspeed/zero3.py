@@ -162,17 +162,23 @@ def make_initialize(orig):
                 "group itself (one ZeRO-3 group per node group), but deepspeed.initialize got an mpu: model "
                 "parallelism with ZeRO-3 votes is not supported. Allowed: no mpu, or voters='rank' (global Lion on "
                 "the ZeRO-3 partitions).")
+        refused = unsupported_settings(config)
+        if refused:
+            raise LionCubConfigError(refused)
         if not (dist.is_available() and dist.is_initialized()):
             import deepspeed
             deepspeed.init_distributed(dist_backend=given.get("dist_backend"))
-        try:  # validate before any group exists: the same settings on every rank give the same error
-            size = requested(params).ranks_per_node()
-        except ValueError as exc:
-            raise LionCubConfigError(str(exc)) from None
+        # every rank resolves L (node_size, else the launcher's ranks per node) and the ranks agree on
+        # it before any group exists: a rank that cannot resolve it, or resolves another L (a hostfile
+        # with unequal slots), makes every rank raise the same error instead of some waiting for it
+        size = agreed_node_size(params)
         world = dist.get_world_size()
+        model = given.get("model")
         if size == world:
             # one group: ZeRO-3 over every rank, global Lion on the partitions (no vote needed)
             return orig(*args, **kwargs)
+        if model is not None:
+            check_not_zero_init(model)
         try:
             sg = make_shard_groups(size, timeout_s=params.get("timeout_s"))
             # offload_optimizer: the fp32 partitions (and so the votes) live in CPU memory, which NCCL
@@ -181,6 +187,11 @@ def make_initialize(orig):
                 if offloaded(config) else None
         except ValueError as exc:
             raise LionCubConfigError(str(exc)) from None
+        if model is not None:
+            # ZeRO-3 broadcasts the starting weights inside the group only (its data-parallel group):
+            # groups that started apart (a seed per rank) would apply the same Δ to different values
+            # forever. One broadcast from rank 0 over every rank, as torch DDP does at construction.
+            broadcast_start(model)
         from deepspeed.utils import groups as ds_groups
         from .engine import singleton_group
         given["mpu"] = ShardGroupsMPU(sg, singleton_group(), cpu)
@@ -193,6 +204,82 @@ def make_initialize(orig):
             ds_groups.mpu = before
 
     return initialize
+
+
+# ZeRO++ settings that communicate over groups DeepSpeed derives from the world, not from the
+# data-parallel group it is given: with votes they would reduce gradients across node groups (or
+# cut partitions of another size). Key -> (what it does, the value that is allowed).
+ZEROPP_REFUSED = {"zero_quantized_gradients": ("quantized gradient all-to-all over every rank", False),
+                  "zero_hpz_partition_size": ("a secondary parameter partition over world-derived groups", 1)}
+
+
+def unsupported_settings(config: dict) -> str | None:
+    """The refusal message for a stage-3 votes config with a ZeRO++ setting it cannot serve, or None."""
+    zero = config.get("zero_optimization") or {}
+    bad = [(k, zero[k], what, ok) for k, (what, ok) in ZEROPP_REFUSED.items()
+           if k in zero and zero[k] not in (None, ok) and not (ok == 1 and zero[k] in (0, 1))]
+    if not bad:
+        return None
+    return ("LionCub: optimizer.params voters='node' with zero_optimization.stage=3 does not support " +
+            "; ".join(f"zero_optimization.{k}={v!r} ({what})" for k, v, what, _ in bad) +
+            ": ZeRO++ builds those groups from the whole world, so gradients would cross the node groups. "
+            "Allowed: " + ", ".join(f"{k}={ok!r}" for k, _, _, ok in bad) + " (or left out), or voters='rank'.")
+
+
+def agreed_node_size(params: dict) -> int:
+    """L for the shard groups, resolved on every rank and agreed over the world (one object
+    all-gather, at initialize): raises the same LionCubConfigError on every rank when some rank
+    cannot resolve it or the ranks resolve different values."""
+    try:
+        mine = requested(params).ranks_per_node()
+    except ValueError as exc:
+        mine = str(exc)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if all(v == every[0] for v in every) and not isinstance(every[0], str):
+        return every[0]
+    errors = [(r, v) for r, v in enumerate(every) if isinstance(v, str)]
+    if errors:
+        r, msg = errors[0]
+        raise LionCubConfigError(f"{msg} (on {len(errors)} of {len(every)} ranks, rank {r} first; every rank raises "
+                                 "this, nothing was built)")
+    sizes = ", ".join(f"rank {r}: {v}" for r, v in enumerate(every))
+    raise LionCubConfigError("LionCub: the ranks resolved different node sizes for voters='node' at ZeRO stage 3 "
+                             f"({sizes}; node_size unset takes each rank's LOCAL_WORLD_SIZE / LOCAL_SIZE, which "
+                             "differ when nodes run different numbers of ranks). Allowed: the same number of ranks on "
+                             "every node, or node_size=<L> in optimizer.params with L dividing the world size; every "
+                             "rank raises this, nothing was built")
+
+
+def check_not_zero_init(model) -> None:
+    """Refuse a model built under ``deepspeed.zero.Init``: its parameters are already partitioned
+    over the group it was built with (the world, by default), not over the node group ZeRO-3 with
+    votes needs, and it started from each group's own broadcast. Raised on every rank alike (the
+    same model code), before any group is made."""
+    built = [n for n, p in model.named_parameters() if hasattr(p, "ds_id")]
+    if built:
+        raise ZeRO3VotesError(
+            f"LionCub: voters='node' at zero_optimization.stage=3 needs the model built outside deepspeed.zero.Init "
+            f"(parameter {built[0]!r} is already partitioned by it, over another group than the node group). Allowed: "
+            "build the model without zero.Init (Hugging Face: load it before TrainingArguments / HfDeepSpeedConfig "
+            "sees the ZeRO-3 config, so that from_pretrained does not use zero.Init), or voters='rank'.")
+
+
+def broadcast_start(model) -> None:
+    """Every parameter and buffer from rank 0 over every rank (in place; through the accelerator
+    for NCCL, which carries no CPU tensor)."""
+    device = None
+    if dist.get_backend() == "nccl":
+        from deepspeed.accelerator import get_accelerator
+        device = torch.device(get_accelerator().current_device_name())
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if (device is None or t.device == device) and t.is_contiguous():
+                dist.broadcast(t.data, src=0)
+            else:
+                buf = t.data.to(device or t.device).contiguous()
+                dist.broadcast(buf, src=0)
+                t.data.copy_(buf)
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -427,10 +514,14 @@ def wire_engine(engine):
         raise ZeRO3VotesError(f"LionCub: this DeepSpeed's ZeRO-3 optimizer ({type(zopt).__name__}) lacks "
                               f"{', '.join(missing)}; tested DeepSpeed: {', '.join(_compat.TESTED_VERSIONS)}")
     sg = shard_groups_of(engine)  # the default backend's groups: ZeRO-3's, and its skip flag's
-    if dist.get_world_size(zopt.dp_process_group) != sg.shard_size:
-        raise ZeRO3VotesError("LionCub: ZeRO-3 partitions over a group that is not the node group; build the model "
-                              "outside deepspeed.zero.Init, or pass it data_parallel_group=engine.mpu."
-                              "get_data_parallel_group()")
+    # ZeRO-3 partitions and reduces each parameter over its own ds_process_group: every one must be
+    # the node group (a model from zero.Init is refused in initialize; this catches any other way)
+    shard = group_ranks(sg.shard)
+    other = [p for group in zopt.fp16_groups for p in group
+             if group_ranks(getattr(p, "ds_process_group", zopt.dp_process_group)) != shard]
+    if dist.get_world_size(zopt.dp_process_group) != sg.shard_size or other:
+        raise ZeRO3VotesError("LionCub: ZeRO-3 partitions over a group that is not the node group (a model built "
+                              "under deepspeed.zero.Init?); build the model outside deepspeed.zero.Init")
     opt.wire(zopt)
     agree_across_groups(zopt, sg)
     name_files_per_group(engine, sg)
@@ -469,34 +560,75 @@ def name_files_per_group(engine, sg: ShardGroups) -> None:
 
 
 def install_layout_check(engine, opt: ZeRO3Votes) -> None:
-    """save: rank 0 writes the vote layout beside DeepSpeed's files; load: every rank reads it and
-    refuses another layout by name before DeepSpeed loads anything (the same file: the same
-    answer on every rank)."""
+    """save: every rank writes the vote layout beside DeepSpeed's files (the same content; with
+    node-local storage each node then has it); load: every rank reads it, the ranks agree (one
+    flag all-reduce over every rank), and another layout, or a file some rank cannot read, is
+    refused on every rank by name before DeepSpeed loads anything."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
         if tag is None:
             tag = f"global_step{engine.global_steps}"
-        if dist.get_rank() == 0:
-            os.makedirs(os.path.join(save_dir, str(tag)), exist_ok=True)
-            path = os.path.join(save_dir, str(tag), LAYOUT_FILE)
-            with open(path + ".tmp", "w") as f:
-                json.dump(opt.layout(), f)
-            os.replace(path + ".tmp", path)
+        os.makedirs(os.path.join(save_dir, str(tag)), exist_ok=True)
+        path = os.path.join(save_dir, str(tag), LAYOUT_FILE)
+        tmp = f"{path}.tmp{dist.get_rank()}"  # one temporary per rank: the replace is atomic either way
+        with open(tmp, "w") as f:
+            json.dump(opt.layout(), f)
+        os.replace(tmp, path)
         return save(save_dir, tag, *args, **kwargs)
 
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         from .checkpoint import _resolve_tag
         t = _resolve_tag(engine, load_dir, tag)
         path = os.path.join(load_dir, str(t), LAYOUT_FILE) if t is not None else None
+        saved, problem = None, None
         if path is not None and os.path.isdir(os.path.dirname(path)):
-            saved = None
             if os.path.isfile(path):
                 with open(path) as f:
                     saved = json.load(f)
             if saved != opt.layout():
-                raise layout_error(os.path.dirname(path), saved, opt.layout(), "; nothing was loaded")
+                problem = layout_error(os.path.dirname(path), saved, opt.layout(), "; nothing was loaded")
+        flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if problem is not None:
+            raise problem
+        if flag.item():
+            raise ZeRO3VotesError(f"LionCub: another rank refused the checkpoint {load_dir!r} (tag {t!r}): its vote "
+                                  f"layout file ({LAYOUT_FILE}) is missing there or says another layout (node-local "
+                                  "storage without the file on that node?); nothing was loaded, on any rank")
         return load(load_dir, tag, *args, **kwargs)
 
     save_checkpoint.__wrapped__, load_checkpoint.__wrapped__ = save, load
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+
+
+# ----------------------------------------------------------------------------- consolidation
+def fp32_state_dict(checkpoint_dir, tag=None) -> dict:
+    """The full fp32 model state dict of a ZeRO-3-with-votes checkpoint, on the CPU (what
+    DeepSpeed's ``zero_to_fp32`` gives for plain ZeRO-3). DeepSpeed's tool counts every
+    ``*_optim_states.pt`` of the tag folder and expects one per partition, so it refuses the
+    ``_group{j}`` files of the other groups; their partitions equal group 0's (every group applies
+    the same update), so group 0's files alone are the whole model. This reads them through
+    DeepSpeed's own consolidation, from a scratch folder of links to every other file."""
+    import tempfile
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"LionCub: no tag given and no 'latest' file in {checkpoint_dir!r}; allowed: "
+                                    "tag=<the tag folder's name>")
+        with open(latest) as f:
+            tag = f.read().strip()
+    src = os.path.join(checkpoint_dir, str(tag))
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"LionCub: no checkpoint tag folder {src!r}")
+    with tempfile.TemporaryDirectory(prefix="lioncub_zero3_") as tmp:
+        dst = os.path.join(tmp, str(tag))
+        os.makedirs(dst)
+        for name in os.listdir(src):
+            if "_group" not in name:
+                os.symlink(os.path.join(src, name), os.path.join(dst, name))
+        return get_fp32_state_dict_from_zero_checkpoint(tmp, tag=str(tag))
