@@ -269,18 +269,20 @@ class ShardGroups:
 
 
 def make_shard_groups(shard_size: int | None = None, *, group=None, timeout_s: float | None = None,
-                      backend: str | None = None) -> ShardGroups:
+                      backend: str | None = None, setting: str = "shard_size") -> ShardGroups:
     """Create the shard groups and peer groups over ``group`` (None: the world) on every rank of
     the world, in one order (:func:`create_on_all_ranks`). ``shard_size`` None: the ranks per node
     (:func:`resolve_ranks_per_node`), so a shard group is a machine. ``backend`` (e.g. "gloo" for
     shards that live in CPU memory under an NCCL job) makes all three groups, ``world`` too, with
-    that backend. Every rank must call it. Raises ValueError naming ``node_size`` when the size
-    cannot be found or does not divide the group."""
+    that backend. Every rank must call it. Raises ValueError (before any group exists) naming
+    ``setting`` (the caller's name for the size: ``shard_size`` here, ``node_size`` for node
+    voters) and the allowed values when the size cannot be found or does not divide the group."""
     ranks = group_ranks(group)
-    size = resolve_ranks_per_node(shard_size, "node_size")
+    size = resolve_ranks_per_node(shard_size, setting)
     if not isinstance(size, int) or isinstance(size, bool) or size < 1 or len(ranks) % size:
-        raise ValueError(f"LionCub: node_size={size!r} (the ranks of one shard group) must be a positive divisor "
-                         f"of the {len(ranks)} data-parallel ranks")
+        raise ValueError(f"LionCub: {setting}={size!r} (the ranks of one shard group) must be a positive divisor "
+                         f"of the {len(ranks)} data-parallel ranks; allowed: one of "
+                         f"{[d for d in range(1, len(ranks) + 1) if len(ranks) % d == 0]}")
     me = ranks.index(dist.get_rank())
     k = me % size
     wanted = [consecutive_blocks(ranks, size)[me // size], ranks[k::size]] + ([ranks] if backend else [])

@@ -79,26 +79,85 @@ def _train(model, opt, first, last, clip=True):
     return rec
 
 
+class Block(torch.nn.Module):
+    """A block that may hold another block: ``modules=Block`` matches a parent and its child."""
+
+    def __init__(self, inner=None):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+        self.inner = inner
+
+    def forward(self, x):
+        x = torch.tanh(self.fc(x))
+        return self.inner(x) if self.inner is not None else x
+
+
+class Nested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(6, 3)
+        self.outer = Block(Block())
+        self.head = torch.nn.Linear(3, 3)
+
+    def forward(self, idx):
+        return self.head(self.outer(self.emb(idx).mean(1)))
+
+
+def _meta_net():
+    with torch.device("meta"):
+        return Net()
+
+
+def _refusal_cases():
+    """label -> (model, shard_and_vote's keywords, the words the message must hold)."""
+    def twice(net):
+        ps = list(net.parameters())
+        return [{"params": ps}, {"params": [ps[0]], "lr": 0.5}]
+    cases = {label: (lambda: Net(), kw, [label]) for label, kw in {
+        "shard_size=3": dict(shard_size=3), "voters": dict(voters="node"), "node_size": dict(node_size=2),
+        "overlap": dict(overlap=True), "momentum_sync.group": dict(momentum_sync={"every": 5, "group": "node"}),
+        "lr": dict(lr=-1.0)}.items()}
+    cases.update({
+        # a parameter listed twice (two groups, or twice in one): it would be stepped twice
+        "twice in two groups": (Net, lambda net: dict(params=twice(net)),
+                                ["'emb.weight'", "listed twice", "groups 0 and 1", "listed once"]),
+        "twice in one group": (Net, lambda net: dict(params=[*net.parameters(), net.fc2.bias]),
+                               ["'fc2.bias'", "listed twice", "listed once"]),
+        "pair with a name the model lacks": (Net, lambda net: dict(params=[("fc9.weight", net.fc1.weight)]),
+                                             ["'fc9.weight'", "not a parameter of the model", "named_parameters"]),
+        "pair with another parameter": (Net, lambda net: dict(params=[("fc1.weight", net.fc2.weight)]),
+                                        ["'fc1.weight'", "not the model's parameter"]),
+        "modules as a string": (Net, dict(modules="Block"), ["modules='Block'", "module class", "allowed"]),
+        "modules not a module class": (Net, dict(modules=(int,)), ["int is not a torch.nn.Module class", "allowed"]),
+        "modules outside the model": (Net, lambda net: dict(modules=[torch.nn.Linear(2, 2)]),
+                                      ["not inside the model", "allowed"]),
+        "init_weights": (Net, dict(init_weights=3), ["init_weights=3", "not callable"]),
+        "meta without init_weights": (_meta_net, {}, ["meta device", "init_weights=fn"]),
+        "timeout_s": (Net, dict(timeout_s=-1.0), ["timeout_s=-1.0"]),
+    })
+    return cases
+
+
 def _refusals(rank):
-    """Bad settings and groupings: LionCubConfigError on every rank, before any process group
-    (no collective, no new_group in the call log) or optimizer exists."""
-    from lioncub_ds.config import LionCubConfigError
+    """Bad settings, groupings, params and modules: LionCubConfigError on every rank, before any
+    process group (no collective, no new_group in the call log), optimizer or FSDP2 sharding exists."""
+    from torch.distributed.tensor import DTensor
     from lioncub_ds.fsdp import shard_and_vote
     from lioncub_ds.testing import nccl_contract
     from dist_helpers import recording_optimizer_inits
     out = {}
-    cases = {"shard_size=3": dict(shard_size=3), "voters": dict(voters="node"), "node_size": dict(node_size=2),
-             "overlap": dict(overlap=True), "momentum_sync.group": dict(momentum_sync={"every": 5, "group": "node"}),
-             "lr": dict(lr=-1.0)}
-    for label, kw in cases.items():
+    for label, (make, kw, _) in _refusal_cases().items():
+        net = make()
+        kw = kw(net) if callable(kw) else kw
         before = len(nccl_contract.log())
         with recording_optimizer_inits() as inits:
             try:
-                shard_and_vote(Net(), **{"shard_size": L, **kw})
+                shard_and_vote(net, **{"shard_size": L, "lr": LR, **kw})
                 msg = None
-            except LionCubConfigError as exc:
-                msg = str(exc)
-        out[label] = (msg, len(nccl_contract.log()) - before, list(inits))
+            except Exception as exc:  # noqa: BLE001 - the type is checked by the test
+                msg = f"{type(exc).__name__}: {exc}"
+        sharded = any(isinstance(p, DTensor) for p in net.parameters())
+        out[label] = (msg, len(nccl_contract.log()) - before, list(inits), sharded)
     return out
 
 
@@ -109,10 +168,17 @@ def _late_refusals(sg):
     from lioncub_ds.config import LionCubConfigError
     from lioncub_ds.fsdp import LionCubFSDP
     from dist_helpers import recording_optimizer_inits
+    import torch.distributed as dist
+    from lioncub_ds.fsdp import shard_mesh
     hsdp = Net()
     fully_shard(hsdp, mesh=init_device_mesh("cpu", (WORLD // L, L), mesh_dim_names=("replicate", "shard")))
+    meta = _meta_net()  # sharded on "meta", never materialized
+    fully_shard(meta, mesh=shard_mesh(sg))
+    torch.manual_seed(100 + dist.get_rank())  # every rank its own weights: the groups start apart
+    apart = Net()
+    fully_shard(apart, mesh=shard_mesh(sg))
     out = {}
-    for label, model in (("plain", Net()), ("hsdp", hsdp)):
+    for label, model in (("plain", Net()), ("hsdp", hsdp), ("meta", meta), ("apart", apart)):
         with recording_optimizer_inits() as inits:
             try:
                 LionCubFSDP(model, shard_groups=sg, lr=LR)
@@ -190,7 +256,80 @@ def _rank_body(rank, world_size, path):
     res["sync_log"] = nccl_contract.log()
     res["sync_momenta"] = [opt_s.state[leaf]["exp_avg"].clone() for _, _, leaf in opt_s._fsdp]
     res["sync_after"] = _locals(model_s)
+    res["review"] = _review(rank)
     return res
+
+
+def _review(rank):
+    """The review's cases, each caught (its error text kept) so one failure names itself:
+    groups starting apart, nested modules=, a model on "meta" with init_weights, timeout_s,
+    make_shard_groups' refusal."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from lioncub_ds.comm.base import Collectives, group_timeout_s
+    from lioncub_ds.fsdp import shard_and_vote
+    from lioncub_ds.groups import make_shard_groups
+    from lioncub_ds.testing import nccl_contract
+    settings = dict(lr=LR, betas=BETAS, weight_decay=WD, comm="1bit")
+    out = {}
+
+    def apart():  # every rank its own seed: shard_and_vote broadcasts shard group 0's shards
+        torch.manual_seed(100 + rank)
+        model, opt = shard_and_vote(Net(), L, **settings)
+        return {"init": _locals(model), "steps": _train(model, opt, 1, 2, clip=False)}
+
+    def nested():  # modules=Block matches a Block and the Block inside it: children are sharded first
+        torch.manual_seed(0)
+        model, opt = shard_and_vote(Nested(), L, modules=Block, **settings)
+        wrapped = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+        for step in (1, 2):
+            idx, y = _batch(rank, step)
+            torch.nn.functional.mse_loss(model(idx), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {"wrapped": wrapped, "after": _locals(model), "count": opt.step_count}
+
+    def meta():  # built on "meta": shard_and_vote runs to_empty and init_weights, then the optimizer
+        seen = []
+
+        def init_weights(model):
+            seen.append(not torch.is_grad_enabled()
+                        and all(isinstance(p, DTensor) and p.device.type == "cpu" for p in model.parameters()))
+            torch.manual_seed(200 + rank)
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        model, opt = shard_and_vote(_meta_net(), L, init_weights=init_weights, **settings)
+        return {"seen": seen, "init": _locals(model), "steps": _train(model, opt, 1, 2, clip=False),
+                "count": opt.step_count}
+
+    def timeout():
+        torch.manual_seed(0)
+        model, opt = shard_and_vote(Net(), L, timeout_s=123.0, **settings)
+        _train(model, opt, 1, 1, clip=False)
+        colls = [c for c in vars(opt.plan.sharding).values() if isinstance(c, Collectives)]
+        return {"config": opt.config.timeout_s, "deadlines": sorted({c.timeout.total_seconds() for c in colls}),
+                "groups": [group_timeout_s(g, torch.device("cpu")) for g in (opt.fsdp_shard_groups.shard,
+                                                                            opt.fsdp_shard_groups.peers)]}
+
+    def bad_size():
+        res = {}
+        for label, kw in (("shard_size", {}), ("node_size", {"setting": "node_size"})):
+            before = len(nccl_contract.log())
+            try:
+                make_shard_groups(3, **kw)
+                res[label] = (None, 0)
+            except ValueError as exc:
+                res[label] = (str(exc), len(nccl_contract.log()) - before)
+        return res
+
+    for label, case in (("apart", apart), ("nested", nested), ("meta", meta), ("timeout", timeout),
+                        ("bad_size", bad_size)):
+        try:
+            out[label] = case()
+        except Exception as exc:  # noqa: BLE001 - the test names it
+            out[label] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def _nonfinite_on_one_rank(model, opt, step):
@@ -397,13 +536,18 @@ def test_another_shard_size_is_refused_by_name_before_loading(ranks):
 
 
 def test_bad_settings_are_refused_on_every_rank_before_any_group_or_state(ranks):
+    cases = _refusal_cases()
     for r in ranks:
-        for label, (msg, calls, inits) in r["refused"].items():
-            assert msg is not None and label in msg, (label, msg)
-            assert calls == 0 and inits == [], (label, calls, inits)  # no collective, no group, no optimizer
+        assert set(r["refused"]) == set(cases)
+        # a LionCubConfigError with the words, and no collective, no group, no optimizer, no sharding
+        wrong = {label: got for label, got in r["refused"].items()
+                 if not (got[0] is not None and got[0].startswith("LionCubConfigError: ")
+                         and all(w in got[0] for w in cases[label][2]) and got[1:] == (0, [], False))}
+        assert not wrong, "\n".join(f"{label}: {got}" for label, got in wrong.items())
         for label, (msg, inits) in r["late_refused"].items():
             assert msg is not None and inits == [], (label, msg)
         assert "2-D mesh" in r["late_refused"]["hsdp"][0] and "not sharded" in r["late_refused"]["plain"][0]
+        assert "on the meta device" in r["late_refused"]["meta"][0]
 
 
 def test_the_example_trains_the_gpt_with_hsdp_and_votes_under_torchrun(tmp_path):
@@ -423,3 +567,80 @@ def test_the_example_trains_the_gpt_with_hsdp_and_votes_under_torchrun(tmp_path)
     assert "2 shard groups x 2" in out and "shard replicas identical across groups: yes" in out, out[-3000:]
     ratios = [int(x) for x in re.findall(r"vs FSDP2 HSDP all-reduce [\d.]+ [KMG]?B \((\d+)x less\)", out)]
     assert len(ratios) == 2 and min(ratios) >= 16, out[-3000:]  # fp32 shards: ~32x (1 bit against 32)
+
+
+# ----------------------------------------------------------------------------- the review's cases
+def _case(ranks, label):
+    for rank, r in enumerate(ranks):
+        assert isinstance(r["review"][label], dict), (rank, r["review"][label])
+    return [r["review"][label] for r in ranks]
+
+
+def _same_across_groups(shards):
+    """Rank k of every shard group holds the same bits as rank k of group 0."""
+    for r in range(L, WORLD):
+        assert all(torch.equal(a, b) for a, b in zip(shards[r % L], shards[r])), f"rank {r} differs from {r % L}"
+
+
+def test_groups_seeded_apart_start_identical_and_stay_so(ranks):
+    """Every rank seeded apart: shard_and_vote broadcasts shard group 0's shards to the peers
+    (rank k of group 0 keeps the chunk k of its own init), and every step keeps them identical."""
+    res = _case(ranks, "apart")
+    _same_across_groups([x["init"] for x in res])
+    for k in range(L):  # group 0's rank k: the k-th torch.chunk of its own seeded init, untouched
+        torch.manual_seed(100 + k)
+        full = [p.detach() for p in Net().parameters()]
+        assert all(torch.equal(torch.chunk(t, L)[k], got) for t, got in zip(full, res[k]["init"]))
+    for s in range(2):
+        _same_across_groups([x["steps"][s]["after"] for x in res])
+
+
+def test_lioncubfsdp_refuses_groups_that_start_apart(ranks):
+    """By hand (no broadcast): shards that differ across the peers are refused at construction."""
+    for r in ranks:
+        msg, inits = r["late_refused"]["apart"]
+        assert msg is not None and inits == [], msg
+        assert "start from different weights" in msg and "'emb.weight'" in msg and "shard_and_vote" in msg, msg
+
+
+def test_nested_modules_are_sharded_children_first(ranks):
+    for x in _case(ranks, "nested"):
+        assert x["wrapped"] == ["", "outer", "outer.inner"] and x["count"] == 2, x["wrapped"]
+    _same_across_groups([x["after"] for x in _case(ranks, "nested")])
+
+
+def test_a_meta_model_is_materialized_and_initialized_by_init_weights(ranks):
+    res = _case(ranks, "meta")
+    for x in res:
+        assert x["seen"] == [True] and x["count"] == 2  # once, sharded, materialized, under no_grad
+        assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in x["init"])
+    # reset_parameters ran: Linear's biases are drawn, not left as to_empty's memory or zeros
+    for name, k, fan_in in (("fc1.bias", 2, 5), ("fc2.bias", 4, 13)):
+        full = torch.cat([res[r]["init"][k] for r in range(L)])
+        bound = 1 / fan_in ** 0.5
+        assert full.abs().max() <= bound and full.abs().sum() > 0, (name, full)
+    _same_across_groups([x["init"] for x in res])
+    for s in range(2):
+        _same_across_groups([x["steps"][s]["after"] for x in res])
+
+
+def test_timeout_s_is_the_groups_and_lioncubs_deadline(ranks):
+    for x in _case(ranks, "timeout"):
+        assert x["config"] == 123.0 and x["deadlines"] == [123.0], x
+        assert x["groups"] == [123.0, 123.0], x
+
+
+def test_make_shard_groups_names_the_argument_and_the_allowed_sizes(ranks):
+    for x in _case(ranks, "bad_size"):
+        msg, calls = x["shard_size"]
+        assert msg is not None and calls == 0, x
+        assert "shard_size=3" in msg and "node_size" not in msg and "allowed: one of [1, 2, 4]" in msg, msg
+        assert x["node_size"][0] is not None and "node_size=3" in x["node_size"][0], x
+
+
+def test_backend_takes_reads_the_backends_devices():
+    """The CPU-shard refusal's rule (CPUOffloadPolicy under NCCL): which device a backend carries."""
+    from lioncub_ds.fsdp.optimizer import backend_takes
+    assert not backend_takes("nccl", "cpu") and backend_takes("nccl", "cuda")
+    assert backend_takes("gloo", "cpu") and backend_takes("cpu:gloo,cuda:nccl", "cpu")
+    assert not backend_takes("cuda:nccl", "cpu")

@@ -80,6 +80,56 @@ def _check_sharded(name, p, sg: ShardGroups):
                 "default: no shard_placement_fn), whose shards are contiguous pieces of the parameter")
 
 
+def backend_takes(backend: str, device_type: str) -> bool:
+    """Whether a process group of ``backend`` (``dist.get_backend(group)``: "nccl", "gloo", or
+    "cpu:gloo,cuda:nccl") carries tensors on ``device_type``; an unknown backend: True."""
+    backend = str(backend).lower()
+    if ":" in backend:
+        return device_type in {part.split(":")[0].strip() for part in backend.split(",")}
+    caps = dist.Backend.backend_capability.get(backend)
+    return caps is None or device_type in caps
+
+
+def _check_devices(fsdp, sg: ShardGroups):
+    """The shards must be materialized and on a device the peer group's backend carries (FSDP2's
+    CPUOffloadPolicy keeps them in CPU memory, which NCCL refuses). The same on every rank."""
+    backend = dist.get_backend(sg.peers)
+    for name, _, leaf in fsdp:
+        dev = leaf.device.type
+        if dev == "meta":
+            _refuse(f"parameter {name!r} is on the meta device (not materialized); allowed: after fully_shard, "
+                    "model.to_empty(device=...) and your weight init, then the optimizer (or "
+                    "lioncub_ds.fsdp.shard_and_vote(model, init_weights=fn))")
+        if not backend_takes(backend, dev):
+            _refuse(f"parameter {name!r}: FSDP2's shard is in {dev} memory (CPUOffloadPolicy?) but the peer group's "
+                    f"backend {backend!r} carries {dist.Backend.backend_capability.get(str(backend), '?')} tensors "
+                    "only; allowed: fully_shard without offload_policy (shards on the accelerator)")
+
+
+def _check_identical(fsdp, sg: ShardGroups):
+    """Every shard group must start from the same shards (the votes keep equal replicas equal,
+    never make them equal): their checksums are compared across the peers, the verdict agreed over
+    the shard group, so every rank raises or none. Two small integer all-reduces."""
+    from ..sharding import fingerprints
+    leaves = [leaf for _, _, leaf in fsdp]
+    if sg.groups == 1 or not leaves:
+        return
+    fp = fingerprints(leaves, leaves[0].device).reshape(-1)
+    both = torch.cat([fp, -fp])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=sg.peers)
+    differs = (both[:fp.numel()] != -both[fp.numel():]).reshape(-1, 2).any(dim=1)
+    count = differs.sum().reshape(1)
+    dist.all_reduce(count, group=sg.shard)
+    if int(count.item()):
+        names = [repr(fsdp[i][0]) for i in differs.nonzero().reshape(-1).tolist()]
+        which = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        which = which or "the other shards of this group"
+        _refuse(f"the {sg.groups} shard groups start from different weights ({which} differ across the peers); "
+                "the votes keep equal replicas equal, never make them equal; allowed: the same initial weights in "
+                "every shard group (e.g. one seed on every rank, or a broadcast from rank 0 before fully_shard), or "
+                "lioncub_ds.fsdp.shard_and_vote (it broadcasts shard group 0's shards)")
+
+
 class LionCubFSDP(LionCub):
     """LionCub stepping the local shards of an FSDP2 model: one voter per shard group.
 
@@ -88,6 +138,12 @@ class LionCubFSDP(LionCub):
     :func:`shard_mesh` ``(shard_groups)``. ``shard_groups``: :func:`lioncub_ds.groups.make_shard_groups`.
     Every other keyword is a LionCub setting (or ``config=``); voters, node_size, overlap and
     momentum_sync.group='node' are refused (the shard groups are the layout).
+
+    Collective: every rank. The model must start from the same weights in every shard group (as
+    for DDP without its broadcast; :func:`shard_and_vote` broadcasts): checked at construction
+    (checksums across the peers), refused by name otherwise; so are shards on "meta" (build it
+    after ``to_empty`` and the init) and shards on a device the peer group's backend does not
+    carry (FSDP2's ``CPUOffloadPolicy`` under NCCL).
 
     ``step()`` hands each shard FSDP2's reduced gradient (``p.grad.to_local()``: this shard
     group's mean) and votes with the peers; ``zero_grad()`` clears FSDP2's gradients too. Gradient
@@ -100,8 +156,7 @@ class LionCubFSDP(LionCub):
     def __init__(self, model: torch.nn.Module, params=None, *, shard_groups: ShardGroups, **settings):
         if not isinstance(shard_groups, ShardGroups):
             _refuse(f"shard_groups={type(shard_groups).__name__}; allowed: lioncub_ds.groups.make_shard_groups(...)")
-        names = {id(p): n for n, p in model.named_parameters()}
-        groups = _named_groups(model, params, names)
+        groups = _named_groups(model, params)
         self._fsdp = []  # (name, FSDP2's sharded parameter, the leaf LionCub steps)
         leaf_groups = []
         for g in groups:
@@ -110,6 +165,8 @@ class LionCubFSDP(LionCub):
                 _check_sharded(name, p, shard_groups)
                 leaves.append((name, self._leaf(name, p, shard_groups)))
             leaf_groups.append(dict(g, params=leaves))
+        _check_devices(self._fsdp, shard_groups)
+        _check_identical(self._fsdp, shard_groups)  # collective: every rank, before any state
         self.fsdp_shard_groups = shard_groups
         super().__init__(leaf_groups, shard_groups=shard_groups, **settings)
 
@@ -236,76 +293,166 @@ def _first_difference(a, b) -> str:
     return f"saved {len(a)} parameters, here {len(b)}"
 
 
-def _named_groups(model, params, names):
-    """``params`` (None: the model's parameters) as param groups of (name, parameter) pairs."""
+def _named_groups(model, params):
+    """``params`` (None: the model's parameters) as param groups of (name, parameter) pairs.
+    Refuses, naming it, a name the model lacks, a tensor that is not the model's, and a parameter
+    listed twice (in one group or two: it would be stepped twice), before anything is changed."""
+    named = dict(model.named_parameters())
     if params is None:
-        return [{"params": list(model.named_parameters())}]
+        return [{"params": list(named.items())}]
+    names = {id(p): n for n, p in named.items()}
+    allowed = "allowed: the model's parameters, or (name, parameter) pairs as model.named_parameters() gives them"
     params = list(params)
     groups = [dict(g) for g in params] if params and isinstance(params[0], dict) else [{"params": params}]
-    for g in groups:
+    seen = {}
+    for i, g in enumerate(groups):
         g.pop("names", None)  # a parallel list of names (benchmarks' GPT groups): the pairs below carry them
+        if "params" not in g:
+            _refuse(f"params: param group {i} has no 'params' key; allowed: dicts with 'params' (as torch.optim takes)")
         ps = g["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         pairs = []
         for p in ps:
             if isinstance(p, tuple):
-                pairs.append(p)
-            elif id(p) in names:
-                pairs.append((names[id(p)], p))
+                if len(p) != 2 or not isinstance(p[0], str):
+                    _refuse(f"params entry {p!r:.80} is not a (name, parameter) pair; {allowed}")
+                name, t = p
+                if name not in named:
+                    some = ", ".join(map(repr, list(named)[:4]))
+                    _refuse(f"params has the name {name!r}, which is not a parameter of the model "
+                            f"(model.named_parameters(): {some}{', ...' if len(named) > 4 else ''}); {allowed}")
+                if t is not named[name]:
+                    _refuse(f"params pairs the name {name!r} with a tensor that is not the model's parameter {name!r}; "
+                            f"{allowed}")
+            elif isinstance(p, torch.Tensor) and id(p) in names:
+                name = names[id(p)]
             else:
-                _refuse(f"a parameter of shape {tuple(p.shape)} given in params is not a parameter of the model; "
-                        "allowed: the model's parameters (or (name, parameter) pairs)")
+                what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else f"{type(p).__name__}"
+                _refuse(f"{what} given in params is not a parameter of the model; {allowed}")
+            if name in seen:
+                where = f"param group {i}" if seen[name] == i else f"param groups {seen[name]} and {i}"
+                _refuse(f"parameter {name!r} is listed twice in params ({where}): it would be stepped twice; "
+                        "allowed: each parameter listed once, in one group")
+            seen[name] = i
+            pairs.append((name, named[name]))
         g["params"] = pairs
     return groups
 
 
 def _module_list(model, modules):
-    """The submodules to shard on their own before the root: an iterable of modules, or a type
-    (tuple of types) whose instances inside ``model`` are each sharded (e.g. the transformer block)."""
+    """The submodules to shard on their own before the root, children first (FSDP2 needs a
+    module's sharded descendants before it: the reverse of ``model.modules()``). ``modules``: a
+    module class or a tuple of them (every instance inside ``model``, e.g. the transformer block),
+    or an iterable of ``model``'s submodules (e.g. ``model.layers``). Checked before anything is
+    sharded: a bad value is refused by name."""
     if modules is None:
         return []
-    if isinstance(modules, type) or (isinstance(modules, tuple) and modules and all(isinstance(t, type)
-                                                                                      for t in modules)):
-        return [m for m in model.modules() if isinstance(m, modules) and m is not model]
-    return [m for m in modules if m is not model]
+    allowed = ("allowed: None, a module class (e.g. modules=Block: every Block inside the model), a tuple of module "
+               "classes, or a list of the model's submodules (e.g. model.layers)")
+    order = list(model.modules())  # parents before their children
+    at = {id(m): i for i, m in enumerate(order)}
+    if isinstance(modules, type) or (isinstance(modules, tuple) and modules
+                                     and all(isinstance(t, type) for t in modules)):
+        types = modules if isinstance(modules, tuple) else (modules,)
+        bad = [t for t in types if not issubclass(t, torch.nn.Module)]
+        if bad:
+            _refuse(f"modules={modules!r}: {bad[0].__name__} is not a torch.nn.Module class; {allowed}")
+        chosen = [m for m in order if isinstance(m, types)]
+    else:
+        if isinstance(modules, (str, bytes)):
+            _refuse(f"modules={modules!r} is a string; {allowed}")
+        try:
+            chosen = list(modules)
+        except TypeError:
+            _refuse(f"modules={type(modules).__name__} (not iterable); {allowed}")
+        for m in chosen:
+            if not isinstance(m, torch.nn.Module):
+                _refuse(f"modules contains {type(m).__name__} {m!r:.60}, not a module; {allowed}")
+            if id(m) not in at:
+                _refuse(f"modules contains a {type(m).__name__} that is not inside the model; {allowed}")
+        chosen = sorted({id(m): m for m in chosen}.values(), key=lambda m: at[id(m)])
+    return [m for m in reversed(chosen) if m is not model]
 
 
 def shard_and_vote(model: torch.nn.Module, shard_size: int | None = None, *, modules=None, mp_policy=None,
                    reshard_after_forward: bool = True, device_type: str | None = None, params=None,
-                   timeout_s: float | None = None, **settings):
+                   timeout_s: float | None = None, init_weights=None, **settings):
     """Shard ``model`` with FSDP2 inside groups of ``shard_size`` consecutive ranks and vote across
     them: returns ``(model, optimizer)`` (the model is sharded in place, as ``fully_shard`` does).
 
     * ``shard_size``: L, the ranks of one shard group (FSDP2's fast link); None: the ranks per node
       (``LOCAL_WORLD_SIZE``). Nn = world / L groups vote (1 group: global Lion on the shards).
-    * ``modules``: submodules (or a type of them, e.g. the transformer block) to ``fully_shard``
-      on their own first, so each is all-gathered only around its forward; the root last.
+    * ``modules``: a module class (e.g. the transformer block) or tuple of classes, or a list of
+      submodules, to ``fully_shard`` on their own first (children before parents), so each is
+      all-gathered only around its forward; the root last.
     * ``mp_policy``, ``reshard_after_forward``: FSDP2's (e.g. ``MixedPrecisionPolicy(param_dtype=
       torch.bfloat16)``: fp32 sharded parameters and momenta, bf16 all-gathers and reduce-scatters).
     * ``params``: which parameters LionCub steps and their groups (see :class:`LionCubFSDP`).
+    * ``timeout_s``: the process groups' timeout and LionCub's collective deadline.
+    * ``init_weights``: ``fn(model)``, run once after sharding (after ``model.to_empty(device)``
+      when the model was built on "meta"), under ``torch.no_grad()``; needed for a meta model.
     * every other keyword: a LionCub setting (``lr``, ``betas``, ``weight_decay``, ``comm``, ...).
 
-    Collective: call it on every rank. Settings, the shard size and the grouping are checked on
-    every rank before any process group or state exists."""
+    After sharding (and ``init_weights``) every parameter's shard is broadcast from shard group 0
+    to its peers, as DDP broadcasts from rank 0: every group starts from the same weights.
+
+    Collective: call it on every rank. Settings, the shard size, ``params``, ``modules`` and
+    ``init_weights`` are checked on every rank before any process group or state exists."""
+    if init_weights is not None and not callable(init_weights):
+        _refuse(f"init_weights={init_weights!r:.60} is not callable; allowed: None or fn(model) (your weight init)")
+    if timeout_s is not None:
+        settings["timeout_s"] = timeout_s  # LionCub's own collective deadline too (and checked here)
     cfg = LionCubConfig.from_kwargs(**settings)  # a mistyped or bad setting: named, on every rank
     check_shard_settings(cfg)                      # settings that contradict the shard groups
     if not (dist.is_available() and dist.is_initialized()):
         _refuse("torch.distributed is not initialized; allowed: init_process_group first (torchrun)")
     size = _shard_size(shard_size)
     # the groups by name: fully_shard replaces every parameter with a DTensor of the same name
-    groups = _named_groups(model, params, {id(p): n for n, p in model.named_parameters()})
-    sg = make_shard_groups(size, timeout_s=timeout_s)
+    groups = _named_groups(model, params)
+    submodules = _module_list(model, modules)
+    meta = any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+    if meta and init_weights is None:
+        _refuse("the model is on the meta device; allowed: init_weights=fn (shard_and_vote runs model.to_empty() "
+                "and fn(model) after sharding), or a model built on its device")
+    sg = make_shard_groups(size, timeout_s=cfg.timeout_s)
     from torch.distributed.fsdp import fully_shard
     mesh = shard_mesh(sg, device_type)
     kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
-    for m in _module_list(model, modules):
+    for m in submodules:
         fully_shard(m, **kw)
     fully_shard(model, **kw)
+    if meta:
+        model.to_empty(device=mesh.device_type)
+    if init_weights is not None:
+        with torch.no_grad():
+            init_weights(model)
+    _broadcast_shards(model, sg)
     sharded = dict(model.named_parameters())
     groups = [dict(g, params=[(n, sharded[n]) for n, _ in g["params"]]) for g in groups]
     return model, LionCubFSDP(model, groups, shard_groups=sg, config=cfg)
+
+
+def _broadcast_shards(model, sg: ShardGroups) -> None:
+    """Every parameter's local shard from shard group 0 to its peers (the replicas start equal,
+    as DDP's broadcast from rank 0 makes them); a parameter FSDP2 did not shard: from rank 0 of
+    the world. On the parameters' own device (NCCL: CUDA tensors only)."""
+    from torch.distributed.tensor import DTensor
+    from ..groups import broadcast
+    with torch.no_grad():
+        for p in model.parameters():
+            sharded = isinstance(p, DTensor)
+            if sharded and sg.groups == 1:
+                continue
+            t = (p.to_local() if sharded else p).detach()
+            if t.numel() == 0:  # an empty last shard: empty on every peer too (the same shapes)
+                continue
+            group = sg.peers if sharded else sg.world
+            buf = t if t.is_contiguous() else t.contiguous()
+            broadcast(buf, 0, group)
+            if buf is not t:
+                t.copy_(buf)
 
 
 def _shard_size(shard_size) -> int:
