@@ -574,7 +574,9 @@ def _scenario(rank, world, tp, ep, experts, tmpdir, lioncub):
 
     timing["sync"] = time.perf_counter() - t0
     out["bruteforce"] = _bruteforce_run(tp, experts, lioncub.get("comm", "1bit"))
-    out["drift_sync"] = _drift_sync_run(tp, experts)
+    # schedule="drift" with TP > 1 is refused (each model-parallel position would decide its own syncs:
+    # tests/test_megatron_training.py::test_drift_schedule_with_tensor_parallelism_is_refused_before_anything_changes)
+    out["drift_sync"] = _drift_sync_run(tp, experts) if tp == 1 else None
     out["bf16"] = _bf16_run(tp, experts)
     timing["bf16"] = time.perf_counter() - t0
     # Save / resume.
@@ -654,6 +656,8 @@ def _check_common(res, tp):
     # the drift-scheduled momentum sync: the signal read and the syncs, per optimizer, are the oracle's
     for r in res:
         d = r["drift_sync"]
+        if d is None:
+            continue
         assert d["seen"] == d["rows"], (r["rank"], d["seen"], d["rows"])
         assert all(d["sync_equal"]) and all(d["sync_close"]) and all(d["own_equal"]), d
     # bf16 through Float16OptimizerWithFloat16Params: LionCub steps fp32 main params, replicas stay equal

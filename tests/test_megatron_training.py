@@ -235,6 +235,17 @@ def test_early_check_passes_good_args_and_runs_megatron_validation(standins):
 
 
 @pytest.mark.unit
+def test_keeping_the_gradient_all_reduce_with_node_voters_is_refused_by_name(standins):
+    from lioncub_ds.megatron.training import megatron_args_problems
+    args = standins.arguments.parse_args(argv=GOOD + ["--use-distributed-optimizer", "--lioncub-voters", "node",
+                                                      "--lioncub-keep-grad-allreduce"])
+    problems = [p for p in megatron_args_problems(args) if p.startswith("--lioncub-keep-grad-allreduce")]
+    assert problems and "no all-reduce across them to keep" in problems[0], megatron_args_problems(args)
+    flat = standins.arguments.parse_args(argv=GOOD + ["--lioncub-keep-grad-allreduce"])
+    assert not [p for p in megatron_args_problems(flat) if "keep-grad-allreduce" in p]
+
+
+@pytest.mark.unit
 def test_optimizer_choice_and_beta_rules(standins, monkeypatch):
     from lioncub_ds.megatron import _compat
     from lioncub_ds.megatron.training import LionCubMegatronArgsError, megatron_args_problems
@@ -455,6 +466,17 @@ def _ckpt_rank(rank, world, tmp):
             s.training.load_checkpoint([ddp3], opt3, None)
             out[flag] = all(float(m.abs().sum()) == 0.0 for m in _momenta(opt3, init=True))
 
+        # --lioncub-checkpoint-mode sync with local non-persistent checkpoints (what the early error
+        # recommends for them): a non-persistent save runs (it raised, naming the mode already given)
+        s.training.ARGS = s.arguments.parse_args(argv=GOOD + ["--save", os.path.join(tmp, "sync"), "--lioncub-checkpoint-mode",
+                                                              "sync", "--non-persistent-ckpt-type", "local",
+                                                              "--non-persistent-save-interval", "5"])
+        try:
+            s.training.save_checkpoint(3, [ddp2], opt2, None, 0, None, non_persistent_ckpt=True)
+            out["sync_local_save"] = None
+        except Exception as exc:  # noqa: BLE001 - the message is what the test reports
+            out["sync_local_save"] = f"{type(exc).__name__}: {exc}"
+
         # files missing on ONE rank: every rank raises the same explained error (agreed, no hang)
         s.training.ARGS = s.arguments.parse_args(argv=GOOD + ["--save", save, "--load", save])
         dist.barrier()
@@ -484,7 +506,8 @@ def test_checkpoint_order_resume_finetune_and_missing_files(tmp_path):
     assert r0["betas"] == (0.95, 0.98) and r0["grad_reduction_off"]
     assert r0["saved_differs_across_ranks"] != r1["saved_differs_across_ranks"]  # local momenta
     # ordering: when Megatron wrote its tracker, every rank's LionCub file was already there
-    (it, files), = r0["tracker_log"]
+    (it, files), (sync_it, sync_files) = r0["tracker_log"]  # the second: the sync-mode save (no files of ours)
+    assert sync_it == 3 and sync_files == []
     assert it == 3 and files == ["lioncub/dense/mp00000/lioncub-rank00000-of-00002.pt",
                                  "lioncub/dense/mp00000/lioncub-rank00001-of-00002.pt"]
     assert r0["tracker_after_crash"] == "3"
@@ -495,6 +518,46 @@ def test_checkpoint_order_resume_finetune_and_missing_files(tmp_path):
         assert msg and "no LionCub per-rank momentum files for 1 rank(s)" in msg
         assert "--lioncub-checkpoint-mode sync" in msg and "--no-load-optim" in msg and "iteration 3" in msg
     assert "lioncub-rank00001-of-00002.pt" in r1["missing_error"]
+    assert r0["sync_local_save"] is None and r1["sync_local_save"] is None, (r0["sync_local_save"], r1["sync_local_save"])
+
+
+def _drift_tp_rank(rank, world):
+    """TP = 2: momentum_sync schedule="drift" is refused before anything changes (DDP's gradient
+    reduction stays on); a fixed schedule builds."""
+    _shim()
+    from megatron.core import parallel_state as ps
+    from lioncub_ds.config import LionCubConfigError
+    from lioncub_ds.megatron import get_megatron_lioncub_optimizer
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = {}
+    try:
+        _, ddp = _gpt(tp=2)
+        drift = {"schedule": "drift", "threshold": 0.1, "min_every": 2}
+        try:
+            get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"momentum_sync": drift})
+            out["refused"] = None
+        except LionCubConfigError as exc:
+            out["refused"] = str(exc)
+        try:  # a bad value, found by the settings' validation
+            get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"comm": "nope"})
+            out["bad_value"] = None
+        except LionCubConfigError as exc:
+            out["bad_value"] = str(exc)
+        out["reduction_kept"] = not getattr(ddp, "_lioncub_local_grads", False)
+        get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"momentum_sync": {"every": 5}})
+        out["fixed_builds"] = getattr(ddp, "_lioncub_local_grads", False)
+    finally:
+        ps.destroy_model_parallel()
+    return out
+
+
+@needs_megatron
+def test_drift_schedule_with_tensor_parallelism_is_refused_before_anything_changes():
+    for r in run_ranks(_drift_tp_rank, 2, timeout=300):
+        assert r["refused"] and "schedule='drift'" in r["refused"] and "2 model-parallel ranks" in r["refused"], r
+        assert r["bad_value"] and "comm" in r["bad_value"], r
+        assert r["reduction_kept"], "DDP's gradient reduction was switched off by a refused build"
+        assert r["fixed_builds"]
 
 
 # ----------------------------------------------------------------------------- groups at construction

@@ -62,7 +62,7 @@ from ..layout import ELEMENT_START
 from ..momentum_sync import node_group_size
 from ..optimizer import LionCub
 from . import _compat
-from .ddp import LocalMomentumConfigError, disable_dp_grad_reduction
+from .ddp import LocalMomentumConfigError, check_local_momentum_ddp, disable_dp_grad_reduction
 
 log = logging.getLogger("lioncub_ds")
 
@@ -321,6 +321,20 @@ def dp_ranks_per_node(group, local_world_size: int | None = None) -> int:
     return ranks_per_node(ranks, local_world_size)
 
 
+def check_model_parallel_sync(cfgs: dict, mp_group) -> None:
+    """Refuse momentum_sync schedule="drift" with tensor or pipeline parallelism: each model-parallel
+    position's LionCub decides its syncs from its own vote group's signal, so positions would sync
+    at different steps and the parameters they hold alike (layer norms, biases replicated over
+    tensor-parallel ranks; tied embeddings on the first and last stage) would drift apart."""
+    mp = dist.get_world_size(mp_group) if dist.is_initialized() and mp_group is not None else 1
+    if mp > 1 and any(c.momentum_sync is not None and c.momentum_sync.drift for c in cfgs.values()):
+        raise LionCubConfigError(
+            f"LionCub: momentum_sync schedule='drift' is not supported with tensor or pipeline parallelism "
+            f"({mp} model-parallel ranks): each position would decide its own sync steps, and parameters held "
+            "alike by several positions would drift apart. Allowed: a fixed schedule (every=K, the default, or "
+            "'geometric'), or schedule='drift' with TP = PP = 1.")
+
+
 def _momentum_sync_for_group(settings, group):
     ms = settings.get("momentum_sync")
     if not isinstance(ms, dict) or ms.get("group") != "node" or ms.get("group_size") is not None:
@@ -523,8 +537,9 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
         return _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_collection,
                                       dump_param_to_param_group_map)
     check_optimizer_config(config)
-    if disable_grad_reduction:
-        disable_dp_grad_reduction(model_chunks)
+    if disable_grad_reduction:  # checked now, switched off last (below): an error leaves Megatron's reduction on
+        for chunk in model_chunks:
+            check_local_momentum_ddp(chunk)
     if config_overrides is None:
         config_overrides = _compat.standard_overrides(config)
     _compat.check_overrides(config, config_overrides)
@@ -540,6 +555,13 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
     kinds = (("dense", dense, groups["dp_cp"], groups["mp"], groups["tp"]),
              ("expert", expert, groups["expt_dp"], groups["expt_mp"], groups["expt_tp"]))
     local = {kind: vote_group for kind, pgroups, vote_group, _, _ in kinds if pgroups}
+    # the one validation of each optimizer's settings (Megatron's lr and weight decay included),
+    # before anything changes (process groups, DDP's gradient reduction)
+    cfgs = {kind: LionCubConfig.from_kwargs(where="lioncub setting", lr=config.lr, betas=betas,
+                                            weight_decay=config.weight_decay,
+                                            **_momentum_sync_for_group(settings, local[kind]))
+            for kind in local}
+    check_model_parallel_sync(cfgs, groups["mp"])
     premade = premake_process_groups(settings, local) if dist.is_initialized() else {}
 
     optimizers = []
@@ -548,16 +570,15 @@ def get_megatron_lioncub_optimizer(config, model_chunks, config_overrides=None, 
             continue  # as in Megatron: no expert optimizer where this rank has no expert parameters
         inner = None
         if pgroups:
-            kw = _momentum_sync_for_group(settings, vote_group)
-            # the one validation of this optimizer's settings (Megatron's lr and weight decay included)
-            cfg = LionCubConfig.from_kwargs(where="lioncub setting", lr=config.lr, betas=betas,
-                                            weight_decay=config.weight_decay, **kw)
+            cfg = cfgs[kind]
             inner = MegatronLionCub(pgroups, config=cfg, process_group=vote_group, megatron_groups=premade.get(kind))
             inner.megatron_kind = kind
             inner.megatron_tag = _model_parallel_tag(kind, groups)
         optimizers.append(_wrap(config, inner, stats_group, tp_group, groups["expt_tp"]))
     if dump_param_to_param_group_map is not None:
         _dump_param_map(model_chunks, all_groups, dump_param_to_param_group_map)
+    if disable_grad_reduction:  # last: an error above leaves Megatron's reduction as it was
+        disable_dp_grad_reduction(model_chunks)
     if dist.get_rank() == 0:
         log.info("LionCub (Megatron): %s; betas=%s; settings=%s", ", ".join(
             f"{o.optimizer.megatron_kind}: {sum(p.numel() for p in o.get_parameters())} params voting over "
@@ -779,6 +800,7 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     kinds = [x for x in kinds if x[1] or x[0] != "expert"]
     cfg = LionCubConfig.from_kwargs(where="lioncub setting", lr=config.lr, betas=betas,
                                     weight_decay=config.weight_decay, **inner_settings)
+    check_model_parallel_sync({"dense": cfg}, groups["mp"])
 
     # --- the vote group: Megatron's inter-instance group (a group of one rank when K = 1: no
     # votes); with timeout_s LionCub makes its own copy; momentum_sync's node subgroup: the voters

@@ -103,6 +103,9 @@ INCOMPATIBLE_FLAGS = (
      and not getattr(a, "lioncub_keep_grad_allreduce", False) and not _node(a),
      "no data-parallel gradient reduction is left to overlap (LionCub votes after backward), and the flag makes "
      "DDP's backward hooks issue reduce collectives"),
+    ("lioncub_keep_grad_allreduce", lambda a: _node(a) and bool(getattr(a, "lioncub_keep_grad_allreduce", False)),
+     "with --lioncub-voters node each instance reduce-scatters its gradients and the instances vote: there is no "
+     "all-reduce across them to keep; leave it out (or use it without node voters, as the global-Lion baseline)"),
     ("lioncub_checkpoint_mode", lambda a: _node(a) and getattr(a, "lioncub_checkpoint_mode", None) == "sync",
      "with --lioncub-voters node Megatron's checkpoint holds no optimizer tensors: the momentum and fp32 main "
      "shards are in the per-rank files; allowed: --lioncub-checkpoint-mode per_rank (the default)"),
@@ -335,6 +338,9 @@ def _install(training, checkpointing, arguments, initialize) -> None:
         args = _get_args(training)
         mode = getattr(args, "lioncub_checkpoint_mode", "per_rank")
         if optimizer is None or not lioncub_optimizers(optimizer) or getattr(args, "no_save_optim", False):
+            return orig_save(iteration, model, optimizer, *a, **kw)
+        if mode != "per_rank":  # sync: the momenta averaged into Megatron's own checkpoint, no files of ours
+            mckpt.before_checkpoint_save(optimizer, mode)
             return orig_save(iteration, model, optimizer, *a, **kw)
         iter_dir = save_iteration_dir(args, checkpointing, iteration,
                                       non_persistent=kw.get("non_persistent_ckpt", False),
