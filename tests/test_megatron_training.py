@@ -468,9 +468,9 @@ def _ckpt_rank(rank, world, tmp):
 
         # --lioncub-checkpoint-mode sync with local non-persistent checkpoints (what the early error
         # recommends for them): a non-persistent save runs (it raised, naming the mode already given)
-        s.training.ARGS = s.arguments.parse_args(argv=GOOD + ["--save", os.path.join(tmp, "sync"), "--lioncub-checkpoint-mode",
-                                                              "sync", "--non-persistent-ckpt-type", "local",
-                                                              "--non-persistent-save-interval", "5"])
+        sync_args = ["--save", os.path.join(tmp, "sync"), "--lioncub-checkpoint-mode", "sync",
+                     "--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "5"]
+        s.training.ARGS = s.arguments.parse_args(argv=GOOD + sync_args)
         try:
             s.training.save_checkpoint(3, [ddp2], opt2, None, 0, None, non_persistent_ckpt=True)
             out["sync_local_save"] = None

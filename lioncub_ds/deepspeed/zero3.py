@@ -180,10 +180,10 @@ def make_initialize(orig):
         if model is not None:
             check_not_zero_init(model)
         try:
-            sg = make_shard_groups(size, timeout_s=params.get("timeout_s"))
+            sg = make_shard_groups(size, timeout_s=params.get("timeout_s"), setting="node_size")
             # offload_optimizer: the fp32 partitions (and so the votes) live in CPU memory, which NCCL
             # does not carry: the votes go over gloo groups of the same ranks (1 bit per element)
-            cpu = make_shard_groups(size, timeout_s=params.get("timeout_s"), backend="gloo") \
+            cpu = make_shard_groups(size, timeout_s=params.get("timeout_s"), backend="gloo", setting="node_size") \
                 if offloaded(config) else None
         except ValueError as exc:
             raise LionCubConfigError(str(exc)) from None
