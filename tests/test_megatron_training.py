@@ -235,6 +235,31 @@ def test_early_check_passes_good_args_and_runs_megatron_validation(standins):
 
 
 @pytest.mark.unit
+def test_the_loaded_iteration_directory_is_found_for_ckpt_step_and_another_load_dir(standins, tmp_path):
+    from lioncub_ds.megatron.training import loaded_iteration_dir
+    ck = standins.checkpointing
+
+    def ckpt(base, it, tracker=True):
+        os.makedirs(ck.get_checkpoint_name(str(base), it, return_base_dir=True))
+        if tracker:
+            with open(ck.get_checkpoint_tracker_filename(str(base)), "w") as f:
+                f.write(str(it))
+
+    load, save = tmp_path / "load", tmp_path / "save"
+    ckpt(load, 3)
+    ckpt(load, 5)  # the tracker names 5; --ckpt-step 3 loads 3
+    args = standins.arguments.parse_args(argv=GOOD + ["--load", str(load), "--save", str(save)])
+    assert loaded_iteration_dir(args, ck, "load", 5).endswith("load/iter_0000005")
+    assert loaded_iteration_dir(args, ck, "load", 3).endswith("load/iter_0000003")
+    assert loaded_iteration_dir(args, ck, "load", 4) is None
+    # global non-persistent checkpoints of the LOAD directory, --save elsewhere
+    ckpt(load / "non_persistent", 7)
+    nonp = standins.arguments.parse_args(argv=GOOD + ["--load", str(load), "--save", str(save),
+                                                      "--non-persistent-ckpt-type", "global"])
+    assert loaded_iteration_dir(nonp, ck, "load", 7).endswith("load/non_persistent/iter_0000007")
+
+
+@pytest.mark.unit
 def test_keeping_the_gradient_all_reduce_with_node_voters_is_refused_by_name(standins):
     from lioncub_ds.megatron.training import megatron_args_problems
     args = standins.arguments.parse_args(argv=GOOD + ["--use-distributed-optimizer", "--lioncub-voters", "node",

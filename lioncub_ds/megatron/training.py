@@ -365,6 +365,10 @@ def _install(training, checkpointing, arguments, initialize) -> None:
         load_arg = kw.get("load_arg", a[0] if a else "load")
         found = loaded_iteration_dir(args, checkpointing, load_arg, iteration)
         if found is None:
+            if iteration and _rank() == 0:
+                log.warning("LionCub: Megatron loaded iteration %s, but no directory of that iteration was found "
+                            "under --%s (or its non-persistent folder): LionCub's per-rank files were not read, the "
+                            "momenta are what Megatron's checkpoint holds", iteration, load_arg.replace("_", "-"))
             return result  # no checkpoint, or a release checkpoint (no optimizer state)
         mode = getattr(args, "lioncub_checkpoint_mode", "per_rank")
         mckpt.after_checkpoint_load(optimizer, found, mode, reshard=getattr(args, "lioncub_reshard", "average"),
@@ -419,17 +423,23 @@ def _read_tracker(path):
 
 
 def loaded_iteration_dir(args, checkpointing, load_arg, iteration) -> str | None:
-    """The iteration directory Megatron just loaded (persistent or global non-persistent), or None."""
+    """The iteration directory Megatron just loaded (persistent or global non-persistent), or None
+    (no checkpoint, or a release checkpoint: no optimizer state).
+
+    Where Megatron looks: ``<load>`` and, for global non-persistent checkpoints,
+    ``--non-persistent-global-ckpt-dir`` or ``<load>/non_persistent`` (its subfolder of the LOAD
+    directory; ``<save>/non_persistent`` is looked at last, for a resume with --load == --save). A
+    folder whose tracker names ``iteration`` wins; else one that holds ``iter_<iteration>`` (what
+    ``--ckpt-step`` loads while the tracker names a later one)."""
     load_dir = getattr(args, load_arg, None)
     candidates = []
     if load_dir:
         candidates.append(load_dir)
     if getattr(args, "non_persistent_ckpt_type", None) == "global":
         sub = getattr(checkpointing, "_NON_PERSISTENT_CKPT_SUBDIR", "non_persistent")
-        nonp = getattr(args, "non_persistent_global_ckpt_dir", None) or (
-            os.path.join(args.save, sub) if getattr(args, "save", None) else None)
-        if nonp:
-            candidates.append(nonp)
+        explicit = getattr(args, "non_persistent_global_ckpt_dir", None)
+        bases = [explicit] if explicit else [os.path.join(d, sub) for d in (load_dir, getattr(args, "save", None)) if d]
+        candidates += [b for b in bases if b not in candidates]
     for base in candidates:
         meta = _read_tracker(checkpointing.get_checkpoint_tracker_filename(base))
         if meta is None:
@@ -439,4 +449,10 @@ def loaded_iteration_dir(args, checkpointing, load_arg, iteration) -> str | None
             return None  # Megatron loads no optimizer state from a release checkpoint
         if it == iteration:
             return checkpointing.get_checkpoint_name(base, it, release=False, return_base_dir=True)
+    if not iteration:
+        return None
+    for base in candidates:
+        path = checkpointing.get_checkpoint_name(base, iteration, release=False, return_base_dir=True)
+        if os.path.isdir(path):
+            return path
     return None
