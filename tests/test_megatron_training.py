@@ -34,6 +34,7 @@ sees the same collective sequence from all of its members.
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.util
 import math
 import os
@@ -583,6 +584,58 @@ def test_drift_schedule_with_tensor_parallelism_is_refused_before_anything_chang
         assert r["bad_value"] and "comm" in r["bad_value"], r
         assert r["reduction_kept"], "DDP's gradient reduction was switched off by a refused build"
         assert r["fixed_builds"]
+
+
+def _crossing_groups_rank(rank, world, tmp):
+    """A dense optimizer voting over {0, 2} / {1, 3} (TP 2) and an expert one over every rank
+    (expert TP 1), as Megatron builds them; rank 0's dense file corrupted: every rank raises, none
+    hangs in the expert check, none changed its state."""
+    import types
+    import torch.distributed as dist
+    from lioncub_ds import LionCub
+    from lioncub_ds.checkpoint import CheckpointError
+    from lioncub_ds.megatron.checkpoint import load_lioncub_states, save_lioncub_states
+    dense_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(rank)
+    a, b = torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.randn(29))
+    dense = LionCub([a], lr=1e-2, process_group=dense_groups[rank % 2])
+    expert = LionCub([b], lr=1e-2)
+    dense.megatron_kind, dense.megatron_tag = "dense", f"mp{rank % 2:05d}"
+    expert.megatron_kind, expert.megatron_tag = "expert", "emp00000-ep00000"
+    chained = types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=dense),
+                                                        types.SimpleNamespace(optimizer=expert)])
+    for _ in range(2):
+        a.grad, b.grad = torch.randn(37), torch.randn(29)
+        dense.step()
+        expert.step()
+    save_lioncub_states(chained, tmp)
+    dist.barrier()
+    if rank == 0:
+        path = glob.glob(os.path.join(tmp, "lioncub", "dense", "mp00000", "lioncub-rank00000-*.pt"))[0]
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    dist.barrier()
+    before = [t.clone() for t in (dense.state[a]["exp_avg"], expert.state[b]["exp_avg"])]
+    for _ in range(1):
+        a.grad, b.grad = torch.randn(37), torch.randn(29)
+        dense.step()
+        expert.step()
+    moved = [t.clone() for t in (dense.state[a]["exp_avg"], expert.state[b]["exp_avg"])]
+    try:
+        load_lioncub_states(chained, tmp)
+        err = None
+    except CheckpointError as exc:
+        err = str(exc)
+    after = [dense.state[a]["exp_avg"], expert.state[b]["exp_avg"]]
+    return {"error": err, "unchanged": all(torch.equal(x, y) for x, y in zip(after, moved)),
+            "differs_from_saved": not all(torch.equal(x, y) for x, y in zip(before, moved))}
+
+
+@needs_megatron
+def test_a_bad_file_under_crossing_vote_groups_stops_every_rank_without_a_hang(tmp_path):
+    for r, res in enumerate(run_ranks(_crossing_groups_rank, 4, str(tmp_path), timeout=180)):
+        assert res["error"], f"rank {r} loaded"
+        assert res["unchanged"] and res["differs_from_saved"], (r, res)
 
 
 # ----------------------------------------------------------------------------- groups at construction

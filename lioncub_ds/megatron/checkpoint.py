@@ -191,20 +191,25 @@ def load_lioncub_states(optimizer, checkpoint_dir: str, reshard: str = "average"
             count = int(t.item())
         example = missing[0] if missing else None
         raise lc_checkpoint.CheckpointError(missing_files_message(checkpoint_dir, count, example, iteration))
-    error, paths = None, []
-    try:
-        paths = [lc_checkpoint.load(opt, rank_directory(checkpoint_dir, opt), reshard=reshard)
-                 for opt in lioncub_optimizers(optimizer)]
-    except lc_checkpoint.CheckpointError as exc:
-        error = exc
+    # Every optimizer (dense, expert) is checked before any is loaded, each check agreed in its own
+    # vote group, and a failure does not skip the next one's check: the vote groups of the dense and
+    # the expert optimizer cut the world differently (e.g. TP 2, expert TP 1), so a rank that stopped
+    # after the dense check would leave its expert group's peers waiting.
+    opts = lioncub_optimizers(optimizer)
+    error, prepared = None, []
+    for opt in opts:
+        try:
+            prepared.append(lc_checkpoint.prepare_load(opt, rank_directory(checkpoint_dir, opt), reshard=reshard))
+        except lc_checkpoint.CheckpointError as exc:
+            error = error or exc
     failed, = _world_max([1 if error is not None else 0], device)
     if error is not None:
         raise error
     if failed:
         raise lc_checkpoint.CheckpointError(
             f"LionCub: another rank could not load its LionCub state from {checkpoint_dir} (see that rank's error); "
-            "stopping every rank")
-    return paths
+            "stopping every rank, no rank changed its state")
+    return [lc_checkpoint.apply_load(opt, p) for opt, p in zip(opts, prepared)]
 
 
 def has_lioncub_states(checkpoint_dir: str) -> bool:
