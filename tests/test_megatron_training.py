@@ -38,6 +38,7 @@ import glob
 import importlib.util
 import math
 import os
+import shutil
 import sys
 import types
 
@@ -404,9 +405,27 @@ def _standin_megatron_checkpointing(s, tmp):
             out["optimizer"] = optimizer.sharded_state_dict(msd, is_loading=is_loading)
         return out
 
+    def cleanup_old_non_persistent_checkpoint(save_dir, leave_ckpt_num=1, do_async=False):
+        # Megatron-LM's: rank 0 keeps the newest leave_ckpt_num iter_* folders, called before its save
+        if dist.get_rank() != 0 or not os.path.isdir(save_dir):
+            return
+        iters = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_"))
+        for d in iters[:-leave_ckpt_num]:
+            shutil.rmtree(os.path.join(save_dir, d))
+
+    s.checkpointing.cleanup_old_non_persistent_checkpoint = cleanup_old_non_persistent_checkpoint
+    s.nonpersistent_log = []
+
     def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops, checkpointing_context=None,
                         non_persistent_ckpt=False, crash_before_tracker=False, **kw):
         args = s.training.get_args()
+        base = args.save
+        if non_persistent_ckpt and args.non_persistent_ckpt_type == "global":
+            base = os.path.join(args.save, "non_persistent")
+            s.checkpointing.cleanup_old_non_persistent_checkpoint(base, leave_ckpt_num=1)
+            dist.barrier()
+            s.nonpersistent_log.append((iteration, sorted(d for d in os.listdir(base) if d.startswith("iter_"))))
+            args = types.SimpleNamespace(**{**vars(args), "save": base})
         name = s.checkpointing.get_checkpoint_name(args.save, iteration, return_base_dir=True)
         if dist.get_rank() == 0:
             os.makedirs(name, exist_ok=True)
@@ -503,6 +522,16 @@ def _ckpt_rank(rank, world, tmp):
         except Exception as exc:  # noqa: BLE001 - the message is what the test reports
             out["sync_local_save"] = f"{type(exc).__name__}: {exc}"
 
+        # global non-persistent checkpoints, per-rank files: Megatron's clean-up of old non-persistent
+        # folders runs inside its save, after LionCub wrote iteration 6's files; the last finished one
+        # (5) must survive it until 6 is complete
+        s.training.ARGS = s.arguments.parse_args(argv=GOOD + ["--save", os.path.join(tmp, "np"), "--load",
+                                                              os.path.join(tmp, "np"), "--non-persistent-ckpt-type",
+                                                              "global", "--non-persistent-save-interval", "1"])
+        for it in (5, 6):
+            s.training.save_checkpoint(it, [ddp2], opt2, None, 0, None, non_persistent_ckpt=True)
+        out["nonpersistent_log"] = s.nonpersistent_log
+
         # files missing on ONE rank: every rank raises the same explained error (agreed, no hang)
         s.training.ARGS = s.arguments.parse_args(argv=GOOD + ["--save", save, "--load", save])
         dist.barrier()
@@ -532,7 +561,7 @@ def test_checkpoint_order_resume_finetune_and_missing_files(tmp_path):
     assert r0["betas"] == (0.95, 0.98) and r0["grad_reduction_off"]
     assert r0["saved_differs_across_ranks"] != r1["saved_differs_across_ranks"]  # local momenta
     # ordering: when Megatron wrote its tracker, every rank's LionCub file was already there
-    (it, files), (sync_it, sync_files) = r0["tracker_log"]  # the second: the sync-mode save (no files of ours)
+    (it, files), (sync_it, sync_files), *_ = r0["tracker_log"]  # then the sync-mode save (no files of ours)
     assert sync_it == 3 and sync_files == []
     assert it == 3 and files == ["lioncub/dense/mp00000/lioncub-rank00000-of-00002.pt",
                                  "lioncub/dense/mp00000/lioncub-rank00001-of-00002.pt"]
@@ -544,6 +573,8 @@ def test_checkpoint_order_resume_finetune_and_missing_files(tmp_path):
         assert msg and "no LionCub per-rank momentum files for 1 rank(s)" in msg
         assert "--lioncub-checkpoint-mode sync" in msg and "--no-load-optim" in msg and "iteration 3" in msg
     assert "lioncub-rank00001-of-00002.pt" in r1["missing_error"]
+    # at iteration 6's clean-up the finished iteration 5 is still there (beside LionCub's files of 6)
+    assert r0["nonpersistent_log"] == [(5, ["iter_0000005"]), (6, ["iter_0000005", "iter_0000006"])], r0["nonpersistent_log"]
     assert r0["sync_local_save"] is None and r1["sync_local_save"] is None, (r0["sync_local_save"], r1["sync_local_save"])
 
 

@@ -57,7 +57,10 @@ MEGATRON_LM_PATCHES = (
 # Used, not patched: megatron.training.checkpointing.get_checkpoint_name(path, iteration, release=False, ...,
 # return_base_dir=True) -> <path>/iter_XXXXXXX (0.16 - main), get_checkpoint_tracker_filename(path) ->
 # <path>/latest_checkpointed_iteration.txt, _NON_PERSISTENT_CKPT_SUBDIR = 'non_persistent';
-# megatron.training.get_args (every version).
+# megatron.training.get_args (every version). Wrapped for the length of one non-persistent save only
+# (training._keeping_last_finished; skipped where it is absent):
+# megatron.training.checkpointing.cleanup_old_non_persistent_checkpoint(save_dir, leave_ckpt_num=1, do_async=False),
+# which save_checkpoint calls through its module's globals.
 
 # Keyword arguments Megatron-LM passes to get_megatron_optimizer that our factory takes.
 FACTORY_KWARGS = ("config_overrides", "use_gloo_process_groups", "pg_collection", "dump_param_to_param_group_map")

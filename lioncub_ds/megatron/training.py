@@ -33,6 +33,7 @@ or in a script of your own: ``lioncub_ds.megatron.training.install()`` before Me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import logging
@@ -346,7 +347,7 @@ def _install(training, checkpointing, arguments, initialize) -> None:
                                       non_persistent=kw.get("non_persistent_ckpt", False),
                                       release=kw.get("release", False))
         mckpt.before_checkpoint_save(optimizer, mode, checkpoint_dir=iter_dir)
-        with mckpt.quiet_nonempty_dir_warning(iter_dir):
+        with mckpt.quiet_nonempty_dir_warning(iter_dir), _keeping_last_finished(checkpointing, kw):
             return orig_save(iteration, model, optimizer, *a, **kw)
 
     _patch(training, "save_checkpoint", save_checkpoint)
@@ -394,6 +395,28 @@ def installed() -> bool:
 
 
 # ----------------------------------------------------------------------------- directories
+@contextlib.contextmanager
+def _keeping_last_finished(checkpointing, save_kw):
+    """Around a non-persistent save in per_rank mode: Megatron's save first removes all but the
+    newest non-persistent iteration folder (``cleanup_old_non_persistent_checkpoint``, keep 1),
+    and the newest is now the one LionCub just wrote its files into, not finished yet; it keeps
+    one more, so the last finished checkpoint survives until this one is complete (afterwards
+    the same folders remain as without LionCub)."""
+    cleanup = getattr(checkpointing, "cleanup_old_non_persistent_checkpoint", None)
+    if not save_kw.get("non_persistent_ckpt", False) or cleanup is None:
+        yield
+        return
+
+    def keep_one_more(save_dir, leave_ckpt_num=1, *a, **kw):
+        return cleanup(save_dir, leave_ckpt_num + 1, *a, **kw)
+
+    checkpointing.cleanup_old_non_persistent_checkpoint = keep_one_more
+    try:
+        yield
+    finally:
+        checkpointing.cleanup_old_non_persistent_checkpoint = cleanup
+
+
 def save_iteration_dir(args, checkpointing, iteration, non_persistent=False, release=False) -> str:
     """The directory Megatron's ``save_checkpoint`` is about to write (what it computes itself)."""
     save_dir = args.save
