@@ -587,6 +587,38 @@ def _scenario(rank, world, tp, ep, experts, tmpdir, lioncub):
 
 
 # ----------------------------------------------------------------------------- parent-side checks
+def _scaling_rank(rank, world):
+    """Every rank the same batch: a model with Megatron's reduction on and one in local-momentum
+    mode hold the same main_grad, dense and expert (EP 2: edp 2 of dp 4, so Megatron's expert
+    scale edp/dp is 1/2)."""
+    _setup(1, 2)
+    from lioncub_ds.megatron import disable_dp_grad_reduction
+    g = torch.Generator().manual_seed(4242)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+    _, reduced = _build(1, experts=2)
+    _, local = _build(1, experts=2)
+    disable_dp_grad_reduction([local])
+    for m in (reduced, local):
+        m.zero_grad_buffer()
+        _fwd_bwd(m, tokens)
+    out = {}
+    for (n, a), (_, b) in zip(reduced.named_parameters(), local.named_parameters()):
+        expert = not getattr(a, "allreduce", True)
+        out[n] = (expert, bool(torch.allclose(a.main_grad, b.main_grad, rtol=1e-5, atol=1e-7)),
+                  float(b.main_grad.norm() / a.main_grad.norm().clamp_min(1e-30)))
+    from megatron.core import parallel_state as ps
+    ps.destroy_model_parallel()
+    return out
+
+
+@needs_megatron
+def test_local_gradients_have_megatrons_scale_dense_and_expert():
+    for r, res in enumerate(run_ranks(_scaling_rank, 4, timeout=300)):
+        assert any(e for e, _, _ in res.values()) and any(not e for e, _, _ in res.values()), res
+        bad = {n: ratio for n, (_, ok, ratio) in res.items() if not ok}
+        assert not bad, f"rank {r}: main_grad / Megatron's: {bad}"
+
+
 def _launch(tp, ep, experts, lioncub):
     tmpdir = tempfile.mkdtemp(prefix="lioncub-megatron-")
     try:

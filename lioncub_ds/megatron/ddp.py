@@ -10,8 +10,10 @@ that reduction must not happen.
 :func:`disable_dp_grad_reduction` replaces ``start_grad_sync`` / ``finish_grad_sync`` of
 every bucket group (dense and expert) of the given model chunks with versions that keep
 the bookkeeping (and DDP's optional NaN / large-gradient checks of the local buffers) but
-issue no collective and skip DDP's 1/DP pre-scaling: ``main_grad`` then holds this rank's
-own mean gradient. Everything else stays as it is: the grad buffers, ``no_sync`` for
+issue no collective: ``main_grad`` then holds what Megatron's reduction would give were every
+rank's gradient this rank's (the own mean gradient for dense parameters; Megatron's edp/dp for
+expert ones; with a per-token loss, before Megatron's division by the global token count), so
+gradient clipping and the logged norm mean what they mean under Megatron. Everything else stays as it is: the grad buffers, ``no_sync`` for
 gradient accumulation, ``zero_grad_buffer``, and the tensor/pipeline-parallel fix-ups in
 ``finalize_model_grads`` (sequence-parallel layer-norm grads over TP, tied embedding grads
 across pipeline stages), which are model-parallel, not data-parallel, reductions.
@@ -81,13 +83,32 @@ def check_local_momentum_ddp(model_chunk) -> None:
             "(drop --overlap-grad-reduce).")
 
 
+def _local_scale(bucket_group, bucket) -> float:
+    """What Megatron's reduction would make of this rank's gradient were every rank's the same:
+    its pre-scaling times the group size under a SUM (an AVG divides that size out again). Dense
+    buckets: 1 (the own mean gradient); expert buckets: edp/dp (Megatron's convention for them);
+    per-token loss: DP (Megatron divides by the global token count afterwards). The votes do not
+    depend on it (a positive factor per tensor keeps every sign); gradient clipping and the
+    logged norm do, which is why they see Megatron's scale."""
+    factor = float(getattr(bucket, "gradient_scaling_factor", 1.0))
+    group = getattr(bucket_group, "data_parallel_group", None)
+    if group is not None and not getattr(bucket_group.ddp_config, "average_in_collective", False):
+        factor *= group.size()
+    return factor
+
+
 def _local_start_grad_sync(self, force_all_reduce=False):
-    """Local-momentum replacement: no DP collective, no 1/DP pre-scaling."""
+    """Local-momentum replacement: no DP collective; the buckets scaled as Megatron's reduction
+    of equal gradients would leave them (:func:`_local_scale`)."""
     cfg = self.ddp_config
     check_nan = getattr(cfg, "check_for_nan_in_grad", False)
     check_large = getattr(cfg, "check_for_large_grads", False)
     if (check_nan or check_large) and hasattr(self, "check_grads"):
         self.check_grads(check_for_nan_or_inf=check_nan, check_for_large=check_large)
+    for bucket in getattr(self, "buckets", ()):
+        factor = _local_scale(self, bucket)
+        if factor != 1.0:
+            bucket.grad_data *= factor
     self.grad_reduce_handle = None
 
 
