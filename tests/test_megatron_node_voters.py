@@ -745,6 +745,22 @@ def _errors():
     from lioncub_ds.megatron.ddp import instance_votes_enabled
     # the errors came before any change
     out["untouched"] = not instance_votes_enabled(ddp) and not ddp.overlap_param_gather_with_optimizer_step
+    # a failure while Megatron's distributed optimizer is built (after the all-reduce across the
+    # instances was switched off): switched back on
+    from lioncub_ds.megatron import optimizer as mopt
+    real = mopt._distributed_optimizer
+
+    def failing(*a, **k):
+        raise RuntimeError("a build failure (test)")
+
+    mopt._distributed_optimizer = failing
+    try:
+        get_megatron_lioncub_optimizer(_opt_config(), [ddp], lioncub={"voters": "node"})
+    except RuntimeError as exc:
+        out["build_error"] = str(exc)
+    finally:
+        mopt._distributed_optimizer = real
+    out["restored_after_build_error"] = not instance_votes_enabled(ddp)
     return out
 
 
@@ -1002,6 +1018,7 @@ def test_flag_errors(results):
         assert "--overlap-param-gather-with-optimizer-step" in e["one_chunk_with_step"] and \
             "virtual pipeline" in e["one_chunk_with_step"] and "got one model chunk" in e["one_chunk_with_step"], e
         assert e["untouched"]
+        assert e["build_error"] == "a build failure (test)" and e["restored_after_build_error"], e
 
 
 # ----------------------------------------------------------------------------- Megatron-LM flags (no spawn)

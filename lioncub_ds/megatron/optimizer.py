@@ -760,7 +760,7 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
     """
     from megatron.core.optimizer import ChainedOptimizer, _get_param_groups
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from .ddp import instances_of, vote_across_instances
+    from .ddp import instances_of, restore_instance_all_reduce, vote_across_instances
 
     # --- every check first: nothing changes before they all pass
     k = instances_of(model_chunks)
@@ -824,28 +824,32 @@ def _node_voters_optimizer(config, model_chunks, settings, config_overrides, pg_
 
     # --- Megatron's side: no all-reduce across instances, then its distributed optimizers
     vote_across_instances(model_chunks)
-    for i, chunk in enumerate(model_chunks):  # what Megatron's own factory sets (its DDP reads it)
-        chunk.overlap_param_gather_with_optimizer_step = first_apart and i == 0
-    optimizers = []
-    for kind, pgroups, chunks, attr, part, whole, mp in kinds:
-        dopt = _distributed_optimizer(config, chunks, pgroups, attr, part, mp, vote if k > 1 else None)
-        shard_groups, pieces = _shard_groups(dopt, pgroups, names)
-        premade = {"vote": vote, "agree": part, "full": whole, "node": sync_node}
-        inner = MegatronLionCub(shard_groups, config=cfg, process_group=vote, megatron_groups=premade)
-        inner.megatron_kind = kind
-        inner.megatron_tag = _model_parallel_tag(kind, groups)
-        inner.megatron_layout = {"instances": k, "instance_size": dist.get_world_size(part)}
-        inner.megatron_param_pieces = pieces
-        dopt.optimizer = inner
-        for name, fn in (("state_dict", _common_state_dict), ("sharded_state_dict", _common_state_dict),
-                         ("load_state_dict", _load_common_state_dict), ("save_parameter_state", _save_parameter_state),
-                         ("load_parameter_state", _load_parameter_state)):
-            setattr(dopt, name, types.MethodType(fn, dopt))
-        # with K instances Megatron reduces gradient statistics (norm for clipping, zeros) inside the
-        # instance: the instance's shards are one gradient, the instance mean
-        dopt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
-        dopt.tp_group = groups["expt_tp"] if kind == "expert" else groups["tp"]
-        optimizers.append(dopt)
+    try:  # an error while building leaves Megatron's all-reduce across instances as it was
+        for i, chunk in enumerate(model_chunks):  # what Megatron's own factory sets (its DDP reads it)
+            chunk.overlap_param_gather_with_optimizer_step = first_apart and i == 0
+        optimizers = []
+        for kind, pgroups, chunks, attr, part, whole, mp in kinds:
+            dopt = _distributed_optimizer(config, chunks, pgroups, attr, part, mp, vote if k > 1 else None)
+            shard_groups, pieces = _shard_groups(dopt, pgroups, names)
+            premade = {"vote": vote, "agree": part, "full": whole, "node": sync_node}
+            inner = MegatronLionCub(shard_groups, config=cfg, process_group=vote, megatron_groups=premade)
+            inner.megatron_kind = kind
+            inner.megatron_tag = _model_parallel_tag(kind, groups)
+            inner.megatron_layout = {"instances": k, "instance_size": dist.get_world_size(part)}
+            inner.megatron_param_pieces = pieces
+            dopt.optimizer = inner
+            for name, fn in (("state_dict", _common_state_dict), ("sharded_state_dict", _common_state_dict),
+                             ("load_state_dict", _load_common_state_dict), ("save_parameter_state", _save_parameter_state),
+                             ("load_parameter_state", _load_parameter_state)):
+                setattr(dopt, name, types.MethodType(fn, dopt))
+            # with K instances Megatron reduces gradient statistics (norm for clipping, zeros) inside the
+            # instance: the instance's shards are one gradient, the instance mean
+            dopt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+            dopt.tp_group = groups["expt_tp"] if kind == "expert" else groups["tp"]
+            optimizers.append(dopt)
+    except BaseException:
+        restore_instance_all_reduce(model_chunks)
+        raise
     if dump_map is not None:
         _dump_param_map(model_chunks, all_groups, dump_map)
     if dist.get_rank() == 0:
