@@ -117,7 +117,7 @@ def node_scenario(dtype, rank, out_dir):
            "state_bytes": lds.state_bytes(engine), "lioncub_state_bytes": opt.state_bytes(),
            "shard_numels": [t.numel() for _, t in sorted(opt.momenta.shards["momentum"].items())],
            "by_scope": lds.comm_stats(engine)["cumulative"]["by_scope"], "step_count": opt.step_count,
-           "grad_norm": engine.get_global_grad_norm(), "calls": [list(map(str, e)) for e in calls],
+           "grad_norm": float(engine.get_global_grad_norm()), "calls": [list(map(str, e)) for e in calls],
            "calls_raw": [[e[0], list(e[1]) if e[1] else None, e[2], list(e[3]) if e[3] else None] for e in calls
                          if len(e) >= 4],
            "files": sorted(f for f in os.listdir(os.path.join(ckpt, "mid")) if f.startswith("lioncub-rank"))}

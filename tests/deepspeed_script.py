@@ -336,6 +336,47 @@ def bruteforce_scenario(cfg, rank, steps=5):
     return out
 
 
+def frozen_scenario(cfg, rank, steps=3):
+    """A LoRA-like model: the first layer frozen, deepspeed.initialize without model_parameters (so
+    DeepSpeed hands every parameter, frozen ones included, to the optimizer): it trains, the frozen
+    layer stays as it was, the replicas agree."""
+    import deepspeed
+    model = make_model(0)
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    frozen = tensor_hash(list(model[0].parameters()))
+    trainable = tensor_hash(list(model[2].parameters()))
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    train(engine, rank, steps)
+    return {"frozen_unchanged": tensor_hash(list(engine.module[0].parameters())) == frozen,
+            "trained": tensor_hash(list(engine.module[2].parameters())) != trainable,
+            "params": tensor_hash(list(engine.module.parameters()))}
+
+
+def weights_only_load_scenario(cfg, rank, tmp, lr):
+    """Stage 0 behind DeepSpeed's bf16 / fp16 wrapper: a weights-only load (load_optimizer_states=False)
+    into an engine built from another init; the next step must start from the loaded weights (the
+    wrapper's fp32 masters refreshed from them), moving each by about lr, not back to the old init."""
+    import deepspeed
+    import torch
+    dtype = model_dtype(cfg)
+    model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    train(engine, rank, 2)
+    engine.save_checkpoint(tmp, tag="w")
+    saved = [p.detach().float().clone() for p in engine.module.parameters()]
+    model2 = make_model(321)
+    engine2, *_ = deepspeed.initialize(model=model2, model_parameters=model2.parameters(), config=cfg)
+    engine2.load_checkpoint(tmp, tag="w", load_optimizer_states=False, load_lr_scheduler_states=False)
+    loaded = [p.detach().float().clone() for p in engine2.module.parameters()]
+    train(engine2, rank, 1)
+    after = [p.detach().float() for p in engine2.module.parameters()]
+    torch.distributed.barrier()
+    return {"loaded_equal": all(torch.equal(a, b) for a, b in zip(saved, loaded)),
+            "max_move": max(float((a - b).abs().max()) for a, b in zip(after, loaded)), "lr": lr,
+            "dtype": str(dtype)}
+
+
 def error_table(base, rank):
     """tests/test_config_validation.py's INVALID table through deepspeed.initialize: each case must fail
     with LionCubConfigError before any optimizer exists (torch.optim.Optimizer.__init__ never runs)."""
@@ -454,6 +495,9 @@ def main():
         "bruteforce_stage0_pbit": lambda: bruteforce_scenario(
             dict(base, optimizer=lioncub(comm="pbit", tie_break="zero", weight_decay=0.0, betas=[0.95, 0.98]),
                  gradient_clipping=0.0), rank),
+        "frozen_stage0": lambda: frozen_scenario(dict(base, optimizer=lioncub()), rank),
+        "bf16_stage0_weights_only_load": lambda: weights_only_load_scenario(
+            dict(base, bf16={"enabled": True}, optimizer=lioncub(weight_decay=0.0)), rank, tmp + "_w", 3e-3),
         "err_table": lambda: error_table(base, rank),
         "err_misspelled": lambda: expect_error(dict(base, optimizer=lioncub(weight_decy=0.1)), rank),
         # what is still refused now that stage 3 and offload are served (tests/test_deepspeed_zero3.py)

@@ -37,6 +37,8 @@ def _q(text: str) -> str:
 # (id, constructor kwargs, regex the message must match). Every regex names the key, the
 # value given (its repr) and what is allowed.
 INVALID = [
+    # -- node_size of another type (read by the sharding decision before the settings' validation)
+    ("node_size-str", {"node_size": "2"}, _q("invalid node_size='2'; allowed: None (LOCAL_WORLD_SIZE) or an integer >= 1")),
     # -- lr
     ("lr-zero", {"lr": 0.0}, _q("invalid lr=0.0; allowed: a finite number > 0")),
     ("lr-negative", {"lr": -1e-3}, _q("invalid lr=-0.001; allowed: a finite number > 0")),

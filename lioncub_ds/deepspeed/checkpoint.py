@@ -156,6 +156,12 @@ def install_engine_hooks(engine) -> None:
             lc_checkpoint.apply_load(st.optimizer, prepared)
         elif node:  # no LionCub files, or not asked to load the optimizer state
             refresh_node_masters(st.optimizer)  # the loaded 16-bit weights, not the old masters
+        elif (engine.optimizer is not st.optimizer and hasattr(engine.optimizer, "refresh_fp32_params")
+              and (not a.get("load_optimizer_states", True) or a.get("load_module_only", False))):
+            # stage 0 behind DeepSpeed's fp16 / bf16 wrapper, weights only: DeepSpeed skips the
+            # wrapper's state, whose fp32 masters still hold the old weights (the next step would
+            # write them back over the loaded ones); they are rebuilt from the loaded weights
+            engine.optimizer.refresh_fp32_params()
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
         return result

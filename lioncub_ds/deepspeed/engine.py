@@ -493,11 +493,14 @@ def check_unpartitioned(engine, opt) -> None:
     # Unpartitioned wrappers hand LionCub the parameters themselves or full fp32 copies of them,
     # so every tensor it steps has the shape of a model parameter (a subset is fine). A partitioned
     # wrapper hands it flat slices instead.
+    # trainable tensors on both sides: frozen parameters (e.g. LoRA's base weights) may sit in the
+    # optimizer's groups, and LionCub leaves them out of its buckets
     shapes = collections.Counter(tuple(p.shape) for p in engine.module.parameters() if p.requires_grad)
-    stepped_shapes = collections.Counter(tuple(p.shape) for g in opt.param_groups for p in g["params"])
+    stepped_shapes = collections.Counter(tuple(p.shape) for g in opt.param_groups for p in g["params"]
+                                         if p.requires_grad)
     if stepped_shapes - shapes:
         model = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-        stepped = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        stepped = sum(p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad)
         raise LionCubDeepSpeedError(
             f"LionCub at ZeRO stage 0 needs an unpartitioned optimizer wrapper, but DeepSpeed wrapped it in "
             f"{type(engine.optimizer).__name__}, which gives it {stepped:,} of the model's {model:,} trainable "
@@ -625,14 +628,20 @@ def clip_local_gradients(engine):
     total = torch.stack(sq).sum() if sq else torch.zeros((), device=params[0].grad.device)
     if mpu is not None:
         dist.all_reduce(total, group=mpu.get_model_parallel_group())
-    norm = float(total.sqrt())
+    # On the device, without a host read (the step's one read is its flags): the coefficient in
+    # float64, as a Python float would be, min(1, clip / (norm + 1e-6)); 1 for a non-finite norm
+    # (LionCub sees the non-finite gradient and skips the step on every rank). Multiplying by 1
+    # changes no bit; a 16-bit gradient is scaled in fp32 and rounded once, as a scalar multiply is.
+    norm = total.sqrt()
     engine._global_grad_norm = norm
-    if norm != norm or norm in (float("inf"), float("-inf")):
-        return norm  # LionCub sees the non-finite gradient and skips the step on every rank
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            p.grad.detach().mul_(coef)
+    coef = (max_norm / (norm.double() + 1e-6)).clamp(max=1.0)
+    coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef)).float()
+    for p in params:
+        g = p.grad.detach()
+        if g.dtype == torch.float32:
+            g.mul_(coef)
+        else:
+            g.copy_(g.float().mul_(coef))
     return norm
 
 
@@ -680,6 +689,8 @@ def register() -> None:
     def make_basic(orig):
         def _configure_basic_optimizer(self, model_parameters):
             if self.client_optimizer is None and is_lioncub_name(self.optimizer_name()):
+                # the settings' values first (a node_size of the wrong type must be named, not compared)
+                split_params(self.optimizer_params())
                 check_supported(self)  # reads the ds_config optimizer.params (overlap)
                 return build_optimizer(self, model_parameters)
             return orig(self, model_parameters)
