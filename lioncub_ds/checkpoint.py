@@ -581,7 +581,7 @@ def _prepare(optimizer, directory: str, reshard: str):
     return _reshard(optimizer, directory, old_world, reshard), directory
 
 
-def _device_of(optimizer):
+def device_of(optimizer):
     """Where the optimizer's parameters live (an NCCL group takes only CUDA tensors)."""
     return next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
 
@@ -591,7 +591,7 @@ def _agree(optimizer, failed: bool, step: int) -> tuple[int, int, int]:
     if not optimizer.distributed:
         return int(failed), step, step
     # On the parameters' device: an NCCL group takes only CUDA tensors.
-    flags = torch.tensor([int(failed), step, -step], dtype=torch.int64, device=_device_of(optimizer))
+    flags = torch.tensor([int(failed), step, -step], dtype=torch.int64, device=device_of(optimizer))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=optimizer.vote_group)
     # MAX of the failure flag says "some rank failed"; count is not needed
     failed, hi, neg_lo = flags.tolist()

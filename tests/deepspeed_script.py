@@ -377,6 +377,33 @@ def weights_only_load_scenario(cfg, rank, tmp, lr):
             "dtype": str(dtype)}
 
 
+def node_local_missing_scenario(cfg, rank, tmp):
+    """Stage 0, node-local storage: rank 1's copy of the checkpoint lacks the tag folder. Every rank
+    raises CheckpointError together (rank 1 skipped the check and went on into DeepSpeed's load while
+    rank 0 waited in it), and no rank changed its state."""
+    import shutil
+    import deepspeed
+    import torch
+    model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    train(engine, rank, 2)
+    engine.save_checkpoint(tmp, tag="t")
+    torch.distributed.barrier()
+    other = tmp + "_other_node"
+    if rank == 0:
+        shutil.copytree(tmp, other, ignore=shutil.ignore_patterns("t"))
+    torch.distributed.barrier()
+    train(engine, rank, 1, start=2)
+    before = tensor_hash(list(engine.module.parameters()))
+    try:
+        engine.load_checkpoint(tmp if rank == 0 else other, tag="t")
+        err = None
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        err = f"{type(exc).__name__}: {exc}"
+    torch.distributed.barrier()
+    return {"error": err, "unchanged": tensor_hash(list(engine.module.parameters())) == before}
+
+
 def error_table(base, rank):
     """tests/test_config_validation.py's INVALID table through deepspeed.initialize: each case must fail
     with LionCubConfigError before any optimizer exists (torch.optim.Optimizer.__init__ never runs)."""
@@ -496,6 +523,8 @@ def main():
             dict(base, optimizer=lioncub(comm="pbit", tie_break="zero", weight_decay=0.0, betas=[0.95, 0.98]),
                  gradient_clipping=0.0), rank),
         "frozen_stage0": lambda: frozen_scenario(dict(base, optimizer=lioncub()), rank),
+        "node_local_missing_stage0": lambda: node_local_missing_scenario(dict(base, optimizer=lioncub()), rank,
+                                                                         tmp + "_nl"),
         "bf16_stage0_weights_only_load": lambda: weights_only_load_scenario(
             dict(base, bf16={"enabled": True}, optimizer=lioncub(weight_decay=0.0)), rank, tmp + "_w", 3e-3),
         "err_table": lambda: error_table(base, rank),

@@ -304,6 +304,15 @@ def test_a_weights_only_load_behind_the_bf16_wrapper_steps_from_the_loaded_weigh
 
 
 @deepspeed_missing
+def test_a_checkpoint_missing_on_one_node_stops_every_rank_unchanged(runs):
+    a, b = runs[0]["node_local_missing_stage0"], runs[1]["node_local_missing_stage0"]
+    for r in (a, b):
+        assert r["error"] and r["error"].startswith("CheckpointError") and "no rank changed its state" in r["error"], r
+        assert r["unchanged"], r
+    assert "this rank finds no per-rank LionCub files" in b["error"], b
+
+
+@deepspeed_missing
 def test_invalid_settings_fail_in_deepspeed_initialize_before_any_state(runs):
     """The INVALID table of test_config_validation through deepspeed.initialize (ds_config entry point):
     LionCubConfigError naming the key, before torch.optim.Optimizer.__init__ runs, parameters untouched."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import os
 
+import torch
 import torch.distributed as dist
 
 from .. import checkpoint as lc_checkpoint
@@ -65,19 +66,44 @@ def prepare_rank_state(engine, load_dir, tag, reshard: str = "average"):
     if st is None or st.mode != "local_momentum":
         return None
     directory = os.path.join(load_dir, str(tag))
+    error, prepared = None, None
     try:
-        return lc_checkpoint.prepare_load(st.optimizer, directory, reshard=reshard)
+        prepared = lc_checkpoint.prepare_load(st.optimizer, directory, reshard=reshard)
     except lc_checkpoint.CheckpointError as exc:
-        if "no LionCub checkpoint files" in str(exc):
-            what = ("every rank keeps its current momentum shards (voters='node'; the fp32 masters are rebuilt from "
-                    "the loaded weights)" if st.optimizer.strategy.node_voters
-                    else "every rank keeps its current momentum (the fp32 master shards are rebuilt from the loaded "
-                         "weights)" if st.optimizer.strategy.shards_state
-                    else "every rank continues from data-parallel rank 0's momentum")
-            _compat.ds_logger().warning(f"lioncub_ds: {directory} has no per-rank LionCub files (saved without "
-                                        f"lioncub_ds?): {what}")
-            return None
-        raise
+        error = exc
+    # Agreed over the world, not only the vote group prepare_load agrees in (node voters' peers):
+    # every rank raises together, or none. "Saved without lioncub_ds" only when NO rank finds a
+    # file: a rank alone without them (node-local storage) must not go on into DeepSpeed's load.
+    if _every_rank(error is None, st.optimizer):
+        return prepared
+    no_files = error is not None and "no LionCub checkpoint files" in str(error)
+    if _every_rank(no_files, st.optimizer):
+        what = ("every rank keeps its current momentum shards (voters='node'; the fp32 masters are rebuilt from "
+                "the loaded weights)" if st.optimizer.strategy.node_voters
+                else "every rank keeps its current momentum (the fp32 master shards are rebuilt from the loaded "
+                     "weights)" if st.optimizer.strategy.shards_state
+                else "every rank continues from data-parallel rank 0's momentum")
+        _compat.ds_logger().warning(f"lioncub_ds: {directory} has no per-rank LionCub files (saved without "
+                                    f"lioncub_ds?): {what}")
+        return None
+    if error is None:
+        raise lc_checkpoint.CheckpointError(f"LionCub: another rank could not load its LionCub state from {directory} "
+                                            "(see that rank's error); no rank changed its state")
+    if no_files:
+        raise lc_checkpoint.CheckpointError(
+            f"LionCub: this rank finds no per-rank LionCub files in {directory}, other ranks do (node-local storage "
+            "without this node's files?); no rank changed its state") from None
+    raise error
+
+
+def _every_rank(flag: bool, optimizer) -> bool:
+    """Whether ``flag`` holds on every rank of the world (one small all-reduce on the optimizer's
+    device; at checkpoint time only)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=lc_checkpoint.device_of(optimizer))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() == 0
 
 
 def load_rank_state(engine, load_dir, tag, reshard: str = "average") -> str | None:
@@ -137,8 +163,11 @@ def install_engine_hooks(engine) -> None:
             # Stage 0: check every rank's LionCub file BEFORE DeepSpeed replaces the parameters, the
             # step and the momentum, so a CheckpointError ("no rank changed its state") stays true.
             tag = _resolve_tag(engine, a["load_dir"], a.get("tag"))
-            if tag is not None and os.path.isdir(os.path.join(a["load_dir"], str(tag))):
-                prepared = prepare_rank_state(engine, a["load_dir"], tag)
+            here = tag is not None and os.path.isdir(os.path.join(a["load_dir"], str(tag)))
+            # agreed: a rank without the tag folder (node-local storage) checks with the others
+            # (its check fails, and every rank raises together) instead of skipping the collective
+            if not _every_rank(not here, st.optimizer):
+                prepared = prepare_rank_state(engine, a["load_dir"], tag if tag is not None else "latest")
         node = st is not None and st.mode == "local_momentum" and st.optimizer.strategy.shards_state
         if node:
             # voters="node" / master-only sharding: DeepSpeed's own file holds data-parallel rank 0's
