@@ -149,7 +149,11 @@ def install_engine_hooks(engine) -> None:
         bound.apply_defaults()
         if bound.arguments.get("tag") is None:
             bound.arguments["tag"] = f"global_step{engine.global_steps}"
-        save_rank_state(engine, bound.arguments["save_dir"], bound.arguments["tag"])
+        if save_rank_state(engine, bound.arguments["save_dir"], bound.arguments["tag"]) is not None \
+                and dist.is_available() and dist.is_initialized():
+            # every rank's file is written before rank 0 can write "latest" (DeepSpeed's save does
+            # not synchronize first with checkpoint.tag_validation "Ignore")
+            dist.barrier()
         return orig_save(*bound.args, **bound.kwargs)
 
     def hooked_load(*args, **kwargs):
