@@ -581,6 +581,21 @@ def _prepare(optimizer, directory: str, reshard: str):
     return _reshard(optimizer, directory, old_world, reshard), directory
 
 
+def saved_sharded(directory: str) -> bool:
+    """Whether the rank files in ``directory`` hold a sharded layout (node voters, master-only,
+    instances), read from one file's header only (memory-mapped: no tensor is read)."""
+    found = sorted(glob.glob(os.path.join(directory, "lioncub-rank*-of-*.pt")))
+    if not found:
+        return False
+    try:
+        payload = torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - read() reports a broken file by name when it is loaded
+        return False
+    state = payload.get("optimizer") if isinstance(payload, dict) else None
+    lc = state.get("lioncub") if isinstance(state, dict) else None
+    return isinstance(lc, dict) and lc.get("node") is not None
+
+
 def device_of(optimizer):
     """Where the optimizer's parameters live (an NCCL group takes only CUDA tensors)."""
     return next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))

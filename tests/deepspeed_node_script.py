@@ -124,6 +124,7 @@ def node_scenario(dtype, rank, out_dir):
     engine2 = initialize(cfg, seed=123)  # another init: everything must come from the checkpoint
     path, _ = engine2.load_checkpoint(ckpt, tag="mid")
     res["resume_path"] = path
+    res["loaded_digest"] = digest(engine2.module.parameters())
     res["resumed_losses"] = train(engine2, rank, SAVE_AT, STEPS, dtype)
     res["resumed_digest"] = digest(engine2.module.parameters())
     res["reference_digest"] = reference(rank, dtype)
@@ -145,6 +146,26 @@ def node_scenario(dtype, rank, out_dir):
     train(other, rank, SAVE_AT, SAVE_AT + 1, dtype)
     plain_step(plain_model, plain, rank, SAVE_AT, dtype)
     res["resharded"]["stepped_equal"] = digest(other.module.parameters()) == digest(plain_model.parameters())
+    # node voters -> flat voting through the engine: the weights and every rank's momentum (the mean
+    # of the 2 groups', as the plain-torch load reshards it); fp32: one more step equals plain torch
+    flat_resume = initialize(cfg_for(dtype), seed=6)
+    try:
+        flat_resume.load_checkpoint(ckpt, tag="mid")
+        res["to_flat"] = {"error": None, "weights": digest(flat_resume.module.parameters()) == res["loaded_digest"]}
+        plain_model = ds_script.make_model(0).to(dtype)
+        plain_model.load_state_dict(flat_resume.module.state_dict())
+        plain = lioncub_ds.LionCub(plain_model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1,
+                                   comm="1bit")
+        lioncub_ds.checkpoint.load(plain, os.path.join(ckpt, "mid"))
+        res["to_flat"]["momenta"] = all(
+            digest([flat_resume.basic_optimizer.state[p]["exp_avg"]]) == digest([plain.state[q]["exp_avg"]])
+            for p, q in zip(flat_resume.basic_optimizer.param_groups[0]["params"], plain.param_groups[0]["params"]))
+        train(flat_resume, rank, SAVE_AT, SAVE_AT + 1, dtype)
+        plain_step(plain_model, plain, rank, SAVE_AT, dtype)
+        res["to_flat"]["stepped_equal"] = digest(flat_resume.module.parameters()) == digest(plain_model.parameters())
+        res["to_flat"]["digest"] = digest(flat_resume.module.parameters())
+    except Exception as exc:  # noqa: BLE001 - the test reports it
+        res["to_flat"] = {"error": f"{type(exc).__name__}: {exc}"}
     # today's stage 0 (every rank votes, full replicas of the state) on the same model
     flat = initialize(cfg_for(dtype))
     train(flat, rank, 0, 1, dtype)

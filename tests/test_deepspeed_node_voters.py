@@ -138,6 +138,12 @@ def test_checkpoint_has_every_rank_shard_and_resume_is_exact(runs, dtype):
         e = x["resharded"]
         assert e["same_state"] and e["stepped_equal"] and e["step"] == 3 and e["layout"] == [1, 4], e
         assert bool(e["masters"]) == (dtype == "bf16"), e
+        # node voters -> flat voting through the engine
+        f = x["to_flat"]
+        assert f["error"] is None and f["weights"] and f["momenta"], f
+        if dtype == "fp32":  # bf16: the flat engine's wrapper keeps its own fp32 masters (from the weights)
+            assert f["stepped_equal"], f
+    assert len({x["to_flat"]["digest"] for x in _node(runs, dtype)}) == 1  # replicas identical
 
 
 @deepspeed_missing

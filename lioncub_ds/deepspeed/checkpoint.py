@@ -173,6 +173,13 @@ def install_engine_hooks(engine) -> None:
             if not _every_rank(not here, st.optimizer):
                 prepared = prepare_rank_state(engine, a["load_dir"], tag if tag is not None else "latest")
         node = st is not None and st.mode == "local_momentum" and st.optimizer.strategy.shards_state
+        # a flat engine resuming sharded files (node voters -> flat): DeepSpeed's own optimizer file
+        # then holds data-parallel rank 0's sharded state, which the flat LionCub cannot take; every
+        # rank's state comes from the per-rank files, the wrapper's fp32 masters from the weights
+        from_sharded = (not node and prepared is not None and os.path.isdir(prepared[1])
+                        and lc_checkpoint.saved_sharded(prepared[1]))
+        if from_sharded:
+            a["load_optimizer_states"] = False
         if node:
             # voters="node" / master-only sharding: DeepSpeed's own file holds data-parallel rank 0's
             # state only, whose shards are not this rank's; every rank's state comes from its own file.
@@ -187,6 +194,9 @@ def install_engine_hooks(engine) -> None:
                 st.zero_adapter.refresh()
         elif prepared is not None:
             lc_checkpoint.apply_load(st.optimizer, prepared)
+            if from_sharded and engine.optimizer is not st.optimizer and hasattr(engine.optimizer,
+                                                                                  "refresh_fp32_params"):
+                engine.optimizer.refresh_fp32_params()
         elif node:  # no LionCub files, or not asked to load the optimizer state
             refresh_node_masters(st.optimizer)  # the loaded 16-bit weights, not the old masters
         elif (engine.optimizer is not st.optimizer and hasattr(engine.optimizer, "refresh_fp32_params")
