@@ -404,6 +404,42 @@ def node_local_missing_scenario(cfg, rank, tmp):
     return {"error": err, "unchanged": tensor_hash(list(engine.module.parameters())) == before}
 
 
+def sequence_parallel_scenario(cfg, rank, steps=3):
+    """A Ulysses-style mpu (DeepSpeed's seam): both ranks are one replica (data-parallel size 1),
+    sequence-parallel 2, each with its own chunk's gradient. DeepSpeed reduces over the
+    sequence-data group; LionCub must vote over it too, or the replica's ranks drift apart."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import groups as ds_groups
+    world = dist.get_world_size()
+    single = [dist.new_group([r]) for r in range(world)]
+
+    class SequenceParallelMPU:
+        def get_model_parallel_rank(self): return 0
+        def get_model_parallel_world_size(self): return 1
+        def get_model_parallel_group(self): return single[rank]
+        def get_data_parallel_rank(self): return 0
+        def get_data_parallel_world_size(self): return 1
+        def get_data_parallel_group(self): return single[rank]
+        def get_sequence_parallel_rank(self): return rank
+        def get_sequence_parallel_world_size(self): return world
+        def get_sequence_parallel_group(self): return dist.group.WORLD
+        def get_sequence_data_parallel_group(self): return dist.group.WORLD
+        def get_sequence_data_parallel_rank(self): return rank
+        def get_sequence_data_parallel_world_size(self): return world
+
+    before = getattr(ds_groups, "mpu", None)
+    try:
+        model = make_model(0)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                          mpu=SequenceParallelMPU())
+        train(engine, rank, steps)
+        return {"params": tensor_hash(list(engine.module.parameters())), "summary": engine.lioncub.summary()}
+    finally:
+        ds_groups.mpu = before  # DeepSpeed keeps the last engine's mpu in a module global
+
+
 def error_table(base, rank):
     """tests/test_config_validation.py's INVALID table through deepspeed.initialize: each case must fail
     with LionCubConfigError before any optimizer exists (torch.optim.Optimizer.__init__ never runs)."""
@@ -534,6 +570,8 @@ def main():
                                                      optimizer=lioncub(voters="node")), rank),
         "err_offload_stage0": lambda: expect_error(dict(base, zero_optimization={"stage": 0, "offload_optimizer": {
             "device": "cpu"}}, optimizer=lioncub()), rank),
+        # last: an mpu (DeepSpeed's module global is restored after it)
+        "sequence_parallel_stage0": lambda: sequence_parallel_scenario(dict(base, optimizer=lioncub()), rank),
     }
     play(scenarios, args.only, result)
     result["nccl_contract"] = NC.snapshot()

@@ -313,6 +313,13 @@ def test_a_checkpoint_missing_on_one_node_stops_every_rank_unchanged(runs):
 
 
 @deepspeed_missing
+def test_sequence_parallel_ranks_of_one_replica_vote_together_and_stay_identical(runs):
+    a, b = _scenario(runs, "sequence_parallel_stage0")
+    assert "N=2" in a["summary"], a["summary"]  # the sequence-data group, not the data-parallel group of 1
+    assert a["params"] == b["params"]
+
+
+@deepspeed_missing
 def test_invalid_settings_fail_in_deepspeed_initialize_before_any_state(runs):
     """The INVALID table of test_config_validation through deepspeed.initialize (ds_config entry point):
     LionCubConfigError naming the key, before torch.optim.Optimizer.__init__ runs, parameters untouched."""

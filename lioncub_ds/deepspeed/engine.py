@@ -150,8 +150,14 @@ def set_options(optimizer, **options) -> None:
 
 # ----------------------------------------------------------------------------- groups
 def data_parallel_group(engine):
-    """The group LionCub votes over: the mpu's data-parallel group, else the engine's."""
+    """The group LionCub votes over: the ranks DeepSpeed would reduce gradients over. With a
+    sequence-parallel mpu (Ulysses) that is its sequence-data-parallel group: the ranks of one
+    replica hold different sequence chunks, so each votes with its own partial gradient and all
+    apply the same update (over the data-parallel group alone they would drift apart). Else the
+    mpu's data-parallel group, else the engine's."""
     mpu = getattr(engine, "mpu", None)
+    if mpu is not None and hasattr(mpu, "get_sequence_data_parallel_group"):
+        return mpu.get_sequence_data_parallel_group()
     if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
         return mpu.get_data_parallel_group()
     group = getattr(engine, "seq_data_parallel_group", None)
