@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -294,6 +295,17 @@ def make_shard_groups(shard_size: int | None = None, *, group=None, timeout_s: f
 def consecutive_blocks(ranks: list[int], size: int) -> list[list[int]]:
     """``ranks`` cut into blocks of ``size`` consecutive members (size divides len(ranks))."""
     return [ranks[i:i + size] for i in range(0, len(ranks), size)]
+
+
+def world_max(values, device) -> list[int]:
+    """Element-wise MAX of small integers over every rank of the world (int64 on ``device``: the
+    parameters' device, NCCL takes no CPU tensor; every rank calls); the values themselves without
+    torch.distributed or with one rank. Decisions that every rank must take alike (raise or go on)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [int(v) for v in values]
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
 
 
 # torch >= 2.6 takes broadcast(..., group_src=); older torch (2.4/2.5) only a global src rank.

@@ -51,7 +51,7 @@ from .kernels.reference import dither_seed
 from .layout import assign_algorithms, comm_batches, cost_model, group_names
 from .lion import count_steps, lr_value
 from .momentum_sync import MomentumSync, disagreement_units, drift_scale, select_params, vote_disagreement
-from .sharding import GradRead, fingerprints, make_sharding, reads_changed
+from .sharding import GradRead, make_sharding, reads_changed, replicas_differ
 
 log = logging.getLogger("lioncub_ds")
 
@@ -377,14 +377,11 @@ class StepPlan:
     def check_replicas(self, action: str, step: int) -> bool:
         params = self.params()
         names = [nm for b in self.sharding.full for nm in b.names]
-        fp = fingerprints(params, self.device).reshape(-1)  # two int64 checksums per parameter
-        both = torch.cat([fp, -fp])
         # the ranks that hold what this rank steps, value for value (Megatron's instances: the
         # shard peers); the verdict is every rank's (each raises or re-synchronizes together)
         replicas = self.sharding.replicas()
-        replicas.all_reduce_(both, "drift_check", op=dist.ReduceOp.MAX)
-        hi, neg_lo = both[:fp.numel()], both[fp.numel():]
-        differs = (hi != -neg_lo).reshape(-1, 2).any(dim=1)
+        differs = replicas_differ(params, self.device,
+                                  lambda t: replicas.all_reduce_(t, "drift_check", op=dist.ReduceOp.MAX))
         if not self.sharding.agree_found(bool(differs.any())):
             return True
         idx = differs.nonzero().reshape(-1).tolist()

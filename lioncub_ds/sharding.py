@@ -116,6 +116,17 @@ def fingerprints(tensors, device) -> torch.Tensor:
     return out
 
 
+def replicas_differ(tensors, device, all_reduce_max) -> torch.Tensor:
+    """bool [len(tensors)] on ``device``: whether each tensor differs on some rank of a group of
+    replicas. ``all_reduce_max(t)``: MAX in place over that group. One all-reduce of the
+    :func:`fingerprints` and their negations: MAX and MIN at once (equal everywhere iff max == min)."""
+    fp = fingerprints(tensors, device).reshape(-1)  # two int64 checksums per tensor
+    both = torch.cat([fp, -fp])
+    all_reduce_max(both)
+    hi, neg_lo = both[:fp.numel()], both[fp.numel():]
+    return (hi != -neg_lo).reshape(-1, 2).any(dim=1)
+
+
 def grad_versions(params) -> list:
     """(gradient, its in-place version) of every parameter that has a gradient: what a step read."""
     return [(p.grad, p.grad._version) for p in params if p.grad is not None]

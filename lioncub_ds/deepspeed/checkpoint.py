@@ -27,10 +27,10 @@ from __future__ import annotations
 import inspect
 import os
 
-import torch
 import torch.distributed as dist
 
 from .. import checkpoint as lc_checkpoint
+from ..groups import world_max
 from . import _compat
 
 _MARK = "_lioncub_ds_ckpt_hook"
@@ -97,13 +97,8 @@ def prepare_rank_state(engine, load_dir, tag, reshard: str = "average"):
 
 
 def _every_rank(flag: bool, optimizer) -> bool:
-    """Whether ``flag`` holds on every rank of the world (one small all-reduce on the optimizer's
-    device; at checkpoint time only)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=lc_checkpoint.device_of(optimizer))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() == 0
+    """Whether ``flag`` holds on every rank of the world (at checkpoint time only)."""
+    return world_max([not flag], lc_checkpoint.device_of(optimizer))[0] == 0
 
 
 def load_rank_state(engine, load_dir, tag, reshard: str = "average") -> str | None:

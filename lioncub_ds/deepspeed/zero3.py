@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import LionCubConfig, LionCubConfigError
-from ..groups import ShardGroups, group_ranks, make_shard_groups, requested
+from ..groups import ShardGroups, group_ranks, make_shard_groups, requested, world_max
 from ..layout import ELEMENT_START
 from ..optimizer import LionCub
 
@@ -588,11 +588,10 @@ def install_layout_check(engine, opt: ZeRO3Votes) -> None:
                     saved = json.load(f)
             if saved != opt.layout():
                 problem = layout_error(os.path.dirname(path), saved, opt.layout(), "; nothing was loaded")
-        flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=engine.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        refused, = world_max([problem is not None], engine.device)
         if problem is not None:
             raise problem
-        if flag.item():
+        if refused:
             raise ZeRO3VotesError(f"LionCub: another rank refused the checkpoint {load_dir!r} (tag {t!r}): its vote "
                                   f"layout file ({LAYOUT_FILE}) is missing there or says another layout (node-local "
                                   "storage without the file on that node?); nothing was loaded, on any rank")

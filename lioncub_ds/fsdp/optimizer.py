@@ -110,14 +110,12 @@ def _check_identical(fsdp, sg: ShardGroups):
     """Every shard group must start from the same shards (the votes keep equal replicas equal,
     never make them equal): their checksums are compared across the peers, the verdict agreed over
     the shard group, so every rank raises or none. Two small integer all-reduces."""
-    from ..sharding import fingerprints
+    from ..sharding import replicas_differ
     leaves = [leaf for _, _, leaf in fsdp]
     if sg.groups == 1 or not leaves:
         return
-    fp = fingerprints(leaves, leaves[0].device).reshape(-1)
-    both = torch.cat([fp, -fp])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=sg.peers)
-    differs = (both[:fp.numel()] != -both[fp.numel():]).reshape(-1, 2).any(dim=1)
+    differs = replicas_differ(leaves, leaves[0].device,
+                              lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=sg.peers))
     count = differs.sum().reshape(1)
     dist.all_reduce(count, group=sg.shard)
     if int(count.item()):

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as lc_checkpoint
+from ..groups import world_max
 from .optimizer import lioncub_optimizers, split_refusal
 
 CHECKPOINT_MODES = ("per_rank", "sync")
@@ -99,15 +100,6 @@ def _flag_device(optimizer):
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _world_max(values, device) -> list[int]:
-    """Element-wise MAX over the world (every rank calls); a no-op without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(values)
-    t = torch.tensor(list(values), dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [int(v) for v in t.tolist()]
 
 
 def missing_lioncub_files(optimizer, checkpoint_dir: str) -> list[str]:
@@ -179,7 +171,7 @@ def load_lioncub_states(optimizer, checkpoint_dir: str, reshard: str = "average"
     device = _flag_device(optimizer)
     split = split_mismatch(optimizer, checkpoint_dir)
     missing = missing_lioncub_files(optimizer, checkpoint_dir)
-    any_split, n_missing = _world_max([1 if split else 0, 1 if missing else 0], device)
+    any_split, n_missing = world_max([1 if split else 0, 1 if missing else 0], device)
     if any_split:
         raise lc_checkpoint.CheckpointError(split or f"LionCub: another rank found {checkpoint_dir}'s optimizers split "
                                             "otherwise than this run's (see that rank's error); no rank loaded")
@@ -202,7 +194,7 @@ def load_lioncub_states(optimizer, checkpoint_dir: str, reshard: str = "average"
             prepared.append(lc_checkpoint.prepare_load(opt, rank_directory(checkpoint_dir, opt), reshard=reshard))
         except lc_checkpoint.CheckpointError as exc:
             error = error or exc
-    failed, = _world_max([1 if error is not None else 0], device)
+    failed, = world_max([1 if error is not None else 0], device)
     if error is not None:
         raise error
     if failed:

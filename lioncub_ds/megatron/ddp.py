@@ -13,10 +13,11 @@ the bookkeeping (and DDP's optional NaN / large-gradient checks of the local buf
 issue no collective: ``main_grad`` then holds what Megatron's reduction would give were every
 rank's gradient this rank's (the own mean gradient for dense parameters; Megatron's edp/dp for
 expert ones; with a per-token loss, before Megatron's division by the global token count), so
-gradient clipping and the logged norm mean what they mean under Megatron. Everything else stays as it is: the grad buffers, ``no_sync`` for
-gradient accumulation, ``zero_grad_buffer``, and the tensor/pipeline-parallel fix-ups in
-``finalize_model_grads`` (sequence-parallel layer-norm grads over TP, tied embedding grads
-across pipeline stages), which are model-parallel, not data-parallel, reductions.
+gradient clipping and the logged norm mean what they mean under Megatron. Everything else stays
+as it is: the grad buffers, ``no_sync`` for gradient accumulation, ``zero_grad_buffer``, and the
+tensor/pipeline-parallel fix-ups in ``finalize_model_grads`` (sequence-parallel layer-norm grads
+over TP, tied embedding grads across pipeline stages), which are model-parallel, not data-parallel,
+reductions.
 
 Settings that cannot work in this mode raise :class:`LocalMomentumConfigError`:
 ``use_distributed_optimizer`` (it reduce-scatters gradients and shards optimizer state
