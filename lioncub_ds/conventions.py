@@ -1,4 +1,4 @@
-"""The fixed conventions of lioncub_ds (SPEC §4, docs/conventions.md) that both the kernels and the
+"""The fixed conventions of lioncub_ds (docs/conventions.md) that both the kernels and the
 communication algorithms (and the settings) need: the names of the rules, modes and kinds and their
 kernel codes, the padding of a bucket, the width of a p-bit lane, the int8 level count and the
 tie-index table.

@@ -253,7 +253,7 @@ def create_on_all_ranks(wanted: list[list[int]], timeout_s: float | None = None,
 
 @dataclass(frozen=True)
 class ShardGroups:
-    """A framework's 2-D layout of data-parallel ranks (SPEC §7): ``groups`` shard groups of
+    """A framework's 2-D layout of data-parallel ranks (docs/node_voters.md): ``groups`` shard groups of
     ``shard_size`` consecutive ranks. Inside a shard group the framework shards parameters,
     gradients and optimizer state (DeepSpeed ZeRO-3 on a node, FSDP2's shard mesh dimension: the
     fast link); the ``peers`` of a rank are the one rank per shard group holding the same shard

@@ -7,7 +7,7 @@ chosen once, when the step plan is built (:func:`make_sharding`).
   Flat, so Δ is the flat vote's; only the fp32 master of bf16/fp16 parameters is sharded over
   the node group: the apply goes to this rank's master shard, then the group all-gathers the
   shards into the parameters. fp32 buckets are applied as in flat voting.
-* :class:`NodeVoters` (``voters="node"``, docs/node_voters.md, SPEC §7): shard inside a node
+* :class:`NodeVoters` (``voters="node"``, docs/node_voters.md): shard inside a node
   group, vote across node groups. World N = Nn groups × L consecutive ranks. Every flat bucket
   of the layout is padded to a multiple of 8·Nn·L and cut into L equal shards; local rank k of
   every group owns shard k. Per step, on the rank (group j, local rank k):

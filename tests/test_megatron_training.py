@@ -209,6 +209,22 @@ def test_install_without_megatron_lm_says_what_to_do(monkeypatch):
     assert not lt.installed()
 
 
+@pytest.mark.unit
+def test_run_help_lists_every_lioncub_flag_without_a_megatron_checkout(capsys):
+    """``python -m lioncub_ds.megatron.run --help`` lists the flags it adds (the script's own --help
+    needs Megatron-LM), from the same parser Megatron gets."""
+    from lioncub_ds.megatron import run
+    from lioncub_ds.megatron.args import add_lioncub_args
+
+    run.main(["--help"])
+    out = capsys.readouterr().out
+    flags = [o for a in add_lioncub_args(argparse.ArgumentParser())._actions for o in a.option_strings
+             if o.startswith("--lioncub-")]
+    assert len(flags) > 20 and "--lioncub-comm" in flags and "--lioncub-momentum-sync-every" in flags
+    assert [f for f in flags if f not in out] == []
+    assert "pretrain_gpt.py" in out
+
+
 # ----------------------------------------------------------------------------- the early error
 RECIPE = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--fp8-param-gather"]
 

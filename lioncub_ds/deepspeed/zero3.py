@@ -1,4 +1,4 @@
-"""ZeRO-3 with votes: DeepSpeed shards inside a group, LionCub votes across groups (SPEC §7).
+"""ZeRO-3 with votes: DeepSpeed shards inside a group, LionCub votes across groups (docs/node_voters.md).
 
 ``"zero_optimization": {"stage": 3}`` with ``"optimizer": {"type": "LionCub", "params": {...,
 "voters": "node"}}``: the N data-parallel ranks form Nn shard groups of L consecutive ranks
@@ -21,7 +21,7 @@ What DeepSpeed calls the optimizer: :class:`ZeRO3Votes`, a thin torch optimizer.
 its ``step()`` once per sub-group with the fp32 flat partition of that sub-group as the only
 parameter; it hands the step to one LionCub per sub-group (``shard_groups=``) over views of the
 flat partition, one per model parameter, each tagged with its first element's index inside the
-parameter, so the hash tie rule keys on the element's index inside its parameter (SPEC §4).
+parameter, so the hash tie rule keys on the element's index inside its parameter (docs/conventions.md).
 
 Decisions every group must share: ZeRO-3 skips a step whose gradient norm is not finite (and,
 with fp16, one that overflows), but it computes them over the group only. The wrapper agrees

@@ -1,4 +1,4 @@
-"""LionCub on FSDP2's sharded parameters: shard inside a group, vote across groups (SPEC §7).
+"""LionCub on FSDP2's sharded parameters: shard inside a group, vote across groups (docs/node_voters.md).
 
 The seam (torch >= 2.6 ``fully_shard``, read in torch 2.13's ``_fully_shard``): FSDP2 runs on a
 1-D DeviceMesh made from this rank's shard group (:func:`shard_mesh`), so its reduce-scatter
@@ -13,7 +13,7 @@ output is kept for a later all-reduce), so the mean gradient of a group never re
 What LionCub steps: per sharded parameter (a DTensor on the shard mesh, ``Shard(0)``) a plain
 tensor aliasing FSDP2's local shard (``p.to_local()`` detached: the same storage, so the update is
 what the next all-gather reads), tagged with the index of its first element inside the full
-parameter (:data:`lioncub_ds.layout.ELEMENT_START`: the hash tie rule keys on it, SPEC §4). FSDP2
+parameter (:data:`lioncub_ds.layout.ELEMENT_START`: the hash tie rule keys on it, docs/conventions.md). FSDP2
 cuts dim 0 like ``torch.chunk`` (the first shards ``ceil(d0/L)`` rows, the last ones shorter or
 empty, padded inside FSDP2), so peers hold shards of equal shape.
 """

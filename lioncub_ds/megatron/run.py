@@ -33,10 +33,22 @@ def find_script(name: str) -> str:
                      "MEGATRON_LM_DIR, or give the script's path.")
 
 
+def help_text() -> str:
+    """This module's usage and the ``--lioncub-*`` flags it adds (Megatron's own flags: the script's
+    ``--help``, which needs the Megatron-LM checkout)."""
+    import argparse
+
+    from .args import add_lioncub_args
+
+    parser = add_lioncub_args(argparse.ArgumentParser(prog="python -m lioncub_ds.megatron.run [script.py]",
+                                                      add_help=False, usage=argparse.SUPPRESS))
+    return __doc__ + "\n" + parser.format_help()
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
-        print(__doc__)
+        print(help_text())
         return
     script = DEFAULT_SCRIPT
     if argv and not argv[0].startswith("-"):
