@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..conventions import tie_segments
 from .abstain import (ChunkCode, decode_lists, encode as abstain_encode, list_capacity, next_mode,
-                      payload_bytes, plane_source, real_mask)
+                      payload_bytes, plane_source, real_mask, words_of)
 from ..groups import broadcast
 from ..telemetry import CommStats
 
@@ -260,8 +260,7 @@ class VoteJob:
             code = ChunkCode(self.plane_bytes, received.shape[0])
             planes, self.chunk_lists = code.decode(received, self.mask, rank if self.planes_sharded else None)
             return planes
-        words = received.contiguous().view(torch.int32)
-        return decode_lists(words, self.mask, self.capacity)
+        return decode_lists(words_of(received), self.mask, self.capacity)
 
 
 class VoteAlgorithm:

@@ -27,6 +27,7 @@ class BBitVote(OneBitVote):
     def __init__(self, bits: int = 2, rounding: str = "dither", quant: str = "l1"):
         self.bits, self.rounding, self.quant = bits, rounding, quant
         self.planes = bits
+        self.zero_level = bits >= 2  # ternary and finer codes: Σq = 0 ties at any N (tie_break="zero")
 
     def local_step(self, job, grads, momenta, backend, betas, world_size, seed, momenta_out=None):
         """b-bit codes as b bit planes (``job.sign``), dithered with this rank's seed of the step."""

@@ -10,7 +10,7 @@ knows it from the payloads. Only tie_break="zero" with a possible tie (an even N
 abstentions) adds the result's nonzero plane. Whole nonzero planes (plane mode, or after a list
 overflowed) travel *sharded* with majority votes: rank r receives only shard r of each rank's
 plane, and phase 2 then carries the result's nonzero plane: (N−1)/N·2·P/8 more bytes instead of
-the (N−1)·P/8 of sending every plane to every rank (at N = 16, 7.5x fewer). The chunk code
+the (N−1)·P/8 of sending every plane to every rank (N/2 times fewer: 8x at N = 16). The chunk code
 (comm/abstain.py, runs of abstentions) travels sharded too: rank r receives every rank's list
 and shard r's zero-chunk bits, and phase 2 carries one bit per chunk of the result (chunk all
 voted), from which, with the lists, every rank rebuilds where Δ is 0: (N−1)/N·P/64 bytes
@@ -27,10 +27,11 @@ from .base import (Collectives, VoteAlgorithm, VoteJob, payload_len, planes_coun
                    split_columns)
 
 
-def phase2_needs_nonzero(world_size: int, tie_break: str, abstain: bool = False) -> bool:
+def phase2_needs_nonzero(world_size: int, tie_break: str, abstain: bool = False, zero_level: bool = False) -> bool:
     """Δ can be 0 on a tie (not only where nobody voted): the result's nonzero plane travels.
-    A tie needs an even number of voters: an even N, or abstentions."""
-    return tie_break == "zero" and (world_size % 2 == 0 or abstain)
+    A tie of ±1 votes needs an even number of voters: an even N, or abstentions; with a zero
+    level among the codes (``bbit``, b >= 2) Σq = 0 at any N."""
+    return tie_break == "zero" and (world_size % 2 == 0 or abstain or zero_level)
 
 
 class OneBitVote(VoteAlgorithm):
@@ -38,6 +39,7 @@ class OneBitVote(VoteAlgorithm):
     carries_flags = True  # like the payloads, the flags go to every rank
 
     planes = 1  # packed vote planes per element (bbit: its b code planes)
+    zero_level = False  # a voter's code can be 0 (bbit, b >= 2): Σ = 0 ties at an odd N too
 
     def shards_planes(self, vote: str) -> bool:
         return vote == "majority"  # average: every rank counts the voters itself (whole planes)
@@ -61,14 +63,13 @@ class OneBitVote(VoteAlgorithm):
     def _phase1_widths(self, jobs, n):
         return [w for j in jobs for w in (self.planes * j.plane_bytes // n, self._payload_width(j, n))]
 
-    @staticmethod
-    def _phase2_extra(j: VoteJob, n: int) -> str | None:
+    def _phase2_extra(self, j: VoteJob, n: int) -> str | None:
         """What phase 2 carries besides the result's sign (majority; the same on every rank: the
         planes follow the agreed flags and mode): "plane", the result's nonzero plane (Δ can be 0
         on a tie; or the planes travelled sharded, so no rank but the owner knows where nobody
         voted); "chunks", one bit per chunk instead (the planes came as the sharded chunk code:
         the lists rebuild the rest); None (every rank knows where nobody voted, or nobody abstains)."""
-        if phase2_needs_nonzero(n, j.tie_break, j.planes is not None):
+        if phase2_needs_nonzero(n, j.tie_break, j.planes is not None, self.zero_level):
             return "plane"
         if j.planes is not None and j.planes_sharded:
             return "plane" if j.chunk_lists is None else "chunks"
@@ -172,7 +173,7 @@ class OneBitVote(VoteAlgorithm):
             phase1 += (n - 1) * (shard if splits else numel // 8)
         if vote == "average":
             phase2 = (n - 1) * shard * lane_bits_for(n)
-        elif phase2_needs_nonzero(n, tie_break, counted) or (splits and counted and (mode == "plane" or fetch)):
+        elif phase2_needs_nonzero(n, tie_break, counted, self.zero_level) or (splits and counted and (mode == "plane" or fetch)):
             phase2 = 2 * (n - 1) * shard  # the result's sign and nonzero planes
         elif splits and mode == "chunks":
             phase2 = (n - 1) * (shard + ChunkCode(numel // 8, n).window_bytes)  # sign, full-chunk bits
