@@ -295,7 +295,7 @@ class LionCubConfig:
                                    agree=AGREE_RANKS, why="bbit dither / nearest: what is voted")
     network: dict = setting(type=dict, default_factory=lambda: dict(DEFAULT_NETWORK), allowed="> 0, ≥ 0",
                             default_doc='`{"bandwidth_gbit": 10, "latency_us": 50}`',
-                            help="the α-β model behind `comm=\"auto\"`",
+                            help="the α-β model behind `comm=\"auto\"` (a message costs latency + bytes / bandwidth)",
                             agree=AGREE_RANKS, why="comm='auto' picks each bucket's algorithm from it (compared only "
                                                    "then)")
     nonfinite: str = setting("skip", type=str, choices=NONFINITE_POLICIES,

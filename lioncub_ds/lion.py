@@ -57,11 +57,32 @@ def lr_value(lr, owner="Lion"):
     return lr
 
 
-def check_param_group(param_group, owner):
-    """What torch's add_param_group does not refuse but Lion cannot optimize correctly: complex
-    parameters (a real cast would drop the imaginary part). Raised before the group is added."""
-    params = param_group.get("params", []) if isinstance(param_group, dict) else []
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
+SET_ERROR = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors in "
+             "sets will change between runs. Please use a list instead.")
+
+
+def check_param_group(param_group, owner, defaults=None, index=0):
+    """What torch's add_param_group does not refuse but Lion cannot optimize correctly, raised
+    before the group is added: complex parameters (a real cast would drop the imaginary part), the
+    group's own lr / betas / weight_decay out of range (checked as the constructor checks its
+    defaults). A one-shot iterable of parameters (a generator: ``model.head.parameters()``) is
+    read once here and stored back as a list, so torch adds the parameters, not an exhausted
+    generator. Returns the parameters."""
+    if not isinstance(param_group, dict):
+        return []
+    params = param_group.get("params", [])
+    if isinstance(params, set):
+        raise TypeError(f"{owner}: {SET_ERROR}")
+    if not isinstance(params, torch.Tensor):
+        params = param_group["params"] = list(params)
+    else:
+        params = [params]
+    if defaults is not None:
+        own = {k: param_group[k] for k in ("lr", "betas", "weight_decay") if k in param_group}
+        if own:
+            merged = {k: own.get(k, defaults[k]) for k in ("lr", "betas", "weight_decay")}
+            validate_common(lr=lr_value(merged["lr"], owner), betas=merged["betas"],
+                            weight_decay=merged["weight_decay"], owner=f"{owner} (param group #{index})")
     for i, p in enumerate(params):
         if isinstance(p, tuple) and len(p) == 2:
             p = p[1]
@@ -72,16 +93,24 @@ def check_param_group(param_group, owner):
     return params
 
 
-def saved_momenta(opt, state_dict):
+def saved_momenta(opt, state_dict, owner="Lion"):
     """{parameter: saved exp_avg} of a state dict about to be loaded into ``opt`` (torch's id
-    mapping: saved ids in param-group order onto this optimizer's parameters)."""
+    mapping: saved ids in param-group order onto this optimizer's parameters). A momentum whose
+    shape is not its parameter's is refused here, before anything is loaded (the kernels read
+    elements in order: a (3, 4) momentum on a (4, 3) parameter would step silently wrong)."""
     saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
     params = [p for g in opt.param_groups for p in g["params"]]
     id_map = dict(zip(saved_ids, params))
     out = {}
     for idx, st in state_dict.get("state", {}).items():
         if isinstance(st, dict) and "exp_avg" in st and idx in id_map:
-            out[id_map[idx]] = st["exp_avg"]
+            p, m = id_map[idx], st["exp_avg"]
+            if isinstance(m, torch.Tensor) and tuple(m.shape) != tuple(p.shape):
+                raise LionCubConfigError(
+                    f"{owner}.load_state_dict: the saved momentum of parameter #{params.index(p)} has shape "
+                    f"{tuple(m.shape)}, the parameter {tuple(p.shape)}; allowed: a state dict saved for these "
+                    "parameters, in this order; no state was changed")
+            out[p] = m
     return out
 
 
@@ -98,6 +127,21 @@ def restore_momenta(opt, saved, momentum_dtype):
     optimizer's ``momentum_dtype`` only."""
     for p, m in saved.items():
         opt.state[p]["exp_avg"] = m.to(device=p.device, dtype=momentum_dtype).clone()
+
+
+def checked_groups(param_groups, sparse_error):
+    """[(group, its parameters with a gradient, its lr as a float)] of every group, checked before
+    any group is stepped, so that a bad lr or a sparse gradient in a later group leaves the earlier
+    ones untouched: ``sparse_error(p)`` is the exception raised for a sparse gradient."""
+    out = []
+    for g in param_groups:
+        lr = lr_value(g["lr"])
+        params = [p for p in g["params"] if p.grad is not None]
+        for p in params:
+            if p.grad.is_sparse:
+                raise sparse_error(p)
+        out.append((g, params, lr))
+    return out
 
 
 def _single_tensor_lion(params, grads, momenta, *, lr, beta1, beta2, weight_decay):
@@ -188,7 +232,7 @@ class Lion(Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
-        check_param_group(param_group, "Lion")
+        check_param_group(param_group, "Lion", self.defaults, len(getattr(self, "param_groups", [])))
         super().add_param_group(param_group)
 
     # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups: copy.deepcopy and
@@ -201,32 +245,28 @@ class Lion(Optimizer):
         self.__dict__.setdefault("momentum_dtype", torch.float32)
 
     def load_state_dict(self, state_dict):
-        saved = saved_momenta(self, state_dict)
+        saved = saved_momenta(self, state_dict, "Lion")
         super().load_state_dict(state_dict)
         restore_momenta(self, saved, self.momentum_dtype)
 
-    def _init_group(self, group, params, grads, momenta):
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("Lion does not support sparse gradients")
+    def _momenta(self, params):
+        out = []
+        for p in params:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, dtype=self.momentum_dtype, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            momenta.append(state["exp_avg"])
+            out.append(state["exp_avg"])
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = call_closure(closure)
-        for group in self.param_groups:
-            params, grads, momenta = [], [], []
-            self._init_group(group, params, grads, momenta)
+        work = checked_groups(self.param_groups, lambda p: RuntimeError("Lion does not support sparse gradients"))
+        for group, params, lr in work:
             beta1, beta2 = group["betas"]
-            lion(params, grads, momenta, lr=lr_value(group["lr"]), beta1=beta1, beta2=beta2,
-                 weight_decay=group["weight_decay"], foreach=group["foreach"])
+            # a group loaded from another optimizer's state dict (LionCub's) has no foreach key
+            lion(params, [p.grad for p in params], self._momenta(params), lr=lr, beta1=beta1, beta2=beta2,
+                 weight_decay=group["weight_decay"], foreach=group.get("foreach", self.defaults["foreach"]))
             count_steps([self.state[p] for p in params])
         return loss

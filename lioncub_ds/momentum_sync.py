@@ -59,6 +59,8 @@ def geometric_steps(k: float, limit: int) -> list[int]:
     out, t, j = [], 0, 0
     while t < limit:
         out.append(t)
+        if j / k >= 64:  # the next gap is >= 2**64 steps, past any limit (and 2.0 ** 1024 would overflow)
+            break
         t += int(math.floor(2.0 ** (j / k)))
         j += 1
     return out

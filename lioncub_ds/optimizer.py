@@ -27,8 +27,8 @@ from .comm.pbit import check_lane_bits
 from .config import CONSTRUCTOR_ONLY, LionCubConfig, LionCubConfigError
 from .config_text import constructor_doc
 from .errors import NonFiniteError, ReplicaDriftError, StepInputError  # noqa: F401 - re-exported
-from .lion import (call_closure, check_param_group, count_steps, lr_value, nonfinite_count, restore_momenta,
-                   saved_momenta)
+from .lion import (SET_ERROR, call_closure, check_param_group, checked_groups, count_steps, lr_value,
+                   nonfinite_count, restore_momenta, saved_momenta)
 from .lion import lion as lion_functional
 from .groups import (INSTANCES, MASTER_ONLY, NODE_VOTERS, SINGLE, Strategy, Topology, consecutive_blocks,
                      create_on_all_ranks, group_ranks, requested, resolve_strategy, settle_at_exit)
@@ -144,11 +144,15 @@ def _split_named(params):
     if isinstance(params, torch.Tensor):
         raise TypeError("LionCub: params argument given to the optimizer should be an iterable of Tensors or dicts, "
                         "but got " + torch.typename(params))
+    if isinstance(params, set):  # every rank must list the parameters in the same order
+        raise TypeError(f"LionCub: {SET_ERROR}")
     params = list(params)
     if not params:
         raise ValueError("LionCub got an empty parameter list")
 
     def unnamed(ps, where):
+        if isinstance(ps, set):
+            raise TypeError(f"LionCub ({where}): {SET_ERROR}")
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         named = [isinstance(p, tuple) for p in ps]
         if any(named) and not all(named):
@@ -281,7 +285,7 @@ class LionCub(Optimizer):
         state (node voters, master-only sharding) carries over: buckets are cut group by group, so
         the new group's buckets come after the existing ones, whose shards (kept by bucket index)
         the new plan finds unchanged."""
-        params = check_param_group(param_group, "LionCub")
+        params = check_param_group(param_group, "LionCub", self.defaults, len(getattr(self, "param_groups", [])))
         seen = set()
         for i, p in enumerate(params):
             p = p[1] if isinstance(p, tuple) else p
@@ -572,9 +576,9 @@ class LionCub(Optimizer):
         except ValueError as exc:
             raise LionCubConfigError(f"LionCub.load_state_dict: {exc}; no state was changed") from None
         # torch casts floating state to the parameter's dtype; keep the momenta exact instead.
-        saved = saved_momenta(self, state_dict)
+        saved = saved_momenta(self, state_dict, "LionCub")
         for p, m in saved.items():
-            bad = nonfinite_count(m)
+            bad = nonfinite_count(m) if self.distributed else 0  # one process keeps them, as Lion does
             if bad:
                 raise LionCubConfigError(
                     f"LionCub.load_state_dict: the momentum of parameter {tuple(p.shape)} holds {bad} non-finite "
@@ -641,20 +645,15 @@ class LionCub(Optimizer):
         return loss
 
     def _local_lion_step(self):
-        for g in self.param_groups:
-            params, grads, momenta = [], [], []
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:  # the rule of every N (refused there through the step's flags)
-                    raise StepInputError(f"LionCub: the gradient of parameter {tuple(p.shape)} is sparse; allowed: "
-                                         "a dense gradient of the parameter's shape; no state was changed")
-                params.append(p)
-                grads.append(p.grad)
-                momenta.append(self.momenta.get(p))
+        # every group checked first: a sparse gradient (the rule of every N, refused there through
+        # the step's flags) or a bad lr in a later group leaves the earlier ones unstepped
+        work = checked_groups(self.param_groups, lambda p: StepInputError(
+            f"LionCub: the gradient of parameter {tuple(p.shape)} is sparse; allowed: a dense gradient of the "
+            "parameter's shape; no state was changed"))
+        for g, params, lr in work:
             b1, b2 = g["betas"]
-            lion_functional(params, grads, momenta, lr=lr_value(g["lr"]), beta1=b1, beta2=b2,
-                            weight_decay=g["weight_decay"], foreach=self.config.foreach)
+            lion_functional(params, [p.grad for p in params], [self.momenta.get(p) for p in params], lr=lr, beta1=b1,
+                            beta2=b2, weight_decay=g["weight_decay"], foreach=self.config.foreach)
             count_steps([self.state[p] for p in params])
         self._step_count += 1
 

@@ -190,3 +190,15 @@ def test_a_validated_config_is_taken_as_is():
         LionCub([p], config=cfg, lr=1e-3, vote="average")
     with pytest.raises(TypeError, match="config must be a LionCubConfig"):
         LionCub([p], config={"lr": 1e-3})
+
+
+@pytest.mark.unit
+def test_a_tiny_geometric_k_gives_a_schedule_instead_of_an_overflow():
+    """k far below 1 makes 2**(j/k) pass float range after a few syncs: the schedule stops there
+    (every later gap is beyond any step), instead of an OverflowError after the step's apply."""
+    from lioncub_ds.config import LionCubConfig
+    from lioncub_ds.momentum_sync import geometric_steps, on_schedule
+    cfg = LionCubConfig.from_kwargs(momentum_sync={"schedule": "geometric", "k": 1e-4}).momentum_sync
+    assert [s for s in range(10) if on_schedule(cfg, s)] == [0, 1]
+    assert geometric_steps(1e-4, 10**6) == [0, 1]
+    assert geometric_steps(1.0, 40) == [0, 1, 3, 7, 15, 31]

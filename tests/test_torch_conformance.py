@@ -322,3 +322,104 @@ def test_foreach_and_single_tensor_give_the_same_bits(pdtype, lr, wd):
         _run(opt, params, 3)
         out.append(params)
     _assert_same(out[0], out[1])
+
+
+# ----------------------------------------------------------------------------- a review's findings
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_group_given_as_a_generator_keeps_its_parameters(cls):
+    """``add_param_group({"params": model.head.parameters()})`` and a constructor group given as a
+    generator: every parameter is added (the check once read the generator and torch got it empty)."""
+    body, head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+    opt = cls(body.parameters(), lr=1e-3)
+    opt.add_param_group({"params": head.parameters()})
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+    opt2 = cls([{"params": body.parameters()}, {"params": (p for p in head.parameters()), "lr": 2e-3}], lr=1e-3)
+    assert [len(g["params"]) for g in opt2.param_groups] == [2, 2]
+    for p in head.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in head.parameters()]
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, head.parameters()))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(lr="0.1"), dict(betas=(1.5, 0.9)), dict(weight_decay=-1),
+                                 dict(lr=float("nan"))])
+def test_a_groups_own_settings_are_checked_before_it_is_added(cls, bad):
+    opt = cls(_params(), lr=1e-3)
+    key = next(iter(bad))
+    with pytest.raises(LionCubConfigError, match=rf"param group #1\): invalid {key}="):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], **bad})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(LionCubConfigError, match=rf"param group #0\): invalid {key}="):
+        cls([{"params": _params(), **bad}], lr=1e-3)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("fault", ["sparse", "lr"])
+def test_a_bad_later_group_leaves_every_group_unstepped(cls, fault):
+    """A sparse gradient or a lr tensor of two elements in the second group: the step raises and the
+    first group's parameters, momenta and step counters are unchanged (they were stepped first)."""
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
+    opt = cls([{"params": [a]}, {"params": [b]}], lr=1e-2)
+    a.grad = torch.ones(3)
+    if fault == "sparse":
+        b.grad = torch.zeros(4).to_sparse()
+    else:
+        b.grad = torch.ones(4)
+        opt.param_groups[1]["lr"] = torch.tensor([1e-2, 1e-2])
+    with pytest.raises((RuntimeError, ValueError)):
+        opt.step()
+    assert torch.equal(a.detach(), torch.zeros(3))
+    assert "exp_avg" not in opt.state[a] or torch.equal(opt.state[a]["exp_avg"], torch.zeros(3))
+    assert getattr(opt, "step_count", 0) == 0
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_momentum_of_another_shape_is_refused_at_load(cls):
+    """Same element count, other shape: refused before anything is loaded (the kernels would read it
+    in the wrong order and step silently wrong)."""
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    src = cls([torch.nn.Parameter(torch.zeros(3, 4))], lr=1e-3)
+    src.param_groups[0]["params"][0].grad = torch.randn(3, 4)
+    src.step()
+    opt = cls([p], lr=1e-3)
+    with pytest.raises(LionCubConfigError, match=r"shape \(3, 4\), the parameter \(4, 3\).*no state was changed"):
+        opt.load_state_dict(src.state_dict())
+    assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_set_of_parameters_is_refused_as_torch_does(cls):
+    with pytest.raises(TypeError, match="ordered collections"):
+        cls([{"params": set(_params())}], lr=1e-3)
+    opt = cls(_params(), lr=1e-3)
+    with pytest.raises(TypeError, match="ordered collections"):
+        opt.add_param_group({"params": {torch.nn.Parameter(torch.zeros(2))}})
+    with pytest.raises(TypeError, match="ordered collections"):
+        LionCub(set(_params()), lr=1e-3)  # LionCub: every rank must list them in one order
+
+
+def test_lion_steps_after_loading_a_lioncub_state_dict():
+    src_p, p = _params(), _params()
+    src = LionCub(src_p, lr=1e-3)
+    for q, g in zip(src_p, _grads(src_p, 0)):
+        q.grad = g
+    src.step()
+    lion = Lion(p, lr=1e-3)
+    lion.load_state_dict(src.state_dict())
+    for q, g in zip(p, _grads(p, 1)):
+        q.grad = g
+    lion.step()  # was KeyError: 'foreach' (LionCub's groups have no such key)
+    assert all(torch.isfinite(q).all() for q in p)
+
+
+def test_one_process_reloads_its_own_state_with_a_non_finite_momentum_as_lion_does():
+    """N = 1 never skips (the momentum keeps a NaN, as Lion's does); its own checkpoint loads again."""
+    for cls in CLASSES:
+        p = _params()
+        opt = cls(p, lr=1e-3)
+        for q in p:
+            q.grad = torch.full_like(q, float("nan"))
+        opt.step()
+        cls(_params(), lr=1e-3).load_state_dict(opt.state_dict())
