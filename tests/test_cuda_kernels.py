@@ -263,7 +263,8 @@ VOTE_CASES = [(n, tie, vote) for n in (1, 2, 3, 4, 7, 8) for tie, vote in
 
 
 @pytest.mark.parametrize("n,tie,vote", VOTE_CASES)
-@pytest.mark.parametrize("pdt,with_nz", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+@pytest.mark.parametrize("pdt,with_nz", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True),
+                                         (torch.float16, True)])
 def test_vote_apply(backend, n, tie, vote, pdt, with_nz):
     be, dev, big = backend
     g = gen(10 + n)
@@ -387,7 +388,7 @@ LANE_CASES = [(n, p, tie, vote) for n, p in ((1, 1), (2, 2), (3, 2), (4, 4), (7,
 
 
 @pytest.mark.parametrize("n,p,tie,vote", LANE_CASES)
-@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_cnt", [False, True])
 def test_lanes_apply(backend, n, p, tie, vote, pdt, with_cnt):
     be, dev, big = backend
@@ -431,7 +432,7 @@ def test_int8_local_step(backend, kind, n, gdt, mdt):
     _check_int8(q, ref_q, grads, moms, offsets, 0.9, kind, levels)
 
 
-@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_int8_apply(backend, pdt, wd):
     be, dev, big = backend
@@ -722,6 +723,35 @@ def test_lion_step_and_zero_apply_never_synchronize(monkeypatch):
     REF.zero_sign_apply(sign, nz, targets, casts, layout, [1e-3, 2e-3], [0.1, 0.0])
     for a, b in zip(dev_p + dev_m + dev_t + dev_c, ref_p + ref_m + targets + casts):
         same(a, b, "after the sync-free calls")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_GPU)
+def test_fp16_parameters_take_the_cuda_applies_without_a_host_sync(monkeypatch):
+    """fp16 θ on CUDA: vote_apply and int8_apply run the CUDA kernels (they take fp16
+    θ), not the reference (whose tie rule reads the host), in sync debug mode 'error'; same bits."""
+    monkeypatch.setenv("LIONCUB_KERNELS", "cuda")
+    be = kernels.backend_for("cuda")
+    g = gen(1300)
+    n, sizes = 4, [4097, 1, 9, 7]
+    offsets, total = layout(sizes, n)
+    sign, nz = rand_planes(n, total // 8, g)
+    dev_p, ref_p = make_params(sizes, F16, g, "cuda")
+    qsum = torch.randint(-8, 9, (total,), generator=g, dtype=torch.int32).to(torch.int8)
+    d_sign, d_nz, d_q = sign.cuda(), nz.cuda(), qsum.cuda()
+    kw = dict(lr=1e-3, weight_decay=0.1, step=3, tie_break="hash", vote="majority", world_size=n)
+    be.vote_apply(d_sign, d_nz, dev_p, offsets, **kw)  # the bucket's layout made (and checked) once
+    REF.vote_apply(sign, nz, ref_p, offsets, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        be.vote_apply(d_sign, d_nz, dev_p, offsets, **kw)
+        be.int8_apply(d_q, dev_p, offsets, 1e-3, 0.0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    REF.vote_apply(sign, nz, ref_p, offsets, **kw)
+    REF.int8_apply(qsum, ref_p, offsets, 1e-3, 0.0)
+    for k, (a, b) in enumerate(zip(dev_p, ref_p)):
+        same(a, b, f"fp16 param {k}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_GPU)

@@ -30,6 +30,7 @@ directly (the same functions, without the dispatcher's boxing: ~2 µs less per c
 """
 from __future__ import annotations
 
+import numbers
 import operator
 import types
 import weakref
@@ -182,6 +183,9 @@ torch.library.impl(f"{NAMESPACE}::abstain_list", "CUDA", lib=_lib)(ref.abstain_l
 # ----------------------------------------------------------------------------- checks (the one place)
 GRAD_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 STATE_DTYPES = frozenset((torch.float32, torch.bfloat16))
+# the parameters (θ) the kernels apply to: the C++ kernels take fp32/bf16, the CUDA kernels fp16 too
+# (the emulated CUDA kernels are checked against the reference with fp16 θ: tests/test_cuda_kernels.py)
+PARAM_DTYPES = {"cpu": STATE_DTYPES, "cuda": STATE_DTYPES | {torch.float16}}
 _STRIDED = torch.strided
 
 
@@ -625,6 +629,7 @@ class NativeBackend:
             raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
         self._ext = ext
         self.device_type = device_type
+        self.param_dtypes = PARAM_DTYPES[device_type]
         self.name = "cpp" if device_type == "cpu" else "cuda"
         self._prefix = "" if device_type == "cpu" else "cuda_"
         self._cuda = device_type == "cuda"
@@ -858,7 +863,7 @@ class NativeBackend:
         """An apply's parameters against the bucket's layout (identity after the first time)."""
         def validate():
             validate_params(params, limit, offsets, planes_named)
-            return all_plain(params, STATE_DTYPES, self.device_type)
+            return all_plain(params, self.param_dtypes, self.device_type)
         return self._bucket(lay, "params", params, validate)
 
     def vote_apply(self, sign, nonzero, params, offsets, lr, weight_decay, step, tie_break, vote, world_size,
@@ -951,6 +956,10 @@ class NativeBackend:
 
     # -- (g) int8 codes
     def int8_local_step(self, grads, momenta, offsets, total, beta1, kind, levels, device_counts=False):
+        if not (levels.__class__ is int or isinstance(levels, numbers.Integral) and not isinstance(levels, bool)) \
+                or not 1 <= levels <= 127:
+            raise ValueError(f"lioncub kernels: int8 levels must be an integer in 1..127 (int8_levels(N)), "
+                             f"got {levels!r}")
         code = _memo(_QUANT_CODES, kind, lambda: ref.enum_code("quant scale", kind))
         lay = self._eager(offsets)
         if lay is not None and grads and lay.limit == total and levels.__class__ is int:
@@ -986,6 +995,8 @@ class NativeBackend:
             if delta is not None:
                 return delta if return_delta else None
         check_tensors([("qsum", qsum)])
+        if qsum.dtype != torch.int8:
+            raise ValueError(f"lioncub kernels: qsum must be the int8 sum of the codes, got {qsum.dtype}")
         qsum = _packed(qsum)
         limit = qsum.numel()
         lay = layout_for(offsets, limit)
@@ -1012,7 +1023,8 @@ class NativeBackend:
         dev = self.device_type
 
         def qualifies(p, g, m):
-            return is_plain(p, STATE_DTYPES, dev) and is_plain(g, GRAD_DTYPES, dev) and is_plain(m, STATE_DTYPES, dev)
+            return (is_plain(p, self.param_dtypes, dev) and is_plain(g, GRAD_DTYPES, dev)
+                    and is_plain(m, STATE_DTYPES, dev))
 
         if params and all(qualifies(*t) for t in zip(params, grads, momenta)):
             if not torch.compiler.is_compiling():  # the same tensor objects skip these checks next time
