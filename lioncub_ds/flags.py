@@ -28,7 +28,9 @@ from .telemetry import ring_bytes
 # disagreement with the previous applied step's Δ (momentum_sync.disagreement_units, ≤ 2**31/N),
 # summed like the rest; unpacked, it comes last (index FLAG_HEAD + 2·buckets).
 NONFINITE_RANKS, UNUSABLE_RANKS, NONFINITE_VALUES, MISSING_RANKS, CHANGED_RANKS, HYPER = range(6)
-HYPER_BITS = 8
+# 32 bits: a disagreement that hashes alike passes once in 2**32 steps (8 bits let one in 256
+# one-step lr mismatches through, and the parameters drifted apart unseen)
+HYPER_BITS = 32
 FLAG_HEAD = HYPER + HYPER_BITS
 PACKED_BELOW = 2 ** 15
 
@@ -99,7 +101,7 @@ def hyper_values(param_groups) -> list[tuple]:
 def hyper_bits(param_groups, step: int) -> list[int]:
     """HYPER_BITS bits of a hash of this step's hyper-parameters, salted with the step number so a
     lasting disagreement that happens to collide once is caught at the next step."""
-    digest = hashlib.blake2b(repr((step, hyper_values(param_groups))).encode(), digest_size=2).digest()
+    digest = hashlib.blake2b(repr((step, hyper_values(param_groups))).encode(), digest_size=HYPER_BITS // 8).digest()
     word = int.from_bytes(digest, "little")
     return [(word >> k) & 1 for k in range(HYPER_BITS)]
 

@@ -18,7 +18,7 @@ from .telemetry import ring_bytes
 Runs = list  # [(size, count), ...] in order; count >= 1
 
 # lioncub_ds.flags: FLAG_HEAD (the step-wide entries) and PACKED_BELOW (two 16-bit lanes per word)
-FLAG_HEAD = 13
+FLAG_HEAD = 37
 PACKED_BELOW = 2 ** 15
 WORD = 4                     # lioncub_ds.comm.abstain.WORD: bytes of one int32 list word
 COMM_BUCKET_MB = 4.0         # LionCubConfig.comm_bucket_mb's default

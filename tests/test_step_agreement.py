@@ -104,6 +104,38 @@ def test_hyper_parameters_changed_on_one_rank_are_refused_on_every_rank(what, co
     assert res[0]["error"] == res[1]["error"]
 
 
+def _many_one_step_mismatches(rank, world_size, tries):
+    """Rank 1 gives ``tries`` different wrong lrs, one step each; every one must be refused on both
+    ranks (the agreement hashes the hyper-parameters: with 8 bits about one in 256 got through and
+    the replicas drifted apart). Then a step with equal settings applies."""
+    model = _model()
+    opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, comm="1bit")
+    opt.zero_grad()
+    _loss(model, rank, 0).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    passed = []
+    for k in range(tries):
+        opt.param_groups[0]["lr"] = 0.01 * (1.0 + (k + 1) * 1e-4) if rank == 1 else 0.01
+        try:
+            opt.step()
+            passed.append(k)
+        except StepInputError:
+            pass
+    opt.param_groups[0]["lr"] = 0.01
+    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.step()
+    return {"passed": passed, "unchanged": unchanged, "steps": opt.step_count,
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+def test_every_one_step_lr_mismatch_is_refused():
+    res = run_ranks(_many_one_step_mismatches, N, 1200, timeout=300, env=ENV)
+    for r in range(N):
+        assert res[r]["passed"] == [], f"rank {r}: mismatched lrs applied at tries {res[r]['passed'][:5]}"
+        assert res[r]["unchanged"] and res[r]["steps"] == 1
+    assert torch.equal(res[0]["params"], res[1]["params"])
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("n,buckets", [(2, 1), (3, 2), (127, 5), (32767, 3), (40000, 2)])
 def test_packed_flags_sum_like_the_logical_ones(n, buckets):
