@@ -31,7 +31,7 @@ import hashlib
 import logging
 import os
 import re
-import tempfile
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -91,13 +91,25 @@ def remove_stale_temporaries(path: str, legacy: bool = False) -> list[str]:
     return removed
 
 
+def _new_temporary(directory: str, prefix: str):
+    """(fd, path) of a new file ``<prefix><random>.pt``, created exclusively with the mode a plain
+    open() gives (0666 less the umask): tempfile.mkstemp's 0600 would survive the rename, and a
+    copy job or another user on shared storage could not read the checkpoint."""
+    while True:
+        tmp = os.path.join(directory, f"{prefix}{secrets.token_hex(8)}.pt")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def atomic_torch_save(obj, path: str) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``. Temporary
     files an earlier, killed save of ``path`` left behind are removed first."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     remove_stale_temporaries(path)
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".pt", dir=directory)
+    fd, tmp = _new_temporary(directory, _tmp_prefix(path))
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -205,15 +217,51 @@ def _check_fits(payload, optimizer, path):
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
     _check_params(payload, _shapes(optimizer), path)
+    _check_groups(payload, optimizer, path)
     # voters="node": the file's momentum (and master) shards must be this rank's shards of this
     # layout; checked here, before anything is loaded, not only in load_state_dict
     check_node = getattr(optimizer, "_check_node_state", None)
     if check_node is not None:
         lc = payload["optimizer"].get("lioncub")
+        node = lc.get("node") if isinstance(lc, dict) else None
         try:
-            check_node(lc.get("node") if isinstance(lc, dict) else None)
+            check_node(node)
         except ValueError as exc:  # LionCubConfigError
             raise CheckpointError(f"{path}: {exc}") from exc
+        _check_shards(node, path)
+
+
+def _check_groups(payload, optimizer, path):
+    """The file's param groups hold as many parameters each as the optimizer's (the flat shape list
+    can match while the groups do not; torch would refuse only in load_state_dict, after an
+    integration has loaded the rest of its checkpoint)."""
+    groups = payload["optimizer"].get("param_groups") if isinstance(payload["optimizer"], dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise CheckpointError(f"{path} holds no param groups")
+    got = [len(g["params"]) for g in groups]
+    want = [len(g["params"]) for g in optimizer.param_groups]
+    if got != want:
+        raise CheckpointError(f"{path}: its param groups hold {got} parameters, the optimizer's {want}; allowed: the "
+                              "param groups the checkpoint was saved with")
+
+
+def _check_shards(node, path):
+    """Saved node-voter / master-only shards of this rank's layout: each of its bucket's size, finite
+    (the flat momenta are checked by _check_params; a NaN shard would skip every later step)."""
+    if not isinstance(node, dict):
+        return
+    numels = list(node.get("numels") or [])
+    # master-only sharding lists the sizes of its sharded buckets only, in the order of "masters"
+    size_of = dict(zip(node.get("masters") or [], numels)) if node.get("voters") == "rank" else dict(enumerate(numels))
+    for kind in ("momentum", "master"):
+        for i, t in (node.get(kind) or {}).items():
+            want = size_of.get(int(i))
+            if not isinstance(t, torch.Tensor) or want is None or t.numel() != want:
+                got = t.numel() if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CheckpointError(f"{path}: the {kind} shard of bucket #{i} has {got} elements; this rank's "
+                                      f"shard of that bucket has {want}")
+            _check_finite(t, f"the {kind} shard of bucket #{i}", path)
 
 
 def _check_params(payload, want, path):

@@ -200,7 +200,9 @@ def test_stage0_fp32_local_momentum_no_gradient_allreduce(runs):
         # clip would average the norm across ranks).
         assert not [k for k in c["by_name"] if k.startswith("all_reduce:torch.float")], c["by_name"]
         assert c["int_calls"] >= r["lioncub_step_count"]  # a vote per step (the flags ride in it or follow it)
-        assert r["comm_stats"]["cumulative"]["ratio_vs_fp32"] > 20
+        # votes, not gradients: far below an fp32 all-reduce even on this small model, where the
+        # step's fixed ~80 bytes of flags weigh in (a large model approaches 32x)
+        assert r["comm_stats"]["cumulative"]["ratio_vs_fp32"] > 12
 
 
 @deepspeed_missing

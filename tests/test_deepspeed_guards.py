@@ -287,3 +287,45 @@ def test_shm_workspaces_of_a_launch_are_removed(tmp_path, monkeypatch):
     assert ds_shm.workspace_port(ds_shm.workspace_name(7, "", "", 0)) == (7, "")
     assert ds_shm.workspace_port("deepspeed_allreduce_buffer_x") is None
     assert ds_shm.own_shm_workspace(3) == f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29501_3"
+
+
+# ----------------------------------------------------------------------------- a save that fails on one rank
+def _save_fails_on_one_rank(rank, world_size, directory):
+    """Stage 0: rank 1 cannot write its LionCub file (disk full, injected into the file write);
+    every rank raises from save_checkpoint (none waits in a barrier), and DeepSpeed wrote no
+    checkpoint of that tag. A save after it works."""
+    import time
+    import torch
+    _rank_env(rank, world_size)
+    from lioncub_ds import checkpoint as lc_checkpoint
+    eng = _initialize(_cfg(0))
+    x = torch.randn(4, 16)
+    eng.backward(eng(x).pow(2).mean())
+    eng.step()
+    real_save = lc_checkpoint.save
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        lc_checkpoint.save = full_disk
+    t = time.perf_counter()
+    try:
+        eng.save_checkpoint(directory, tag="bad")
+        err = None
+    except Exception as exc:  # noqa: BLE001
+        err = f"{type(exc).__name__}: {exc}"
+    waited = time.perf_counter() - t
+    lc_checkpoint.save = real_save
+    eng.save_checkpoint(directory, tag="good")
+    return {"error": err, "seconds": waited}
+
+
+@needs_deepspeed
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank(tmp_path):
+    from dist_helpers import run_ranks
+    a, b = run_ranks(_save_fails_on_one_rank, 2, str(tmp_path), env=ENV, timeout=300)
+    assert b["error"] is not None and "No space left on device" in b["error"], b
+    assert a["error"] is not None and "another rank could not write its LionCub state" in a["error"], a
+    assert not (tmp_path / "bad" / "mp_rank_00_model_states.pt").exists()
+    assert (tmp_path / "good" / "mp_rank_00_model_states.pt").exists()

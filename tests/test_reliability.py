@@ -712,3 +712,81 @@ def test_a_bad_checkpoint_file_on_one_rank_raises_on_every_rank(tmp_path):
         # the rank whose file is damaged names it; the others say which rank's file failed
         if rank == 1:
             assert "lioncub-rank00001-of-00003.pt" in res["flip-byte"]["error"], res["flip-byte"]["error"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoint_files_get_the_mode_a_plain_open_gives(tmp_path, umask):
+    """0666 less the umask, as torch.save(path) would write (a temporary file's 0600 survived the
+    rename: a copy job or another user on shared storage could not read the checkpoint)."""
+    old = os.umask(umask)
+    try:
+        path = str(tmp_path / "f.pt")
+        checkpoint.atomic_torch_save({"x": torch.ones(3)}, path)
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
+    assert _tmp_files(str(tmp_path)) == []
+
+
+@pytest.mark.unit
+def test_param_groups_of_another_structure_are_refused_before_anything_loads(tmp_path):
+    """The same shapes in all, split into other groups: prepare_load refuses (a CheckpointError that
+    every rank agrees on), not torch's ValueError after an integration loaded the rest."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    opt = LionCub(ps, lr=1e-3)
+    for p in ps:
+        p.grad = torch.randn(4)
+    opt.step()
+    checkpoint.save(opt, str(tmp_path))
+    qs = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    new = LionCub([{"params": qs[:2]}, {"params": qs[2:], "weight_decay": 0.0}], lr=1e-3)
+    with pytest.raises(CheckpointError, match=r"param groups hold \[3\] parameters, the optimizer's \[2, 1\]"):
+        checkpoint.prepare_load(new, str(tmp_path))
+    assert len(new.state) == 0 and new.step_count == 0
+
+
+def _node_shard_damaged(rank, world_size, directory, how):
+    """Node voters 1 x 2: save, then rank 1's file gets a NaN (or a short) momentum shard with a
+    valid digest; the load must raise on both ranks with nothing changed."""
+    from lioncub_ds.checkpoint import atomic_torch_save, payload_digest
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.randn(5, 3))]
+    opt = LionCub(ps, lr=1e-3, comm="1bit", voters="node", node_size=2)
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    path = checkpoint.save(opt, directory)
+    dist.barrier()
+    if rank == 1:
+        payload = torch.load(path, weights_only=True)
+        payload.pop("sha256")
+        shards = payload["optimizer"]["lioncub"]["node"]["momentum"]
+        k = sorted(shards)[0]
+        if how == "nan":
+            shards[k][0] = float("nan")
+        else:
+            shards[k] = shards[k][:-1].clone()
+        payload["sha256"] = payload_digest(payload)
+        atomic_torch_save(payload, path)
+    dist.barrier()
+    before = [t.clone() for t in opt.momenta.shards["momentum"].values()]
+    try:
+        checkpoint.load(opt, directory)
+        err = None
+    except CheckpointError as exc:
+        err = str(exc)
+    after = list(opt.momenta.shards["momentum"].values())
+    return {"error": err, "unchanged": all(torch.equal(a, b) for a, b in zip(before, after))}
+
+
+@pytest.mark.parametrize("how", ["nan", "short"])
+def test_a_damaged_node_voter_shard_is_refused_on_every_rank(tmp_path, how):
+    res = run_ranks(_node_shard_damaged, 2, str(tmp_path), how, timeout=240, env={"LIONCUB_KERNELS": "torch"})
+    want = "non-finite" if how == "nan" else "elements; this rank's shard of that bucket has"
+    assert want in (res[1]["error"] or ""), res[1]
+    assert res[0]["error"] is not None, "rank 0 went on while rank 1 refused"
+    assert res[0]["unchanged"] and res[1]["unchanged"]

@@ -144,12 +144,26 @@ def install_engine_hooks(engine) -> None:
         bound.apply_defaults()
         if bound.arguments.get("tag") is None:
             bound.arguments["tag"] = f"global_step{engine.global_steps}"
-        if save_rank_state(engine, bound.arguments["save_dir"], bound.arguments["tag"]) is not None \
-                and dist.is_available() and dist.is_initialized():
-            # every rank's file is written before rank 0 can write "latest" (DeepSpeed's save does
-            # not synchronize first with checkpoint.tag_validation "Ignore")
-            dist.barrier()
-        return orig_save(*bound.args, **bound.kwargs)
+        st = _state(engine)
+        if st is None or st.mode != "local_momentum":
+            return orig_save(*bound.args, **bound.kwargs)
+        error = None
+        try:
+            save_rank_state(engine, bound.arguments["save_dir"], bound.arguments["tag"])
+        except Exception as exc:  # noqa: BLE001 - agreed below, then raised (disk full, quota, node-local storage)
+            error = exc
+        # Agreed over the world, which is also the barrier: every rank's file is written before rank 0
+        # can write "latest" (DeepSpeed's save does not synchronize first with checkpoint.tag_validation
+        # "Ignore"); a rank whose write failed does not leave the others waiting in a barrier: every
+        # rank raises, before DeepSpeed writes anything of this checkpoint.
+        if _every_rank(error is None, st.optimizer):
+            return orig_save(*bound.args, **bound.kwargs)
+        if error is not None:
+            raise error
+        raise lc_checkpoint.CheckpointError(
+            f"LionCub: another rank could not write its LionCub state into "
+            f"{os.path.join(str(bound.arguments['save_dir']), str(bound.arguments['tag']))} (see that rank's error); "
+            "DeepSpeed's checkpoint was not written")
 
     def hooked_load(*args, **kwargs):
         bound = load_sig.bind(*args, **kwargs)
