@@ -3,11 +3,13 @@
 For a model (a parameter count, or a GPT shape), a precision, tokens per GPU per step (with a
 measured compute time, or an MFU and a peak FLOP/s) and a cluster (nodes × GPUs, GPU memory, the
 intra-node bus bandwidth and the inter-node bandwidth per node, with their latencies), it predicts
-per strategy: the optimizer and model state per GPU and whether it fits, the bytes each GPU sends
-per step (inside a node, and across nodes per node), the communication time, the exposed
-communication with and without overlap, the step time and tokens/s, and the convergence cost our
-studies measured for that configuration and N (or "not measured"). It ends with a recommendation
-and the exact ds_config block or Megatron flags.
+per strategy: the optimizer and model state per GPU (with the step buffers LionCub keeps) and
+whether it fits, the bytes each GPU sends per step (inside a node, and across nodes per node), the
+communication time, the exposed communication with and without overlap, the step time and tokens/s,
+and the convergence cost our studies measured for that configuration and N (or "not measured"), with
+the settings they ran at. It starts with a recommendation and the exact ds_config block or Megatron
+flags (only configs their integration accepts: a strategy with none left is left out, and said so).
+Bytes print in decimal units, as the rates (1 GB = 10^9 bytes).
 
 Everything is a **prediction** from the model below; docs/planner.md says how far it is from our
 own measurements (``python -m benchmarks plan_check``) and from published link figures.
@@ -37,6 +39,8 @@ The model (docs/planner.md, "The model"):
 * **Update**: the optimizer's memory traffic per parameter (fused Lion 20 B, a LionCub vote step
   28 B, node voters' and master-only sharding's from their code paths) over the GPU's memory
   bandwidth.
+* **Memory**: parameters, gradients, optimizer state and the buffers LionCub's sharding keeps from
+  step to step (:func:`node_voter_workspace_bytes`, :func:`master_only_workspace_bytes`).
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ from functools import lru_cache
 from importlib import resources
 
 from . import wire
-from .telemetry import format_bytes, ring_bytes
+from .telemetry import ring_bytes
 
 __all__ = ["ModelSpec", "ClusterSpec", "WorkloadSpec", "PlanInputError", "plan", "main", "STRATEGIES",
            "convergence_table", "parse_count"]
@@ -93,6 +97,23 @@ def master_only_update_bytes(wp: int, node_size: int) -> float:
     return 20 + (8 + 4 + wp) / node_size + 2 * wp
 
 
+def node_voter_workspace_bytes(total: int, wg: int, wp: int, node_size: int, mixed: bool) -> int:
+    """Bytes of the buffers node voters keep from one step to the next (``sharding.NodeVoters``'s
+    :class:`~lioncub_ds.sharding.Workspace`), for full buckets of ``total`` padded elements: per
+    bucket the group's send and receive buffers (the full bucket in the gradients' dtype, ``send``
+    and ``received``), the fp32 gradient shard (``grad``, 1/L), for fp32 parameters the fp32
+    parameter shard (``work``, 1/L; bf16/fp16 ones step their persistent master instead) and the
+    all-gather's receive buffer (the full bucket in the parameters' dtype, ``gathered``)."""
+    shard = total // node_size
+    return 2 * wg * total + wp * total + 4 * shard + (0 if mixed else 4 * shard)
+
+
+def master_only_workspace_bytes(total: int, wp: int) -> int:
+    """Master-only sharding's kept buffers (``sharding.MasterOnly``'s Workspace): the all-gather's
+    receive buffer of every sharded (bf16/fp16) bucket, in the parameters' dtype."""
+    return wp * total
+
+
 class PlanInputError(ValueError):
     """A planner input is out of range: the message names the flag and the allowed values."""
 
@@ -113,6 +134,7 @@ LIMITS = {  # flag -> (integer?, lowest, highest)
     "--intra-latency-us": (False, 0.0, 1e6), "--inter-latency-us": (False, 0.0, 1e6),
     "--hbm-gbyte": (False, 1e-3, 1e6), "--host-gbyte": (False, 1e-3, 1e6), "--overlap": (False, 0.0, 1.0),
     "--activation-gib": (False, 0.0, 1e6), "--bucket-size-mb": (False, 1e-3, 1e6),
+    "--comm-bucket-mb": (False, 1e-3, 1e6),
     "--min-speedup": (False, 1e-2, 100.0),
 }
 
@@ -278,7 +300,8 @@ class WorkloadSpec:
     """Precision, tokens per GPU per step, and the compute time (measured, or from ``mfu`` ×
     ``peak_tflops``); ``tp`` / ``pp``: tensor- and pipeline-parallel sizes (TP inside a node);
     ``instances``: K of Megatron's distributed optimizer (default: one per node);
-    ``activation_gib``: memory per GPU reserved for activations when judging the fit."""
+    ``activation_gib``: memory per GPU reserved for activations when judging the fit;
+    ``bucket_size_mb`` / ``comm_bucket_mb``: LionCub's settings of those names."""
     precision: str = "bf16"
     tokens_per_gpu: int = 8192
     compute_time_s: float | None = None
@@ -290,6 +313,7 @@ class WorkloadSpec:
     activation_gib: float = 0.0
     update_time_s: float | None = None  # measured fused-Lion update of one GPU's parameters (overrides hbm)
     bucket_size_mb: float = 25.0        # LionCub's bucket_size_mb (its layout and the momentum sync's chunks)
+    comm_bucket_mb: float = wire.COMM_BUCKET_MB  # LionCub's comm_bucket_mb (votes packed per comm batch)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -298,7 +322,7 @@ class WorkloadSpec:
                             ("--peak-tflops", self.peak_tflops), ("--tp", self.tp), ("--pp", self.pp),
                             ("--activation-gib", self.activation_gib), ("--bucket-size-mb", self.bucket_size_mb),
                             ("--compute-time-s", self.compute_time_s), ("--instances", self.instances),
-                            ("--update-time-s", self.update_time_s)):
+                            ("--update-time-s", self.update_time_s), ("--comm-bucket-mb", self.comm_bucket_mb)):
             if value is not None:
                 _check(flag, value)
 
@@ -312,6 +336,16 @@ class WorkloadSpec:
 
 
 # ----------------------------------------------------------------------------- topology
+def _divisors(m: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(m) + 1) if m % d == 0]
+    return sorted(set(small + [m // d for d in small]))
+
+
+def _aligned(span: int, gpus_per_node: int) -> bool:
+    """``span`` consecutive ranks from a multiple of ``span`` stay clear of node boundaries."""
+    return span % gpus_per_node == 0 or gpus_per_node % span == 0
+
+
 @dataclass(frozen=True)
 class Geometry:
     """A kind of process group: ``size`` ranks, ``per_node`` of them in each node it spans."""
@@ -343,10 +377,18 @@ class Topology:
             raise PlanInputError(f"lioncub_ds.plan: invalid --tp {work.tp} x --pp {work.pp} = {mp}; allowed: a "
                                  f"divisor of the {total} GPUs (--nodes {cluster.nodes} x --gpus-per-node {g})")
         n = total // mp
+        # Megatron's order puts a data-parallel group (with its TP slices) on tp·N consecutive ranks:
+        # whole nodes (tp·N a multiple of the node's GPUs) or a whole share of one node (a divisor of
+        # them). Anything else straddles a node boundary, which the link model cannot price.
+        span = work.tp * n
+        if not _aligned(span, g):
+            ok = [pp for pp in _divisors(total // work.tp) if _aligned(total // pp, g)]
+            raise PlanInputError(
+                f"lioncub_ds.plan: invalid --tp {work.tp} x --pp {work.pp} on {cluster.nodes} x {g} GPUs: each "
+                f"data-parallel group ({n} ranks x TP {work.tp} = {span} consecutive GPUs, Megatron's order) would "
+                f"straddle nodes of {g} GPUs; allowed: --tp x --pp that leave TP x DP a divisor or a multiple of "
+                f"--gpus-per-node {g} (with --tp {work.tp}: --pp {', '.join(map(str, ok[:12]))})")
         local = min(n, g // work.tp)
-        if n % local:
-            raise PlanInputError(f"lioncub_ds.plan: {n} data-parallel ranks do not split into nodes of {local}; "
-                                 "allowed: --tp / --pp that leave whole nodes per data-parallel group")
         return cls(n, local, g, cluster.nodes)
 
     @property
@@ -463,21 +505,26 @@ SHARDED = {"zero3": ("deepspeed", "dp", False), "fsdp2_hsdp": ("fsdp2", "node", 
 
 
 @lru_cache(maxsize=64)
-def _lioncub_layout(runs: tuple, voters: int, bucket_size_mb: float = 25.0) -> tuple[list, int]:
+def _lioncub_layout(runs: tuple, voters: int, bucket_size_mb: float = 25.0,
+                    comm_mb: float = wire.COMM_BUCKET_MB) -> tuple[list, int]:
     """(bucket runs, number of comm batches) of LionCub's real layout (``comm="1bit"``) for tensors
     of these runs and ``voters`` ranks: :func:`lioncub_ds.wire.bucket_runs` / ``batch_count``, the
     closed forms of :func:`lioncub_ds.layout.build_buckets` and ``comm_batches``."""
     buckets = wire.bucket_runs(list(runs), bucket_size_mb, voters)
-    return buckets, wire.batch_count(buckets)
+    return buckets, wire.batch_count(buckets, comm_mb)
 
 
-def _vote_traffic(runs, voters: int, geo: Geometry, scope: str, bucket_mb: float, shard: int = 1) -> list[Traffic]:
+def _vote_traffic(runs, voters: int, geo: Geometry, scope: str, bucket_mb: float, shard: int = 1,
+                  comm_mb: float = wire.COMM_BUCKET_MB) -> list[Traffic]:
     """LionCub's 1bit votes of a step (votes + the step's flags, which ride in the last batch):
     phase 1 all_to_all and phase 2 all_gather of every comm batch. ``shard`` = L for node voters
-    (each full bucket of the Nn·L layout cut into L shards: the buckets the vote runs on)."""
+    (each full bucket of the Nn·L layout cut into L shards: the buckets the vote runs on, and the
+    ones its comm batches pack: ``sharding.NodeVoters.buckets`` through ``layout.comm_batches``)."""
     if voters <= 1:
         return []
-    buckets, batches = _lioncub_layout(tuple(runs), voters * shard, bucket_mb)
+    buckets, batches = _lioncub_layout(tuple(runs), voters * shard, bucket_mb, comm_mb)
+    if shard > 1:
+        batches = wire.batch_count([(numel // shard, c) for numel, c in buckets], comm_mb)
     total = phase2 = 0
     for numel, c in buckets:
         numel //= shard
@@ -504,12 +551,13 @@ def _sync_traffic(runs, voters, geo, scope, every, bucket_mb: float) -> list[Tra
             for phase, kind in (("shards to their owners", "all_to_all"), ("means gathered", "all_gather"))]
 
 
-def _across_nodes(runs, top: Topology, bucket_mb: float, sync_every) -> list[Traffic]:
+def _across_nodes(runs, top: Topology, bucket_mb: float, sync_every,
+                  comm_mb: float = wire.COMM_BUCKET_MB) -> list[Traffic]:
     """What one voter per node sends across the nodes (node voters, and ZeRO-3 / FSDP2 with votes):
     the 1-bit vote of its 1/L shard of every bucket over the Nn nodes, and the sync of the momentum shards."""
     nn, L, cross = top.dp_nodes, top.local, top.group("cross")
     buckets, _ = _lioncub_layout(tuple(runs), top.n, bucket_mb)
-    return (_vote_traffic(runs, nn, cross, "inter_node", bucket_mb, shard=L)
+    return (_vote_traffic(runs, nn, cross, "inter_node", bucket_mb, shard=L, comm_mb=comm_mb)
             + _sync_traffic([(numel // L, c) for numel, c in buckets], nn, cross, "inter_node", sync_every, bucket_mb))
 
 
@@ -532,11 +580,11 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
     wg = wp
     n, L = top.n, top.local
     mixed = work.mixed
-    mb = work.bucket_size_mb
+    mb, cmb = work.bucket_size_mb, work.comm_bucket_mb
     rs_factor = 2.0 if cluster.backend == "gloo" else 1.0  # gloo's reduce-scatter sends as an all-reduce
     traffic: list[Traffic] = []
     state = {"params": wp * p, "grads": wg * p, "momentum": 4 * p, "master": 4 * p if mixed else 0,
-             "grad_partition": 0}
+             "grad_partition": 0, "workspace": 0}
     master_holder = "framework" if mixed else "none"
     update = UPDATE_BYTES_LION * p
     overlap_ok = False
@@ -585,7 +633,7 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         update = UPDATE_BYTES_LION * pad // shard
         overlap_ok = True
         if votes:
-            traffic += _across_nodes(runs, top, mb, sync_every)
+            traffic += _across_nodes(runs, top, mb, sync_every, cmb)
             update = UPDATE_BYTES_VOTE * pad // shard
             conv = (_family("node" if L > 1 else "flat", sync_every), n, L)
         elif where == "node" and top.dp_nodes > 1:  # HSDP: the shard all-reduced across the nodes in bf16
@@ -618,7 +666,7 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         notes.append(f"K = {k} instance(s) of {s} data-parallel ranks")
     elif name == "lioncub_1bit_sync20":
         geo = top.group("dp")
-        traffic += _vote_traffic(runs, n, geo, "vote_group", mb)
+        traffic += _vote_traffic(runs, n, geo, "vote_group", mb, comm_mb=cmb)
         traffic += _sync_traffic(runs, n, geo, "vote_group", sync_every, mb)
         update = UPDATE_BYTES_VOTE * p
         overlap_ok = work.precision == "fp32"
@@ -626,7 +674,7 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         config = _lioncub_config(work, {}, sync_every)
     elif name == "lioncub_master_only":
         geo = top.group("dp")
-        traffic += _vote_traffic(runs, n, geo, "vote_group", mb)
+        traffic += _vote_traffic(runs, n, geo, "vote_group", mb, comm_mb=cmb)
         traffic += _sync_traffic(runs, n, geo, "vote_group", sync_every, mb)
         update = UPDATE_BYTES_VOTE * p
         conv = (_family("flat", sync_every), n, 1)
@@ -638,10 +686,14 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
                                    sum(c * ring_bytes("all_gather", wp * numel, L) for numel, c in buckets),
                                    top.group("node"), "intra_node", count=wire.count(buckets)))
             state["master"] = 4 * total // L
+            state["workspace"] = master_only_workspace_bytes(total, wp)
             master_holder = "LionCub (1/L shard)"
         elif not mixed:
             notes.append("fp32 parameters have no master: the same as flat")
         config = _lioncub_config(work, {"node_size": L}, sync_every)
+        if mixed and L > 1:
+            notes.append(f"workspace: LionCub's all-gather receive buffers ({wp} B x the padded parameters), kept "
+                         "from step to step")
     elif name == "lioncub_node_voters_sync20":
         nn = top.dp_nodes
         buckets, _ = _lioncub_layout(tuple(runs), n, mb)
@@ -650,31 +702,78 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
             traffic.append(Traffic("node group: gradient reduce-scatter, parameter all-gather, flags", "all_to_all",
                                    wire.node_group_bytes(buckets, wg, wp, L, n), top.group("node"), "intra_node",
                                    count=2 * wire.count(buckets) + 1))
-        traffic += _across_nodes(runs, top, mb, sync_every)
+        traffic += _across_nodes(runs, top, mb, sync_every, cmb)
         state.update(momentum=4 * total // L, master=(4 * total // L) if mixed else 0)
         master_holder = "LionCub (1/L shard)" if mixed else "none"
         update = node_voter_update_bytes(wg, wp, L, mixed) * total
         conv = (_family("node" if L > 1 else "flat", sync_every), n, L)
-        config = _lioncub_config(work, {"voters": "node"}, sync_every, node_voters=(nn, L))
+        # the launcher's LOCAL_SIZE is L only when every GPU of a node is a data-parallel rank of one group
+        extra = {"voters": "node"} if L == top.gpus_per_node else {"voters": "node", "node_size": L}
+        config = _lioncub_config(work, extra, sync_every, node_voters=(nn, L))
         if L == 1:
             notes.append("one data-parallel rank per node: node voters are flat voting")
+        else:
+            state["workspace"] = node_voter_workspace_bytes(total, wg, wp, L, mixed)
+            shards = "the fp32 gradient shard" + ("" if mixed else " and parameter shard")
+            notes.append(f"workspace: LionCub's step buffers (the group's send and receive buffers, {shards}, the "
+                         "all-gather's receive buffer), kept from step to step; under Megatron (its flags) the "
+                         "distributed optimizer's own buffers take their place")
     else:
         raise _err("strategy", name, ", ".join(STRATEGIES))
     sync = f" + {SYNC_DTYPE} momentum sync every {sync_every}" if sync_every else ", no momentum sync"
+    refused = refusals(name, work, top)
+    config = {k: v for k, v in config.items() if k not in refused}
     return {"name": name, "label": LABELS[name].format(sync=sync), "traffic": traffic, "state": state, "master_holder": master_holder,
-            "update_bytes": update, "overlap_ok": overlap_ok, "conv_key": conv, "config": config, "notes": notes}
+            "update_bytes": update, "overlap_ok": overlap_ok, "conv_key": conv, "config": config, "notes": notes,
+            "refused": refused, "runnable": any(config.get(k) for k in RUNNERS)}
+
+
+RUNNERS = ("deepspeed", "megatron_flags", "torch")  # the config keys a strategy is run from
+LIONCUB_STAGE0 = ("lioncub_1bit_sync20", "lioncub_master_only", "lioncub_node_voters_sync20")
+
+
+def refusals(name: str, work: WorkloadSpec, top: Topology) -> dict:
+    """{config key: why} for the configs of ``name`` that its framework refuses on this workload, as
+    the integrations do (lioncub_ds/deepspeed/engine.py ``check_supported``, lioncub_ds/deepspeed/zero3.py,
+    DeepSpeed's pipeline engine, lioncub_ds.fsdp.shard_and_vote's world-wide groups): the planner prints
+    none of them. A strategy left with no config is left out (not predicted, not recommended)."""
+    why = []
+    if work.pp > 1 and name in ("zero2", "zero3", "lioncub_zero3_node_voters_sync20"):
+        why.append("DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3 with pipeline parallelism (--pp > 1)")
+    if work.pp > 1 and name in LIONCUB_STAGE0:
+        why.append("LionCub at DeepSpeed's ZeRO stage 0 does not support pipeline parallelism (--pp > 1)")
+    if work.tp > 1 and name == "lioncub_zero3_node_voters_sync20":
+        why.append("ZeRO-3 with LionCub's votes makes DeepSpeed's data-parallel groups itself and refuses an mpu "
+                   "(tensor parallelism, --tp > 1)")
+    if work.precision == "fp16" and (name == "lioncub_node_voters_sync20"
+                                     or (name == "lioncub_master_only" and top.local > 1)):
+        why.append("LionCub refuses " + ("voters='node'" if name == "lioncub_node_voters_sync20" else
+                                         "master-only sharding (node_size > 1)") + " with fp16.enabled=true "
+                   "(DeepSpeed's fp16 wrapper keeps a full fp32 master on every rank): use bf16 or fp32")
+    out = {"deepspeed": "; ".join(why)} if why else {}
+    if (work.tp > 1 or work.pp > 1) and name == "lioncub_fsdp2_node_voters_sync20":
+        out["torch"] = ("lioncub_ds.fsdp.shard_and_vote shards and votes over every rank of the world: no tensor or "
+                        "pipeline parallelism (--tp, --pp > 1)")
+    return out
 
 
 # ----------------------------------------------------------------------------- configs
+# Lion's usual LLM betas, in every printed config (docs/hyperparameters.md): a starting point to tune.
+# The convergence studies the planner quotes ran other betas (printed next to each quote).
+CONFIG_BETAS = (0.95, 0.98)
+
+
 def _ds_precision(work: WorkloadSpec) -> dict:
     return {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}, "fp32": {}}[work.precision]
 
 
-def _lioncub_params(extra: dict, sync_every, bucket_mb: float = 25.0) -> dict:
-    base = {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1, "comm": "1bit", "vote": "majority",
+def _lioncub_params(extra: dict, sync_every, bucket_mb: float = 25.0, comm_mb: float = wire.COMM_BUCKET_MB) -> dict:
+    base = {"lr": 1e-4, "betas": list(CONFIG_BETAS), "weight_decay": 0.1, "comm": "1bit", "vote": "majority",
             "tie_break": "hash", "momentum_dtype": "fp32", "nonfinite": "skip"}
     if bucket_mb != 25.0:
         base["bucket_size_mb"] = bucket_mb
+    if comm_mb != wire.COMM_BUCKET_MB:
+        base["comm_bucket_mb"] = comm_mb
     if sync_every:
         base["momentum_sync"] = {"every": sync_every, "dtype": SYNC_DTYPE}
     base.update(extra)
@@ -683,10 +782,13 @@ def _lioncub_params(extra: dict, sync_every, bucket_mb: float = 25.0) -> dict:
 
 def _lioncub_config(work: WorkloadSpec, extra: dict, sync_every, node_voters=None) -> dict:
     ds = dict(_ds_precision(work), zero_optimization={"stage": 0},
-              optimizer={"type": "LionCub", "params": _lioncub_params(extra, sync_every, work.bucket_size_mb)})
-    flags = ["--lioncub-comm 1bit", "--lioncub-beta1 0.95", "--lioncub-beta2 0.98"]
+              optimizer={"type": "LionCub", "params": _lioncub_params(extra, sync_every, work.bucket_size_mb,
+                                                                      work.comm_bucket_mb)})
+    flags = ["--lioncub-comm 1bit", f"--lioncub-beta1 {CONFIG_BETAS[0]:g}", f"--lioncub-beta2 {CONFIG_BETAS[1]:g}"]
     if work.bucket_size_mb != 25.0:
         flags.append(f"--lioncub-bucket-size-mb {work.bucket_size_mb:g}")
+    if work.comm_bucket_mb != wire.COMM_BUCKET_MB:
+        flags.append(f"--lioncub-comm-bucket-mb {work.comm_bucket_mb:g}")
     if sync_every:
         flags += [f"--lioncub-momentum-sync-every {sync_every}", f"--lioncub-momentum-sync-dtype {SYNC_DTYPE}"]
     if node_voters is not None:
@@ -694,7 +796,7 @@ def _lioncub_config(work: WorkloadSpec, extra: dict, sync_every, node_voters=Non
         flags = ["--use-distributed-optimizer", f"--num-distributed-optimizer-instances {nn}",
                  "--lioncub-voters node"] + flags
     megatron = flags
-    if "node_size" in extra:
+    if extra.get("voters", "rank") == "rank" and "node_size" in extra:
         megatron = None  # Megatron refuses master-only sharding: its distributed optimizer shards the master
     return {"deepspeed": ds, "megatron_flags": megatron}
 
@@ -709,7 +811,7 @@ def _zero_config(stage: int, work: WorkloadSpec) -> dict:
     if stage == 2:
         zero.update(overlap_comm=True, contiguous_gradients=True, reduce_scatter=True)
     ds = dict(_ds_precision(work), zero_optimization=zero,
-              optimizer={"type": "LionCub", "params": {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1,
+              optimizer={"type": "LionCub", "params": {"lr": 1e-4, "betas": list(CONFIG_BETAS), "weight_decay": 0.1,
                                                        "momentum_dtype": "fp32", "zero_allgather": "params"}})
     return {"deepspeed": ds}
 
@@ -717,7 +819,8 @@ def _zero_config(stage: int, work: WorkloadSpec) -> dict:
 def _sharded_config(framework: str, votes: bool, work: WorkloadSpec, sync_every) -> dict:
     """ZeRO-3 (a ds_config) or FSDP2 (the torch calls), with LionCub's votes across nodes or without."""
     extra = {"voters": "node"} if votes else {}
-    params = _lioncub_params(extra, sync_every if votes else None, work.bucket_size_mb)
+    params = _lioncub_params(extra, sync_every if votes else None, work.bucket_size_mb,
+                             work.comm_bucket_mb if votes else wire.COMM_BUCKET_MB)
     if framework == "deepspeed":
         if not votes:
             params = {k: v for k, v in params.items() if k not in ("comm", "vote", "tie_break", "nonfinite")}
@@ -733,7 +836,8 @@ def _sharded_config(framework: str, votes: bool, work: WorkloadSpec, sync_every)
 
 
 def _megatron_distopt_config(k: int, work: WorkloadSpec) -> dict:
-    flags = ["--optimizer lion", "--lion-beta1 0.95", "--lion-beta2 0.98", "--use-distributed-optimizer",
+    flags = ["--optimizer lion", f"--lion-beta1 {CONFIG_BETAS[0]:g}", f"--lion-beta2 {CONFIG_BETAS[1]:g}",
+             "--use-distributed-optimizer",
              "--overlap-grad-reduce", "--grad-reduce-in-bf16"]
     if k > 1:
         flags.append(f"--num-distributed-optimizer-instances {k}")
@@ -779,6 +883,11 @@ def convergence_cost(key: tuple) -> dict:
     if family == "global":
         return {"gap_pct": 0.0, "ci95": [0.0, 0.0], "seeds": None, "study": "reference", "exact": True,
                 "text": "none: global Lion (all-reduced gradients) is the studies' reference"}
+    voters = n // local if family.startswith("node") else n
+    if voters <= 1:  # one voter steps Lion on the (node-)mean gradient: global Lion, nothing to measure
+        what = "one rank" if n <= 1 else f"one node group of {n} (node voters: Lion on the node-mean gradient)"
+        return {"gap_pct": 0.0, "ci95": [0.0, 0.0], "seeds": None, "study": "reference", "exact": True,
+                "text": f"none: {what} votes alone, which is global Lion (N = {n})"}
     table = convergence_table()
     rows = [r for r in table["rows"] if r["family"] == family]
     if not rows:
@@ -792,8 +901,24 @@ def convergence_cost(key: tuple) -> dict:
     where = f"N = {n}" + (f" with L = {local}" if near_n == n else "")
     return {"gap_pct": row["gap_pct"], "ci95": [row["ci_lo_pct"], row["ci_hi_pct"]], "seeds": row["seeds"],
             "study": row["study"], "preset": row.get("preset"), "world_size": row["world_size"],
-            "node_size": row["node_size"], "exact": exact,
+            "node_size": row["node_size"], "exact": exact, "measured_at": measured_at(row["study"]),
             "text": quote(row) if exact else f"not measured at {where}; nearest: {quote(row)}"}
+
+
+def measured_at(study: str) -> dict:
+    """The settings ``study`` trained at (its source entry in the table): model size, steps, betas,
+    tie_break."""
+    src = next((x for x in convergence_table()["sources"] if x["study"] == study), {})
+    return {k: src.get(k) for k in ("params", "steps", "betas", "tie_break")}
+
+
+def settings_text(study: str) -> str:
+    """"betas (0.8, 0.9), tie_break hash, 1,200 steps of a 120,576-parameter GPT": what ``study``
+    measured at, next to every quote (the printed configs run other betas)."""
+    m = measured_at(study)
+    betas = f"betas ({m['betas'][0]:g}, {m['betas'][1]:g})" if m.get("betas") else "betas not recorded"
+    return (f"{betas}, tie_break {m.get('tie_break') or '?'}, {m.get('steps') or 0:,} steps of a "
+            f"{m.get('params') or 0:,}-parameter GPT")
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -826,7 +951,7 @@ def evaluate(name, model, cluster, work, top, sync_every=SYNC_EVERY) -> dict:
         sent += t.sent / t.every
         by_scope[t.scope] = by_scope.get(t.scope, 0.0) + t.sent / t.every
         parts.append({"purpose": t.purpose, "collective": t.kind, "scope": t.scope, "bytes_per_gpu": t.sent,
-                      "every_steps": t.every, "time_s": ct["time_s"], "bound": ct["bound"]})
+                      "every_steps": t.every, "count": t.count, "time_s": ct["time_s"], "bound": ct["bound"]})
     backward = BACKWARD_SHARE * compute
     # the last bucket of an overlapped reduction starts when backward ends: never hidden
     last = sum(p_["time_s"] / t.count for p_, t in zip(parts, s["traffic"]) if t.overlappable and s["overlap_ok"])
@@ -834,20 +959,21 @@ def evaluate(name, model, cluster, work, top, sync_every=SYNC_EVERY) -> dict:
     step = compute + update + exposed_overlap
     st = s["state"]
     optimizer_state = st["momentum"] + st["master"] + st["grad_partition"]
-    model_state = st["params"] + st["grads"] + optimizer_state
+    model_state = st["params"] + st["grads"] + optimizer_state + st["workspace"]
     budget = cluster.gpu_mem_gib * 2**30 - work.activation_gib * 2**30
     conv = convergence_cost(s["conv_key"])
     return {"name": name, "label": s["label"],
             "bytes_per_gpu": sent, "bytes_per_gpu_by_scope": by_scope,
             "inter_node_bytes_per_node": inter, "intra_node_bytes_per_gpu": intra,
-            "state_bytes_per_gpu": optimizer_state,
+            "state_bytes_per_gpu": optimizer_state, "workspace_bytes_per_gpu": st["workspace"],
             "state_breakdown": dict(st, master_holder=s["master_holder"]),
             "model_state_bytes_per_gpu": model_state, "fits": model_state <= budget,
             "comm_time_s": comm, "exposed_comm_no_overlap_s": comm, "exposed_comm_overlap_s": exposed_overlap,
             "overlap_used": bool(s["overlap_ok"] and overlappable > 0),
             "compute_time_s": compute, "update_time_s": update, "step_time_s": step,
             "tokens_per_s": work.tokens_per_gpu * cluster.gpus / step,
-            "convergence": conv, "collectives": parts, "config": s["config"], "notes": s["notes"]}
+            "convergence": conv, "collectives": parts, "config": s["config"], "refused": s["refused"],
+            "runnable": s["runnable"], "notes": s["notes"]}
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, work: WorkloadSpec, strategies=STRATEGIES,
@@ -861,22 +987,39 @@ def plan(model: ModelSpec, cluster: ClusterSpec, work: WorkloadSpec, strategies=
     _check("--min-speedup", min_speedup)
     if sync_every is not None:
         _check("--sync-every", sync_every)
-    rows = [evaluate(name, model, cluster, work, top, sync_every or None) for name in strategies]
+    rows, left_out = [], []
+    for name in strategies:
+        row = evaluate(name, model, cluster, work, top, sync_every or None)
+        if row.pop("runnable"):
+            rows.append(row)
+        else:  # every config it has is refused here: not predicted, not recommended, said why
+            left_out.append({"name": name, "label": row["label"],
+                             "why": "; ".join(row["refused"].values()) + " (and it has no other config)"})
     return {"inputs": {"model": {k: v for k, v in asdict(model).items() if k != "param_numels"},
                        "params": model.total, "cluster": asdict(cluster), "workload": asdict(work),
                        "data_parallel": top.n, "dp_ranks_per_node": top.local, "dp_nodes": top.dp_nodes},
-            "strategies": rows, "recommendation": recommend(rows, min_speedup),
+            "strategies": rows, "left_out": left_out, "recommendation": recommend(rows, min_speedup),
             "note": "predictions from lioncub_ds.plan's model (docs/planner.md), not measurements"}
+
+
+def _measured_note(conv: dict) -> str:
+    if not conv.get("measured_at"):
+        return ""
+    return (f" (measured at {settings_text(conv['study'])}; this config's betas are "
+            f"({CONFIG_BETAS[0]:g}, {CONFIG_BETAS[1]:g}))")
 
 
 def recommend(rows: list[dict], min_speedup: float) -> dict:
     """The fastest strategy that fits; a LionCub strategy only when it beats the fastest exact one
     (global Lion) by ``min_speedup``, since its convergence cost is measured only on small models."""
+    if not rows:
+        return {"name": None, "why": "none of the strategies asked for runs on this workload (see left_out)",
+                "config": None}
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
         least = min(rows, key=lambda r: r["model_state_bytes_per_gpu"])
         return {"name": None, "why": f"nothing fits; the least memory is {least['name']} "
-                                     f"({format_bytes(least['model_state_bytes_per_gpu'])} per GPU): add tensor "
+                                     f"({_bytes(least['model_state_bytes_per_gpu'])} per GPU): add tensor "
                                      "or pipeline parallelism (--tp, --pp) or GPUs", "config": None}
     exact = [r for r in fitting if r["name"] in EXACT]
     best_exact = min(exact, key=lambda r: r["step_time_s"]) if exact else None
@@ -888,7 +1031,7 @@ def recommend(rows: list[dict], min_speedup: float) -> dict:
         speed = best_exact["step_time_s"] / best_cub["step_time_s"] if best_exact else None
         why = (f"{speed:.2f}x the step rate of the fastest exact strategy ({best_exact['name']})"
                if best_exact else "the only strategies that fit are LionCub's") + \
-              f"; convergence cost: {best_cub['convergence']['text']}"
+              f"; convergence cost: {best_cub['convergence']['text']}" + _measured_note(best_cub["convergence"])
     else:
         pick = best_exact
         why = "the fastest exact strategy (global Lion: no convergence cost)"
@@ -897,7 +1040,7 @@ def recommend(rows: list[dict], min_speedup: float) -> dict:
                     f"{best_exact['step_time_s'] / best_cub['step_time_s']:.2f}x, below the {min_speedup:g}x worth "
                     "a convergence risk")
     return {"name": pick["name"], "label": pick["label"], "why": why, "config": pick["config"],
-            "step_time_s": pick["step_time_s"], "tokens_per_s": pick["tokens_per_s"]}
+            "refused": pick["refused"], "step_time_s": pick["step_time_s"], "tokens_per_s": pick["tokens_per_s"]}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -949,6 +1092,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K of Megatron's distributed optimizer (default: one instance per node)")
     w.add_argument("--bucket-size-mb", type=_arg("--bucket-size-mb"), default=25.0,
                    help="LionCub's bucket_size_mb (its vote buckets and momentum-sync chunks)")
+    w.add_argument("--comm-bucket-mb", type=_arg("--comm-bucket-mb"), default=wire.COMM_BUCKET_MB,
+                   help="LionCub's comm_bucket_mb (MB of packed votes per communication batch)")
     w.add_argument("--activation-gib", type=_arg("--activation-gib"), default=0.0,
                    help="GPU memory reserved for activations when judging the fit (default 0: model states only)")
     c = p.add_argument_group("cluster")
@@ -986,7 +1131,7 @@ def _specs(args) -> tuple[ModelSpec, ClusterSpec, WorkloadSpec]:
     work = WorkloadSpec(precision=args.precision, tokens_per_gpu=args.tokens_per_gpu,
                         compute_time_s=args.compute_time_s, mfu=args.mfu, peak_tflops=args.peak_tflops,
                         tp=args.tp, pp=args.pp, instances=args.instances, activation_gib=args.activation_gib,
-                        bucket_size_mb=args.bucket_size_mb)
+                        bucket_size_mb=args.bucket_size_mb, comm_bucket_mb=args.comm_bucket_mb)
     return model, cluster, work
 
 
@@ -1003,55 +1148,27 @@ def _seconds(t: float) -> str:
 
 
 def _bytes(n: float) -> str:
-    # telemetry's units stop at GB; a 10^15-parameter plan needs a few more columns than that
-    if n < 2**40:
-        return format_bytes(n)
-    return f"{n / 2**40:.3g} TB" if n < 2**50 else f"{n / 2**50:.3g} PB"
+    """Bytes in decimal units, as the rates are (GB/s, Gbit/s): 1 GB = 10^9 bytes."""
+    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12), ("PB", 1e15)):
+        if abs(n) < 1000 * scale or unit == "PB":
+            return f"{n:.0f} B" if abs(n) < 1000 else f"{n / scale:.1f} {unit}"
 
 
 def _rate(x: float) -> str:
     return f"{x:,.0f}" if 1 <= x < 1e12 else f"{x:.3g}"
 
 
-def format_plan(result: dict) -> str:
-    inp = result["inputs"]
-    c, w = inp["cluster"], inp["workload"]
-    lines = _wrap(f"PREDICTIONS (lioncub_ds.plan's model; docs/planner.md) for {inp['params'] / 1e9:,.2f}B "
-                  f"parameters, {w['precision']}, {c['nodes']} x {c['gpus_per_node']} GPUs (DP {inp['data_parallel']}, "
-                  f"TP {w['tp']}, PP {w['pp']}), {c['inter_gbit_s']:g} Gbit/s per node, {c['intra_gbyte_s']:g} GB/s "
-                  f"per GPU inside a node, {w['tokens_per_gpu']} tokens/GPU/step", more="  ") + [""]
-    hdr = ("strategy", "state/GPU", "fits", "sent/GPU", "inter/node", "exposed s (no ovl / ovl)", "step s",
-           "tokens/s")
-    rows = []
-    for r in result["strategies"]:
-        rows.append((r["name"], _bytes(r["model_state_bytes_per_gpu"]), "yes" if r["fits"] else "NO",
-                     _bytes(r["bytes_per_gpu"]), _bytes(r["inter_node_bytes_per_node"]),
-                     f"{_seconds(r['exposed_comm_no_overlap_s'])} / {_seconds(r['exposed_comm_overlap_s'])}",
-                     _seconds(r["step_time_s"]), _rate(r["tokens_per_s"])))
-    widths = [max(len(str(x[i])) for x in rows + [hdr]) for i in range(len(hdr))]
-    for row in [hdr] + rows:
-        lines.append("  ".join(str(x).ljust(wd) for x, wd in zip(row, widths)).rstrip())
-    # the convergence column: one cell per strategy, each with its interval, under the study it quotes
-    src = (convergence_table()["sources"] or [{}])[0]
-    lines += [""] + _wrap(f"Convergence cost (measured, not predicted: study {src.get('study')}, preset "
-                          f"{src.get('preset')}: a {src.get('params') or 0:,}-parameter GPT, {src.get('steps') or 0:,} "
-                          "steps; the paired gap of the final validation loss to global Lion at the same N, with its "
-                          "95% interval over seeds):", more="  ")
-    cells = [(", ".join(r["name"] for r in result["strategies"] if r["name"] in EXACT),
-              convergence_cost(("global", 0, 1))["text"])]
-    cells += [(r["name"], r["convergence"]["text"]) for r in result["strategies"] if r["name"] not in EXACT]
-    for names, text in cells:
-        if names and len(f"  {names}: {text}") <= WIDTH:
-            lines.append(f"  {names}: {text}")
-        elif names:  # the cell on lines of its own, so that its interval stays on one line
-            lines += [f"  {names}:"] + _wrap(text, "    ")
+def _recommendation_lines(result: dict) -> list[str]:
     rec = result["recommendation"]
-    lines += [""] + _wrap(f"Recommendation: {rec['name'] or 'none'}" + (f" ({rec['label']})" if rec.get("label") else ""),
-                          more="  ")
+    lines = _wrap(f"Recommendation: {rec['name'] or 'none'}" + (f" ({rec['label']})" if rec.get("label") else ""),
+                  more="  ")
     lines += _wrap(f"why: {rec['why']}", "  ")
     cfg = rec.get("config") or {}
+    refused = rec.get("refused") or {}
     if cfg.get("deepspeed"):
         lines += ["  ds_config.json:", "    " + json.dumps(cfg["deepspeed"], indent=2).replace("\n", "\n    ")]
+    elif refused.get("deepspeed"):
+        lines += _wrap(f"DeepSpeed: not available here: {refused['deepspeed']}", "  ")
     if cfg.get("megatron_flags"):
         lines += ["  Megatron-LM (python -m lioncub_ds.megatron.run pretrain_gpt.py ...):"]
         flags = _wrap(" ".join(cfg["megatron_flags"]), "    ", more="")
@@ -1062,6 +1179,51 @@ def format_plan(result: dict) -> str:
         lines += ["  torch:"] + [f"    {stmt};" for stmt in cfg["torch"].split("; ")]
     if cfg.get("note"):
         lines += _wrap(f"note: {cfg['note']}", "  ")
+    return lines
+
+
+def format_plan(result: dict) -> str:
+    """The plan as the CLI prints it: the inputs, the recommendation and its config, then every
+    strategy's predictions, what was left out, and the measured convergence costs."""
+    inp = result["inputs"]
+    c, w = inp["cluster"], inp["workload"]
+    lines = _wrap(f"PREDICTIONS (lioncub_ds.plan's model; docs/planner.md) for {inp['params'] / 1e9:,.2f}B "
+                  f"parameters, {w['precision']}, {c['nodes']} x {c['gpus_per_node']} GPUs (DP {inp['data_parallel']}, "
+                  f"TP {w['tp']}, PP {w['pp']}), {c['inter_gbit_s']:g} Gbit/s per node, {c['intra_gbyte_s']:g} GB/s "
+                  f"per GPU inside a node, {w['tokens_per_gpu']} tokens/GPU/step, {c['gpu_mem_gib']:g} GiB "
+                  f"({_bytes(c['gpu_mem_gib'] * 2**30)}) per GPU", more="  ") + [""]
+    lines += _recommendation_lines(result) + [""]
+    hdr = ("strategy", "mem/GPU", "buffers", "fits", "sent/GPU", "inter/node", "exposed no/ovl s",
+           "step s", "tokens/s")
+    rows = []
+    for r in result["strategies"]:
+        ws = r["workspace_bytes_per_gpu"]
+        rows.append((r["name"], _bytes(r["model_state_bytes_per_gpu"]), _bytes(ws) if ws else "-",
+                     "yes" if r["fits"] else "NO", _bytes(r["bytes_per_gpu"]), _bytes(r["inter_node_bytes_per_node"]),
+                     f"{_seconds(r['exposed_comm_no_overlap_s'])} / {_seconds(r['exposed_comm_overlap_s'])}",
+                     _seconds(r["step_time_s"]), _rate(r["tokens_per_s"])))
+    widths = [max(len(str(x[i])) for x in rows + [hdr]) for i in range(len(hdr))]
+    for row in [hdr] + rows:
+        lines.append("  ".join(str(x).ljust(wd) for x, wd in zip(row, widths)).rstrip())
+    lines += _wrap("mem/GPU: parameters, gradients, optimizer state and buffers (LionCub's step buffers, kept "
+                   "from step to step) per GPU; exposed: the communication not hidden, without / with overlap; "
+                   "bytes in decimal units like the rates (1 GB = 10^9 bytes)", more="  ")
+    for out in result.get("left_out", []):
+        lines += _wrap(f"left out: {out['name']}: {out['why']}", more="  ")
+    # the convergence column: one cell per strategy, each with its interval, under the study it quotes
+    src = (convergence_table()["sources"] or [{}])[0]
+    lines += [""] + _wrap(f"Convergence cost (measured, not predicted: study {src.get('study')}, preset "
+                          f"{src.get('preset')}: {settings_text(src.get('study'))}, where the printed configs use "
+                          f"betas ({CONFIG_BETAS[0]:g}, {CONFIG_BETAS[1]:g}); the paired gap of the final validation "
+                          "loss to global Lion at the same N, with its 95% interval over seeds):", more="  ")
+    cells = [(", ".join(r["name"] for r in result["strategies"] if r["name"] in EXACT),
+              convergence_cost(("global", 0, 1))["text"])]
+    cells += [(r["name"], r["convergence"]["text"]) for r in result["strategies"] if r["name"] not in EXACT]
+    for names, text in cells:
+        if names and len(f"  {names}: {text}") <= WIDTH:
+            lines.append(f"  {names}: {text}")
+        elif names:  # the cell on lines of its own, so that its interval stays on one line
+            lines += [f"  {names}:"] + _wrap(text, "    ")
     return "\n".join(lines)
 
 

@@ -52,12 +52,12 @@ def _scoped_bytes(row, steps):
 
 
 # ----------------------------------------------------------------------------- real ranks
-def _train(rank, n, numels, dtype, kw, steps):
+def _train(rank, n, numels, dtype, kw, steps, bucket_mb=BUCKET_MB):
     from lioncub_ds import LionCub
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(k).to(dtype)) for k in numels]
-    opt = LionCub(params, lr=1e-3, betas=(0.95, 0.98), comm="1bit", bucket_size_mb=BUCKET_MB,
+    opt = LionCub(params, lr=1e-3, betas=(0.95, 0.98), comm="1bit", bucket_size_mb=bucket_mb,
                   momentum_sync={"every": 20, "dtype": "int8"}, **kw)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps):
@@ -65,9 +65,15 @@ def _train(rank, n, numels, dtype, kw, steps):
             p.grad = (torch.rand(p.shape, generator=gen) + 0.01).to(dtype)
         opt.step()
     cum = opt.comm_stats()["cumulative"]
+    # the buffers the sharding keeps from one step to the next (sharding.Workspace), by name
+    ws = getattr(opt._plan.sharding, "workspace", None)
+    kept = {}
+    for (name, _), buf in (ws.bufs.items() if ws is not None else ()):
+        kept[name] = kept.get(name, 0) + buf.numel() * buf.element_size()
     return {"bytes": cum["bytes_sent"], "scopes": dict(cum["by_scope"]), "state": opt.state_bytes(),
             "params": sum(p.numel() * p.element_size() for p in params),
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params)}
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params), "workspace": kept,
+            "batches": len(opt._plan.batches)}
 
 
 CASES = {  # strategy -> (LionCub settings, parameter dtype)
@@ -96,16 +102,50 @@ def test_bytes_and_state_equal_real_ranks(name):
         assert lioncub_master == r["state"]["master"]
         assert st["params"] == r["params"] and st["grads"] == r["grads"]
         framework = st["master"] - lioncub_master
+        # the step buffers LionCub keeps (send / received / grad / gathered ...) are memory too
+        kept = sum(r["workspace"].values())
+        assert st["workspace"] == row["workspace_bytes_per_gpu"] == kept, (name, st["workspace"], r["workspace"])
         assert row["model_state_bytes_per_gpu"] == (r["state"]["momentum"] + r["state"]["master"] + framework
-                                                     + r["params"] + r["grads"])
+                                                     + r["params"] + r["grads"] + kept)
+        votes = next(c for c in row["collectives"] if c["purpose"].startswith("votes (phase 1)"))
+        assert votes["count"] == r["batches"]
     if name == "lioncub_node_voters_sync20":
         assert set(want) == {"intra_node", "inter_node"}
         assert row["inter_node_bytes_per_node"] > 0
+        assert set(r["workspace"]) == {"send", "received", "grad", "gathered"}  # bf16: no fp32 work shard
     elif name == "lioncub_master_only":
         assert set(want) == {"vote_group", "intra_node"}
         assert r["state"]["master"] > 0
+        assert set(r["workspace"]) == {"gathered"}
     else:
         assert set(want) == {"vote_group"}
+        assert r["workspace"] == {}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_node_voter_buffers_and_vote_batches_equal_real_ranks(dtype):
+    """Node voters 2 x 2 keep send, received (the full bucket, gradient dtype), gathered (the full
+    bucket, parameter dtype), grad (the fp32 shard) and, for fp32 parameters, work (the fp32 shard)
+    from step to step: the planner counts every one of them in the memory per GPU. Their votes go in
+    comm batches of the SHARD buckets (bucket / L): with 0.01 MB batches twelve shards of 13,008
+    elements fill 2 batches, where the full buckets would fill 4."""
+    numels, bucket_mb, comm_mb = (26_000,) * 12, 0.1, 0.01
+    res = run_ranks(_train, 4, numels, dtype, {"voters": "node", "node_size": 2, "comm_bucket_mb": comm_mb}, 1,
+                    bucket_mb, timeout=600)
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    model, cluster, _ = _spec(precision=precision, numels=numels)
+    work = P.WorkloadSpec(precision=precision, compute_time_s=0.1, bucket_size_mb=bucket_mb, comm_bucket_mb=comm_mb)
+    row = _row(P.plan(model, cluster, work, strategies=("lioncub_node_voters_sync20",)), "lioncub_node_voters_sync20")
+    full = P.wire.bucket_runs(P.wire.runs_of(numels), bucket_mb, 4)
+    assert P.wire.batch_count(full, comm_mb) == 4 and P.wire.batch_count([(b // 2, c) for b, c in full], comm_mb) == 2
+    for r in res:
+        assert set(r["workspace"]) == {"send", "received", "grad", "gathered"} | ({"work"} if precision == "fp32"
+                                                                                   else set())
+        assert row["workspace_bytes_per_gpu"] == sum(r["workspace"].values()), (row["state_breakdown"], r["workspace"])
+        for c in row["collectives"]:
+            if c["purpose"].startswith("votes"):
+                assert c["count"] == r["batches"] == 2, (c, r["batches"])
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -178,6 +218,227 @@ def test_gpt_shape_counts_and_flops():
     assert 1.2e9 < m.total < 1.5e9
     assert m.flops_per_token() == 6 * m.total + 12 * 24 * 2048 * 2048
     assert m.gpu_params(2, 1) < m.total  # a TP slice
+
+
+@pytest.mark.unit
+def test_node_voters_and_master_only_count_their_step_buffers():
+    """The buffers node voters keep from step to step (sharding.NodeVoters' Workspace) are memory per
+    GPU: per full bucket send + received (gradient dtype) + gathered (parameter dtype), the fp32
+    gradient shard 4/L, and for fp32 parameters the fp32 work shard 4/L; master-only keeps its
+    all-gather's receive buffers (parameter dtype). 7B on 8 x 8: 45.5 GB of them per GPU."""
+    for precision, wp in (("bf16", 2), ("fp32", 4)):
+        res = P.plan(P.ModelSpec(params=7 * 10**9), P.ClusterSpec(nodes=8, gpus_per_node=8),
+                     P.WorkloadSpec(precision=precision))
+        runs = P.ModelSpec(params=7 * 10**9).gpu_runs(1, 1)
+        total = P.wire.total(P.wire.bucket_runs(runs, 25.0, 64))
+        node, master_only = _row(res, "lioncub_node_voters_sync20"), _row(res, "lioncub_master_only")
+        want = 3 * wp * total + 4 * total // 8 + (4 * total // 8 if precision == "fp32" else 0)
+        st = node["state_breakdown"]
+        assert node["model_state_bytes_per_gpu"] == st["params"] + st["grads"] + st["momentum"] + st["master"] + want
+        assert node.get("workspace_bytes_per_gpu") == st["workspace"] == want
+        mo = master_only["state_breakdown"]
+        assert master_only["model_state_bytes_per_gpu"] - (mo["params"] + mo["grads"] + mo["momentum"] + mo["master"]) \
+            == (wp * total if precision == "bf16" else 0)
+        for r in res["strategies"]:
+            if r["name"] not in ("lioncub_node_voters_sync20", "lioncub_master_only"):
+                assert r["workspace_bytes_per_gpu"] == 0, r["name"]
+    assert "buffers" in P.format_plan(res)
+    one = P.plan(P.ModelSpec(params=10**9), P.ClusterSpec(nodes=4, gpus_per_node=1), P.WorkloadSpec())
+    assert _row(one, "lioncub_node_voters_sync20")["workspace_bytes_per_gpu"] == 0  # L = 1: flat voting
+
+
+@pytest.mark.unit
+def test_node_voter_vote_batches_are_counted_on_the_shards():
+    """Node voters (and ZeRO-3 / FSDP2 with votes) vote on each full bucket's 1/L shard, and
+    layout.comm_batches packs those shard buckets: 7B on 8 x 8 is 1,669 buckets, 209 comm batches of
+    full buckets but 27 of their shards. (The real ranks: test_node_voter_buffers_and_vote_batches_...)"""
+    model, cluster, work = P.ModelSpec(params=7 * 10**9), P.ClusterSpec(nodes=8, gpus_per_node=8), P.WorkloadSpec()
+    top = P.Topology.of(cluster, work)
+    full = P.wire.bucket_runs(model.gpu_runs(1, 1), 25.0, 64)
+    shards = P.wire.batch_count([(b // 8, c) for b, c in full])
+    assert (P.wire.count(full), P.wire.batch_count(full), shards) == (1669, 209, 27)
+
+    def counts(name):
+        traffic = P.strategy(name, model, cluster, work, top)["traffic"]
+        return [t.count for t in traffic if t.purpose.startswith("votes")]
+
+    for name in ("lioncub_node_voters_sync20", "lioncub_zero3_node_voters_sync20", "lioncub_fsdp2_node_voters_sync20"):
+        assert counts(name) == [shards, shards], name
+    assert counts("lioncub_1bit_sync20") == [209, 209]  # flat voting batches its full buckets
+    row = _row(P.plan(model, cluster, work), "lioncub_node_voters_sync20")
+    assert [c["count"] for c in row["collectives"] if c["purpose"].startswith("votes")] == [shards, shards]
+
+
+# ----------------------------------------------------------------------------- what the integrations accept
+class _Engine:
+    """The engine methods the DeepSpeed integration's checks read, from a ds_config
+    (``pipeline``: a PipelineModule's engine)."""
+
+    def __init__(self, cfg, pipeline=False):
+        self.cfg, self.pipeline_parallelism, self.has_moe_layers = cfg, pipeline, False
+
+    def zero_optimization_stage(self):
+        return self.cfg.get("zero_optimization", {}).get("stage", 0)
+
+    def zero_offload_optimizer(self):
+        return None
+
+    def optimizer_name(self):
+        return self.cfg["optimizer"]["type"]
+
+    def optimizer_params(self):
+        return self.cfg["optimizer"]["params"]
+
+    def fp16_enabled(self):
+        return self.cfg.get("fp16", {}).get("enabled", False)
+
+    def bfloat16_enabled(self):
+        return self.cfg.get("bf16", {}).get("enabled", False)
+
+    def torch_autocast_enabled(self):
+        return False
+
+    def torch_autocast_dtype(self):
+        return None
+
+
+LAYOUTS = [(1, 8, 1, 1), (8, 8, 1, 1), (4, 8, 8, 1), (8, 8, 2, 1), (8, 8, 2, 2), (8, 8, 1, 2), (2, 1, 1, 1)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_every_printed_ds_config_passes_the_integrations_checks(precision):
+    """Each ds_config the planner prints (every strategy, and the recommendation) is accepted by the
+    DeepSpeed integration's own validation (split_params, check_supported on an engine with or
+    without pipeline parallelism, ZeRO-3 votes' settings and its mpu rule) and by DeepSpeed's pipeline
+    engine (ZeRO stage < 2: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"); the
+    node-voter block resolves to the planner's L (node_size, else the launcher's GPUs per node). fp16
+    node voters and master-only, ZeRO-2/3 with --pp, ZeRO-3 votes with --tp were printed and refused."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    from lioncub_ds.deepspeed import engine as E
+    from lioncub_ds.deepspeed import zero3
+
+    checked = 0
+    for nodes, g, tp, pp in LAYOUTS:
+        res = P.plan(P.ModelSpec(params=7 * 10**9), P.ClusterSpec(nodes=nodes, gpus_per_node=g),
+                     P.WorkloadSpec(precision=precision, tp=tp, pp=pp))
+        configs = [(r["name"], r["config"]) for r in res["strategies"]]
+        configs.append(("recommended", res["recommendation"]["config"]))
+        for name, cfg in configs:
+            ds = (cfg or {}).get("deepspeed")
+            if not ds:
+                continue
+            where = (name, nodes, g, tp, pp, precision)
+            stage = ds.get("zero_optimization", {}).get("stage", 0)
+            assert not (pp > 1 and stage >= 2), where  # DeepSpeed's PipelineEngine asserts it
+            E.split_params(ds["optimizer"]["params"])
+            E.check_supported(_Engine(ds, pipeline=pp > 1))
+            if zero3.votes_requested(ds) is not None:
+                assert not zero3.unsupported_settings(ds), where
+                if tp > 1:  # model parallelism under DeepSpeed comes with an mpu, which ZeRO-3 votes refuse
+                    zero3.make_initialize(lambda **kw: "initialized")(model=None, mpu=object(), config=ds)
+            params = ds["optimizer"]["params"]
+            if params.get("voters") == "node" and stage == 0:
+                assert params.get("node_size", g) == res["inputs"]["dp_ranks_per_node"], where
+            checked += 1
+        for out in res.get("left_out", []):
+            assert out["why"] and out["name"] not in {r["name"] for r in res["strategies"]}
+    assert checked >= 30
+
+
+@pytest.mark.unit
+def test_refused_configs_are_said_and_never_recommended():
+    """fp16: node voters keep their Megatron flags (their DeepSpeed block is dropped, with the reason);
+    master-only has no config left and is left out. --pp > 1: ZeRO-2 / ZeRO-3 / ZeRO-3 votes left out.
+    --tp > 1: ZeRO-3 votes left out, the node-voter block names node_size = L = GPUs per node / TP. FSDP2
+    with votes (lioncub_ds.fsdp.shard_and_vote, groups over the whole world) is left out with either."""
+    fp16 = P.plan(P.ModelSpec(params=125 * 10**6), P.ClusterSpec(nodes=4, inter_gbit_s=25, intra_gbyte_s=50),
+                  P.WorkloadSpec(precision="fp16"))
+    node = _row(fp16, "lioncub_node_voters_sync20")
+    assert "deepspeed" not in node["config"] and "fp16" in node["refused"]["deepspeed"]
+    assert node["config"]["megatron_flags"]
+    assert [o["name"] for o in fp16["left_out"]] == ["lioncub_master_only"]
+    rec = fp16["recommendation"]
+    if rec["name"] == "lioncub_node_voters_sync20":
+        assert "DeepSpeed: not available here" in P.format_plan(fp16) and "ds_config.json" not in P.format_plan(fp16)
+    pp = P.plan(P.ModelSpec(params=70 * 10**9), P.ClusterSpec(nodes=8), P.WorkloadSpec(tp=8, pp=2))
+    assert {o["name"] for o in pp["left_out"]} == {"zero2", "zero3", "lioncub_master_only",
+                                                   "lioncub_zero3_node_voters_sync20",
+                                                   "lioncub_fsdp2_node_voters_sync20"}
+    assert pp["recommendation"]["name"] not in {o["name"] for o in pp["left_out"]}
+    text = P.format_plan(pp)
+    assert "left out: zero2: DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3" in text
+    tp = P.plan(P.ModelSpec(params=13 * 10**9), P.ClusterSpec(nodes=8, inter_gbit_s=25), P.WorkloadSpec(tp=2))
+    assert [o["name"] for o in tp["left_out"]] == ["lioncub_zero3_node_voters_sync20",
+                                                   "lioncub_fsdp2_node_voters_sync20"]  # shard_and_vote: the world
+    nv = _row(tp, "lioncub_node_voters_sync20")["config"]
+    assert nv["deepspeed"]["optimizer"]["params"]["node_size"] == 4 and nv["megatron_flags"]
+    plain = _row(P.plan(P.ModelSpec(params=13 * 10**9), P.ClusterSpec(nodes=8), P.WorkloadSpec()),
+                 "lioncub_node_voters_sync20")["config"]
+    assert "node_size" not in plain["deepspeed"]["optimizer"]["params"]  # L = the launcher's LOCAL_SIZE
+
+
+@pytest.mark.unit
+def test_layouts_whose_data_parallel_groups_straddle_nodes_are_refused():
+    """2 nodes of 6 GPUs at PP 3: data-parallel groups of 4 consecutive GPUs, one of them on both
+    nodes, were priced at 0 inter-node bytes. Refused now, naming --tp / --pp and the --pp that work."""
+    with pytest.raises(P.PlanInputError, match=r"--tp 1 x --pp 3 .*straddle nodes of 6 GPUs.*--pp 1, 2, 4, 6, 12\)"):
+        P.plan(P.ModelSpec(params=10**9), P.ClusterSpec(nodes=2, gpus_per_node=6), P.WorkloadSpec(pp=3))
+    for nodes, g, tp, pp in ((2, 6, 1, 4), (2, 6, 1, 2), (2, 8, 2, 2), (4, 8, 2, 4), (3, 4, 2, 3)):
+        res = P.plan(P.ModelSpec(params=10**9), P.ClusterSpec(nodes=nodes, gpus_per_node=g),
+                     P.WorkloadSpec(tp=tp, pp=pp))
+        span = tp * res["inputs"]["data_parallel"]
+        assert span % g == 0 or g % span == 0
+
+
+@pytest.mark.unit
+def test_output_starts_with_the_recommendation_in_decimal_units():
+    """The recommendation and its config come first, then the table; every byte figure is decimal
+    (1 GB = 10^9 bytes, as the rates are): DDP's 12 bytes per parameter of 7B print as 84.0 GB."""
+    res = P.plan(P.ModelSpec(params=7 * 10**9), P.ClusterSpec(nodes=8, gpus_per_node=8), P.WorkloadSpec())
+    text = P.format_plan(res)
+    assert text.startswith("PREDICTIONS")
+    assert text.index("Recommendation:") < text.index("ds_config.json") < text.index("\nstrategy ")
+    lines = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.split() and ln.split()[0] in P.STRATEGIES}
+    for r in res["strategies"]:
+        cells = lines[r["name"]]
+        assert f"{cells[1]} {cells[2]}" == f"{r['model_state_bytes_per_gpu'] / 1e9:.1f} GB", cells
+    assert lines["ddp_bf16"][1:3] == ["84.0", "GB"]
+    assert "1 GB = 10^9 bytes" in " ".join(text.split()) and "GiB" not in text.replace("80 GiB (85.9 GB)", "")
+
+
+@pytest.mark.unit
+def test_convergence_quotes_say_the_betas_they_were_measured_at():
+    """lion_w300 ran betas (0.8, 0.9); the printed configs use (0.95, 0.98): every quote says both."""
+    src = P.convergence_table()["sources"][0]
+    betas = f"betas ({src['betas'][0]:g}, {src['betas'][1]:g})"
+    assert betas == "betas (0.8, 0.9)"
+    res = P.plan(P.ModelSpec(params=7 * 10**9), P.ClusterSpec(nodes=8, inter_gbit_s=25), P.WorkloadSpec())
+    rec = res["recommendation"]
+    assert rec["name"] not in P.EXACT
+    assert f"measured at {betas}" in rec["why"] and "this config's betas are (0.95, 0.98)" in rec["why"]
+    assert rec["config"]["deepspeed"]["optimizer"]["params"]["betas"] == [0.95, 0.98]
+    text = " ".join(P.format_plan(res).split())
+    assert f"preset lion_w300: {betas}, tie_break hash, 1,200 steps" in text
+    assert "where the printed configs use betas (0.95, 0.98)" in text
+    conv = _row(res, "lioncub_node_voters_sync20")["convergence"]
+    assert conv["measured_at"]["betas"] == src["betas"]
+
+
+@pytest.mark.unit
+def test_one_voter_quotes_no_gap():
+    """N = 1 (and node voters with one node group, Lion on the node-mean gradient) is global Lion: a
+    zero gap, not the nearest measured N."""
+    one = P.plan(P.ModelSpec(params=10**9), P.ClusterSpec(nodes=1, gpus_per_node=1), P.WorkloadSpec())
+    for r in one["strategies"]:
+        assert r["convergence"]["gap_pct"] == 0.0 and r["convergence"]["exact"], r["name"]
+        assert r["name"] in P.EXACT or "global Lion (N = 1)" in r["convergence"]["text"]
+    node = P.plan(P.ModelSpec(params=10**9), P.ClusterSpec(nodes=1, gpus_per_node=8), P.WorkloadSpec())
+    assert _row(node, "lioncub_node_voters_sync20")["convergence"]["gap_pct"] == 0.0
+    assert _row(node, "lioncub_1bit_sync20")["convergence"]["gap_pct"] != 0.0  # 8 flat voters: measured
 
 
 # ----------------------------------------------------------------------------- convergence table
@@ -306,6 +567,8 @@ def test_cli_json_lists_every_strategy_with_the_issue_fields():
     (["--params", "1B", "--strategies", "fsdp"], "--strategies", "ddp_bf16"),
     (["--nodes", "2"], "--params", "GPT shape"),
     (["--params", "1B", "--tp", "3"], "--tp", "divisor"),
+    (["--params", "1B", "--nodes", "2", "--gpus-per-node", "6", "--pp", "3"], "--pp",
+     "with --tp 1: --pp 1, 2, 4, 6, 12"),  # data-parallel groups across a node boundary
     (["--params", "1B", "--sync-every", "-1"], "--sync-every", "integer >= 0"),
     (["--layers", "10000", "--hidden", "1000000", "--vocab", "5", "--seq", "5"], "--hidden", "at most 1e+15"),
 ])
