@@ -104,3 +104,20 @@ def _bbit_node_delta(rank, n, numel):
     p.grad = g
     opt.step()
     return torch.round((start - p.detach()) / LR), g
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("rows,width,start,cols", [(1, 14517, 4, 12), (1, 14517, 1025, 12), (3, 1037, 1025, 12),
+                                                   (2, 64, 8, 16), (1, 16, 0, 16)])
+def test_list_columns_read_as_words_at_any_offset_and_row_stride(rows, width, start, cols):
+    """uint8 columns of a received message -> int32 words, equal to reading the bytes little-endian,
+    whatever the column's offset and the message's row length (a one-row slice is 'contiguous'
+    with any row stride, and viewing it as int32 raised)."""
+    from lioncub_ds.comm.abstain import words_of
+    msg = torch.randint(0, 256, (rows, width), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    msg = msg.to(torch.uint8)
+    col = msg[:, start:start + cols]
+    b = col.to(torch.int64)
+    want = (b[:, 0::4] | b[:, 1::4] << 8 | b[:, 2::4] << 16 | b[:, 3::4] << 24).to(torch.int64)
+    want = torch.where(want >= 2 ** 31, want - 2 ** 32, want).to(torch.int32)
+    assert torch.equal(words_of(col), want)

@@ -193,8 +193,8 @@ def words_of(columns: torch.Tensor) -> torch.Tensor:
     """uint8 [N, 4k] (received columns) -> int32 [N, k]: a view where the columns are contiguous
     and start on a 4-byte boundary, else an aligned copy (a column of a one-row message, or one
     that follows an odd number of vote bytes, starts anywhere)."""
-    if columns.is_contiguous() and columns.storage_offset() % 4 == 0:
-        return columns.view(torch.int32)
+    if columns.is_contiguous() and columns.storage_offset() % 4 == 0 and all(st % 4 == 0 for st in columns.stride()[:-1]):
+        return columns.view(torch.int32)  # (a one-row slice is contiguous whatever its row stride)
     return columns.clone(memory_format=torch.contiguous_format).view(torch.int32)
 
 
