@@ -34,7 +34,7 @@ from .groups import (INSTANCES, MASTER_ONLY, NODE_VOTERS, SINGLE, Strategy, Topo
                      create_on_all_ranks, group_ranks, requested, resolve_strategy, settle_at_exit)
 from .momentum_sync import check_sync_state, sync_group_size
 from .pipeline import StepPlan
-from .sharding import describe_layout
+from .sharding import describe_layout, workspace_bytes
 from .telemetry import CommStats
 
 log = logging.getLogger("lioncub_ds")
@@ -518,8 +518,11 @@ class LionCub(Optimizer):
     def state_bytes(self) -> dict:
         """This rank's optimizer-state bytes: ``momentum`` (per parameter, or its shards with
         voters="node"), ``master`` (voters="node": fp32 master shards of bf16/fp16 parameters),
-        ``spare`` (momentum_double_buffer), and ``params``: the voting parameters' count."""
+        ``spare`` (momentum_double_buffer), ``workspace`` (the step buffers node voters and
+        master-only sharding keep between steps: docs/node_voters.md), and ``params``: the voting
+        parameters' count."""
         out = self.momenta.state_bytes()
+        out["workspace"] = workspace_bytes(self._plan.sharding) if self._plan is not None else 0
         out["params"] = sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
         return out
 

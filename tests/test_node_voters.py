@@ -180,6 +180,11 @@ def test_node_voters_match_the_oracle_on_real_ranks(n_groups, size, comm, dtype,
         assert st["momentum"] == 4 * sum(res[r]["shard_numels"])
         assert st["master"] == (4 * sum(res[r]["shard_numels"]) if dtype != torch.float32 else 0)
         assert st["momentum"] <= 4 * st["params"] / size * 1.05 + 4 * 8 * world * len(res[r]["full_numels"])
+        # the step buffers kept between steps (docs/node_voters.md): the gradients' send and receive
+        # buffers and the parameters' all-gather buffer (whole buckets, in the parameters' dtype), the
+        # fp32 mean-gradient shard, and for fp32 parameters the fp32 work shard
+        full, shard, elt = sum(res[r]["full_numels"]), sum(res[r]["shard_numels"]), dtype.itemsize
+        assert st["workspace"] == 3 * elt * full + 4 * shard + (4 * shard if dtype == torch.float32 else 0), st
 
 
 def _flat_vs_node1(rank, world_size):
