@@ -103,7 +103,13 @@ def test_state_bytes_per_rank_are_about_one_over_L(runs, dtype):
         # today: full fp32 momentum, plus DeepSpeed's full fp32 copy of bf16 parameters
         assert flat["momentum"] == 4 * flat["params"]
         assert flat["deepspeed_master"] == (4 * flat["params"] if dtype == "bf16" else 0)
-        assert node["total"] <= flat["total"] / L * 1.05, (node, flat)
+        state = node["total"] - node["workspace"]
+        assert state <= flat["total"] / L * 1.05, (node, flat)
+        # the step buffers kept between steps (docs/deepspeed.md): send + receive + all-gather of
+        # whole buckets in the parameters' dtype, the fp32 mean-gradient shard, fp32's work shard
+        elt, full = (4 if dtype == "fp32" else 2), L * sum(x["shard_numels"])
+        assert node["workspace"] == 3 * elt * full + shard + (shard if dtype == "fp32" else 0), node
+        assert flat["workspace"] == 0
 
 
 @deepspeed_missing

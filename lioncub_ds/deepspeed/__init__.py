@@ -61,7 +61,8 @@ def comm_stats(engine) -> dict:
 
 def state_bytes(engine) -> dict:
     """This rank's optimizer-state bytes at ZeRO stage 0: LionCub's own (``momentum``, ``master``:
-    voters="node" / master-only fp32 master shards, ``spare``: momentum_double_buffer) plus
+    voters="node" / master-only fp32 master shards, ``spare``: momentum_double_buffer, ``workspace``:
+    node voters' / master-only's step buffers kept between steps) plus
     ``deepspeed_master``: the fp32 copies DeepSpeed's fp16/bf16 wrapper keeps of every parameter (0
     when LionCub steps the parameters itself: fp32, or bf16 with ``node_size``). ``total`` sums them; ``params`` counts the
     model's trainable elements. Empty when the engine has no LionCub."""
