@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .lion import nonfinite_count
 from .momentum_sync import resharded_sync_state, summed_pending
-from .sharding import describe_layout
+from .sharding import describe_layout, fingerprints
 
 FORMAT_VERSION = 2  # 2: adds "sha256"; format 1 files (no digest) are still read
 READABLE_FORMATS = (1, 2)
@@ -169,13 +169,25 @@ def save(optimizer, directory: str) -> str:
     """Write this rank's optimizer state to ``directory``; returns the file path."""
     rank, world = _rank_info(optimizer)
     payload = {"kind": KIND, "format": FORMAT_VERSION, "rank": rank, "world_size": world,
-               "param_shapes": _shapes(optimizer), "optimizer": optimizer.state_dict()}
+               "param_shapes": _shapes(optimizer), "optimizer": optimizer.state_dict(),
+               "params_checksum": params_checksum(optimizer)}
     payload["sha256"] = payload_digest(payload)
     path = rank_file(directory, rank, world)
     if rank == 0:
         remove_stale_temporaries(path, legacy=True)
     atomic_torch_save(payload, path)
     return path
+
+
+def params_checksum(optimizer) -> list[int]:
+    """Two int64 checksums of the parameters the optimizer steps (fingerprints, summed over the
+    tensors). Every rank of a vote group holds these bit for bit (each applies the same Δ to the
+    same values), so the files of one save carry one checksum per vote group: a load compares them
+    and refuses files left by another run at the same step (no collective at save time)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params:
+        return [0, 0]
+    return [int(v) for v in fingerprints(params, device_of(optimizer)).sum(dim=0).tolist()]
 
 
 def read(path: str) -> dict:
@@ -620,13 +632,13 @@ def _prepare(optimizer, directory: str, reshard: str):
         lc = payload["optimizer"].get("lioncub") if isinstance(payload["optimizer"], dict) else None
         if same_layout(lc, mine):
             _check_fits(payload, optimizer, path)
-            return payload["optimizer"], path
+            return payload["optimizer"], path, payload.get("params_checksum")
         old_world = world  # the same ranks under another layout: reshard
     elif not worlds:
         raise CheckpointError(f"no LionCub checkpoint files in {directory}")
     else:
         old_world = worlds.pop()
-    return _reshard(optimizer, directory, old_world, reshard), directory
+    return _reshard(optimizer, directory, old_world, reshard), directory, None
 
 
 def saved_sharded(directory: str) -> bool:
@@ -649,16 +661,23 @@ def device_of(optimizer):
     return next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
 
 
-def _agree(optimizer, failed: bool, step: int) -> tuple[int, int, int]:
-    """All ranks of the optimizer's group: (#failed, max step, min step)."""
+def _agree(optimizer, failed: bool, step: int, checksum=None) -> tuple[int, int, int, bool]:
+    """All ranks of the optimizer's group: (#failed, max step, min step, whether the files'
+    parameter checksums differ). ``checksum``: this rank's file's (None: a file without one, or a
+    reshard, which reads every file itself)."""
     if not optimizer.distributed:
-        return int(failed), step, step
-    # On the parameters' device: an NCCL group takes only CUDA tensors.
-    flags = torch.tensor([int(failed), step, -step], dtype=torch.int64, device=device_of(optimizer))
+        return int(failed), step, step, False
+    c = [int(v) for v in checksum] if isinstance(checksum, (list, tuple)) and len(checksum) == 2 else [0, 0]
+    has = int(checksum is not None)
+    # On the parameters' device: an NCCL group takes only CUDA tensors. MAX of each value and of
+    # its negation: the max and the min at once (equal on every rank iff max == min).
+    vals = [int(failed), step, -step, has, -has, c[0], -c[0], c[1], -c[1]]
+    flags = torch.tensor(vals, dtype=torch.int64, device=device_of(optimizer))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=optimizer.vote_group)
     # MAX of the failure flag says "some rank failed"; count is not needed
-    failed, hi, neg_lo = flags.tolist()
-    return failed, hi, -neg_lo
+    got = flags.tolist()
+    differ = any(got[k] != -got[k + 1] for k in (3, 5, 7))
+    return got[0], got[1], -got[2], differ
 
 
 def prepare_load(optimizer, directory: str, reshard: str = "average") -> tuple[dict, str]:
@@ -667,13 +686,13 @@ def prepare_load(optimizer, directory: str, reshard: str = "average") -> tuple[d
     the optimizer is distributed (same errors as :func:`load`)."""
     if reshard not in RESHARD_POLICIES:
         raise ValueError(f"reshard={reshard!r} is not allowed; allowed: {', '.join(RESHARD_POLICIES)}")
-    error, state, source = None, None, directory
+    error, state, source, checksum = None, None, directory, None
     try:
-        state, source = _prepare(optimizer, directory, reshard)
+        state, source, checksum = _prepare(optimizer, directory, reshard)
     except CheckpointError as exc:
         error = exc
     step = int(state.get("lioncub", {}).get("step", 0)) if state is not None else -1
-    failed, hi, lo = _agree(optimizer, error is not None, step)
+    failed, hi, lo, differ = _agree(optimizer, error is not None, step, checksum)
     if error is not None:
         raise error
     if failed:
@@ -682,6 +701,10 @@ def prepare_load(optimizer, directory: str, reshard: str = "average") -> tuple[d
     if hi != lo:
         raise CheckpointError(f"LionCub: ranks' checkpoints in {directory} were saved at different steps "
                               f"({lo}..{hi}; an interrupted save?); no rank changed its state")
+    if differ:
+        raise CheckpointError(f"LionCub: ranks' checkpoints in {directory} come from different saves (the parameters "
+                              "they were saved with differ: a file left by another run at the same step?); no rank "
+                              "changed its state")
     return state, source
 
 

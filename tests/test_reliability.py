@@ -790,3 +790,36 @@ def test_a_damaged_node_voter_shard_is_refused_on_every_rank(tmp_path, how):
     assert want in (res[1]["error"] or ""), res[1]
     assert res[0]["error"] is not None, "rank 0 went on while rank 1 refused"
     assert res[0]["unchanged"] and res[1]["unchanged"]
+
+
+def _stale_file_of_another_run(rank, world_size, directory):
+    """Run A saves at step 3 on both ranks; run B (other data) saves at step 3 on rank 0 only (rank 1
+    was killed before its save): rank 1's file is run A's. The load must refuse on both ranks."""
+    def model():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(8, 8))]
+
+    for run, seed in (("A", 1), ("B", 2)):
+        ps = model()
+        opt = LionCub(ps, lr=1e-3, comm="1bit")
+        for step in range(1, 4):
+            g = torch.Generator().manual_seed(1000 * rank + step + 7919 * seed)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        if run == "A" or rank == 0:
+            checkpoint.save(opt, directory)
+        dist.barrier()
+    fresh = LionCub(model(), lr=1e-3, comm="1bit")
+    try:
+        checkpoint.load(fresh, directory)
+        return {"error": None, "state": len(fresh.state)}
+    except CheckpointError as exc:
+        return {"error": str(exc), "state": len(fresh.state)}
+
+
+def test_a_rank_file_left_by_another_run_at_the_same_step_is_refused(tmp_path):
+    res = run_ranks(_stale_file_of_another_run, 2, str(tmp_path), timeout=240, env={"LIONCUB_KERNELS": "torch"})
+    for r in res:
+        assert r["error"] is not None and "come from different saves" in r["error"], r
+        assert r["state"] == 0
