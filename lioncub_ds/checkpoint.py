@@ -184,7 +184,9 @@ def params_checksum(optimizer) -> list[int]:
     tensors). Every rank of a vote group holds these bit for bit (each applies the same Δ to the
     same values), so the files of one save carry one checksum per vote group: a load compares them
     and refuses files left by another run at the same step (no collective at save time)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # the voting parameters only: a frozen one (requires_grad=False) is never stepped and may hold
+    # a per-rank value (a running statistic kept as a Parameter), as the replica check ignores it
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if not params:
         return [0, 0]
     return [int(v) for v in fingerprints(params, device_of(optimizer)).sum(dim=0).tolist()]

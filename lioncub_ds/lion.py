@@ -9,11 +9,13 @@ backend (one pass over g, m, θ); the foreach and single-tensor paths are the pu
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.optim import Optimizer
 
 from . import kernels
-from .config import LionCubConfigError, validate_common
+from .config import LionCubConfigError, _is_real, validate_common
 from .kernels import reference
 
 __all__ = ["Lion", "lion"]
@@ -81,8 +83,14 @@ def check_param_group(param_group, owner, defaults=None, index=0):
         own = {k: param_group[k] for k in ("lr", "betas", "weight_decay") if k in param_group}
         if own:
             merged = {k: own.get(k, defaults[k]) for k in ("lr", "betas", "weight_decay")}
-            validate_common(lr=lr_value(merged["lr"], owner), betas=merged["betas"],
-                            weight_decay=merged["weight_decay"], owner=f"{owner} (param group #{index})")
+            where = f"{owner} (param group #{index})"
+            lr = lr_value(merged["lr"], owner)
+            # a group's lr may be 0 (a frozen subset; a warm-up scheduler's first value), as in torch
+            if not _is_real(lr) or not math.isfinite(lr) or lr < 0:
+                raise LionCubConfigError(f"{where}: invalid lr={lr!r}; allowed: a finite number >= 0 (0: the "
+                                         "group does not move)")
+            validate_common(lr=lr if lr > 0 else 1.0, betas=merged["betas"], weight_decay=merged["weight_decay"],
+                            owner=where)
     for i, p in enumerate(params):
         if isinstance(p, tuple) and len(p) == 2:
             p = p[1]
@@ -100,14 +108,14 @@ def saved_momenta(opt, state_dict, owner="Lion"):
     elements in order: a (3, 4) momentum on a (4, 3) parameter would step silently wrong)."""
     saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
     params = [p for g in opt.param_groups for p in g["params"]]
-    id_map = dict(zip(saved_ids, params))
+    id_map = {sid: (k, p) for k, (sid, p) in enumerate(zip(saved_ids, params))}
     out = {}
     for idx, st in state_dict.get("state", {}).items():
         if isinstance(st, dict) and "exp_avg" in st and idx in id_map:
-            p, m = id_map[idx], st["exp_avg"]
+            (k, p), m = id_map[idx], st["exp_avg"]
             if isinstance(m, torch.Tensor) and tuple(m.shape) != tuple(p.shape):
                 raise LionCubConfigError(
-                    f"{owner}.load_state_dict: the saved momentum of parameter #{params.index(p)} has shape "
+                    f"{owner}.load_state_dict: the saved momentum of parameter #{k} has shape "
                     f"{tuple(m.shape)}, the parameter {tuple(p.shape)}; allowed: a state dict saved for these "
                     "parameters, in this order; no state was changed")
             out[p] = m

@@ -106,7 +106,8 @@ def fingerprints(tensors, device) -> torch.Tensor:
     out = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
     for i, t in enumerate(tensors):
         flat = t.detach().reshape(-1)
-        ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16)
+        size = flat.element_size()
+        ints = flat.view(torch.int32 if size == 4 else torch.int16 if size % 2 == 0 else torch.uint8)
         for start in range(0, ints.numel(), FINGERPRINT_CHUNK):
             chunk = ints[start:start + FINGERPRINT_CHUNK].to(torch.int64)
             idx = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)

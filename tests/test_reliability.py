@@ -823,3 +823,38 @@ def test_a_rank_file_left_by_another_run_at_the_same_step_is_refused(tmp_path):
     for r in res:
         assert r["error"] is not None and "come from different saves" in r["error"], r
         assert r["state"] == 0
+
+
+@pytest.mark.unit
+def test_frozen_one_byte_parameters_do_not_stop_a_save(tmp_path):
+    """A frozen uint8 (quantized) weight of an odd size beside trainable ones: the save's checksum
+    covers the voting parameters only and reads any dtype."""
+    w = torch.nn.Parameter(torch.randint(0, 255, (7,), dtype=torch.uint8), requires_grad=False)
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = LionCub([p, w], lr=1e-3)
+    p.grad = torch.randn(5)
+    opt.step()
+    checkpoint.save(opt, str(tmp_path))
+    fresh = LionCub([torch.nn.Parameter(p.detach().clone()), w], lr=1e-3)
+    checkpoint.load(fresh, str(tmp_path))
+    assert torch.equal(fresh.state[fresh.param_groups[0]["params"][0]]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+def _frozen_per_rank_value(rank, world_size, directory):
+    """A frozen Parameter holding a per-rank value (never stepped, ignored by the replica check):
+    the same run's checkpoint loads again."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(9))
+    stat = torch.nn.Parameter(torch.full((3,), float(rank)), requires_grad=False)
+    opt = LionCub([p, stat], lr=1e-3, comm="1bit")
+    p.grad = torch.randn(9, generator=torch.Generator().manual_seed(rank))
+    opt.step()
+    checkpoint.save(opt, directory)
+    dist.barrier()
+    checkpoint.load(opt, directory)
+    return "loaded"
+
+
+def test_a_frozen_parameter_that_differs_across_ranks_does_not_refuse_the_load(tmp_path):
+    assert run_ranks(_frozen_per_rank_value, 2, str(tmp_path), timeout=240,
+                     env={"LIONCUB_KERNELS": "torch"}) == ["loaded", "loaded"]

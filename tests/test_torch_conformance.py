@@ -376,17 +376,34 @@ def test_a_bad_later_group_leaves_every_group_unstepped(cls, fault):
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-def test_a_momentum_of_another_shape_is_refused_at_load(cls):
-    """Same element count, other shape: refused before anything is loaded (the kernels would read it
-    in the wrong order and step silently wrong)."""
-    p = torch.nn.Parameter(torch.zeros(4, 3))
-    src = cls([torch.nn.Parameter(torch.zeros(3, 4))], lr=1e-3)
-    src.param_groups[0]["params"][0].grad = torch.randn(3, 4)
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_momentum_of_another_shape_is_refused_at_load(cls, which):
+    """Same element count, other shape (the first or a later parameter): refused before anything is
+    loaded (the kernels would read it in the wrong order and step silently wrong)."""
+    shapes = [(5,), (5,)]
+    shapes[which] = (3, 4)
+    src_p = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    src = cls(src_p, lr=1e-3)
+    for q in src_p:
+        q.grad = torch.randn(q.shape)
     src.step()
-    opt = cls([p], lr=1e-3)
-    with pytest.raises(LionCubConfigError, match=r"shape \(3, 4\), the parameter \(4, 3\).*no state was changed"):
+    shapes[which] = (4, 3)
+    opt = cls([torch.nn.Parameter(torch.zeros(s)) for s in shapes], lr=1e-3)
+    with pytest.raises(LionCubConfigError, match=rf"parameter #{which} has shape \(3, 4\), the parameter \(4, 3\)"
+                                                 r".*no state was changed"):
         opt.load_state_dict(src.state_dict())
     assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_group_with_lr_zero_is_accepted_as_torch_does(cls):
+    """A frozen subset ({"lr": 0}), or a group added while a warm-up scheduler holds lr at 0."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = cls([{"params": [a]}, {"params": [b], "lr": 0.0}], lr=1e-2)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(4))], "lr": 0.0})
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    opt.step()
+    assert torch.equal(b.detach(), torch.ones(2)) and not torch.equal(a.detach(), torch.ones(3))
 
 
 @pytest.mark.parametrize("cls", CLASSES)
