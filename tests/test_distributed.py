@@ -277,7 +277,7 @@ def test_momentum_sync_and_telemetry(n):
     # bucket [overflow, abstains], two per word (flags.flag_words);
     # allgather and 1bit carry them in their first phase (to every rank), the others all-reduce them
     words = 4 * flag_words(1, n)
-    assert flag_words(1, n) == 1 + (12 + 2 + 1) // 2  # 13 head entries (one a full word) + 2 per bucket
+    assert flag_words(1, n) == 1 + (36 + 2 + 1) // 2  # 37 head entries (one a full word) + 2 per bucket
     control = {comm: (n - 1) * words if comm in ("allgather", "1bit") else 2 * (n - 1) * words // n
                for comm in ("allgather", "1bit", "pbit", "int8")}
     assert all(control[c] == flag_bytes(1, n, c in ("allgather", "1bit")) for c in control)
