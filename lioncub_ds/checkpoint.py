@@ -265,9 +265,7 @@ def _check_shards(node, path):
     (the flat momenta are checked by _check_params; a NaN shard would skip every later step)."""
     if not isinstance(node, dict):
         return
-    numels = list(node.get("numels") or [])
-    # master-only sharding lists the sizes of its sharded buckets only, in the order of "masters"
-    size_of = dict(zip(node.get("masters") or [], numels)) if node.get("voters") == "rank" else dict(enumerate(numels))
+    size_of = shard_sizes(node)
     for kind in ("momentum", "master"):
         for i, t in (node.get(kind) or {}).items():
             want = size_of.get(int(i))
@@ -384,6 +382,16 @@ def _shard_pieces(members, numels, local_rank: int, size: int) -> list:
     return out
 
 
+def shard_sizes(node: dict) -> dict:
+    """{bucket index: elements of this rank's shard of it} of a node layout (``state_dict()["lioncub"]
+    ["node"]``): master-only sharding lists the sizes of its sharded buckets only, in the order of
+    ``masters``; node voters list every bucket's."""
+    numels = list(node.get("numels") or [])
+    if node.get("voters") == "rank":
+        return dict(zip(node.get("masters") or [], numels))
+    return dict(enumerate(numels))
+
+
 def state_map(lc: dict, rank: int, world: int, numels: list) -> StateMap:
     """The :class:`StateMap` of a rank's state from its layout (``state_dict()["lioncub"]`` or
     ``state_layout()``); ``numels``: the element count of every parameter (plain LionCub)."""
@@ -409,13 +417,11 @@ def state_map(lc: dict, rank: int, world: int, numels: list) -> StateMap:
                               "existed); resume with the layout they were saved with, save again, then change the "
                               "layout")
     size, k = node["node_size"], node["local_rank"]
-    keys = sorted(members)
+    keys, sizes = sorted(members), shard_sizes(node)
     if node["voters"] == "rank":  # master-only sharding: flat momenta, masters of the sharded buckets
-        sizes = dict(zip(keys, node["numels"]))
         master = [Holder(("master", i), sizes[i], _shard_pieces(members[i], numels, k, sizes[i])) for i in keys]
         return StateMap("master_only", world, rank, rank // size, flat, master)
-    shard = {i: Holder(("momentum", i), node["numels"][i], _shard_pieces(members[i], numels, k, node["numels"][i]))
-             for i in keys}
+    shard = {i: Holder(("momentum", i), sizes[i], _shard_pieces(members[i], numels, k, sizes[i])) for i in keys}
     master = [Holder(("master", i), h.numel, h.pieces) for i, h in shard.items() if i in node.get("masters", ())]
     return StateMap("node", node["voters"], rank // size, rank // size, list(shard.values()), master)
 

@@ -84,10 +84,13 @@ def parse_dtype(key, value):
     raise _err(key, value, "torch.float32 / 'fp32' or torch.bfloat16 / 'bf16'")
 
 
-def validate_common(*, lr, betas, weight_decay, momentum_dtype=torch.float32, foreach=None, owner="LionCub"):
-    """Checks shared by Lion and LionCub."""
-    if not _is_real(lr) or not lr > 0 or not math.isfinite(lr):
-        raise LionCubConfigError(f"{owner}: invalid lr={lr!r}; allowed: a finite number > 0")
+def validate_common(*, lr, betas, weight_decay, momentum_dtype=torch.float32, foreach=None, owner="LionCub",
+                    lr_zero_ok=False):
+    """Checks shared by Lion and LionCub. ``lr_zero_ok``: a param group's own lr, which may be 0
+    as in torch (a frozen subset, a warm-up scheduler's first value)."""
+    if not _is_real(lr) or not (lr >= 0 if lr_zero_ok else lr > 0) or not math.isfinite(lr):
+        allowed = "a finite number >= 0 (0: the group does not move)" if lr_zero_ok else "a finite number > 0"
+        raise LionCubConfigError(f"{owner}: invalid lr={lr!r}; allowed: {allowed}")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(_is_real(b) and 0.0 <= b < 1.0 for b in betas):
         raise LionCubConfigError(f"{owner}: invalid betas={betas!r}; allowed: two numbers (beta1, beta2), each 0 <= beta < 1")
     if not _is_real(weight_decay) or not weight_decay >= 0 or not math.isfinite(weight_decay):

@@ -9,13 +9,11 @@ backend (one pass over g, m, θ); the foreach and single-tensor paths are the pu
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.optim import Optimizer
 
 from . import kernels
-from .config import LionCubConfigError, _is_real, validate_common
+from .config import LionCubConfigError, validate_common
 from .kernels import reference
 
 __all__ = ["Lion", "lion"]
@@ -83,14 +81,9 @@ def check_param_group(param_group, owner, defaults=None, index=0):
         own = {k: param_group[k] for k in ("lr", "betas", "weight_decay") if k in param_group}
         if own:
             merged = {k: own.get(k, defaults[k]) for k in ("lr", "betas", "weight_decay")}
-            where = f"{owner} (param group #{index})"
-            lr = lr_value(merged["lr"], owner)
-            # a group's lr may be 0 (a frozen subset; a warm-up scheduler's first value), as in torch
-            if not _is_real(lr) or not math.isfinite(lr) or lr < 0:
-                raise LionCubConfigError(f"{where}: invalid lr={lr!r}; allowed: a finite number >= 0 (0: the "
-                                         "group does not move)")
-            validate_common(lr=lr if lr > 0 else 1.0, betas=merged["betas"], weight_decay=merged["weight_decay"],
-                            owner=where)
+            validate_common(lr=lr_value(merged["lr"], owner), betas=merged["betas"],
+                            weight_decay=merged["weight_decay"], owner=f"{owner} (param group #{index})",
+                            lr_zero_ok=True)
     for i, p in enumerate(params):
         if isinstance(p, tuple) and len(p) == 2:
             p = p[1]
