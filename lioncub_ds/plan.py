@@ -97,21 +97,23 @@ def master_only_update_bytes(wp: int, node_size: int) -> float:
     return 20 + (8 + 4 + wp) / node_size + 2 * wp
 
 
-def node_voter_workspace_bytes(total: int, wg: int, wp: int, node_size: int, mixed: bool) -> int:
+def node_voter_workspace_bytes(buckets: wire.Runs, wg: int, wp: int, node_size: int, mixed: bool) -> int:
     """Bytes of the buffers node voters keep from one step to the next (``sharding.NodeVoters``'s
-    :class:`~lioncub_ds.sharding.Workspace`), for full buckets of ``total`` padded elements: per
-    bucket the group's send and receive buffers (the full bucket in the gradients' dtype, ``send``
-    and ``received``), the fp32 gradient shard (``grad``, 1/L), for fp32 parameters the fp32
-    parameter shard (``work``, 1/L; bf16/fp16 ones step their persistent master instead) and the
-    all-gather's receive buffer (the full bucket in the parameters' dtype, ``gathered``)."""
-    shard = total // node_size
-    return 2 * wg * total + wp * total + 4 * shard + (0 if mixed else 4 * shard)
+    :class:`~lioncub_ds.sharding.Workspace`), for full buckets of these padded sizes (runs, in
+    layout order): rings of ``wire.WINDOW`` bucket-sized slots for the group's send and receive
+    buffers (in the gradients' dtype, taken in launch order: last bucket first) and for the
+    all-gather's receive buffers (in the parameters' dtype, in layout order); per bucket the fp32
+    gradient shard (``grad``, 1/L) and for fp32 parameters the fp32 parameter shard (``work``,
+    1/L; bf16/fp16 ones step their persistent master instead)."""
+    shard = wire.total(buckets) // node_size
+    rings = 2 * wg * sum(wire.ring_slot_numels(buckets[::-1])) + wp * sum(wire.ring_slot_numels(buckets))
+    return rings + 4 * shard + (0 if mixed else 4 * shard)
 
 
-def master_only_workspace_bytes(total: int, wp: int) -> int:
+def master_only_workspace_bytes(buckets: wire.Runs, wp: int) -> int:
     """Master-only sharding's kept buffers (``sharding.MasterOnly``'s Workspace): the all-gather's
-    receive buffer of every sharded (bf16/fp16) bucket, in the parameters' dtype."""
-    return wp * total
+    ring of ``wire.WINDOW`` bucket-sized receive buffers, in the parameters' dtype."""
+    return wp * sum(wire.ring_slot_numels(buckets))
 
 
 class PlanInputError(ValueError):
@@ -686,13 +688,13 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
                                    sum(c * ring_bytes("all_gather", wp * numel, L) for numel, c in buckets),
                                    top.group("node"), "intra_node", count=wire.count(buckets)))
             state["master"] = 4 * total // L
-            state["workspace"] = master_only_workspace_bytes(total, wp)
+            state["workspace"] = master_only_workspace_bytes(buckets, wp)
             master_holder = "LionCub (1/L shard)"
         elif not mixed:
             notes.append("fp32 parameters have no master: the same as flat")
         config = _lioncub_config(work, {"node_size": L}, sync_every)
         if mixed and L > 1:
-            notes.append(f"workspace: LionCub's all-gather receive buffers ({wp} B x the padded parameters), kept "
+            notes.append(f"workspace: LionCub's all-gather receive buffers ({wire.WINDOW} buckets in turn), kept "
                          "from step to step")
     elif name == "lioncub_node_voters_sync20":
         nn = top.dp_nodes
@@ -713,11 +715,11 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
         if L == 1:
             notes.append("one data-parallel rank per node: node voters are flat voting")
         else:
-            state["workspace"] = node_voter_workspace_bytes(total, wg, wp, L, mixed)
-            shards = "the fp32 gradient shard" + ("" if mixed else " and parameter shard")
-            notes.append(f"workspace: LionCub's step buffers (the group's send and receive buffers, {shards}, the "
-                         "all-gather's receive buffer), kept from step to step; under Megatron (its flags) the "
-                         "distributed optimizer's own buffers take their place")
+            state["workspace"] = node_voter_workspace_bytes(buckets, wg, wp, L, mixed)
+            shards = "fp32 gradient shards" + ("" if mixed else " and parameter shards")
+            notes.append(f"workspace: LionCub's step buffers (the group's send, receive and all-gather buffers, "
+                         f"{wire.WINDOW} buckets in turn; {shards} of 1/L), kept from step to step; under Megatron "
+                         "(its flags) the distributed optimizer's own buffers take their place")
     else:
         raise _err("strategy", name, ", ".join(STRATEGIES))
     sync = f" + {SYNC_DTYPE} momentum sync every {sync_every}" if sync_every else ", no momentum sync"
@@ -1144,14 +1146,15 @@ def _wrap(text: str, indent: str = "", more: str = "    ") -> list[str]:
 
 
 def _seconds(t: float) -> str:
-    return f"{t:.3f}" if t < 1e5 else f"{t:.3g}"
+    return f"{t:.3f}" if t < 1e4 else f"{t:.3g}"
 
 
 def _bytes(n: float) -> str:
     """Bytes in decimal units, as the rates are (GB/s, Gbit/s): 1 GB = 10^9 bytes."""
     for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12), ("PB", 1e15)):
         if abs(n) < 1000 * scale or unit == "PB":
-            return f"{n:.0f} B" if abs(n) < 1000 else f"{n / scale:.1f} {unit}"
+            v = n / scale
+            return f"{n:.0f} B" if abs(n) < 1000 else f"{v:.1f} {unit}" if abs(v) < 100 else f"{v:.0f} {unit}"
 
 
 def _rate(x: float) -> str:

@@ -191,17 +191,43 @@ def reconcile_master(flat, pieces) -> None:
         master.copy_(torch.where(master.to(value.dtype) == value, master, value.to(master.dtype)))
 
 
+def padding_of(bucket: Bucket) -> list[tuple[int, int]]:
+    """The [start, end) ranges of ``bucket`` that no parameter covers (after each 8-aligned
+    parameter, and the tail up to the padded size)."""
+    gaps, at = [], 0
+    for p, off in sorted(zip(bucket.params, bucket.offsets), key=lambda x: x[1]):
+        if off > at:
+            gaps.append((at, off))
+        at = max(at, off + p.numel())
+    if bucket.numel > at:
+        gaps.append((at, bucket.numel))
+    return gaps
+
+
 def gather_into_params(coll, buckets, shards, workspace=None) -> None:
     """All-gather every bucket's shard inside the group (in the parameters' dtype) and copy the
-    whole bucket into its parameters. ``workspace``: a :class:`Workspace` to receive into."""
-    pending = [coll.all_gather(flat.to(b.params[0].dtype), "node_all_gather", async_op=True,
-                               out=None if workspace is None else
-                               workspace.get("gathered", i, b.numel, b.params[0].dtype, flat.device))
-               for i, (b, flat) in enumerate(zip(buckets, shards))]
-    for b, pend in zip(buckets, pending):
+    whole bucket into its parameters. ``workspace``: a :class:`Workspace` whose ring to receive
+    into: at most its window of all-gathers is in flight (a slot is copied out before the bucket
+    after the window takes it), so the receive buffers are a window of buckets, not the model."""
+    capacity = ring_capacity(buckets, workspace.window) if workspace is not None else None
+    pending: list = []
+
+    def land():
+        b, pend = pending.pop(0)
         full = pend.wait().reshape(-1)
         for p, off in zip(b.params, b.offsets):
             p.detach().copy_(full[off:off + p.numel()].view_as(p))
+
+    for i, (b, flat) in enumerate(zip(buckets, shards)):
+        out = None
+        if workspace is not None:
+            if len(pending) >= workspace.window:
+                land()
+            out = workspace.ring("gathered", i, i, b.numel, b.params[0].dtype, flat.device,
+                                 capacity[i % workspace.window])[0]  # written whole: padding not read
+        pending.append((b, coll.all_gather(flat.to(b.params[0].dtype), "node_all_gather", async_op=True, out=out)))
+    while pending:
+        land()
 
 
 def node_group_bytes(buckets: list[tuple[int, int, int]], node_size: int, ranks: int = 2) -> int:
@@ -412,16 +438,33 @@ def workspace_bytes(sharding) -> int:
     return 0 if ws is None else ws.nbytes()
 
 
-class Workspace:
-    """A step's bucket-sized buffers, kept from one step to the next. A fresh CPU buffer costs an
-    allocation and its first touch (~0.4 GB/s here against ~12 GB/s for a reused one: node voters
-    spent a third of their step on it, docs/planner.md); a GPU's caching allocator hides that, but
-    holds the same memory. A buffer is remade when its size, dtype or device changes. What a
-    buffer held at the last step is never read: its user writes all of it, or writes every
-    element but the padding, which nothing writes and stays zero from the buffer's creation."""
+# Whole-bucket step buffers (node voters' gradient send / receive buffers, the all-gather's receive
+# buffers) exist for this many buckets at once, reused in turn: the memory is WINDOW buckets, not
+# the model (a 7B model in bf16 kept 42 GB of them per GPU). Four lets the group's collectives run
+# up to three buckets ahead of the local steps that consume them.
+WINDOW = 4
 
-    def __init__(self):
+
+class Workspace:
+    """A step's buffers, kept from one step to the next. A fresh CPU buffer costs an allocation
+    and its first touch (~0.4 GB/s here against ~12 GB/s for a reused one: node voters spent a
+    third of their step on it, docs/planner.md); a GPU's caching allocator hides that, but holds
+    the same memory.
+
+    * :meth:`get`: one buffer per (name, bucket), remade when its size, dtype or device changes.
+      What it held at the last step is never read: its user writes all of it, or every element
+      but the padding, which nothing writes and stays zero from the buffer's creation.
+    * :meth:`ring`: :data:`WINDOW` buffers per name, bucket-sized, shared in turn by the buckets
+      of a step (slot = the bucket's position in the step's order, modulo the window). Its user
+      frees a slot (waits for and reads what is in it) before the next bucket takes it, and, where
+      the padding is read, zeroes it when the slot held another bucket last (``ring`` says so):
+      node voters' reduce-scatter sends it, and a shard of padding only (a small bucket's) votes
+      on it, so what a skipped step's non-finite gradients left there would skip the next step."""
+
+    def __init__(self, window: int = WINDOW):
         self.bufs: dict = {}
+        self.window = window
+        self.owner: dict = {}  # ring slot -> the bucket that took it last
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.bufs.values())
@@ -434,6 +477,31 @@ class Workspace:
         elif zero:
             buf.zero_()
         return buf
+
+    def ring(self, name: str, position: int, bucket: int, numel: int, dtype, device,
+             capacity: int) -> tuple[torch.Tensor, bool]:
+        """(``numel`` elements of ``dtype`` in slot ``position % window`` of ``name``, whether
+        another bucket took the slot last): a buffer of ``capacity`` bytes (the largest bucket
+        that takes this slot, :func:`ring_capacity`: no slot is remade when buckets differ in
+        size), zeroed when made."""
+        key = (name, position % self.window)
+        buf = self.bufs.get(key)
+        if buf is None or buf.numel() < capacity or buf.device != torch.device(device):
+            buf = self.bufs[key] = torch.zeros(capacity, dtype=torch.uint8, device=device)
+            self.owner[key] = bucket
+        other = self.owner[key] != bucket
+        self.owner[key] = bucket
+        return buf[:numel * dtype.itemsize].view(dtype), other
+
+
+def ring_capacity(buckets, window: int = WINDOW) -> list[int]:
+    """Bytes of each :meth:`Workspace.ring` slot for these buckets in the order they take the
+    slots: slot s holds the largest of the buckets at positions s, s + window, ... (in its
+    parameters' dtype). With no more buckets than slots, each slot is its one bucket's size."""
+    out = [0] * window
+    for k, b in enumerate(buckets):
+        out[k % window] = max(out[k % window], b.numel * b.params[0].element_size())
+    return out
 
 
 class _MasterShardsMixin:
@@ -547,6 +615,8 @@ class NodeVoters(_MasterShardsMixin):
         # (launch_order; last buckets first, as backward produces them)
         self.order = list(reversed(range(len(self.full))))
         self.workspace = Workspace()  # the buffers behind grads, work and the group's collectives
+        self.capacity = ring_capacity([self.full[i] for i in self.order])  # bytes of each send / receive slot
+        self.padding = [padding_of(fb) for fb in self.full]  # zeroed in a send slot that changes hands
         self.abandon()
 
     def low_precision(self, i: int) -> bool:
@@ -578,8 +648,13 @@ class NodeVoters(_MasterShardsMixin):
     # that order is in flight too (one bucket behind: the wait finds it done or nearly, and on a
     # GPU it only orders the stream), or at step(). Each group's collectives thus come in one
     # order on every rank, whatever the timing, and the sums are the same as without overlap.
+    # The send and receive buffers are a ring of WINDOW bucket-sized slots (Workspace.ring): a
+    # bucket's reduce-scatter takes the slot of the bucket WINDOW positions before it, once that
+    # one's rows are summed into its ḡ. In backward the local steps run one bucket behind, so the
+    # slot is free already; in step() begin() fills the window and each ḡ made issues the next.
     def launch_order(self, order) -> None:
         self.order = list(order)
+        self.capacity = ring_capacity([self.full[i] for i in self.order])
 
     def take(self, i: int) -> list:
         """Bucket ``i``'s gradients are all there: issue the reduce-scatters of every bucket whose
@@ -601,26 +676,39 @@ class NodeVoters(_MasterShardsMixin):
         return [v for v in self.versions if v is not None]
 
     def begin(self, watch: bool = False) -> None:
-        """Issue the reduce-scatter of every bucket not issued yet (in the launch order); ``watch``:
+        """Every bucket's gradients are there: issue reduce-scatters (in the launch order) while
+        the window has a free slot; :meth:`inputs` issues the rest as it frees slots. ``watch``:
         before step() (prepare_step()), so a later edit of those gradients is caught (GradRead)."""
         for i in self.order:
             self.complete[i] = True
-        self._issue(watch)
+        self.watch = watch
+        self._issue(watch, wait=False)
 
-    def _issue(self, watch: bool = True) -> list:
+    def _issue(self, watch: bool = True, wait: bool = True, until: int | None = None) -> list:
+        """Issue the reduce-scatters whose turn has come, in the launch order (up to bucket
+        ``until``). A bucket's slot still held by an earlier bucket's unsummed rows: ``wait``
+        sums them first (:meth:`_sum`), else the issue stops there. Returns the buckets whose
+        successor in the order is now issued."""
         out = []
         while self.issued < len(self.order) and self.complete[self.order[self.issued]]:
-            self._reduce_scatter(self.order[self.issued], watch)
+            held = self.held[self.issued % self.workspace.window]
+            if held is not None:
+                if not wait:
+                    break
+                self._sum(held)
+            i = self.order[self.issued]
+            self._reduce_scatter(i, self.issued, watch)
             if self.issued > 0:
                 out.append(self.order[self.issued - 1])
             self.issued += 1
+            if i == until:
+                break
         return out
 
-    def _reduce_scatter(self, i: int, watch: bool) -> None:
+    def _reduce_scatter(self, i: int, position: int, watch: bool) -> None:
         """Send bucket ``i``'s gradients to their shards' owners in the group (an all_to_all in the
-        gradients' dtype). A rank whose gradients are unusable sends zeros (the flags make every
-        rank refuse the step). Its buffers are bucket ``i``'s in the workspace: the previous
-        step's (or a drained vote's) reduce-scatter of the bucket is done (:meth:`abandon`)."""
+        gradients' dtype), through ring slot ``position`` (its place in the launch order). A rank
+        whose gradients are unusable sends zeros (the flags make every rank refuse the step)."""
         fb, ws = self.full[i], self.workspace
         problem = self.problems[i] = grad_problem(fb)
         # indices (in the full bucket) of the parameters without a gradient on this rank: the
@@ -629,32 +717,50 @@ class NodeVoters(_MasterShardsMixin):
         self.versions[i] = GradRead(fb.params, self.device, watch)  # what was read (a later change: vote again)
         # the gradients travel in their own dtype (torch keeps p.grad in p's dtype, the same on
         # every rank): bf16 halves the group's bytes, and the fp32 sum below is the same
-        # (every parameter's slot is written below, the padding stays zero from the start)
-        flat = ws.get("send", i, fb.numel, fb.params[0].dtype, self.device, zero=problem is not None)
-        if problem is None:
+        # (every parameter's slot is written below; the padding is zeroed when the slot held
+        # another bucket last: a shard of padding only votes on it, see Workspace)
+        dtype, cap = fb.params[0].dtype, self.capacity[position % ws.window]
+        flat, other = ws.ring("send", position, i, fb.numel, dtype, self.device, cap)
+        if problem is not None:
+            flat.zero_()
+        else:
             for p, off in zip(fb.params, fb.offsets):
                 slot = flat[off:off + p.numel()]
                 slot.copy_(p.grad.reshape(-1)) if p.grad is not None else slot.zero_()
-        rows = ws.get("received", i, fb.numel, fb.params[0].dtype, self.device).view(self.size, -1)
+            if other:
+                for a, b in self.padding[i]:
+                    flat[a:b].zero_()
+        rows = ws.ring("received", position, i, fb.numel, dtype, self.device, cap)[0].view(self.size, -1)
+        self.held[position % ws.window] = i
         self.rs[i] = self.node_coll.all_to_all(flat.view(self.size, -1), "node_reduce_scatter", async_op=True,
                                                out=rows)
+
+    def _sum(self, i: int) -> None:
+        """ḡ of bucket ``i``: the L rows its reduce-scatter brought, summed in fp32 in local-rank
+        order and divided by L; frees its ring slot."""
+        rows = self.rs[i].wait()
+        acc = self.workspace.get("grad", i, rows.shape[1], torch.float32, self.device).copy_(rows[0])
+        for row in rows[1:]:  # local-rank order: the documented sum, in fp32
+            acc.add_(row.to(torch.float32))
+        acc.div_(self.size)
+        self.grads[i] = acc
+        self.held[self.held.index(i)] = None
 
     def inputs(self, i: int):
         """Views of ḡ and of the momentum shard, piece by piece; the parameters without a gradient
         here and the problem index the full bucket. ḡ: the L rows the reduce-scatter brought,
         summed in fp32 in local-rank order and divided by L; the shard bucket's parameters become
         views of its work buffer."""
-        if self.rs[i] is None:  # read before step() (prepare_step): watched
+        if not self.complete[i]:  # read before step() (prepare_step): watched
             self.begin(watch=True)
-        if self.grads[i] is None:
-            rows = self.rs[i].wait()
-            acc = self.workspace.get("grad", i, rows.shape[1], torch.float32, self.device).copy_(rows[0])
-            for row in rows[1:]:  # local-rank order: the documented sum, in fp32
-                acc.add_(row.to(torch.float32))
-            acc.div_(self.size)
-            self.grads[i] = acc
+        if self.rs[i] is None:  # begin() filled the window before bucket i's turn
+            self._issue(self.watch, until=i)
+        if self.work[i] is None:
+            if self.grads[i] is None:  # (else summed already, to free its slot for a later bucket)
+                self._sum(i)
             self.work[i] = self._work(i)
             self.buckets[i].params = self._views(self.work[i], self.pieces[i])
+            self._issue(self.watch, wait=False)  # the freed slot takes the next bucket
         return (self._views(self.grads[i], self.pieces[i]), self._views(self._momentum(i), self.pieces[i]),
                 self.missing[i], self.problems[i])
 
@@ -746,6 +852,10 @@ class NodeVoters(_MasterShardsMixin):
         self.missing: list = [()] * n  # per bucket: this step's parameters without a gradient on this rank
         self.problems: list = [None] * n
         self.grads: list = [None] * n  # this step's ḡ shard per bucket
+        self.held: list = [None] * self.workspace.window  # per ring slot: the bucket whose rows are unsummed
+        # the reduce-scatters inputs() issues read the gradients before step() (watched) until
+        # begin() says otherwise (its own watch)
+        self.watch = True
         self.work: list = [None] * n   # this step's fp32 parameter shard per bucket (the master, or a buffer)
         for sb in self.buckets:
             sb.params = []

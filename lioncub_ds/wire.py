@@ -22,6 +22,7 @@ FLAG_HEAD = 37
 PACKED_BELOW = 2 ** 15
 WORD = 4                     # lioncub_ds.comm.abstain.WORD: bytes of one int32 list word
 COMM_BUCKET_MB = 4.0         # LionCubConfig.comm_bucket_mb's default
+WINDOW = 4                   # lioncub_ds.sharding.WINDOW: buckets whose whole-bucket step buffers exist at once
 
 
 def add_run(runs: Runs, size: int, count: int = 1) -> Runs:
@@ -98,6 +99,18 @@ def bucket_runs(numels: Runs, bucket_size_mb: float, world_size: int) -> Runs:
     out: Runs = []
     for size, c in pack(aligned, bucket_numel(bucket_size_mb)):
         add_run(out, padded_numel(size, world_size), c)
+    return out
+
+
+def ring_slot_numels(sizes: Runs, window: int = WINDOW) -> list[int]:
+    """:func:`lioncub_ds.sharding.ring_capacity` in elements: slot s of a ring of ``window``
+    buffers holds the largest of the items at positions s, s + window, ... of ``sizes`` (runs in
+    the order the items take the slots)."""
+    out, at = [0] * window, 0
+    for size, c in sizes:
+        for k in range(min(c, window)):
+            out[(at + k) % window] = max(out[(at + k) % window], size)
+        at += c
     return out
 
 

@@ -370,3 +370,64 @@ def test_a_parameter_without_a_gradient_on_any_rank_keeps_value_momentum_and_mas
         assert res[r]["idle_kept"], r
         assert all(res[r]["late_as_lion"]), (r, res[r]["late_as_lion"])
         assert res[r]["replicas"], r
+
+
+# Parameters of odd sizes; with a tiny bucket_size_mb each is a bucket of its own: more buckets
+# than the ring of whole-bucket step buffers has slots (sharding.WINDOW), of different sizes, so
+# slots change hands (a 1-element parameter's bucket has a shard of padding only, which its local
+# step reads: it must be zero, whatever the slot's last bucket left there).
+RING_SIZES = (37, 5, 61, 3, 29, 17, 8, 91, 1, 44, 13)
+
+
+def _many_buckets_vs_one(rank, world_size, dtype):
+    import logging
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("lioncub_ds").addHandler(handler)
+    out = {}
+    for mb in (1e-6, 1.0):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in RING_SIZES]
+        opt = LionCub(params, lr=LR, betas=BETAS, weight_decay=WD, comm="1bit", voters="node", node_size=2,
+                      bucket_size_mb=mb)
+        for step in range(1, 5):
+            gen = torch.Generator().manual_seed(100 * rank + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            if step == 2 and rank == 1:  # skipped on every rank; the next steps go on
+                for p in params:
+                    p.grad.fill_(float("inf"))  # as a loss of inf gives
+            opt.step()
+        out[mb] = {"params": [p.detach().clone() for p in params], "workspace": opt.state_bytes()["workspace"],
+                   "full": [b.numel for b in opt.plan.sharding.full], "shard": [b.numel for b in opt.plan.buckets],
+                   "steps": opt.step_count, "skipped": [w for w in warnings if "non-finite" in w]}
+        warnings.clear()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_ring_of_step_buffers_changes_no_bit_and_bounds_their_memory(dtype):
+    """Eleven buckets through four slots equal one bucket bit for bit (so do all ranks), and the
+    buffers kept between steps are at most a window of the largest bucket, not the model."""
+    from lioncub_ds.sharding import WINDOW
+
+    res = run_ranks(_many_buckets_vs_one, 4, dtype, timeout=300, env=ENV)
+    elt = dtype.itemsize
+    for r in range(4):
+        many, one = res[r][1e-6], res[r][1.0]
+        assert len(many["full"]) == len(RING_SIZES) > WINDOW and len(one["full"]) == 1
+        # only step 2 is skipped: a bucket whose shard is all padding (a 1-element parameter's)
+        # reads zeros there, not what the slot's last bucket left (the skipped step's infs)
+        for run in (many, one):
+            assert run["steps"] == 3 and len(run["skipped"]) == 1, run["skipped"]
+            assert f"at step 2 (non-finite values in all: {sum(RING_SIZES)})" in run["skipped"][0], run["skipped"]
+        for k, (a, b) in enumerate(zip(many["params"], one["params"])):
+            assert torch.equal(a, b), f"rank {r} param {k}: {(a.float() - b.float()).abs().max()}"
+            assert torch.equal(a, res[0][1e-6]["params"][k])
+        shard = 4 * sum(many["shard"]) * (2 if dtype == torch.float32 else 1)  # ḡ shards (+ fp32 work shards)
+        rings = many["workspace"] - shard
+        # send, receive and all-gather slots: at most the WINDOW largest buckets, each in the dtype
+        assert 0 < rings <= 3 * elt * sum(sorted(many["full"])[-WINDOW:]), many
+        assert rings < 3 * elt * sum(many["full"]), many  # whole-bucket buffers: every bucket

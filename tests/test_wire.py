@@ -16,7 +16,7 @@ from lioncub_ds.conventions import padded_numel
 from lioncub_ds.flags import FLAG_HEAD, PACKED_BELOW, flag_bytes, flag_words
 from lioncub_ds.layout import assign_algorithms, build_buckets, comm_batches
 from lioncub_ds.momentum_sync import sync_bytes, sync_chunks, sync_wire_bytes
-from lioncub_ds.sharding import node_group_bytes
+from lioncub_ds.sharding import WINDOW, node_group_bytes, ring_capacity
 
 pytestmark = pytest.mark.unit
 
@@ -40,6 +40,7 @@ def _expand(runs):
 def test_the_constants_are_the_runtimes():
     assert (wire.FLAG_HEAD, wire.PACKED_BELOW, wire.WORD) == (FLAG_HEAD, PACKED_BELOW, abstain.WORD)
     assert wire.COMM_BUCKET_MB == LionCubConfig().comm_bucket_mb
+    assert wire.WINDOW == WINDOW
     for mb in (1e-3, 0.1, 1, 4.5, 25, 100):
         assert wire.bucket_numel(mb) == LionCubConfig(bucket_size_mb=mb).bucket_numel
     for n in (1, 7, 8, 9, 1000, 10**15 + 3):
@@ -59,6 +60,22 @@ def test_buckets_and_batches_are_the_layouts(seed):
     runs = wire.bucket_runs(wire.runs_of(sizes), mb, world)
     assert _expand(runs) == [b.numel for b in buckets]
     assert wire.batch_count(runs) == len(comm_batches(buckets, cfg.comm_bucket_mb, world))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ring_slots_are_the_runtimes(seed):
+    """The ring of whole-bucket step buffers (node voters, master-only sharding): slot sizes over
+    the buckets in either order the runtime takes them, with fewer and more buckets than slots."""
+    rng = random.Random(200 + seed)
+    sizes = _sizes(seed)
+    mb, world = rng.choice([0.01, 0.1, 1.0, 25.0]), rng.choice((1, 2, 8))
+    params = [torch.empty(n, device="meta", dtype=torch.bfloat16, requires_grad=True) for n in sizes]
+    buckets, _ = build_buckets([{"params": params}], LionCubConfig(bucket_size_mb=mb).bucket_numel, world)
+    runs = wire.bucket_runs(wire.runs_of(sizes), mb, world)
+    for order in (buckets, buckets[::-1]):
+        want = ring_capacity(order)
+        got = wire.ring_slot_numels(runs if order is buckets else runs[::-1])
+        assert [2 * n for n in got] == want, (len(buckets), got, want)
 
 
 @pytest.mark.parametrize("seed", range(12))
