@@ -529,6 +529,10 @@ def main():
             dict(base, fp16={"enabled": True, "initial_scale_power": 10, "loss_scale_window": 100},
                  optimizer=lioncub(comm="allgather")),
             rank, args, steps=6, inject=(2, 1, float("inf"))),
+        # a finite bf16 gradient whose square overflows the wrapper's fp32 norm, on one rank only
+        "bf16_stage0_huge_grad": lambda: run_scenario(
+            "bf16_stage0_huge_grad", dict(base, bf16={"enabled": True}, optimizer=lioncub(comm="1bit", timeout_s=120)),
+            rank, args, steps=5, inject=(2, 1, 1e20)),
         "fp32_nan_stage0": lambda: run_scenario(
             "fp32_nan_stage0", dict(base, optimizer=lioncub()), rank, args, steps=5, inject=(2, 1, float("nan"))),
         "zero1_fp32_sign": lambda: run_scenario(

@@ -255,6 +255,20 @@ def test_stage0_fp16_overflow_on_one_rank_skips_on_all(runs):
 
 
 @deepspeed_missing
+def test_stage0_bf16_norm_overflow_on_one_rank_skips_on_all(runs):
+    """DeepSpeed's bf16 / fp16 wrapper skips a step by its own rank's gradient norm after the
+    overflow check it agrees on: a finite bf16 gradient of 1e20 on one rank overflows that rank's
+    fp32 norm only. The skip is agreed over the data-parallel group: every rank skips that step."""
+    a, b = _scenario(runs, "bf16_stage0_huge_grad")
+    assert a["params"] == b["params"], "parameters differ across ranks"
+    assert [t["skipped"] for t in a["trace"]] == [t["skipped"] for t in b["trace"]]
+    for r in (a, b):
+        assert r["engine_optimizer"] == "FP16_UnfusedOptimizer"
+        assert r["skipped_steps"] == 1 and r["lioncub_step_count"] == 4, (r["skipped_steps"], r["lioncub_step_count"])
+        assert r["trace"][2]["max_change"] == 0.0
+
+
+@deepspeed_missing
 def test_stage0_fp32_nonfinite_on_one_rank_skips_on_all(runs):
     a, b = _scenario(runs, "fp32_nan_stage0")
     _common_ok(a, b, min_drop=0.02)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextvars
 import math
 import numbers
 import types
@@ -72,6 +73,8 @@ _SINGLETON_GROUP = {}
 # the vote group it built for it, and its step count before the engine's step (overflow report).
 _BUILT_GROUP = weakref.WeakKeyDictionary()
 _STEPS_BEFORE = weakref.WeakKeyDictionary()
+# (group, device) while a stage-0 fp16/bf16 wrapper around LionCub steps (_agree_invalid_norm)
+_AGREE_NORM_OVER = contextvars.ContextVar("lioncub_agree_norm_over", default=None)
 # Optimizers that hold the singleton group: released at exit (process-lifetime resource, not options).
 _SINGLETON_USERS: "weakref.WeakSet" = weakref.WeakSet()
 _registered = False
@@ -543,6 +546,8 @@ def wire(engine) -> EngineState:
                 raise LionCubDeepSpeedError(f"LionCub: cannot vote over the engine's data-parallel group: {exc}; "
                                             "pass an optimizer that has not stepped yet") from exc
         engine.clip_fp32_gradients = types.MethodType(clip_local_gradients, engine)
+        if engine.optimizer is not opt and group is not None:
+            _agree_invalid_norm(engine.optimizer, group)
         if engine.optimizer is opt:
             _report_skips_as_overflow(opt)
             if engine.bfloat16_enabled() or engine.fp16_enabled():
@@ -584,6 +589,42 @@ def wire(engine) -> EngineState:
         # Which semantics were chosen (local-momentum votes or global Lion) changes what is trained.
         _compat.ds_logger().warning(state.summary())
     return state
+
+
+def _agree_invalid_norm(wrapper, group) -> None:
+    """Stage 0 under DeepSpeed's fp16 / bf16 wrapper (FP16_UnfusedOptimizer): after the overflow
+    check, which it agrees over the group, the wrapper skips the step when ITS rank's gradient norm
+    is invalid; a finite bf16 gradient above ~1.8e19 overflows the fp32 norm on that rank alone,
+    which would skip while the others vote (their collectives then pair with its next step's).
+    While the wrapper steps, :func:`make_agreed_invalid_norm` makes that decision over ``group``."""
+    step = wrapper.step
+    device = next((p.device for g in getattr(wrapper, "fp16_groups", ()) for p in g), torch.device("cpu"))
+
+    def agreed_step(*args, **kwargs):
+        token = _AGREE_NORM_OVER.set((group, device))
+        try:
+            return step(*args, **kwargs)
+        finally:
+            _AGREE_NORM_OVER.reset(token)
+
+    wrapper.step = agreed_step
+
+
+def make_agreed_invalid_norm(orig):
+    """DeepSpeed's ``is_invalid_grad_norm`` as the fp16 / bf16 wrapper calls it: unchanged, except
+    inside a LionCub wrapper's step (:func:`_agree_invalid_norm`), where one rank's verdict is every
+    rank's (MAX over the group; every rank calls it once per step, right after the agreed overflow
+    check, so the collective matches)."""
+    def is_invalid_grad_norm(norm):
+        invalid = orig(norm)
+        over = _AGREE_NORM_OVER.get()
+        if over is None:
+            return invalid
+        group, device = over
+        flag = torch.tensor([int(bool(invalid))], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())  # the wrapper reads its own norm on the host right here anyway
+    return is_invalid_grad_norm
 
 
 def _report_skips_as_overflow(opt):
@@ -679,6 +720,7 @@ def register() -> None:
         import deepspeed  # noqa: F401
         _compat.check()  # every name patched or read below exists; warns outside the tested range
         from deepspeed.runtime import engine as ds_engine
+        from deepspeed.runtime.fp16 import unfused_optimizer
         from deepspeed.runtime.zero import stage_1_and_2
         from deepspeed.runtime.zero import utils as zero_utils
     except BaseException:
@@ -788,6 +830,7 @@ def register() -> None:
             zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
     from .zero import make_allgather_dispatch
     _patch(stage_1_and_2, "all_gather_dp_groups", make_allgather_dispatch)
+    _patch(unfused_optimizer, "is_invalid_grad_norm", make_agreed_invalid_norm)
 
 
 def _grad_accum_dtype(engine):
