@@ -102,12 +102,12 @@ def node_voter_workspace_bytes(buckets: wire.Runs, wg: int, wp: int, node_size: 
     :class:`~lioncub_ds.sharding.Workspace`), for full buckets of these padded sizes (runs, in
     layout order): rings of ``wire.WINDOW`` bucket-sized slots for the group's send and receive
     buffers (in the gradients' dtype, taken in launch order: last bucket first) and for the
-    all-gather's receive buffers (in the parameters' dtype, in layout order); per bucket the fp32
+    all-gather's receive buffers (in the parameters' dtype, in layout order: buckets k and
+    k + WINDOW share a slot either way, so the slots' sizes are the same); per bucket the fp32
     gradient shard (``grad``, 1/L) and for fp32 parameters the fp32 parameter shard (``work``,
     1/L; bf16/fp16 ones step their persistent master instead)."""
     shard = wire.total(buckets) // node_size
-    rings = 2 * wg * sum(wire.ring_slot_numels(buckets[::-1])) + wp * sum(wire.ring_slot_numels(buckets))
-    return rings + 4 * shard + (0 if mixed else 4 * shard)
+    return (2 * wg + wp) * sum(wire.ring_slot_numels(buckets)) + 4 * shard + (0 if mixed else 4 * shard)
 
 
 def master_only_workspace_bytes(buckets: wire.Runs, wp: int) -> int:

@@ -379,7 +379,7 @@ def test_a_parameter_without_a_gradient_on_any_rank_keeps_value_momentum_and_mas
 RING_SIZES = (37, 5, 61, 3, 29, 17, 8, 91, 1, 44, 13)
 
 
-def _many_buckets_vs_one(rank, world_size, dtype):
+def _many_buckets_vs_one(rank, world_size, dtype, kw, prepare):
     import logging
 
     warnings = []
@@ -390,8 +390,7 @@ def _many_buckets_vs_one(rank, world_size, dtype):
     for mb in (1e-6, 1.0):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in RING_SIZES]
-        opt = LionCub(params, lr=LR, betas=BETAS, weight_decay=WD, comm="1bit", voters="node", node_size=2,
-                      bucket_size_mb=mb)
+        opt = LionCub(params, lr=LR, betas=BETAS, weight_decay=WD, comm="1bit", bucket_size_mb=mb, **kw)
         for step in range(1, 5):
             gen = torch.Generator().manual_seed(100 * rank + step)
             for p in params:
@@ -399,22 +398,34 @@ def _many_buckets_vs_one(rank, world_size, dtype):
             if step == 2 and rank == 1:  # skipped on every rank; the next steps go on
                 for p in params:
                     p.grad.fill_(float("inf"))  # as a loss of inf gives
+            if prepare and step % 2:
+                opt.prepare_step()  # the votes start before step(): the window fills from here
             opt.step()
+        full = getattr(opt.plan.sharding, "full", opt.plan.buckets)  # (master-only: the buckets are full)
         out[mb] = {"params": [p.detach().clone() for p in params], "workspace": opt.state_bytes()["workspace"],
-                   "full": [b.numel for b in opt.plan.sharding.full], "shard": [b.numel for b in opt.plan.buckets],
+                   "full": [b.numel for b in full], "shard": [b.numel for b in opt.plan.buckets],
                    "steps": opt.step_count, "skipped": [w for w in warnings if "non-finite" in w]}
         warnings.clear()
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_ring_of_step_buffers_changes_no_bit_and_bounds_their_memory(dtype):
+RING_CASES = {"node-fp32": (torch.float32, {"voters": "node", "node_size": 2}, False),
+              "node-bf16-prepare_step": (torch.bfloat16, {"voters": "node", "node_size": 2}, True),
+              "master_only-bf16": (torch.bfloat16, {"node_size": 2}, False)}
+
+
+@pytest.mark.parametrize("case", list(RING_CASES))
+def test_the_ring_of_step_buffers_changes_no_bit_and_bounds_their_memory(case):
     """Eleven buckets through four slots equal one bucket bit for bit (so do all ranks), and the
-    buffers kept between steps are at most a window of the largest bucket, not the model."""
+    buffers kept between steps are at most a window of the largest buckets, not the model: node
+    voters (send, receive and all-gather rings; also with prepare_step() starting the votes) and
+    master-only sharding (its all-gather ring)."""
     from lioncub_ds.sharding import WINDOW
 
-    res = run_ranks(_many_buckets_vs_one, 4, dtype, timeout=300, env=ENV)
+    dtype, kw, prepare = RING_CASES[case]
+    res = run_ranks(_many_buckets_vs_one, 4, dtype, kw, prepare, timeout=300, env=ENV)
     elt = dtype.itemsize
+    rings_per_bucket = 3 if kw.get("voters") == "node" else 1  # master-only: the all-gather's only
     for r in range(4):
         many, one = res[r][1e-6], res[r][1.0]
         assert len(many["full"]) == len(RING_SIZES) > WINDOW and len(one["full"]) == 1
@@ -426,8 +437,10 @@ def test_the_ring_of_step_buffers_changes_no_bit_and_bounds_their_memory(dtype):
         for k, (a, b) in enumerate(zip(many["params"], one["params"])):
             assert torch.equal(a, b), f"rank {r} param {k}: {(a.float() - b.float()).abs().max()}"
             assert torch.equal(a, res[0][1e-6]["params"][k])
-        shard = 4 * sum(many["shard"]) * (2 if dtype == torch.float32 else 1)  # ḡ shards (+ fp32 work shards)
+        shard = 0
+        if kw.get("voters") == "node":
+            shard = 4 * sum(many["shard"]) * (2 if dtype == torch.float32 else 1)  # ḡ shards (+ fp32 work shards)
         rings = many["workspace"] - shard
-        # send, receive and all-gather slots: at most the WINDOW largest buckets, each in the dtype
-        assert 0 < rings <= 3 * elt * sum(sorted(many["full"])[-WINDOW:]), many
-        assert rings < 3 * elt * sum(many["full"]), many  # whole-bucket buffers: every bucket
+        # the ring slots: at most the WINDOW largest buckets, each in the parameters' dtype
+        assert 0 < rings <= rings_per_bucket * elt * sum(sorted(many["full"])[-WINDOW:]), many
+        assert rings < rings_per_bucket * elt * sum(many["full"]), many  # whole-bucket buffers: every bucket

@@ -148,6 +148,20 @@ def test_node_voter_buffers_and_vote_batches_equal_real_ranks(dtype):
                 assert c["count"] == r["batches"] == 2, (c, r["batches"])
 
 
+@pytest.mark.dist
+def test_ring_buffers_of_uneven_buckets_equal_real_ranks():
+    """More buckets than the ring has slots, of uneven sizes: each slot is as large as the largest
+    bucket that takes it (node voters' send, receive and all-gather rings; master-only's
+    all-gather ring), to the byte on real ranks."""
+    numels = (70_001, 1003, 77, 4099, 33_333, 9, 50_001, 26_000, 12_345, 3, 61_111)
+    for name in ("lioncub_node_voters_sync20", "lioncub_master_only"):
+        res = run_ranks(_train, 4, numels, torch.bfloat16, CASES[name][0], 1, BUCKET_MB, timeout=600)
+        row = _row(P.plan(*_spec(precision="bf16", numels=numels, bucket_mb=BUCKET_MB), strategies=(name,)), name)
+        assert P.wire.count(P.wire.bucket_runs(P.wire.runs_of(numels), BUCKET_MB, 4)) > P.wire.WINDOW
+        for r in res:
+            assert row["workspace_bytes_per_gpu"] == sum(r["workspace"].values()), (name, r["workspace"])
+
+
 # ----------------------------------------------------------------------------- formulas
 @pytest.mark.unit
 def test_baselines_are_their_collectives():
@@ -242,7 +256,8 @@ def test_node_voters_and_master_only_count_their_step_buffers():
         rings = st["workspace"] - shards
         assert 0 < rings <= 3 * wp * P.wire.WINDOW * largest, (rings, largest)
         mo = master_only["state_breakdown"]
-        mo_rings = master_only["model_state_bytes_per_gpu"] - (mo["params"] + mo["grads"] + mo["momentum"] + mo["master"])
+        mo_state = mo["params"] + mo["grads"] + mo["momentum"] + mo["master"]
+        mo_rings = master_only["model_state_bytes_per_gpu"] - mo_state
         assert (0 < mo_rings <= wp * P.wire.WINDOW * largest) if precision == "bf16" else mo_rings == 0
         for r in res["strategies"]:
             if r["name"] not in ("lioncub_node_voters_sync20", "lioncub_master_only"):

@@ -13,8 +13,9 @@ What is patched (class or module attributes, wrapped, originals kept as ``__wrap
   ``_configure_bf16_optimizer``;
 * ``deepspeed.runtime.zero.stage_1_and_2.all_gather_dp_groups`` (the name the ZeRO 1/2
   optimizer's ``step`` calls);
-* ``deepspeed.runtime.fp16.unfused_optimizer.is_invalid_grad_norm`` (the fp16 / bf16 wrapper's
-  own-norm skip at stage 0: agreed over the data-parallel group while it steps LionCub);
+* ``deepspeed.runtime.fp16.unfused_optimizer.is_invalid_grad_norm`` where it exists (the fp16 /
+  bf16 wrapper's own-norm skip at stage 0, which 0.19.8 has and 0.19.0–0.19.5 do not: agreed
+  over the data-parallel group while it steps LionCub);
 * ``deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS`` gains LionCub.
 
 Per engine (instance attributes): ``clip_fp32_gradients`` (stage 0: local clipping), the
@@ -61,7 +62,6 @@ MODULE_NAMES = (
     ("deepspeed.runtime.zero.utils", "ZERO_SUPPORTED_OPTIMIZERS"),
     ("deepspeed.runtime.zero.stage_1_and_2", "all_gather_dp_groups"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"),
-    ("deepspeed.runtime.fp16.unfused_optimizer", "is_invalid_grad_norm"),  # wrapped: the stage-0 skip, agreed
     ("deepspeed.utils", "logger"),
     ("deepspeed", "initialize"),           # wrapped: ZeRO-3 with votes sets the node-group mpu (zero3.py)
     ("deepspeed.utils.groups", "mpu"),     # restored after such an engine is built (a module global)

@@ -592,11 +592,12 @@ def wire(engine) -> EngineState:
 
 
 def _agree_invalid_norm(wrapper, group) -> None:
-    """Stage 0 under DeepSpeed's fp16 / bf16 wrapper (FP16_UnfusedOptimizer): after the overflow
-    check, which it agrees over the group, the wrapper skips the step when ITS rank's gradient norm
-    is invalid; a finite bf16 gradient above ~1.8e19 overflows the fp32 norm on that rank alone,
-    which would skip while the others vote (their collectives then pair with its next step's).
-    While the wrapper steps, :func:`make_agreed_invalid_norm` makes that decision over ``group``."""
+    """Stage 0 under DeepSpeed's fp16 / bf16 wrapper (FP16_UnfusedOptimizer): after its overflow
+    check, which it agrees over the data-parallel group, the wrapper skips the step when ITS
+    rank's gradient norm is invalid; a finite bf16 gradient above ~1.8e19 overflows the fp32 norm
+    on that rank alone, which would skip while the others vote (their collectives then pair with
+    its next step's). While the wrapper steps, :func:`make_agreed_invalid_norm` makes that
+    decision over ``group``."""
     step = wrapper.step
     device = next((p.device for g in getattr(wrapper, "fp16_groups", ()) for p in g), torch.device("cpu"))
 
@@ -830,7 +831,8 @@ def register() -> None:
             zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
     from .zero import make_allgather_dispatch
     _patch(stage_1_and_2, "all_gather_dp_groups", make_allgather_dispatch)
-    _patch(unfused_optimizer, "is_invalid_grad_norm", make_agreed_invalid_norm)
+    if hasattr(unfused_optimizer, "is_invalid_grad_norm"):  # (older 0.19 wrappers have no own-norm skip)
+        _patch(unfused_optimizer, "is_invalid_grad_norm", make_agreed_invalid_norm)
 
 
 def _grad_accum_dtype(engine):
