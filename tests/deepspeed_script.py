@@ -404,7 +404,7 @@ def node_local_missing_scenario(cfg, rank, tmp):
     return {"error": err, "unchanged": tensor_hash(list(engine.module.parameters())) == before}
 
 
-def sequence_parallel_scenario(cfg, rank, steps=3):
+def sequence_parallel_scenario(cfg, rank, steps=3, inject=None):
     """A Ulysses-style mpu (DeepSpeed's seam): both ranks are one replica (data-parallel size 1),
     sequence-parallel 2, each with its own chunk's gradient. DeepSpeed reduces over the
     sequence-data group; LionCub must vote over it too, or the replica's ranks drift apart."""
@@ -434,8 +434,10 @@ def sequence_parallel_scenario(cfg, rank, steps=3):
         model = make_model(0)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                           mpu=SequenceParallelMPU())
-        train(engine, rank, steps)
-        return {"params": tensor_hash(list(engine.module.parameters())), "summary": engine.lioncub.summary()}
+        train(engine, rank, steps, inject=inject)
+        return {"params": tensor_hash(list(engine.module.parameters())), "summary": engine.lioncub.summary(),
+                "skipped_steps": int(engine.skipped_steps), "lioncub_step_count": engine.basic_optimizer.step_count,
+                "engine_optimizer": type(engine.optimizer).__name__}
     finally:
         ds_groups.mpu = before  # DeepSpeed keeps the last engine's mpu in a module global
 
@@ -576,6 +578,11 @@ def main():
             "device": "cpu"}}, optimizer=lioncub()), rank),
         # last: an mpu (DeepSpeed's module global is restored after it)
         "sequence_parallel_stage0": lambda: sequence_parallel_scenario(dict(base, optimizer=lioncub()), rank),
+        # bf16: DeepSpeed agrees its overflow check over its data- and model-parallel groups, which
+        # an inf on one sequence-parallel rank of the replica does not cross
+        "sequence_parallel_bf16_overflow": lambda: sequence_parallel_scenario(
+            dict(base, bf16={"enabled": True}, optimizer=lioncub(timeout_s=120)), rank, steps=3,
+            inject=(1, 1, float("inf"))),
     }
     play(scenarios, args.only, result)
     result["nccl_contract"] = NC.snapshot()

@@ -269,6 +269,18 @@ def test_stage0_bf16_norm_overflow_on_one_rank_skips_on_all(runs):
 
 
 @deepspeed_missing
+def test_stage0_bf16_overflow_on_one_sequence_parallel_rank_skips_on_both(runs):
+    """The two ranks of one replica (sequence-parallel 2) vote together; DeepSpeed's bf16 wrapper
+    agrees its overflow check over its data- and model-parallel groups (each rank alone here), so
+    the check is agreed over the vote group too: an inf on one rank skips the step on both."""
+    a, b = _scenario(runs, "sequence_parallel_bf16_overflow")
+    assert a["params"] == b["params"]
+    for r in (a, b):
+        assert r["engine_optimizer"] == "FP16_UnfusedOptimizer"
+        assert r["skipped_steps"] == 1 and r["lioncub_step_count"] == 2, (r["skipped_steps"], r["lioncub_step_count"])
+
+
+@deepspeed_missing
 def test_stage0_fp32_nonfinite_on_one_rank_skips_on_all(runs):
     a, b = _scenario(runs, "fp32_nan_stage0")
     _common_ok(a, b, min_drop=0.02)

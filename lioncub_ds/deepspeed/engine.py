@@ -73,7 +73,7 @@ _SINGLETON_GROUP = {}
 # the vote group it built for it, and its step count before the engine's step (overflow report).
 _BUILT_GROUP = weakref.WeakKeyDictionary()
 _STEPS_BEFORE = weakref.WeakKeyDictionary()
-# (group, device) while a stage-0 fp16/bf16 wrapper around LionCub steps (_agree_invalid_norm)
+# (group, device) while a stage-0 fp16/bf16 wrapper around LionCub steps (_agree_wrapper_skips)
 _AGREE_NORM_OVER = contextvars.ContextVar("lioncub_agree_norm_over", default=None)
 # Optimizers that hold the singleton group: released at exit (process-lifetime resource, not options).
 _SINGLETON_USERS: "weakref.WeakSet" = weakref.WeakSet()
@@ -547,7 +547,7 @@ def wire(engine) -> EngineState:
                                             "pass an optimizer that has not stepped yet") from exc
         engine.clip_fp32_gradients = types.MethodType(clip_local_gradients, engine)
         if engine.optimizer is not opt and group is not None:
-            _agree_invalid_norm(engine.optimizer, group)
+            _agree_wrapper_skips(engine.optimizer, group)
         if engine.optimizer is opt:
             _report_skips_as_overflow(opt)
             if engine.bfloat16_enabled() or engine.fp16_enabled():
@@ -591,13 +591,18 @@ def wire(engine) -> EngineState:
     return state
 
 
-def _agree_invalid_norm(wrapper, group) -> None:
-    """Stage 0 under DeepSpeed's fp16 / bf16 wrapper (FP16_UnfusedOptimizer): after its overflow
-    check, which it agrees over the data-parallel group, the wrapper skips the step when ITS
-    rank's gradient norm is invalid; a finite bf16 gradient above ~1.8e19 overflows the fp32 norm
-    on that rank alone, which would skip while the others vote (their collectives then pair with
-    its next step's). While the wrapper steps, :func:`make_agreed_invalid_norm` makes that
-    decision over ``group``."""
+def _agree_wrapper_skips(wrapper, group) -> None:
+    """Stage 0 under DeepSpeed's fp16 / bf16 wrapper (FP16_UnfusedOptimizer), which decides two
+    skips before it steps LionCub, both made here over LionCub's vote group ``group``:
+
+    * its overflow check (``overflow_checker.check``): DeepSpeed all-reduces it over its own
+      data-parallel and model-parallel groups, which are not the vote group under a sequence-
+      parallel mpu (Ulysses: the ranks of one replica vote together; an overflow on one of them
+      skipped there alone while the others voted);
+    * its own rank's gradient norm (:func:`make_agreed_invalid_norm`): a finite bf16 gradient
+      above ~1.8e19 overflows the fp32 norm on that rank alone.
+
+    A rank that skips while the others vote pairs its next step's collectives with their step's."""
     step = wrapper.step
     device = next((p.device for g in getattr(wrapper, "fp16_groups", ()) for p in g), torch.device("cpu"))
 
@@ -609,22 +614,32 @@ def _agree_invalid_norm(wrapper, group) -> None:
             _AGREE_NORM_OVER.reset(token)
 
     wrapper.step = agreed_step
+    checker = getattr(wrapper, "overflow_checker", None)
+    if checker is not None and callable(getattr(checker, "check", None)):
+        check = checker.check
+
+        def agreed_check(*args, **kwargs):
+            return _any_rank(check(*args, **kwargs), group, device)
+
+        checker.check = agreed_check
+
+
+def _any_rank(flag, group, device) -> bool:
+    """Whether ``flag`` holds on any rank of ``group`` (MAX; every rank calls it at the same point)."""
+    t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())  # the wrapper reads its own decision on the host right here anyway
 
 
 def make_agreed_invalid_norm(orig):
     """DeepSpeed's ``is_invalid_grad_norm`` as the fp16 / bf16 wrapper calls it: unchanged, except
-    inside a LionCub wrapper's step (:func:`_agree_invalid_norm`), where one rank's verdict is every
-    rank's (MAX over the group; every rank calls it once per step, right after the agreed overflow
-    check, so the collective matches)."""
+    inside a LionCub wrapper's step (:func:`_agree_wrapper_skips`), where one rank's verdict is every
+    rank's (every rank calls it once per step, right after the agreed overflow check, so the
+    collective matches)."""
     def is_invalid_grad_norm(norm):
         invalid = orig(norm)
         over = _AGREE_NORM_OVER.get()
-        if over is None:
-            return invalid
-        group, device = over
-        flag = torch.tensor([int(bool(invalid))], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())  # the wrapper reads its own norm on the host right here anyway
+        return invalid if over is None else _any_rank(invalid, *over)
     return is_invalid_grad_norm
 
 
