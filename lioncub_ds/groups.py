@@ -297,14 +297,15 @@ def consecutive_blocks(ranks: list[int], size: int) -> list[list[int]]:
     return [ranks[i:i + size] for i in range(0, len(ranks), size)]
 
 
-def world_max(values, device) -> list[int]:
-    """Element-wise MAX of small integers over every rank of the world (int64 on ``device``: the
-    parameters' device, NCCL takes no CPU tensor; every rank calls); the values themselves without
-    torch.distributed or with one rank. Decisions that every rank must take alike (raise or go on)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+def world_max(values, device, group=None) -> list[int]:
+    """Element-wise MAX of small integers over every rank of ``group`` (default: the world; int64
+    on ``device``: the parameters' device, NCCL takes no CPU tensor; every rank calls); the values
+    themselves without torch.distributed or with one rank. Decisions that every rank must take
+    alike (raise or go on, skip or step)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [int(v) for v in values]
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
 
 

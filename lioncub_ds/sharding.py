@@ -195,7 +195,7 @@ def padding_of(bucket: Bucket) -> list[tuple[int, int]]:
     """The [start, end) ranges of ``bucket`` that no parameter covers (after each 8-aligned
     parameter, and the tail up to the padded size)."""
     gaps, at = [], 0
-    for p, off in sorted(zip(bucket.params, bucket.offsets), key=lambda x: x[1]):
+    for p, off in zip(bucket.params, bucket.offsets):  # (offsets ascend: layout.build_buckets)
         if off > at:
             gaps.append((at, off))
         at = max(at, off + p.numel())
@@ -204,12 +204,12 @@ def padding_of(bucket: Bucket) -> list[tuple[int, int]]:
     return gaps
 
 
-def gather_into_params(coll, buckets, shards, workspace=None) -> None:
+def gather_into_params(coll, buckets, shards, workspace, capacity) -> None:
     """All-gather every bucket's shard inside the group (in the parameters' dtype) and copy the
-    whole bucket into its parameters. ``workspace``: a :class:`Workspace` whose ring to receive
-    into: at most its window of all-gathers is in flight (a slot is copied out before the bucket
-    after the window takes it), so the receive buffers are a window of buckets, not the model."""
-    capacity = ring_capacity(buckets, workspace.window) if workspace is not None else None
+    whole bucket into its parameters, receiving into ``workspace``'s ring (slot sizes
+    ``capacity``: :func:`ring_capacity` of ``buckets``): at most its window of all-gathers is in
+    flight (a slot is copied out before the bucket after the window takes it), so the receive
+    buffers are a window of buckets, not the model."""
     pending: list = []
 
     def land():
@@ -219,12 +219,10 @@ def gather_into_params(coll, buckets, shards, workspace=None) -> None:
             p.detach().copy_(full[off:off + p.numel()].view_as(p))
 
     for i, (b, flat) in enumerate(zip(buckets, shards)):
-        out = None
-        if workspace is not None:
-            if len(pending) >= workspace.window:
-                land()
-            out = workspace.ring("gathered", i, i, b.numel, b.params[0].dtype, flat.device,
-                                 capacity[i % workspace.window])[0]  # written whole: padding not read
+        if len(pending) >= workspace.window:
+            land()
+        out = workspace.ring("gathered", i, i, b.numel, b.params[0].dtype, flat.device,
+                             capacity[i % workspace.window])[0]  # written whole: padding not read
         pending.append((b, coll.all_gather(flat.to(b.params[0].dtype), "node_all_gather", async_op=True, out=out)))
     while pending:
         land()
@@ -535,6 +533,7 @@ class MasterOnly(_MasterShardsMixin, Flat):
         self.sharded = [i for i, b in enumerate(self.buckets) if b.params[0].dtype != torch.float32]
         self.pieces = {i: shard_pieces(self.buckets[i], self.size, self.local_rank) for i in self.sharded}
         self.workspace = Workspace()  # the all-gather's receive buffers, kept across steps
+        self.gather_capacity = ring_capacity([self.buckets[i] for i in self.sharded])
 
     def master(self, i: int) -> torch.Tensor:
         b = self.buckets[i]
@@ -572,7 +571,7 @@ class MasterOnly(_MasterShardsMixin, Flat):
 
     def finish(self) -> None:
         gather_into_params(self.node_coll, [self.buckets[i] for i in self.sharded],
-                           [self.master(i) for i in self.sharded], self.workspace)
+                           [self.master(i) for i in self.sharded], self.workspace, self.gather_capacity)
 
 
 class NodeVoters(_MasterShardsMixin):
@@ -613,9 +612,9 @@ class NodeVoters(_MasterShardsMixin):
         self.device = self.full[0].params[0].device if self.full else torch.device("cpu")
         # the order the group's reduce-scatters are issued in: the plan's vote launch order
         # (launch_order; last buckets first, as backward produces them)
-        self.order = list(reversed(range(len(self.full))))
+        self.launch_order(reversed(range(len(self.full))))
         self.workspace = Workspace()  # the buffers behind grads, work and the group's collectives
-        self.capacity = ring_capacity([self.full[i] for i in self.order])  # bytes of each send / receive slot
+        self.gather_capacity = ring_capacity(self.full)  # the all-gather's slots (layout order)
         self.padding = [padding_of(fb) for fb in self.full]  # zeroed in a send slot that changes hands
         self.abandon()
 
@@ -654,7 +653,7 @@ class NodeVoters(_MasterShardsMixin):
     # slot is free already; in step() begin() fills the window and each ḡ made issues the next.
     def launch_order(self, order) -> None:
         self.order = list(order)
-        self.capacity = ring_capacity([self.full[i] for i in self.order])
+        self.capacity = ring_capacity([self.full[i] for i in self.order])  # the send / receive slots
 
     def take(self, i: int) -> list:
         """Bucket ``i``'s gradients are all there: issue the reduce-scatters of every bucket whose
@@ -835,7 +834,7 @@ class NodeVoters(_MasterShardsMixin):
     def finish(self) -> None:
         """All-gather the updated shards inside the group (in the parameters' dtype) and copy
         them into the parameters; drop the step's buffers."""
-        gather_into_params(self.node_coll, self.full, self.work, self.workspace)
+        gather_into_params(self.node_coll, self.full, self.work, self.workspace, self.gather_capacity)
         self.abandon()
 
     def abandon(self) -> None:

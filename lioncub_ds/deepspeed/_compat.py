@@ -15,11 +15,12 @@ What is patched (class or module attributes, wrapped, originals kept as ``__wrap
   optimizer's ``step`` calls);
 * ``deepspeed.runtime.fp16.unfused_optimizer.is_invalid_grad_norm`` where it exists (the fp16 /
   bf16 wrapper's own-norm skip at stage 0, which 0.19.8 has and 0.19.0–0.19.5 do not: agreed
-  over the data-parallel group while it steps LionCub);
+  over LionCub's vote group while the wrapper steps LionCub);
 * ``deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS`` gains LionCub.
 
 Per engine (instance attributes): ``clip_fp32_gradients`` (stage 0: local clipping), the
-fp16 / bf16 wrapper's ``step`` (stage 0: its own-norm skip agreed, above),
+fp16 / bf16 wrapper's ``step`` and its ``overflow_checker.check`` (stage 0: both skip decisions
+agreed over the vote group),
 ``save_checkpoint`` / ``load_checkpoint`` (per-rank momentum files),
 ``enable_backward_allreduce`` (stage 0: off) and ``pipeline_enable_backward_allreduce``.
 

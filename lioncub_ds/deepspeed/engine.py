@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ..config import LionCubConfig, LionCubConfigError, unknown_key_error
 from .. import ds_shm, groups
-from ..groups import Request, create_on_all_ranks, requested
+from ..groups import Request, create_on_all_ranks, requested, world_max
 from ..optimizer import LionCub
 from . import _compat
 
@@ -619,16 +619,10 @@ def _agree_wrapper_skips(wrapper, group) -> None:
         check = checker.check
 
         def agreed_check(*args, **kwargs):
-            return _any_rank(check(*args, **kwargs), group, device)
+            # (the wrapper reads its own decision on the host right here anyway)
+            return world_max([bool(check(*args, **kwargs))], device, group)[0] > 0
 
         checker.check = agreed_check
-
-
-def _any_rank(flag, group, device) -> bool:
-    """Whether ``flag`` holds on any rank of ``group`` (MAX; every rank calls it at the same point)."""
-    t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())  # the wrapper reads its own decision on the host right here anyway
 
 
 def make_agreed_invalid_norm(orig):
@@ -639,7 +633,10 @@ def make_agreed_invalid_norm(orig):
     def is_invalid_grad_norm(norm):
         invalid = orig(norm)
         over = _AGREE_NORM_OVER.get()
-        return invalid if over is None else _any_rank(invalid, *over)
+        if over is None:
+            return invalid
+        group, device = over
+        return world_max([bool(invalid)], device, group)[0] > 0
     return is_invalid_grad_norm
 
 
