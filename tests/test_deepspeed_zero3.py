@@ -3,8 +3,8 @@
 One launch of 4 gloo ranks (2 node groups × 2 ranks, ``node_size: 2``) runs every scenario,
 each with real ``deepspeed.initialize`` engines (DS_ACCELERATOR=cpu):
 
-* ``voters: "node"`` at stage 3, fp32 and bf16: every step equals a brute-force node-voter
-  oracle computed in the test from what each group's ZeRO-3 produced (the reduced gradient
+* ``voters: "node"`` at stage 3, fp32 and bf16 (bf16 with two ZeRO-3 sub-groups, each stepped by
+  its own LionCub): every step equals a brute-force node-voter oracle computed in the test from what each group's ZeRO-3 produced (the reduced gradient
   shards, gathered over the shard peers: the oracle never imitates DeepSpeed's reduction order):
   per-group momenta, majority across the groups, the hash tie rule keyed on the element's index
   inside its parameter; the reduced shard is the group's mean gradient (checked against dense
@@ -166,10 +166,15 @@ def _dense_mean_shards(model_params_before, rank, step, sg, views, k):
     return out
 
 
-def _votes_scenario(rank, dtype, clip, ckpt_dir):
+def _votes_scenario(rank, dtype, clip, ckpt_dir, sub_group_size=None):
+    """``sub_group_size``: ZeRO-3 splits each rank's partition into sub-groups of about that many
+    elements, each stepped by its own LionCub (a 70B model on 8 ranks has 9 at the default 1e9)."""
     import torch.distributed as dist
     from lioncub_ds.testing import nccl_contract
-    engine = _engine(_cfg(dtype, clip=clip, voters="node", node_size=L))
+    cfg = _cfg(dtype, clip=clip, voters="node", node_size=L)
+    if sub_group_size is not None:
+        cfg["zero_optimization"]["sub_group_size"] = sub_group_size
+    engine = _engine(cfg)
     opt = engine.basic_optimizer
     sg = opt.shard_groups
     record = {}
@@ -178,37 +183,39 @@ def _votes_scenario(rank, dtype, clip, ckpt_dir):
     _train(engine, rank, 1, STEPS, dtype, record)
     calls = [(e[0], list(e[1]) if e[1] else None, e[2]) for e in nccl_contract.log()[mark:]] \
         if nccl_contract.installed() else []
-    # the oracle for this rank's shard, from every group's reduced shards (gathered over the peers)
-    grads = [g for _, g in record["grads"]]  # one sub-group here
-    every = [None] * sg.groups
-    dist.all_gather_object(every, grads, group=sg.peers)
-    starts = [int(getattr(v, "lioncub_element_start")) for v, _, _ in opt.views[0]]
-    want = _oracle(every, record["before"][0][1], starts, STEPS)
-    got = [a for _, a in record["after"]]
-    # the real elements of each partition: the last one's padding is never read, and ZeRO-3 leaves it
-    # unset (whatever the memory held, NaN bits included, on which torch.equal is False)
     k = sg.shard_rank
-    real = [max(0, min(n, p.ds_numel - k * n)) for (_, _, n), p in zip(opt.views[0], engine.optimizer.fp16_groups[0])]
-    exact = all(torch.equal(a[:r], b[:r]) for s in range(STEPS) for a, b, r in zip(got[s], want[s], real))
-    mean_ok = None
-    if clip == 0.0 and dtype == "fp32":
-        mean_ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
-                      for s in range(STEPS)
-                      for a, b in zip(grads[s], _dense_mean_shards(record["full_before"][s], rank, s + 1, sg,
-                                                                   opt.views[0], sg.shard_rank)))
-    final = [v.detach()[:r].clone() for (v, _, _), r in zip(opt.views[0], real)]
-    peers_final = [None] * sg.groups
-    dist.all_gather_object(peers_final, final, group=sg.peers)
-    same_across_groups = all(torch.equal(a, b) for other in peers_final for a, b in zip(other, final))
-    low = None
-    if dtype == "bf16":  # the bf16 partition is the fp32 master rounded
-        low = all(torch.equal(p.ds_tensor.detach().reshape(-1)[:r], v.detach()[:r].to(torch.bfloat16))
-                  for p, (v, _, _), r in zip(engine.optimizer.fp16_groups[0], opt.views[0], real))
+    exact, mean_ok, same_across_groups, low = True, None, True, None
+    for i, views in enumerate(opt.views):
+        # the oracle for this rank's shard of sub-group i, from every group's reduced shards (gathered
+        # over the peers)
+        grads = [g for j, g in record["grads"] if j == i]
+        every = [None] * sg.groups
+        dist.all_gather_object(every, grads, group=sg.peers)
+        starts = [int(getattr(v, "lioncub_element_start")) for v, _, _ in views]
+        want = _oracle(every, next(b for j, b in record["before"] if j == i), starts, STEPS)
+        got = [a for j, a in record["after"] if j == i]
+        # the real elements of each partition: the last one's padding is never read, and ZeRO-3 leaves
+        # it unset (whatever the memory held, NaN bits included, on which torch.equal is False)
+        real = [max(0, min(n, p.ds_numel - k * n)) for (_, _, n), p in zip(views, engine.optimizer.fp16_groups[i])]
+        exact &= all(torch.equal(a[:r], b[:r]) for s in range(STEPS) for a, b, r in zip(got[s], want[s], real))
+        if clip == 0.0 and dtype == "fp32" and sub_group_size is None:
+            mean_ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+                          for s in range(STEPS)
+                          for a, b in zip(grads[s], _dense_mean_shards(record["full_before"][s], rank, s + 1, sg,
+                                                                       views, sg.shard_rank)))
+        final = [v.detach()[:r].clone() for (v, _, _), r in zip(views, real)]
+        peers_final = [None] * sg.groups
+        dist.all_gather_object(peers_final, final, group=sg.peers)
+        same_across_groups &= all(torch.equal(a, b) for other in peers_final for a, b in zip(other, final))
+        if dtype == "bf16":  # the bf16 partition is the fp32 master rounded
+            low = (low is not False) and all(
+                torch.equal(p.ds_tensor.detach().reshape(-1)[:r], v.detach()[:r].to(torch.bfloat16))
+                for p, (v, _, _), r in zip(engine.optimizer.fp16_groups[i], views, real))
     out = {"full_final": _full_params(engine), "exact": exact, "mean_ok": mean_ok, "same_across_groups": same_across_groups, "low": low,
            "calls": calls, "momentum_bytes": opt.state_bytes().get("momentum", 0),
            "params": sum(p.ds_numel for p in engine.module.parameters()),
            "summary": engine.lioncub.summary(), "group": sg.group_index, "shard": sg.shard_rank,
-           "steps": opt.step_count}
+           "steps": opt.step_count, "sub_groups": len(opt.views)}
     if ckpt_dir is not None:
         out.update(_resume(engine, rank, dtype, ckpt_dir))
     return out
@@ -358,7 +365,7 @@ def _all(rank, world_size, tmp):
     out = {"plain3": _plain_scenario(rank, 3, False), "offload3": _plain_scenario(rank, 3, True),
            "plain2": _plain_scenario(rank, 2, False), "offload2": _plain_scenario(rank, 2, True),
            "fp32": _votes_scenario(rank, "fp32", 0.0, os.path.join(tmp, "ckpt")),
-           "bf16": _votes_scenario(rank, "bf16", 1.0, None),
+           "bf16": _votes_scenario(rank, "bf16", 1.0, None, sub_group_size=50),
            "skip": _skip_scenario(rank),
            "offload_votes": _offload_votes_scenario(rank),
            # a plain engine after the vote engines: DeepSpeed keeps the last mpu in a module global
@@ -388,6 +395,7 @@ def test_every_step_equals_the_node_voter_oracle_and_groups_stay_identical(resul
         assert x["exact"], f"rank {r} ({dtype}): a step differs from the oracle"
         assert x["same_across_groups"], f"rank {r}: the partitions differ across groups"
         assert x["steps"] == STEPS
+        assert x["sub_groups"] == (2 if dtype == "bf16" else 1)  # bf16: the 15x7 weight, then the rest
         assert "ZeRO stage 3 with node voters" in x["summary"] and "2 node groups x 2 ranks" in x["summary"]
         if dtype == "bf16":
             assert x["low"], f"rank {r}: the bf16 partition is not the rounded fp32 master"

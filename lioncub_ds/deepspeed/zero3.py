@@ -454,7 +454,11 @@ def build(engine, model_parameters, config: LionCubConfig) -> ZeRO3Votes:
 # ----------------------------------------------------------------------------- agreement
 def agree_across_groups(zopt, sg: ShardGroups) -> None:
     """Make ZeRO-3's skip decisions (non-finite gradient norm; fp16 overflow) the same in every
-    group: each is computed over the group, then a flag is all-reduced (MAX) over the shard peers."""
+    group: each is computed over the group, then a flag is all-reduced (MAX) over the shard peers.
+
+    The sub-groups' norms are agreed one by one; ZeRO-3 (0.19.6+) also skips when their combination
+    is invalid, which finite norms cannot make on CUDA or CPU: DeepSpeed keeps them in fp64 there
+    (``get_norm_dtype``), where squares of fp32 gradients do not overflow."""
     device = _param_device(zopt)  # the parameters' device: NCCL takes no CPU tensor (offloaded masters are)
 
     def flag_max(bad) -> bool:
