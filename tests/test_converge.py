@@ -411,6 +411,29 @@ def test_trend_pairs_within_each_preset(tmp_path):
     assert (tmp_path / "out" / "converge_trend_n2.png").exists()
 
 
+def test_trend_against_width_plots_against_parameters(tmp_path):
+    """A size study (presets differ in width only): each row carries its model's parameter count, the
+    table shows it, and the plot's x axis is the parameters; with several batches it stays the batch."""
+    kw = dict(TINY, steps=2, eval_every=2)
+    recs = []
+    for d in (16, 32):
+        recs += C.run(("lion", "cub_1bit"), seeds=(0, 1), world_sizes=(2,), lrs=LRS, verbose=False, ds=None,
+                      **dict(kw, d_model=d))[0]
+    rows = C.trend(recs)
+    cub = sorted((r for r in rows if r["variant"] == "cub_1bit"), key=lambda r: r["d_model"])
+    params = {r["d_model"]: r["params"] for r in recs if r.get("bench") == "converge"}
+    assert [r["params"] for r in cub] == [params[16], params[32]] and params[16] < params[32]
+    assert C.trend_axis(rows) == ("params", "parameters (widths d_model 16, 32)")
+    assert f"| {params[32]:,} |" in C.trend_table(rows)
+    wider = recs + C.run(("lion", "cub_1bit"), seeds=(0, 1), world_sizes=(2,), lrs=LRS, verbose=False, ds=None,
+                         **dict(kw, d_model=16, batch_size=1))[0]
+    assert C.trend_axis(C.trend(wider))[0] == "batch_size"
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(recs))
+    assert C.main(["--trend", str(path), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "converge_trend_n2.png").exists()
+
+
 def test_hybrid_screening_variants_split_the_parameters(ds):
     """The screen's hybrids: AdamW steps exactly one class of parameters (the Linear weights, or the
     embeddings / norms / biases) and Lion the other, each as the plain optimizer would."""

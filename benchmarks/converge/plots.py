@@ -71,27 +71,34 @@ def plot(records, out):
 
 
 def plot_trend(records, out):
-    """Gap to global Lion (mean, 95% CI) against the per-worker batch, one line per variant and width."""
+    """Gap to global Lion (mean, 95% CI) against the model's size (a width study) or the per-worker
+    batch (:func:`trend_axis`), one line per variant (and width, against the batch)."""
     from ..common import pyplot
+    from .stats import trend_axis
 
     plt = pyplot()
     rows = [r for r in records if r.get("bench") == "converge_trend" and r["variant"] != "lion"]
+    key, label = trend_axis(rows)
     files = []
     for n in sorted({r["world_size"] for r in rows}):
         fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-        lines = sorted({(r["variant"], r["d_model"]) for r in rows if r["world_size"] == n})
+        mine = [r for r in rows if r["world_size"] == n]
+        lines = sorted({(r["variant"], r["d_model"] if key == "batch_size" else None) for r in mine},
+                       key=lambda t: (t[0], t[1] or 0))
         for i, (v, d) in enumerate(lines):
-            pts = sorted((r["batch_size"], r["gap_pct"], r["ci95_pct"]) for r in rows
-                         if r["world_size"] == n and r["variant"] == v and r["d_model"] == d)
+            pts = sorted((r[key], r["gap_pct"], r["ci95_pct"]) for r in mine
+                         if r["variant"] == v and (d is None or r["d_model"] == d))
             xs = [p[0] * (1 + 0.03 * (i - len(lines) / 2)) for p in pts]  # a small offset: the bars do not overlap
+            solid = d is None or d == min(x[1] for x in lines)
             ax.errorbar(xs, [p[1] for p in pts], yerr=[p[2] if p[2] == p[2] else 0 for p in pts], marker="o",
-                        capsize=3, label=f"{v}, d_model {d}", linestyle="-" if d == min(x[1] for x in lines) else "--")
+                        capsize=3, label=v if d is None else f"{v}, d_model {d}", linestyle="-" if solid else "--")
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.axhline(2.0, color="green", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequences per worker per step")
+        ax.set_xlabel(label)
         ax.set_ylabel("paired gap to global Lion, % (mean ± 95% CI)")
-        ax.set_title(f"N={n}: LionCub's gap to global Lion against batch and width", fontsize=10)
+        against = "model size" if key == "params" else "batch and width"
+        ax.set_title(f"N={n}: LionCub's gap to global Lion against {against}", fontsize=10)
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7)
         fig.tight_layout()

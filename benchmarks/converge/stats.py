@@ -158,7 +158,8 @@ def trend(records):
             lion_lr = sorted({r["lr"] for r in rs if r["variant"] == "lion" and r["world_size"] == s["world_size"]})
             out.append(dict(s, bench="converge_trend", protocol=r0.get("protocol", ""), lion_lr_bracket=bracket,
                             lion_lr=lion_lr[0] if len(lion_lr) == 1 else None,
-                            **{k: r0.get(k) for k in ("batch_size", "d_model", "n_layer", "n_head", "seq_len", "steps")}))
+                            **{k: r0.get(k) for k in ("batch_size", "d_model", "n_layer", "n_head", "seq_len", "steps",
+                                                      "params")}))
     return sorted(out, key=lambda s: (s["world_size"], s["variant"], s["d_model"] or 0, s["batch_size"] or 0))
 
 
@@ -190,8 +191,18 @@ def best_lion_lr(records):
     return [r for r in records if id(r) not in drop], (bracket or None)
 
 
+def trend_axis(rows):
+    """What a trend plot puts on x: the model's size (parameters) when the presets differ in width and not
+    in the per-worker batch (a size study), else the per-worker batch. -> (row key, axis label)."""
+    widths = {r.get("d_model") for r in rows}
+    batches = {r.get("batch_size") for r in rows}
+    if len(widths) > 1 and len(batches) == 1 and all(r.get("params") for r in rows):
+        return "params", "parameters (widths d_model " + ", ".join(str(w) for w in sorted(widths)) + ")"
+    return "batch_size", "sequences per worker per step"
+
+
 def trend_table(rows) -> str:
-    head = ["N", "variant", "lr", "width (d_model)", "sequences per worker", "tokens per step", "global Lion's lr", "seeds",
+    head = ["N", "variant", "lr", "width (d_model)", "parameters", "sequences per worker", "tokens per step", "global Lion's lr", "seeds",
             "paired gap to global Lion", "95% CI", "x fewer bytes than fp32 all-reduce"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if h == "variant" else "---:" for h in head) + "|"]
     for s in rows:
@@ -199,7 +210,8 @@ def trend_table(rows) -> str:
             continue
         ci = f"[{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}]" if s["ci95_pct"] == s["ci95_pct"] else "n/a"
         lines.append("| " + " | ".join([str(s["world_size"]), f"`{s['variant']}`", f"{s['lr']:g}" if s.get("lr") else "–",
-                                        str(s["d_model"]), str(s["batch_size"]),
+                                        str(s["d_model"]), f"{s['params']:,}" if s.get("params") else "–",
+                                        str(s["batch_size"]),
                                         f"{s['world_size'] * s['batch_size'] * s['seq_len']:,}",
                                         f"{s['lion_lr']:g}" if s.get("lion_lr") else "–", str(len(s["seeds"])),
                                         f"{s['gap_pct']:+.2f}%", ci, f"{s['bytes_ratio_vs_fp32']:.1f}x"]) + " |")
