@@ -10,10 +10,16 @@ into the docs: ``--doc`` rewrites the block between ``<!-- MARKER -->`` and ``<!
 
     python -m benchmarks.converge_report docs/lion_w300/converge.json --doc docs/convergence.md --marker w300-tables
     python -m benchmarks.converge_report docs/lion_w300/converge.json --drop-seed 8:6 --slow-step 150 --slow-above 2.45
+
+A size study's trend JSON (``bench converge --trend ... --json X``) gives the short table of the gap
+against model size instead (``--width``: a row per width, a column per variant):
+
+    python -m benchmarks.converge_report docs/lion_w300_width/converge.json --width --doc docs/convergence.md --marker w300-width
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -114,6 +120,38 @@ def slow_starts(records, step: int, above: float) -> list[dict]:
              "slow": at[k] > above} for k in sorted(final)]
 
 
+# The size study's columns: the recommendation, node voters of 2 ranks, and AdamW (issue 45's list).
+WIDTH_COLUMNS = {"cub_1bit_sync20_int8": "recommendation", "cub_1bit_sync20_int8_node2": "node voters 8 × 2 + sync",
+                 "adamw": "AdamW"}
+
+
+def width_table(trend_rows, n: int = 16, columns=WIDTH_COLUMNS) -> str:
+    """The gap against model size at N = ``n``: a row per width (parameters, global Lion's lr, seeds),
+    a column per variant ({variant: header}) with its paired gap to global Lion [95% CI] and seed count
+    (the trend rows of ``bench converge --trend``; a variant a width has not run is '–')."""
+    rows = [r for r in trend_rows if r.get("bench") == "converge_trend" and r["world_size"] == n]
+    if not rows:
+        raise ValueError(f"no converge_trend rows at N = {n}")
+    widths = sorted({r["d_model"] for r in rows})
+    head = ["width (d_model)", "parameters", "global Lion's lr", *columns.values()]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for d in widths:
+        mine = {r["variant"]: r for r in rows if r["d_model"] == d}
+        r0 = next(iter(mine.values()))
+        cells = [str(d), f"{r0['params']:,}" if r0.get("params") else "–",
+                 fmt_lr(r0["lion_lr"]) if r0.get("lion_lr") else "–"]
+        for v in columns:
+            s = mine.get(v)
+            if s is None:
+                cells.append("–")
+            elif len(s["seeds"]) < 2:
+                cells.append(f"{s['gap_pct']:+.2f}% (1 seed)")
+            else:
+                cells.append(f"{s['gap_pct']:+.2f}% [{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}] ({len(s['seeds'])})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def replace_block(doc: str, marker: str, body: str) -> str:
     """``doc`` with the text between ``<!-- marker -->`` and ``<!-- /marker -->`` replaced by ``body``."""
     start, end = f"<!-- {marker} -->\n", f"<!-- /{marker} -->"
@@ -122,6 +160,26 @@ def replace_block(doc: str, marker: str, body: str) -> str:
         raise ValueError(f"--marker {marker!r}: the doc needs the lines '<!-- {marker} -->' and '<!-- /{marker} -->' "
                          "around the block, in that order")
     return doc[:i + len(start)] + body + doc[j:]
+
+
+def write_block(args, body: str) -> int:
+    """``body`` into ``--doc``'s ``--marker`` block (``--check``: compare only; 1 if it differs), or printed."""
+    if not args.doc:
+        print(body)
+        return 0
+    old = Path(args.doc).read_text()
+    new = replace_block(old, args.marker, body)
+    width = " --width" if args.width else ""
+    if args.check:
+        if new != old:
+            print(f"{args.doc}: the {args.marker} block is not what {args.json} gives; regenerate with "
+                  f"python -m benchmarks.converge_report {args.json}{width} --doc {args.doc} --marker {args.marker}")
+            return 1
+        print(f"{args.doc}: the {args.marker} block matches {args.json}")
+    elif new != old:
+        Path(args.doc).write_text(new)
+        print(f"{args.doc}: rewrote the {args.marker} block")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -136,7 +194,16 @@ def main(argv=None) -> int:
                    help="the frontier's post-hoc column: the interval without these seeds at that N")
     p.add_argument("--slow-step", type=int, default=None, help="count slow starts: val loss at this step ...")
     p.add_argument("--slow-above", type=float, default=2.45, help="... above this (nats/byte; default 2.45)")
+    p.add_argument("--width", action="store_true",
+                   help="the JSON is a size study's trend (bench converge --trend --json): the short table of the gap "
+                        "against model size (a row per width), into --doc's --marker block or printed")
     args = p.parse_args(argv)
+    if args.width:
+        rows = json.loads(Path(args.json).read_text())
+        try:
+            return write_block(args, width_table(rows))
+        except ValueError as exc:
+            p.error(f"{args.json}: {exc} (make it with bench converge --trend ... --json)")
     drop = {}
     for item in args.drop_seed:
         n, _, s = item.partition(":")
@@ -146,21 +213,8 @@ def main(argv=None) -> int:
     records = load(args.json)
     if not runs_of(records):
         p.error(f"{args.json}: no converge run records in it")
-    tables = seed_tables(records, args.order)
-    if args.doc:
-        old = Path(args.doc).read_text()
-        new = replace_block(old, args.marker, tables)
-        if args.check:
-            if new != old:
-                print(f"{args.doc}: the {args.marker} block is not what {args.json} gives; regenerate with "
-                      f"python -m benchmarks.converge_report {args.json} --doc {args.doc} --marker {args.marker}")
-                return 1
-            print(f"{args.doc}: the {args.marker} block matches {args.json}")
-        elif new != old:
-            Path(args.doc).write_text(new)
-            print(f"{args.doc}: rewrote the {args.marker} block")
-    else:
-        print(tables)
+    if write_block(args, seed_tables(records, args.order)):
+        return 1
     for n in sorted({r["world_size"] for r in runs_of(records)}):
         print(f"\nN = {n}: frontier (paired gap to global Lion)" + (f"; post hoc without seeds {sorted(drop[n])}"
                                                                     if n in drop else ""))

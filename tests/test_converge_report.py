@@ -101,3 +101,45 @@ def test_check_fails_on_a_stale_block(tmp_path):
     args = [str(W300 / "converge.json"), "--doc", str(tmp_path / "c.md"), "--marker", "w300-tables"]
     assert R.main(args + ["--check"]) == 1
     assert R.main(args) == 0 and R.main(args + ["--check"]) == 0  # rewritten: now it matches
+
+
+WIDTH = ROOT / "docs" / "lion_w300_width"
+WIDTH_RUNS = [*sorted(glob.glob(str(W300_RUNS / "w3_n16_*.jsonl"))),
+              *sorted(glob.glob(str(ROOT / "studies" / "lion_w300_width" / "runs" / "*.jsonl")))]
+WIDTH_VARIANTS = ["lion", "adamw", "cub_1bit_sync20_int8", "cub_1bit_sync20_int8_node2"]
+
+
+def test_width_table_by_hand():
+    """A row per width, a column per variant; a width without a variant shows '–', one seed says so."""
+    def row(v, d, gap, lo, hi, seeds, params):
+        return {"bench": "converge_trend", "world_size": 16, "variant": v, "d_model": d, "params": params,
+                "lion_lr": 4e-3, "gap_pct": gap, "ci_lo_pct": lo, "ci_hi_pct": hi, "seeds": seeds}
+    rows = [row("cub_1bit_sync20_int8", 128, -0.09, -6.61, 6.43, [0, 1, 2, 3, 4], 437760),
+            row("adamw", 128, 1.5, 1.0, 2.0, [0, 1], 437760),
+            row("cub_1bit_sync20_int8", 64, 1.17, 0.81, 1.53, list(range(10)), 120576),
+            row("adamw", 64, 1.92, float("nan"), float("nan"), [0], 120576),
+            dict(row("adamw", 64, 9.0, 8.0, 10.0, [0, 1], 120576), world_size=8)]  # another N: not in the table
+    lines = R.width_table(rows).splitlines()
+    assert lines[0] == ("| width (d_model) | parameters | global Lion's lr | recommendation | node voters 8 × 2 + sync "
+                        "| AdamW |")
+    assert lines[2] == "| 64 | 120,576 | 4e-3 | +1.17% [+0.81, +1.53] (10) | – | +1.92% (1 seed) |"
+    assert lines[3] == "| 128 | 437,760 | 4e-3 | -0.09% [-6.61, +6.43] (5) | – | +1.50% [+1.00, +2.00] (2) |"
+    with pytest.raises(ValueError, match="no converge_trend rows at N = 32"):
+        R.width_table(rows, n=32)
+
+
+def test_the_docs_quote_the_width_study_json(capsys):
+    """docs/convergence.md's size table is what the committed trend JSON gives, and that JSON's rows
+    are what --trend computes from the committed runs (width 64: lion_w300's N = 16 runs)."""
+    assert R.main([str(WIDTH / "converge.json"), "--width", "--doc", str(ROOT / "docs" / "convergence.md"),
+                   "--marker", "w300-width", "--check"]) == 0
+    committed = [r for r in json.loads((WIDTH / "converge.json").read_text()) if r.get("bench") == "converge_trend"]
+    records = []
+    for path in WIDTH_RUNS:
+        records += C.merge([path], variants=WIDTH_VARIANTS, world_sizes=[16])[1]
+    key = lambda r: (r["variant"], r["d_model"], tuple(r["seeds"]), round(r["gap_pct"], 9), r["params"])
+    assert sorted(map(key, committed)) == sorted(map(key, C.trend(records)))
+    assert {r["d_model"] for r in committed} >= {64, 128}
+    with pytest.raises(SystemExit):  # a study JSON without trend rows is refused by name
+        R.main([str(W300 / "converge.json"), "--width"])
+    assert "no converge_trend rows at N = 16" in capsys.readouterr().err

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
             records += merge([path], **explicit)[1]
         rows = trend(records)
         print(trend_table(rows))
-        finish(NAME, args, rows + records, plot_trend, extra_md=trend_table(rows))
+        finish(NAME, args, rows, plot_trend, extra_md=trend_table(rows))  # the runs stay in their own files
         return 0
     if args.merge:
         meta, records, tune_recs, curves = merge(args.merge, **explicit)
