@@ -75,6 +75,8 @@ def family_of(variant: str):
 def convergence_rows(root: Path = ROOT) -> dict:
     """The planner's convergence table from the committed study summaries: per (family, N, L) the
     row of the first study in :data:`STUDIES` that has it."""
+    from .converge import GOAL_GAP_PCT  # (torch: only here, the planner's other checks do not need it)
+
     best, sources = {}, []
     for rel, study in STUDIES:
         recs = json.loads((root / rel).read_text())
@@ -102,7 +104,7 @@ def convergence_rows(root: Path = ROOT) -> dict:
             "what": "paired gap of the final validation loss to global Lion (all-reduced gradients), % with a 95% "
                     "t-interval over seeds, from bench converge's simulation of LionCub (bit-identical to real "
                     "ranks); a small GPT on the pinned corpus: see each study's protocol",
-            "sources": sources, "rows": rows}
+            "goal_gap_pct": GOAL_GAP_PCT, "sources": sources, "rows": rows}
 
 
 def write_convergence_table(path: Path = TABLE_PATH, root: Path = ROOT) -> dict:

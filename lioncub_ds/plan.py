@@ -871,10 +871,13 @@ def configuration(family: str, node_size: int = 1, voters: int | None = None) ->
 def quote(row: dict) -> str:
     """One measured row as the planner prints it: the study, N, the configuration, the paired gap with
     its 95% interval and the seeds ("lion_w300 N = 32, node voters 16 x 2 + int8 sync/20: +1.07%
-    [+0.70, +1.44], 10 seeds")."""
+    [+0.70, +1.44], 10 seeds"), and, when the interval's upper bound is above the studies' goal (a gap
+    of at most 2%), that it is ("...; upper bound above the 2% goal")."""
+    goal = convergence_table().get("goal_gap_pct")
+    over = f"; upper bound above the {goal:g}% goal" if goal is not None and row["ci_hi_pct"] > goal else ""
     return (f"{row['study']} N = {row['world_size']}, "
             f"{configuration(row['family'], row['node_size'], row.get('voters'))}: {row['gap_pct']:+.2f}% "
-            f"[{row['ci_lo_pct']:+.2f}, {row['ci_hi_pct']:+.2f}], {row['seeds']} seeds")
+            f"[{row['ci_lo_pct']:+.2f}, {row['ci_hi_pct']:+.2f}], {row['seeds']} seeds{over}")
 
 
 def convergence_cost(key: tuple) -> dict:

@@ -43,8 +43,8 @@ from .grads import GRADS, WorkerGrads
 from .plots import plot, plot_trend
 from .records import NAME, append_jsonl, jsonl_records, merge, warn_unreadable
 from .simulator import SimLionCub, bbit_feedback, bbit_residual
-from .stats import (SUMMARY_TABLE, best_lion_lr, check_goal, markdown_table, paired_gaps, summarize, t_interval,
-                    t_quantile_975, trend, trend_axis, trend_table)
+from .stats import (GOAL_GAP_PCT, SUMMARY_TABLE, best_lion_lr, check_goal, markdown_table, paired_gaps, summarize,
+                    t_interval, t_quantile_975, trend, trend_axis, trend_table)
 from .study import command_for, finished_runs, run, study_settings, tune
 from .training import (HybridLionAdamW, build_model_for, build_variant, evaluate, grads_speed, lr_at,
                        real_lioncub_rank, train_one)
@@ -53,7 +53,7 @@ from .variants import (BASE_SETTINGS, DEFAULT_LR, DEFAULT_LR_GRID, DEFAULT_VARIA
 
 __all__ = ["SETTING_FLAGS", "apply_protocol", "build_parser", "main", "GRADS", "WorkerGrads", "plot", "plot_trend",
            "NAME", "append_jsonl", "jsonl_records", "merge", "warn_unreadable", "SimLionCub", "bbit_feedback",
-           "bbit_residual", "SUMMARY_TABLE", "best_lion_lr", "check_goal", "markdown_table", "paired_gaps",
+           "bbit_residual", "GOAL_GAP_PCT", "SUMMARY_TABLE", "best_lion_lr", "check_goal", "markdown_table", "paired_gaps",
            "summarize", "t_interval", "t_quantile_975", "trend", "trend_axis", "trend_table", "command_for",
            "finished_runs", "run",
            "study_settings", "tune", "HybridLionAdamW", "build_model_for", "build_variant", "evaluate",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from .stats import GOAL_GAP_PCT
+
 
 def plot(records, out):
     from ..common import pyplot
@@ -54,7 +56,7 @@ def plot(records, out):
                         else None, fmt="o", capsize=3)
             ax.annotate(s["variant"], (s["bytes_ratio_vs_fp32"], s["gap_pct"]), fontsize=7, xytext=(4, 2),
                         textcoords="offset points")
-        ax.axhline(2.0, color="green", linestyle=":", linewidth=1)
+        ax.axhline(GOAL_GAP_PCT, color="green", linestyle=":", linewidth=1)
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.axvline(16.0, color="green", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
@@ -93,7 +95,7 @@ def plot_trend(records, out):
             ax.errorbar(xs, [p[1] for p in pts], yerr=[p[2] if p[2] == p[2] else 0 for p in pts], marker="o",
                         capsize=3, label=v if d is None else f"{v}, d_model {d}", linestyle="-" if solid else "--")
         ax.axhline(0.0, color="grey", linewidth=0.8)
-        ax.axhline(2.0, color="green", linestyle=":", linewidth=1)
+        ax.axhline(GOAL_GAP_PCT, color="green", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(label)
         ax.set_ylabel("paired gap to global Lion, % (mean ± 95% CI)")

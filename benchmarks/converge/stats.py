@@ -45,6 +45,12 @@ def paired_gaps(runs, variant: str) -> dict[int, float]:
     return {s: 100.0 * (mine[s] / ref[s] - 1.0) for s in sorted(mine) if s in ref}
 
 
+# The studies' goal, fixed before they ran (docs/convergence.md): the paired gap to global Lion at most
+# 2% (its upper 95% bound, once resolved) at 16x or more fewer bytes than an fp32 all-reduce.
+GOAL_GAP_PCT = 2.0
+GOAL_BYTES_RATIO = 16.0
+
+
 def summarize(records):
     """Per (N, variant) the paired gap to global Lion over the seeds that have both."""
     out = []
@@ -65,8 +71,9 @@ def summarize(records):
                         "bytes_ratio_vs_fp32": r0["bytes_ratio_vs_fp32"], "lr": r0["lr"],
                         "steps": r0.get("steps"), **{k: r0[k] for k in ("node_size", "voters", "intra_node_bytes_per_rank",
                                               "momentum_per_rank_ratio") if k in r0},
-                        "meets_goal": (mean <= 2.0 and r0["bytes_ratio_vs_fp32"] >= 16.0),
-                        "meets_goal_resolved": (mean + half <= 2.0 and r0["bytes_ratio_vs_fp32"] >= 16.0)})
+                        "meets_goal": (mean <= GOAL_GAP_PCT and r0["bytes_ratio_vs_fp32"] >= GOAL_BYTES_RATIO),
+                        "meets_goal_resolved": (mean + half <= GOAL_GAP_PCT
+                                                and r0["bytes_ratio_vs_fp32"] >= GOAL_BYTES_RATIO)})
     return out
 
 
