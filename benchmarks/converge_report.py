@@ -120,15 +120,19 @@ def slow_starts(records, step: int, above: float) -> list[dict]:
              "slow": at[k] > above} for k in sorted(final)]
 
 
-# The size study's columns: the recommendation, node voters of 2 ranks, and AdamW (issue 45's list).
-WIDTH_COLUMNS = {"cub_1bit_sync20_int8": "recommendation", "cub_1bit_sync20_int8_node2": "node voters 8 × 2 + sync",
-                 "adamw": "AdamW"}
+def width_columns(n: int) -> dict:
+    """The size study's columns at N = ``n`` (issue 45's list): the recommendation, node voters of 2
+    ranks, and AdamW, as {variant: header}."""
+    return {"cub_1bit_sync20_int8": "recommendation", "cub_1bit_sync20_int8_node2": f"node voters {n // 2} × 2 + sync",
+            "adamw": "AdamW"}
 
 
-def width_table(trend_rows, n: int = 16, columns=WIDTH_COLUMNS) -> str:
-    """The gap against model size at N = ``n``: a row per width (parameters, global Lion's lr, seeds),
-    a column per variant ({variant: header}) with its paired gap to global Lion [95% CI] and seed count
-    (the trend rows of ``bench converge --trend``; a variant a width has not run is '–')."""
+def width_table(trend_rows, n: int = 16, columns=None) -> str:
+    """The gap against model size at N = ``n``: a row per width (parameters, global Lion's lr), a
+    column per variant ({variant: header}; default :func:`width_columns`) with its paired gap to global
+    Lion [95% CI] and seed count (the trend rows of ``bench converge --trend``; a variant a width has
+    not run is '–')."""
+    columns = width_columns(n) if columns is None else columns
     rows = [r for r in trend_rows if r.get("bench") == "converge_trend" and r["world_size"] == n]
     if not rows:
         raise ValueError(f"no converge_trend rows at N = {n}")
@@ -186,7 +190,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.converge_report", description=__doc__.split("\n\n")[0])
     p.add_argument("json", help="a study's merged JSON (bench converge --merge ... --json) or a JSONL of runs")
     p.add_argument("--doc", help="a markdown file whose block between the --marker lines gets the per-seed tables")
-    p.add_argument("--marker", default="w300-tables", help="the block's name (default w300-tables)")
+    p.add_argument("--marker", default=None,
+                   help="the block's name (default w300-tables; with --width, w300-width)")
     p.add_argument("--order", nargs="+", default=list(ROW_ORDER), metavar="VARIANT",
                    help="the tables' row order (default: global Lion, AdamW, then issue 34's list); others follow")
     p.add_argument("--check", action="store_true", help="with --doc: write nothing; exit 1 if the block differs")
@@ -198,12 +203,16 @@ def main(argv=None) -> int:
                    help="the JSON is a size study's trend (bench converge --trend --json): the short table of the gap "
                         "against model size (a row per width), into --doc's --marker block or printed")
     args = p.parse_args(argv)
+    if args.marker is None:
+        args.marker = "w300-width" if args.width else "w300-tables"
     if args.width:
-        rows = json.loads(Path(args.json).read_text())
+        if args.drop_seed or args.slow_step is not None:
+            p.error("--drop-seed and --slow-step read a study's runs; --width reads a trend JSON: not both")
         try:
-            return write_block(args, width_table(rows))
-        except ValueError as exc:
+            table = width_table(json.loads(Path(args.json).read_text()))
+        except (ValueError, TypeError, AttributeError) as exc:  # (JSONDecodeError is a ValueError)
             p.error(f"{args.json}: {exc} (make it with bench converge --trend ... --json)")
+        return write_block(args, table)
     drop = {}
     for item in args.drop_seed:
         n, _, s = item.partition(":")

@@ -137,9 +137,25 @@ def test_the_docs_quote_the_width_study_json(capsys):
     records = []
     for path in WIDTH_RUNS:
         records += C.merge([path], variants=WIDTH_VARIANTS, world_sizes=[16])[1]
-    key = lambda r: (r["variant"], r["d_model"], tuple(r["seeds"]), round(r["gap_pct"], 9), r["params"])
-    assert sorted(map(key, committed)) == sorted(map(key, C.trend(records)))
+    recomputed = C.trend(records)
+    key = lambda r: (r["variant"], r["d_model"], tuple(r["seeds"]), r["params"], r["lion_lr"])
+    assert sorted(map(key, committed)) == sorted(map(key, recomputed))
+    assert R.width_table(committed) == R.width_table(recomputed)  # the gaps and intervals too
     assert {r["d_model"] for r in committed} >= {64, 128}
     with pytest.raises(SystemExit):  # a study JSON without trend rows is refused by name
         R.main([str(W300 / "converge.json"), "--width"])
     assert "no converge_trend rows at N = 16" in capsys.readouterr().err
+
+
+def test_width_check_fails_on_a_stale_block_and_the_marker_defaults_to_the_width_block(tmp_path, capsys):
+    doc = (ROOT / "docs" / "convergence.md").read_text()
+    stale = doc.replace("| 64 | 120,576 |", "| 64 | 120,577 |", 1)
+    assert stale != doc
+    (tmp_path / "c.md").write_text(stale)
+    args = [str(WIDTH / "converge.json"), "--width", "--doc", str(tmp_path / "c.md")]  # no --marker
+    assert R.main(args + ["--check"]) == 1
+    assert "--width --doc" in capsys.readouterr().out  # the regenerate command it prints keeps --width
+    assert R.main(args) == 0 and (tmp_path / "c.md").read_text() == doc  # only the width block changed
+    with pytest.raises(SystemExit):
+        R.main(args + ["--slow-step", "150"])
+    assert "--width reads a trend JSON" in capsys.readouterr().err

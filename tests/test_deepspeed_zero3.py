@@ -11,7 +11,8 @@ each with real ``deepspeed.initialize`` engines (DS_ACCELERATOR=cpu):
   gradients, allclose); the partitions are bit-identical across the groups; no floating-point
   tensor crosses a group; the momentum per rank is 1/L of the model;
 * gradient clipping (each group clips its own mean gradient) and a non-finite gradient in one
-  group only (every group skips the step together);
+  group only (every group skips the step together; also finite gradients whose combined norm
+  overflows in one group only, offloaded with two sub-groups);
 * ``engine.save_checkpoint`` / ``load_checkpoint``: resume is exact; another layout is refused by
   name before anything loads;
 * stage 3 without votes is global Lion on the partitions; optimizer offload to the CPU (no votes)
@@ -37,6 +38,7 @@ pytestmark = [pytest.mark.integration,
 
 WORLD, L = 4, 2
 STEPS, SAVE_AT = 5, 2
+HUGE_GRAD = 3.2e18
 LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.99)
 ENV = {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(L), "LIONCUB_KERNELS": "torch"}
 
@@ -199,7 +201,7 @@ def _votes_scenario(rank, dtype, clip, ckpt_dir, sub_group_size=None):
         real = [max(0, min(n, p.ds_numel - k * n)) for (_, _, n), p in zip(views, engine.optimizer.fp16_groups[i])]
         exact &= all(torch.equal(a[:r], b[:r]) for s in range(STEPS) for a, b, r in zip(got[s], want[s], real))
         if clip == 0.0 and dtype == "fp32" and sub_group_size is None:
-            mean_ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+            mean_ok = (mean_ok is not False) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
                           for s in range(STEPS)
                           for a, b in zip(grads[s], _dense_mean_shards(record["full_before"][s], rank, s + 1, sg,
                                                                        views, sg.shard_rank)))
@@ -277,16 +279,31 @@ def _resume(engine, rank, dtype, ckpt_dir):
             "refused_local": refused_local, "consolidated": consolidated}
 
 
-def _skip_scenario(rank):
-    """A non-finite gradient in group 0 only: every group skips the step, together."""
-    engine = _engine(_cfg("fp32", voters="node", node_size=L))
+def _skip_scenario(rank, huge=False):
+    """A non-finite gradient in group 0 only: every group skips the step, together. ``huge``: with the
+    optimizer offloaded (whose sub-group norms are fp32) and two ZeRO-3 sub-groups, finite gradients in
+    group 0 whose sub-group norms are finite but whose combined norm overflows fp32 (ZeRO-3 skips on
+    it): every group skips that step too."""
+    cfg = _cfg("fp32", offload=huge, voters="node", node_size=L, timeout_s=60)
+    if huge:  # the 15x7 weight's partition (53 elements per rank) alone, then the other three
+        cfg["zero_optimization"]["sub_group_size"] = 50
+    engine = _engine(cfg)
     opt = engine.basic_optimizer
+    active = [False]
+    if huge and rank == 0:
+        # group mean 1.6e18 per element: 105 and 63 elements give squared norms 2.7e38 and 1.6e38
+        # (fp32 max 3.4e38), their sum overflows
+        for p in engine.module.parameters():
+            p.register_hook(lambda g: g + HUGE_GRAD if active[0] else g)
     _train(engine, rank, 1, 2, "fp32")
     before = _full_params(engine)
-    _train(engine, rank, 3, 3, "fp32", poison_at=3)
+    active[0] = True
+    _train(engine, rank, 3, 3, "fp32", poison_at=None if huge else 3)
+    active[0] = False
     skipped = all(torch.equal(x, y) for x, y in zip(_full_params(engine), before))
     _train(engine, rank, 4, 4, "fp32")
-    return {"skipped": skipped, "steps": opt.step_count, "final": _full_params(engine)}
+    return {"skipped": skipped, "steps": opt.step_count, "final": _full_params(engine),
+            "sub_groups": len(opt.inner)}
 
 
 def _offload_votes_scenario(rank):
@@ -367,6 +384,7 @@ def _all(rank, world_size, tmp):
            "fp32": _votes_scenario(rank, "fp32", 0.0, os.path.join(tmp, "ckpt")),
            "bf16": _votes_scenario(rank, "bf16", 1.0, None, sub_group_size=50),
            "skip": _skip_scenario(rank),
+           "skip_huge": _skip_scenario(rank, huge=True),
            "offload_votes": _offload_votes_scenario(rank),
            # a plain engine after the vote engines: DeepSpeed keeps the last mpu in a module global
            "plain3_after": _plain_scenario(rank, 3, False),
@@ -457,11 +475,15 @@ def test_a_zero_init_model_and_disagreeing_node_sizes_are_refused_on_every_rank(
         assert "could not" in res["refuse_base64"] and "voters='node'" in res["refuse_base64"], r
 
 
-def test_a_non_finite_gradient_in_one_group_skips_the_step_in_every_group(results):
-    finals = [res["skip"]["final"] for res in results]
+@pytest.mark.parametrize("case", ["skip", "skip_huge"])
+def test_a_non_finite_gradient_in_one_group_skips_the_step_in_every_group(results, case):
+    """``skip_huge`` (offloaded, two sub-groups): each sub-group's norm is finite in group 0, their
+    combination is not."""
+    finals = [res[case]["final"] for res in results]
     for r, res in enumerate(results):
-        assert res["skip"]["skipped"], f"rank {r} stepped"
-        assert res["skip"]["steps"] == 3  # steps 1, 2, 4
+        assert res[case]["skipped"], f"rank {r} stepped"
+        assert res[case]["steps"] == 3  # steps 1, 2, 4
+        assert res[case]["sub_groups"] == (2 if case == "skip_huge" else 1)
         assert all(torch.equal(a, b) for a, b in zip(finals[r], finals[0]))
 
 

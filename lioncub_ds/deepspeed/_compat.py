@@ -70,7 +70,8 @@ MODULE_NAMES = (
 # ZeRO-3 with votes (lioncub_ds/deepspeed/zero3.py) reads DeepSpeedZeroOptimizer_Stage3's
 # fp32_partitioned_groups_flat, fp16_groups, sub_group_to_group_id, dp_process_group and the
 # parameters' partition_numel() / ds_numel; per instance it wraps _get_norm_groups and
-# has_overflow (the skip decision, agreed across groups) and, on the engine,
+# has_overflow (the skip decision, agreed across groups; where the optimizer's module has
+# combine_grad_norm_groups, as 0.19.8's does, the combined norm ZeRO-3 skips on joins it) and, on the engine,
 # _get_rank_zero_ckpt_name and _get_ckpt_name (per-group checkpoint file names). A missing one is
 # an error at wiring that names it (zero3.ZERO3_ATTRS).
 # Attributes of DeepSpeedZeroOptimizer that the ZeRO sign all-gather reads (the flat buffers,

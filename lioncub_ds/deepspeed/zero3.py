@@ -36,6 +36,7 @@ checkpoint saved with another group layout is refused by name before anything lo
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -456,10 +457,12 @@ def agree_across_groups(zopt, sg: ShardGroups) -> None:
     """Make ZeRO-3's skip decisions (non-finite gradient norm; fp16 overflow) the same in every
     group: each is computed over the group, then a flag is all-reduced (MAX) over the shard peers.
 
-    The sub-groups' norms are agreed one by one; ZeRO-3 (0.19.6+) also skips when their combination
-    is invalid, which finite norms cannot make on CUDA or CPU: DeepSpeed keeps them in fp64 there
-    (``get_norm_dtype``), where squares of fp32 gradients do not overflow."""
+    ZeRO-3 (where its module has ``combine_grad_norm_groups``) also skips when the sub-groups' norms
+    combine to an invalid one; with the optimizer offloaded the norms are fp32, so two finite ones can
+    overflow together in one group only. That combination, made by DeepSpeed's own function on the
+    same norms, joins the flag."""
     device = _param_device(zopt)  # the parameters' device: NCCL takes no CPU tensor (offloaded masters are)
+    combine = getattr(importlib.import_module(type(zopt).__module__), "combine_grad_norm_groups", None)
 
     def flag_max(bad) -> bool:
         t = torch.as_tensor(bad, device=device).to(torch.int32).reshape(1)
@@ -473,7 +476,7 @@ def agree_across_groups(zopt, sg: ShardGroups) -> None:
         # invalid: non-finite, or DeepSpeed's -1 sentinel for one (what its is_invalid_grad_norm tests);
         # decided on the device, so the flag's all-reduce carries the step's only host read
         bad = torch.zeros((), dtype=torch.bool, device=device)
-        for t in norms:
+        for t in [*norms, *([combine(norms)] if combine is not None and norms else [])]:
             t = torch.as_tensor(t, device=device)
             bad = bad | (~torch.isfinite(t) | (t < 0)).any()
         if flag_max(bad):
