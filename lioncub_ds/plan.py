@@ -67,6 +67,11 @@ SYNC_DTYPE = "int8"          # the recommended momentum sync (docs/convergence.m
 SYNC_EVERY = 20
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb, and LionCub's bucket_size_mb default
 DS_REDUCE_BUCKET_NUMEL = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements)
+# LionCub's step spends host time per bucket (Python, the pipeline's views and flags, kernel launches),
+# whatever the bucket's size: 0.07-0.12 ms measured on a 2-core VM's CPU (docs/kernels.md, "Host cost per
+# call"; not measured on a GPU host). Not in the predicted step time; printed from this many buckets on.
+HOST_MS_PER_BUCKET = (0.07, 0.12)
+HOST_NOTE_BUCKETS = 1000
 BACKWARD_SHARE = 2.0 / 3.0   # backward's share of forward + backward (2 of the 3 matmul passes)
 # Memory traffic per updated parameter of the optimizer step (bytes; read + write):
 #   fused Lion: read g, m, master/param, write m, master/param (+ the bf16 copy): 20;
@@ -722,12 +727,17 @@ def strategy(name: str, model: ModelSpec, cluster: ClusterSpec, work: WorkloadSp
                          "(its flags) the distributed optimizer's own buffers take their place")
     else:
         raise _err("strategy", name, ", ".join(STRATEGIES))
+    host_buckets = None  # the buckets LionCub's step walks on each rank (its host time is per bucket)
+    if name in LIONCUB_STAGE0:
+        host_buckets = wire.count(_lioncub_layout(tuple(runs), n, mb)[0])
+    elif name in SHARDED and SHARDED[name][2]:  # votes on this rank's 1/L partition of every parameter
+        host_buckets = math.ceil(4 * (-(-p // L)) / (mb * 2**20))
     sync = f" + {SYNC_DTYPE} momentum sync every {sync_every}" if sync_every else ", no momentum sync"
     refused = refusals(name, work, top)
     config = {k: v for k, v in config.items() if k not in refused}
     return {"name": name, "label": LABELS[name].format(sync=sync), "traffic": traffic, "state": state, "master_holder": master_holder,
             "update_bytes": update, "overlap_ok": overlap_ok, "conv_key": conv, "config": config, "notes": notes,
-            "refused": refused, "runnable": any(config.get(k) for k in RUNNERS)}
+            "refused": refused, "runnable": any(config.get(k) for k in RUNNERS), "host_buckets": host_buckets}
 
 
 RUNNERS = ("deepspeed", "megatron_flags", "torch")  # the config keys a strategy is run from
@@ -978,7 +988,7 @@ def evaluate(name, model, cluster, work, top, sync_every=SYNC_EVERY) -> dict:
             "compute_time_s": compute, "update_time_s": update, "step_time_s": step,
             "tokens_per_s": work.tokens_per_gpu * cluster.gpus / step,
             "convergence": conv, "collectives": parts, "config": s["config"], "refused": s["refused"],
-            "runnable": s["runnable"], "notes": s["notes"]}
+            "runnable": s["runnable"], "notes": s["notes"], "lioncub_buckets_per_rank": s["host_buckets"]}
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, work: WorkloadSpec, strategies=STRATEGIES,
@@ -1045,7 +1055,8 @@ def recommend(rows: list[dict], min_speedup: float) -> dict:
                     f"{best_exact['step_time_s'] / best_cub['step_time_s']:.2f}x, below the {min_speedup:g}x worth "
                     "a convergence risk")
     return {"name": pick["name"], "label": pick["label"], "why": why, "config": pick["config"],
-            "refused": pick["refused"], "step_time_s": pick["step_time_s"], "tokens_per_s": pick["tokens_per_s"]}
+            "refused": pick["refused"], "step_time_s": pick["step_time_s"], "tokens_per_s": pick["tokens_per_s"],
+            "lioncub_buckets_per_rank": pick.get("lioncub_buckets_per_rank")}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -1185,6 +1196,14 @@ def _recommendation_lines(result: dict) -> list[str]:
         lines += ["  torch:"] + [f"    {stmt};" for stmt in cfg["torch"].split("; ")]
     if cfg.get("note"):
         lines += _wrap(f"note: {cfg['note']}", "  ")
+    buckets = rec.get("lioncub_buckets_per_rank")
+    if buckets and buckets >= HOST_NOTE_BUCKETS:
+        lo, hi = (buckets * ms / 1e3 for ms in HOST_MS_PER_BUCKET)
+        mb = result["inputs"]["workload"]["bucket_size_mb"]
+        lines += _wrap(f"host time: {buckets:,} buckets per rank at bucket_size_mb={mb:g}; LionCub's step spends "
+                       f"{HOST_MS_PER_BUCKET[0]:g}-{HOST_MS_PER_BUCKET[1]:g} ms of host time per bucket (measured on "
+                       f"a CPU, not on a GPU host; not in the step time below): {lo:.2g}-{hi:.2g} s per step. A larger "
+                       "--bucket-size-mb cuts it (docs/hyperparameters.md)", "  ")
     return lines
 
 

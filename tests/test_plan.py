@@ -525,6 +525,31 @@ def test_a_quote_above_the_goal_says_so():
 
 
 @pytest.mark.unit
+def test_many_buckets_print_the_host_time_they_cost():
+    """LionCub's step spends host time per bucket: a recommendation that walks 1,000 buckets or more per
+    rank says how many and what they cost (the CPU-measured range, not in the step time); a larger
+    bucket_size_mb, or an exact strategy, prints no such line."""
+    def run(mb):
+        return P.plan(P.ModelSpec(params=7 * 10**9), P.ClusterSpec(nodes=16, gpus_per_node=1,
+                                                                   inter_gbit_s=10), P.WorkloadSpec(bucket_size_mb=mb))
+    res = run(25.0)
+    rec = res["recommendation"]
+    k = rec["lioncub_buckets_per_rank"]
+    assert rec["name"] == "lioncub_1bit_sync20" and k >= P.HOST_NOTE_BUCKETS
+    assert k == _row(res, "lioncub_1bit_sync20")["lioncub_buckets_per_rank"]
+    text = P.format_plan(res).replace("\n      ", " ")
+    lo, hi = (k * ms / 1e3 for ms in P.HOST_MS_PER_BUCKET)
+    assert f"host time: {k:,} buckets per rank at bucket_size_mb=25;" in text
+    assert f"{lo:.2g}-{hi:.2g} s per step" in text
+    bigger = run(100.0)
+    assert bigger["recommendation"]["lioncub_buckets_per_rank"] < k / 4
+    assert "host time:" not in P.format_plan(bigger)
+    exact = P.plan(P.ModelSpec(params=70 * 10**9), P.ClusterSpec(nodes=8, gpus_per_node=8), P.WorkloadSpec())
+    assert exact["recommendation"]["name"] in P.EXACT and "host time:" not in P.format_plan(exact)
+    assert _row(exact, "ddp_bf16")["lioncub_buckets_per_rank"] is None
+
+
+@pytest.mark.unit
 def test_convergence_column_quotes_the_nearest_measured_n_with_its_interval():
     """8 nodes x 8 GPUs (what the planner recommends node voters for): the largest measured N nearest to
     64, and there the node size nearest to 8; with --sync-every 0, flat 1bit without sync; a
