@@ -52,6 +52,14 @@ def _order(order):
     return lambda v: (order.index(v), "") if v in order else (len(order), v)
 
 
+def gap_text(s: dict, seeds_word: str = " seeds") -> str:
+    """A summary row's paired gap as the tables write it: "+1.17% [+0.81, +1.53] (10 seeds)", or
+    "+2.48% (1 seed)" where one seed gives no interval (``seeds_word=""``: "(10)")."""
+    if len(s["seeds"]) < 2:
+        return f"{s['gap_pct']:+.2f}% (1 seed)"
+    return f"{s['gap_pct']:+.2f}% [{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}] ({len(s['seeds'])}{seeds_word})"
+
+
 def seed_table(records, n: int, order=ROW_ORDER) -> str:
     """One N's markdown table: a row per variant, a column per seed (final val loss), the paired gap
     to global Lion over the seeds both have, and x fewer bytes than an fp32 all-reduce (node voters:
@@ -72,10 +80,8 @@ def seed_table(records, n: int, order=ROW_ORDER) -> str:
             gap = "—"
         elif s is None:
             gap = "no paired seed"
-        elif len(s["seeds"]) < 2:
-            gap = f"{s['gap_pct']:+.2f}% (1 seed)"
         else:
-            gap = f"{s['gap_pct']:+.2f}% [{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}] ({len(s['seeds'])} seeds)"
+            gap = gap_text(s)
         cells = [f"`{v}`, lr {fmt_lr(r0['lr'])}", *(f"{mine[k]['val_loss']:.3f}" if k in mine else "–" for k in seeds),
                  gap, f"{r0['bytes_ratio_vs_fp32']:.1f}x"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -146,12 +152,7 @@ def width_table(trend_rows, n: int = 16, columns=None) -> str:
                  fmt_lr(r0["lion_lr"]) if r0.get("lion_lr") else "–"]
         for v in columns:
             s = mine.get(v)
-            if s is None:
-                cells.append("–")
-            elif len(s["seeds"]) < 2:
-                cells.append(f"{s['gap_pct']:+.2f}% (1 seed)")
-            else:
-                cells.append(f"{s['gap_pct']:+.2f}% [{s['ci_lo_pct']:+.2f}, {s['ci_hi_pct']:+.2f}] ({len(s['seeds'])})")
+            cells.append("–" if s is None else gap_text(s, seeds_word=""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
