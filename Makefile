@@ -18,11 +18,11 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 setup: $(STAMP) $(KSTAMP)
 
 $(STAMP): requirements.txt setup.py
-	@echo "make setup: one-time: .venv with torch==2.13.0 (CPU) and the pinned packages of requirements.txt"
+	@echo "make setup: one-time: .venv with torch==2.13.0 (from your pip's indexes; TORCH_INDEX=<url> adds one) and the pinned packages of requirements.txt"
 	@echo "  (mostly downloads: minutes, depending on the network; then the C++ kernels, below)"
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(VPY) -m pip install -q --no-build-isolation -r requirements.txt
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)

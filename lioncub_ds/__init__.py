@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # public name -> the module (relative to this package) that defines it
 _EXPORTS = {"Lion": ".lion", "LionCub": ".optimizer", "LionCubConfig": ".config",
             "LionCubConfigError": ".config", "NonFiniteError": ".optimizer", "ReplicaDriftError": ".optimizer",
-            "CheckpointError": ".checkpoint", "CollectiveError": ".comm.base"}
+            "CheckpointError": ".checkpoint", "CollectiveError": ".comm.base", "StepInputError": ".errors"}
 __all__ = list(_EXPORTS)
 
 
