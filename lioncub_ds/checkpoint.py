@@ -611,9 +611,13 @@ def _assemble(optimizer, mine: dict, shapes: list, rebuild: _Rebuild, first: dic
     if mine.get("megatron_layout") is not None and len(main) == len(shapes):
         lioncub["main_shards"] = [main[i] for i in range(len(shapes))]
     old_groups = first.get("param_groups") or []
-    if len(old_groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"{where}: the checkpoint has {len(old_groups)} parameter groups, this optimizer "
-                              f"{len(optimizer.param_groups)}")
+    # each group's lr / betas / weight decay are restored by position: the groups must hold as many
+    # parameters each as when saved (the flat shape list can match while the grouping does not)
+    got = [len(g.get("params") or []) for g in old_groups]
+    want = [len(g["params"]) for g in optimizer.param_groups]
+    if got != want:
+        raise CheckpointError(f"{where}: the checkpoint's param groups hold {got} parameters, this optimizer's "
+                              f"{want}; allowed: the param groups it was saved with; no state was changed")
     groups, n = [], 0
     for old, g in zip(old_groups, optimizer.param_groups):
         groups.append(dict({k: v for k, v in old.items() if k not in ("params", "param_names")},

@@ -134,6 +134,8 @@ def _refusal_cases():
         "init_weights": (Net, dict(init_weights=3), ["init_weights=3", "not callable"]),
         "meta without init_weights": (_meta_net, {}, ["meta device", "init_weights=fn"]),
         "timeout_s": (Net, dict(timeout_s=-1.0), ["timeout_s=-1.0"]),
+        "a param group's own lr": (Net, lambda net: dict(params=[{"params": list(net.parameters()), "lr": -1.0}]),
+                                   ["param group #0", "lr=-1.0", "allowed"]),
     })
     return cases
 
@@ -256,11 +258,11 @@ def _rank_body(rank, world_size, path):
     res["sync_log"] = nccl_contract.log()
     res["sync_momenta"] = [opt_s.state[leaf]["exp_avg"].clone() for _, _, leaf in opt_s._fsdp]
     res["sync_after"] = _locals(model_s)
-    res["review"] = _review(rank)
+    res["review"] = _review(rank, path)
     return res
 
 
-def _review(rank):
+def _review(rank, path):
     """The review's cases, each caught (its error text kept) so one failure names itself:
     groups starting apart, nested modules=, a model on "meta" with init_weights, timeout_s,
     make_shard_groups' refusal."""
@@ -323,8 +325,86 @@ def _review(rank):
                 res[label] = (str(exc), len(nccl_contract.log()) - before)
         return res
 
+    def regrouped(path):
+        """Saved with two param groups (their own lr / weight decay); loaded into one group, into the
+        same two groups cut elsewhere, and into the groups in another order: refused by name, nothing
+        loaded; into the same groups: loaded, the groups' settings back."""
+        from lioncub_ds.fsdp import load, save
+        from lioncub_ds.config import LionCubConfigError
+
+        def split(net, k, lrs=(0.01, 0.001)):
+            pairs = list(net.named_parameters())
+            return [{"params": pairs[:k], "lr": lrs[0], "weight_decay": 0.5},
+                    {"params": pairs[k:], "lr": lrs[1], "weight_decay": 0.0}]
+        torch.manual_seed(0)
+        net = Net()
+        model, opt = shard_and_vote(net, L, params=split(net, 2), **dict(settings, lr=0.005))
+        _train(model, opt, 1, 1, clip=False)
+        save(path, model, opt)
+        res = {}
+        for label, make in (("one group", lambda n: None), ("cut elsewhere", lambda n: split(n, 3, (0.003, 0.003))),
+                            ("reordered", lambda n: split(n, 2)[::-1]), ("same", lambda n: split(n, 2, (0.7, 0.7)))):
+            torch.manual_seed(0)
+            n = Net()
+            m2, o2 = shard_and_vote(n, L, params=make(n), **settings)
+            before = [(g["lr"], g["weight_decay"]) for g in o2.param_groups]
+            try:
+                load(path, m2, o2)
+                res[label] = ("loaded", o2.step_count, [(g["lr"], g["weight_decay"]) for g in o2.param_groups])
+            except LionCubConfigError as exc:
+                res[label] = (str(exc), o2.step_count, [(g["lr"], g["weight_decay"]) for g in o2.param_groups] == before)
+        return res
+
+    def sync_resume(path):
+        """A drift-scheduled momentum sync: the resumed run syncs after the same steps as the
+        uninterrupted one (its trigger and counters are in the checkpoint), bit for bit."""
+        from lioncub_ds.fsdp import load, save
+        kw = dict(settings, momentum_sync={"schedule": "drift", "threshold": 0.005, "min_every": 4})
+
+        def run(model, opt, first, last):
+            syncs = []
+            for step in range(first, last + 1):
+                _train(model, opt, step, step, clip=False)
+                syncs.append(opt.comm_stats()["momentum_sync"]["syncs"])
+            return syncs, _locals(model)
+        torch.manual_seed(0)
+        model, opt = shard_and_vote(Net(), 1, **kw)
+        run(model, opt, 1, 4)
+        save(path, model, opt)
+        whole = run(model, opt, 5, 16)
+        torch.manual_seed(5)
+        model2, opt2 = shard_and_vote(Net(), 1, **kw)
+        load(path, model2, opt2)
+        resumed = run(model2, opt2, 5, 16)
+        return {"syncs": (whole[0], resumed[0]),
+                "equal": all(torch.equal(a, b) for a, b in zip(whole[1], resumed[1]))}
+
+    def copies():
+        """copy.deepcopy / pickle of LionCubFSDP: refused by name (a copy would step tensors FSDP2 never
+        all-gathers); and a parameter frozen at construction, unfrozen before the first step, trains."""
+        import copy
+        import pickle
+        torch.manual_seed(0)
+        net = Net()
+        net.emb.weight.requires_grad_(False)
+        model, opt = shard_and_vote(net, L, **settings)
+        res = {}
+        for label, fn in (("deepcopy", copy.deepcopy), ("pickle", pickle.dumps)):
+            try:
+                fn(opt)
+                res[label] = None
+            except TypeError as exc:
+                res[label] = str(exc)
+        model.emb.weight.requires_grad_(True)
+        before = _locals(model)[0]
+        _train(model, opt, 1, 1, clip=False)
+        res["unfrozen_moved"] = not torch.equal(before, _locals(model)[0])
+        return res
+
     for label, case in (("apart", apart), ("nested", nested), ("meta", meta), ("timeout", timeout),
-                        ("bad_size", bad_size)):
+                        ("bad_size", bad_size), ("regrouped", lambda: regrouped(path + "-regrouped")),
+                        ("sync_resume", lambda: sync_resume(path + "-sync")),
+                        ("copies", copies)):
         try:
             out[label] = case()
         except Exception as exc:  # noqa: BLE001 - the test names it
@@ -644,3 +724,31 @@ def test_backend_takes_reads_the_backends_devices():
     assert not backend_takes("nccl", "cpu") and backend_takes("nccl", "cuda")
     assert backend_takes("gloo", "cpu") and backend_takes("cpu:gloo,cuda:nccl", "cpu")
     assert not backend_takes("cuda:nccl", "cpu")
+
+
+def test_param_groups_of_another_structure_are_refused_by_name(ranks):
+    """Each group's lr and weight decay come back by position: a checkpoint of two groups loads
+    only into the same two groups (their settings restored), never into one group, the groups cut
+    elsewhere or in another order."""
+    for x in _case(ranks, "regrouped"):
+        assert x["same"] == ("loaded", 1, [(0.01, 0.5), (0.001, 0.0)]), x["same"]
+        for label in ("one group", "cut elsewhere", "reordered"):
+            msg, count, unchanged = x[label]
+            assert "param groups differ" in msg and "allowed: the param groups it was saved with" in msg, (label, msg)
+            assert count == 0 and unchanged, (label, x[label])
+        assert "saved [emb.weight, fc1.weight; fc1.bias, fc2.weight, fc2.bias], here [emb.weight, fc1.weight, " \
+               "fc1.bias (+2)]" in x["one group"][0], x["one group"][0]
+
+
+def test_a_drift_scheduled_momentum_sync_resumes_on_the_same_steps(ranks):
+    for x in _case(ranks, "sync_resume"):
+        whole, resumed = x["syncs"]
+        assert whole == resumed and whole[-1] > whole[0], x["syncs"]
+        assert x["equal"]
+
+
+def test_copies_are_refused_and_a_parameter_unfrozen_before_the_first_step_trains(ranks):
+    for x in _case(ranks, "copies"):
+        for label in ("deepcopy", "pickle"):
+            assert x[label] and "LionCubFSDP cannot be copied or pickled" in x[label], (label, x[label])
+        assert x["unfrozen_moved"]

@@ -15,8 +15,9 @@ docs/checkpoints.md), not from the code under test:
 * then T steps of the new layout, every rank's parameters compared after each step.
 
 Cases: 2x2 -> 4x1 (flat), 2x2 -> 1x4, 4x2 -> 2x2, 2x3 -> 3x2, flat 4 -> 2x2, 2x2 -> 2x2 with
-other buckets (same voters: exact), master-only L=2 -> L=4. A corrupt or missing rank file, and
-reshard="error" when the voters change, are refused on every rank with nothing changed.
+other buckets (same voters: exact), master-only L=2 -> L=4. A corrupt or missing rank file,
+reshard="error" when the voters change, and param groups of other sizes across a reshard are refused
+on every rank with nothing changed.
 """
 from __future__ import annotations
 
@@ -130,6 +131,22 @@ def _refusals(rank, world, directory, scratch):
         out[case + "_unchanged"] = _same(before, now)
     checkpoint.load(opt, directory)  # the intact files still load
     out["loaded_step"] = opt.step_count
+    # param groups of another structure (as many groups, other sizes) across a reshard: each group's
+    # lr and weight decay are restored by position, so the load must refuse, not mix them up
+    ps = list(model.parameters())
+    split = lambda k, wd: [{"params": ps[:k], "weight_decay": wd}, {"params": ps[k:], "weight_decay": 0.0}]  # noqa: E731
+    saved = LionCub(split(1, WD), lr=LR, betas=BETAS, comm="1bit", voters="node", node_size=2)
+    _steps(model, saved, rank, 1, 1, B16)
+    d = os.path.join(scratch, "groups")
+    checkpoint.save(saved, d)
+    regrouped = LionCub(split(2, 0.5), lr=LR, betas=BETAS, comm="1bit", voters="node", node_size=4)
+    try:
+        checkpoint.load(regrouped, d)
+        out["groups"] = None
+    except checkpoint.CheckpointError as exc:
+        out["groups"] = str(exc)
+    out["groups_unchanged"] = (regrouped.step_count, len(regrouped.state),
+                               [g["weight_decay"] for g in regrouped.param_groups]) == (0, 0, [0.5, 0.0])
     return out
 
 
@@ -292,5 +309,6 @@ def test_refused_on_every_rank_with_nothing_changed(runs):
         for case in ("error", "corrupt", "missing"):
             assert x[case + "_unchanged"], (r, case)
         assert x["loaded_step"] == S
+        assert x["groups"] and "param groups hold [1, " in x["groups"] and x["groups_unchanged"], (r, x["groups"])
     # the rank files are read by every rank: each names the bad file itself
     assert all("lioncub-rank00001-of-00004.pt" in res["refusals"]["corrupt"] for res in runs["four"])

@@ -5,9 +5,12 @@ across shard groups, so DCP writes each piece once) and the optimizer's
 :meth:`~lioncub_ds.fsdp.LionCubFSDP.sharded_state_dict`: every shard group's momenta (each group
 is a voter with its own), the step counters (the tie rule's step) and the layout. A load first
 reads the layout alone and refuses another shard size by name; then DCP loads the model in place
-and the optimizer's state into fresh tensors, and the optimizer takes them: resume is bit-exact.
+and the optimizer's state into fresh tensors, and the optimizer takes them: resume is bit-exact (the
+momentum sync's schedule and counters included).
 """
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -31,6 +34,8 @@ def load(checkpoint_id, model: torch.nn.Module, optimizer, **dcp_kwargs) -> None
     dcp.load(probe, checkpoint_id=checkpoint_id, **dcp_kwargs)
     check_layout(probe["optim"]["layout"], mine)
     sd = {"model": model.state_dict(), "optim": optimizer.sharded_state_dict(placeholders=True)}
+    if json.loads(probe["optim"]["layout"]).get("format", 1) < 2:  # saved before the momentum sync's state was
+        sd["optim"].pop("momentum_sync")                            # in it: this run's own schedule goes on
     dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
     model.load_state_dict(sd["model"])  # DCP filled FSDP2's own tensors; this copies nothing new in
     optimizer.load_sharded_state_dict(sd["optim"])

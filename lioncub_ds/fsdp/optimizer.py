@@ -28,10 +28,11 @@ import torch.distributed as dist
 from ..config import LionCubConfig, LionCubConfigError
 from ..groups import ShardGroups, group_ranks, make_shard_groups, resolve_ranks_per_node
 from ..layout import ELEMENT_START
-from ..lion import call_closure
+from ..lion import call_closure, check_param_group
 from ..optimizer import LionCub, check_shard_settings
 
-LAYOUT_FORMAT = 1
+# 2: the param groups' names in the layout, and the momentum sync's state per rank
+LAYOUT_FORMAT = 2
 
 
 def shard_mesh(shard_groups: ShardGroups, device_type: str | None = None):
@@ -168,6 +169,16 @@ class LionCubFSDP(LionCub):
         self.fsdp_shard_groups = shard_groups
         super().__init__(leaf_groups, shard_groups=shard_groups, **settings)
 
+    def __getstate__(self):
+        # the leaves alias FSDP2's shards: a copy (or an unpickled one) would step copies that no
+        # all-gather reads, a silent no-op
+        raise TypeError("LionCubFSDP cannot be copied or pickled: it steps FSDP2's shards in place, and a copy would "
+                        "step tensors the model never reads; allowed: lioncub_ds.fsdp.save / load (DCP), or "
+                        "sharded_state_dict() in your own DCP state")
+
+    def __deepcopy__(self, memo):
+        self.__getstate__()
+
     def _leaf(self, name, p, sg):
         with torch.no_grad():
             local = p.to_local()
@@ -203,6 +214,10 @@ class LionCubFSDP(LionCub):
                         "load_state_dict(assign=True) or .to()); allowed: build the optimizer after them, or load "
                         "with lioncub_ds.fsdp.load (in place)")
                 leaf.grad = p.grad.to_local() if p.grad is not None else None
+                # frozen or unfrozen on FSDP2's parameter after construction: the leaf says the same
+                # (LionCub's own rules then apply: e.g. one frozen at the first step stays frozen)
+                if leaf.requires_grad != p.requires_grad:
+                    leaf.requires_grad_(p.requires_grad)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -224,16 +239,22 @@ class LionCubFSDP(LionCub):
         """What this rank's momenta are pieces of, as one JSON string (saved with them; a load
         must match it): shard size L, voters Nn, the parameters' names and shapes."""
         sg = self.fsdp_shard_groups
+        name_of = {id(leaf): name for name, _, leaf in self._fsdp}
         return json.dumps({"format": LAYOUT_FORMAT, "shard_size": sg.shard_size, "voters": sg.groups,
-                           "params": [[name, list(p.shape)] for name, p, _ in self._fsdp]})
+                           "params": [[name, list(p.shape)] for name, p, _ in self._fsdp],
+                           "groups": [[name_of[id(leaf)] for leaf in g["params"]] for g in self.param_groups]})
 
     def sharded_state_dict(self, *, placeholders: bool = False) -> dict:
         """LionCub's state in torch.distributed.checkpoint's terms: each momentum as a DTensor of
         its parameter's shape and sharding (its voter's key: ``momenta.voter<j>.<name>``, since
-        every shard group keeps its own), the per-parameter step counters, the step count and the
-        layout. ``placeholders``: zeros to load into (nothing of this optimizer is touched)."""
+        every shard group keeps its own), the per-parameter step counters, the step count, the
+        momentum sync's schedule and counters (``momentum_sync.rank<r>``: a drift schedule's pending
+        signal is this rank's own), and the layout. ``placeholders``: blanks to load into (nothing
+        of this optimizer is touched)."""
         from torch.distributed.tensor import DTensor
         sg = self.fsdp_shard_groups
+        sync = "" if placeholders else json.dumps(
+            self._plan.momentum_sync_state() if self._plan is not None else self.momentum_sync_state)
         momenta, steps = {}, {}
         for name, p, leaf in self._fsdp:
             st = self.state.get(leaf, {})
@@ -245,12 +266,19 @@ class LionCubFSDP(LionCub):
             steps[name] = 0.0 if placeholders or "step" not in st else float(st["step"])
         groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.param_groups]
         return {"layout": self.fsdp_layout(), "step": self._step_count, "skipped_steps": self._skipped_steps,
-                "param_steps": steps, "param_groups": groups, "momenta": {f"voter{sg.group_index}": momenta}}
+                "param_steps": steps, "param_groups": groups, "momenta": {f"voter{sg.group_index}": momenta},
+                "momentum_sync": {f"rank{dist.get_rank()}": sync}}
 
     def load_sharded_state_dict(self, sd: dict) -> None:
         """Take the state :func:`torch.distributed.checkpoint.load` filled into
         :meth:`sharded_state_dict` ``(placeholders=True)``. Refuses another layout by name."""
         check_layout(sd["layout"], self.fsdp_layout())
+        if len(sd["param_groups"]) != len(self.param_groups):  # (a layout of format 1 has no group names)
+            raise LionCubConfigError(f"LionCubFSDP: the checkpoint has {len(sd['param_groups'])} param groups, this "
+                                     f"optimizer {len(self.param_groups)}; allowed: the param groups it was saved "
+                                     "with; nothing was loaded")
+        sync = (sd.get("momentum_sync") or {}).get(f"rank{dist.get_rank()}")
+        sync = json.loads(sync) if sync else None
         momenta = sd["momenta"][f"voter{self.fsdp_shard_groups.group_index}"]
         index = {id(leaf): i for i, leaf in enumerate(p for g in self.param_groups for p in g["params"])}
         state = {index[id(leaf)]: {"exp_avg": momenta[name].to_local(),
@@ -261,11 +289,14 @@ class LionCubFSDP(LionCub):
                   for saved, g in zip(sd["param_groups"], base["param_groups"])]
         lioncub = dict(base["lioncub"], step=int(sd["step"]), skipped_steps=int(sd["skipped_steps"]))
         lioncub.pop("comm_stats", None)  # per-rank telemetry: not in the checkpoint, kept as it is
+        if sync is not None:  # the schedule resumes where it was (else this run's own stays)
+            lioncub["momentum_sync"] = sync
         self.load_state_dict({"state": state, "param_groups": groups, "lioncub": lioncub})
 
 
 def check_layout(saved: str, mine: str) -> None:
-    """Refuse, by name, state saved under another shard layout (before anything is loaded)."""
+    """Refuse, by name, state saved under another shard layout, other parameters or other param
+    groups (before anything is loaded)."""
     if saved == mine:
         return
     s, m = json.loads(saved), json.loads(mine)
@@ -278,10 +309,24 @@ def check_layout(saved: str, mine: str) -> None:
             f"LionCubFSDP: the checkpoint was saved with {text(s)}, this run has {text(m)}: each shard group keeps "
             "its own momentum of its shards; allowed: the shard_size (and world size) it was saved with; nothing "
             "was loaded")
+    sp, mp = s.get("params", []), m.get("params", [])
+    if sorted(map(str, sp)) != sorted(map(str, mp)):
+        raise LionCubConfigError(
+            "LionCubFSDP: the checkpoint's parameters (names, shapes) differ from this model's: "
+            f"{_first_difference(sp, mp)}; allowed: the model it was saved from; nothing was loaded")
+    groups = s.get("groups")  # absent in a format-1 layout: the order of the parameters alone
+    if sp == mp and (groups is None or groups == m.get("groups")):
+        return
     raise LionCubConfigError(
-        "LionCubFSDP: the checkpoint's parameters (names, shapes) differ from this model's: "
-        f"{_first_difference(s.get('params', []), m.get('params', []))}; allowed: the model it was saved from; "
+        "LionCubFSDP: the checkpoint's param groups differ from this optimizer's (the same parameters, grouped or "
+        f"ordered otherwise): saved {_groups_text(groups, sp)}, here {_groups_text(m.get('groups'), mp)}; each "
+        "group's lr, betas and weight decay are restored by position; allowed: the param groups it was saved with; "
         "nothing was loaded")
+
+
+def _groups_text(groups, params) -> str:
+    groups = groups if groups is not None else [[name for name, _ in params]]
+    return "[" + "; ".join(", ".join(g[:3]) + (f" (+{len(g) - 3})" if len(g) > 3 else "") for g in groups) + "]"
 
 
 def _first_difference(a, b) -> str:
@@ -407,6 +452,9 @@ def shard_and_vote(model: torch.nn.Module, shard_size: int | None = None, *, mod
     size = _shard_size(shard_size)
     # the groups by name: fully_shard replaces every parameter with a DTensor of the same name
     groups = _named_groups(model, params)
+    defaults = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    for i, g in enumerate(groups):  # a group's own lr / betas / weight decay: before the model is sharded
+        check_param_group(g, "LionCubFSDP", defaults, i)
     submodules = _module_list(model, modules)
     meta = any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
     if meta and init_weights is None:
