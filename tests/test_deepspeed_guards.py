@@ -329,3 +329,30 @@ def test_a_save_that_fails_on_one_rank_raises_on_every_rank(tmp_path):
     assert a["error"] is not None and "another rank could not write its LionCub state" in a["error"], a
     assert not (tmp_path / "bad" / "mp_rank_00_model_states.pt").exists()
     assert (tmp_path / "good" / "mp_rank_00_model_states.pt").exists()
+
+
+@pytest.mark.unit
+@needs_deepspeed
+def test_zero3_votes_pick_the_ranks_device_as_deepspeed_will(monkeypatch):
+    """ZeRO-3 with votes runs collectives before DeepSpeed's engine picks the GPU: the wrapper makes
+    the rank's device current first (args.device_rank, else LOCAL_RANK, as the engine picks it);
+    a single process without LOCAL_RANK is left alone."""
+    from types import SimpleNamespace
+
+    from lioncub_ds.deepspeed.zero3 import select_device
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def set_device(self, index):
+            self.calls.append(index)
+
+    acc = Recorder()
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert select_device(None, acc) == 3
+    assert select_device(SimpleNamespace(device_rank=5), acc) == 5
+    assert select_device(SimpleNamespace(device_rank=None, other=1), acc) == 3
+    monkeypatch.delenv("LOCAL_RANK")
+    assert select_device(None, acc) is None
+    assert acc.calls == [3, 5, 3]

@@ -215,12 +215,18 @@ def _votes_scenario(rank, dtype, clip, ckpt_dir, sub_group_size=None):
                 for p, (v, _, _), r in zip(engine.optimizer.fp16_groups[i], views, real))
     out = {"full_final": _full_params(engine), "exact": exact, "mean_ok": mean_ok, "same_across_groups": same_across_groups, "low": low,
            "calls": calls, "momentum_bytes": opt.state_bytes().get("momentum", 0),
+           "public_state": _public_state_bytes(engine),
            "params": sum(p.ds_numel for p in engine.module.parameters()),
            "summary": engine.lioncub.summary(), "group": sg.group_index, "shard": sg.shard_rank,
            "steps": opt.step_count, "sub_groups": len(opt.views)}
     if ckpt_dir is not None:
         out.update(_resume(engine, rank, dtype, ckpt_dir))
     return out
+
+
+def _public_state_bytes(engine):
+    from lioncub_ds.deepspeed import state_bytes
+    return state_bytes(engine)
 
 
 def _resume(engine, rank, dtype, ckpt_dir):
@@ -275,8 +281,37 @@ def _resume(engine, rank, dtype, ckpt_dir):
         refused_local = None
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
         refused_local = f"{type(exc).__name__}: {exc}"
+    # node-local storage, no tag given: DeepSpeed wrote 'latest' on global rank 0 only, so the other
+    # node (ranks 2, 3) finds no tag; every rank refuses (without the agreement, ranks 0, 1 would load
+    # and ranks 2, 3 load nothing: the groups would go on from different states)
+    nolatest = ckpt_dir + "_nolatest"
+    if rank == 0:
+        shutil.copytree(ckpt_dir, nolatest)
+        os.remove(os.path.join(nolatest, "latest"))
+    # the same groups, other partitions (sub_group_size or the model changed): the refusal says so
+    subgroups = ckpt_dir + "_subgroups"
+    if rank == 0:
+        shutil.copytree(ckpt_dir, subgroups)
+        path = os.path.join(subgroups, "t", "lioncub_zero3_layout.json")
+        with open(path) as f:
+            layout = json.load(f)
+        layout["sub_groups"] = [7, 8]
+        with open(path, "w") as f:
+            json.dump(layout, f)
+    dist.barrier()
+    before = _full_params(b)
+    refusals = {}
+    for label, where, tag in (("no_latest", ckpt_dir if rank < WORLD // 2 else nolatest, None),
+                              ("sub_groups", subgroups, "t")):
+        try:
+            b.load_checkpoint(where, tag=tag)
+            refusals[label] = None
+        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+            refusals[label] = f"{type(exc).__name__}: {exc}"
+    unchanged_latest = all(torch.equal(x, y) for x, y in zip(_full_params(b), before))
     return {"resumed": resumed, "files": files, "refused": refused, "unchanged_after_refusal": unchanged,
-            "refused_local": refused_local, "consolidated": consolidated}
+            "refused_local": refused_local, "consolidated": consolidated, "refusals": refusals,
+            "unchanged_after_no_latest": unchanged_latest}
 
 
 def _skip_scenario(rank, huge=False):
@@ -437,6 +472,10 @@ def test_only_votes_cross_a_group_and_state_is_one_over_L(results):
                 floats_inside += 1
         # fp32 momentum of this rank's partition only: about 1/L of the model
         assert x["momentum_bytes"] <= 4 * (x["params"] / L + 64), x
+        # the public helper reports the same momenta (summed over the sub-groups) and the model's size
+        pub = x["public_state"]
+        assert pub["momentum"] == x["momentum_bytes"] > 0 and pub["params"] == x["params"], pub
+        assert pub["total"] == sum(v for k, v in pub.items() if k not in ("total", "params")), pub
     assert floats_inside > 0  # ZeRO-3's reduce-scatter and all-gather stay inside each group
 
 
@@ -458,6 +497,21 @@ def test_a_checkpoint_some_rank_cannot_verify_is_refused_on_every_rank(results):
     for r, res in enumerate(results):
         x = res["fp32"]["refused_local"]
         assert x and "nothing was loaded" in x, (r, x)
+
+
+def test_a_tag_only_some_ranks_find_is_refused_on_every_rank(results):
+    """No tag given and 'latest' only on the first node (DeepSpeed writes it on global rank 0)."""
+    for r, res in enumerate(results):
+        x = res["fp32"]["refusals"]["no_latest"]
+        assert x and x.startswith("ZeRO3VotesError") and "nothing was loaded, on any rank" in x, (r, x)
+        assert ("no 'latest' file" in x) if r >= WORLD // 2 else ("another rank finds no checkpoint" in x), (r, x)
+        assert res["fp32"]["unchanged_after_no_latest"]
+
+
+def test_other_partitions_are_named_in_the_layout_refusal(results):
+    for r, res in enumerate(results):
+        x = res["fp32"]["refusals"]["sub_groups"]
+        assert x and "in 2 sub-group partition(s) of 7, 8 elements" in x and "sub_group_size" in x, (r, x)
 
 
 def test_groups_start_from_rank_zeros_weights_when_ranks_seed_apart(results):

@@ -8,7 +8,8 @@ that never import lioncub_ds get the same registration lazily: the installed
 ZeRO stage 0: Lion Cub (local momentum, 1-bit votes, the engine never all-reduces
 gradients). ZeRO stage 1/2: global Lion on DeepSpeed's reduced gradients, with the
 parameter all-gather replaced by a 1-bit sign all-gather where replicas can reproduce
-the update exactly. Stage 3 and optimizer offload are refused with a clear error.
+the update exactly. ZeRO stage 3: global Lion on the partitions, or with ``"voters": "node"``
+ZeRO-3 inside each node group and votes across them. Optimizer offload (CPU) at stages 1-3.
 Rank 0 logs one line through DeepSpeed's logger saying which path was taken. The DeepSpeed
 names patched or read, and the tested versions, are in :mod:`._compat`. See docs/deepspeed.md
 (also the Hugging Face Trainer recipe).
@@ -65,7 +66,15 @@ def state_bytes(engine) -> dict:
     node voters' / master-only's step buffers kept between steps) plus
     ``deepspeed_master``: the fp32 copies DeepSpeed's fp16/bf16 wrapper keeps of every parameter (0
     when LionCub steps the parameters itself: fp32, or bf16 with ``node_size``). ``total`` sums them; ``params`` counts the
-    model's trainable elements. Empty when the engine has no LionCub."""
+    model's trainable elements. At ZeRO-3 with votes: the momenta of this rank's partitions (summed
+    over its sub-groups; DeepSpeed's own fp32 partitions are not counted). Empty when the engine has
+    no LionCub."""
+    st = getattr(engine, "lioncub", None)
+    if st is not None and st.mode == "zero3_votes":
+        out = {k: v for k, v in st.optimizer.state_bytes().items() if k != "params"}
+        out["total"] = sum(out.values())
+        out["params"] = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
+        return out
     opt = lioncub_of(engine)
     if opt is None:
         return {}

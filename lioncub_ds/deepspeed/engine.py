@@ -865,6 +865,8 @@ def is_registered() -> bool:
 
 
 def lioncub_of(engine) -> LionCub | None:
-    """The LionCub inside a DeepSpeed engine (or None)."""
+    """The LionCub inside a DeepSpeed engine (or None; at ZeRO-3 with votes there is one per
+    sub-group: ``engine.basic_optimizer.inner``, and :func:`lioncub_ds.deepspeed.comm_stats` /
+    ``state_bytes`` sum them)."""
     opt = getattr(engine, "basic_optimizer", None)
     return opt if isinstance(opt, LionCub) else None

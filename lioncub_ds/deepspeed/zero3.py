@@ -39,6 +39,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -169,6 +170,9 @@ def make_initialize(orig):
         if not (dist.is_available() and dist.is_initialized()):
             import deepspeed
             deepspeed.init_distributed(dist_backend=given.get("dist_backend"))
+        # the collectives below run before DeepSpeed's engine picks this rank's GPU: without this,
+        # every rank of a node would use cuda:0 under NCCL (a duplicate-GPU error or a hang)
+        select_device(given.get("args"))
         # every rank resolves L (node_size, else the launcher's ranks per node) and the ranks agree on
         # it before any group exists: a rank that cannot resolve it, or resolves another L (a hostfile
         # with unequal slots), makes every rank raise the same error instead of some waiting for it
@@ -205,6 +209,23 @@ def make_initialize(orig):
             ds_groups.mpu = before
 
     return initialize
+
+
+def select_device(args, accelerator=None) -> int | None:
+    """Make this rank's accelerator device current, the one DeepSpeed's engine will pick
+    (``args.device_rank`` when the args have one, else ``LOCAL_RANK``); returns it, or None when
+    there is none to pick (no LOCAL_RANK: a single process). ``accelerator``: DeepSpeed's
+    ``get_accelerator()`` by default (on the CPU accelerator setting the device does nothing)."""
+    rank = getattr(args, "device_rank", None) if args is not None else None
+    if rank is None:
+        rank = int(os.environ.get("LOCAL_RANK", -1))
+    if rank < 0:
+        return None
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+        accelerator = get_accelerator()
+    accelerator.set_device(rank)
+    return rank
 
 
 # ZeRO++ settings that communicate over groups DeepSpeed derives from the world, not from the
@@ -433,17 +454,29 @@ def _add_into(acc: dict, snap: dict) -> None:
             acc.setdefault(key, value)
 
 
-def describe(layout) -> str:
+def describe(layout, other=None) -> str:
+    """The vote layout in words; with ``other``, also its partition sizes where those are what differs."""
     if not isinstance(layout, dict):
         return "no ZeRO-3 vote layout"
-    return f"{layout.get('shard_groups')} shard groups x {layout.get('shard_size')} ranks (node_size)"
+    text = f"{layout.get('shard_groups')} shard groups x {layout.get('shard_size')} ranks (node_size)"
+    groups_same = isinstance(other, dict) and all(layout.get(k) == other.get(k) for k in ("shard_groups", "shard_size"))
+    if groups_same and layout.get("sub_groups") != other.get("sub_groups"):
+        sizes = layout.get("sub_groups") or []
+        shown = ", ".join(f"{n:,}" for n in sizes[:4]) + (f" and {len(sizes) - 4} more" if len(sizes) > 4 else "")
+        text += f" in {len(sizes)} sub-group partition(s) of {shown} elements"
+    return text
 
 
 def layout_error(where: str, saved, mine: dict, tail: str = "") -> ZeRO3VotesError:
-    """The refusal of a checkpoint saved under another vote layout (names both, and the way out)."""
-    return ZeRO3VotesError(f"LionCub: {where} was saved with {describe(saved)}; this run has {describe(mine)}. "
-                           "Allowed: resume with the same node_size and number of ranks (ZeRO-3 votes do not "
-                           f"reshard yet){tail}")
+    """The refusal of a checkpoint saved under another vote layout (names both, what differs, and
+    the way out)."""
+    if (isinstance(saved, dict) and all(saved.get(k) == mine.get(k) for k in ("shard_groups", "shard_size"))):
+        allowed = ("Allowed: the model and zero_optimization.sub_group_size it was saved with (the partitions "
+                   "each rank steps; ZeRO-3 votes do not reshard yet)")
+    else:
+        allowed = ("Allowed: resume with the same node_size and number of ranks (ZeRO-3 votes do not reshard yet)")
+    return ZeRO3VotesError(f"LionCub: {where} was saved with {describe(saved, mine)}; this run has "
+                           f"{describe(mine, saved)}. {allowed}{tail}")
 
 
 def build(engine, model_parameters, config: LionCubConfig) -> ZeRO3Votes:
@@ -587,21 +620,41 @@ def install_layout_check(engine, opt: ZeRO3Votes) -> None:
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         from .checkpoint import _resolve_tag
         t = _resolve_tag(engine, load_dir, tag)
-        path = os.path.join(load_dir, str(t), LAYOUT_FILE) if t is not None else None
+        here = t is not None and os.path.isdir(os.path.join(load_dir, str(t)))
         saved, problem = None, None
-        if path is not None and os.path.isdir(os.path.dirname(path)):
+        if here:
+            path = os.path.join(load_dir, str(t), LAYOUT_FILE)
             if os.path.isfile(path):
                 with open(path) as f:
                     saved = json.load(f)
             if saved != opt.layout():
                 problem = layout_error(os.path.dirname(path), saved, opt.layout(), "; nothing was loaded")
-        refused, = world_max([problem is not None], engine.device)
+        # agreed over every rank: DeepSpeed writes 'latest' on global rank 0 only, so with node-local
+        # storage a rank of another node may find no tag (or another one) and load nothing while the
+        # others load: the groups would go on from different states. The tag's CRC: equal everywhere.
+        crc = zlib.crc32(str(t).encode()) if here else 0
+        refused, some_here, some_missing, crc_max, crc_neg = world_max(
+            [problem is not None, here, not here, crc, -crc if here else -(2**32)], engine.device)
         if problem is not None:
             raise problem
         if refused:
             raise ZeRO3VotesError(f"LionCub: another rank refused the checkpoint {load_dir!r} (tag {t!r}): its vote "
                                   f"layout file ({LAYOUT_FILE}) is missing there or says another layout (node-local "
                                   "storage without the file on that node?); nothing was loaded, on any rank")
+        if some_here and some_missing:
+            if here:
+                what = f"this rank finds tag {t!r} in {load_dir!r}, another rank finds no checkpoint there"
+            elif t is None:
+                what = f"this rank finds no 'latest' file in {load_dir!r} (and no tag was given), other ranks do"
+            else:
+                what = f"this rank finds no tag folder {os.path.join(load_dir, str(t))!r}, other ranks do"
+            raise ZeRO3VotesError(f"LionCub: {what} (DeepSpeed writes 'latest' on global rank 0 only: node-local "
+                                  "storage?). Allowed: load_checkpoint(load_dir, tag=<the tag>) with the tag folder "
+                                  "on every node; nothing was loaded, on any rank")
+        if some_here and crc_max != -crc_neg:
+            raise ZeRO3VotesError(f"LionCub: the ranks resolved different checkpoint tags in {load_dir!r} (this rank: "
+                                  f"{t!r}; 'latest' differs between nodes?). Allowed: load_checkpoint(load_dir, "
+                                  "tag=<the tag>); nothing was loaded, on any rank")
         return load(load_dir, tag, *args, **kwargs)
 
     save_checkpoint.__wrapped__, load_checkpoint.__wrapped__ = save, load
