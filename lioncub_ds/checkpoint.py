@@ -612,10 +612,12 @@ def _assemble(optimizer, mine: dict, shapes: list, rebuild: _Rebuild, first: dic
         lioncub["main_shards"] = [main[i] for i in range(len(shapes))]
     old_groups = first.get("param_groups") or []
     # each group's lr / betas / weight decay are restored by position: the groups must hold as many
-    # parameters each as when saved (the flat shape list can match while the grouping does not)
+    # parameters each as when saved (the flat shape list can match while the grouping does not).
+    # Megatron's node voters step pieces of the parameters, as many per group as the layout cuts
+    # (another layout: other counts); their groups are Megatron's own, matched by position.
     got = [len(g.get("params") or []) for g in old_groups]
     want = [len(g["params"]) for g in optimizer.param_groups]
-    if got != want:
+    if len(got) != len(want) or (got != want and mine.get("megatron_layout") is None):
         raise CheckpointError(f"{where}: the checkpoint's param groups hold {got} parameters, this optimizer's "
                               f"{want}; allowed: the param groups it was saved with; no state was changed")
     groups, n = [], 0

@@ -58,7 +58,13 @@ ELEMENT_START = "lioncub_element_start"
 def group_names(group: dict) -> list:
     """A param group's parameter names (torch's ``param_names``; the simulation's ``names``), or Nones."""
     names = group.get("param_names", group.get("names"))
-    return list(names) if names is not None else [None] * len(group["params"])
+    if names is None:
+        return [None] * len(group["params"])
+    names = list(names)
+    if len(names) != len(group["params"]):  # zip would drop the parameters past the names: never updated
+        raise ValueError(f"LionCub: a param group has {len(names)} param_names for {len(group['params'])} parameters; "
+                         "allowed: one name per parameter (as torch.optim keeps them)")
+    return names
 
 
 def build_buckets(param_groups, bucket_numel: int, world_size: int) -> tuple[list[Bucket], list]:

@@ -587,7 +587,16 @@ class LionCub(Optimizer):
                     f"LionCub.load_state_dict: the momentum of parameter {tuple(p.shape)} holds {bad} non-finite "
                     "value(s); allowed: finite momenta (at N > 1 every later step would be skipped); no state was "
                     "changed")
+        # torch takes a saved group's param_names over the live ones; the bucket layout and
+        # momentum_sync.layers read them, so they must name these parameters: a checkpoint of another
+        # pipeline stage (Megatron's common state comes from global rank 0) named stage 0's here
+        live_names = [g.get("param_names") for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for g, names in zip(self.param_groups, live_names):
+            if names is not None:
+                g["param_names"] = names
+            elif len(g.get("param_names", g["params"])) != len(g["params"]):
+                g.pop("param_names")
         restore_momenta(self, saved, self.config.momentum_dtype)
         if node is not None:  # on the parameters' device (a file is read to the CPU)
             device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))

@@ -72,6 +72,8 @@ def _megatron_lm_flags(parser):
     a("--fp8-param-gather", action="store_true")
     a("--optimizer-cpu-offload", action="store_true")
     a("--num-distributed-optimizer-instances", type=int, default=1)
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--pipeline-model-parallel-size", type=int, default=1)
     a("--use-torch-fsdp2", action="store_true")
     a("--save", type=str, default=None)
     a("--load", type=str, default=None)
@@ -161,6 +163,25 @@ def test_flags_added_once_even_with_extra_args_provider(standins):
     args = standins.arguments.parse_args(extra_args_provider=lambda p: p if "--lioncub-comm" in
                                          p._option_string_actions else add_lioncub_args(p), argv=GOOD)
     assert args.lioncub_checkpoint_mode == "per_rank"
+
+
+@pytest.mark.unit
+def test_a_drift_sync_with_model_parallelism_is_in_the_one_early_error(standins):
+    """schedule drift with TP or PP > 1 (per-key flag or the JSON): refused with the other flags,
+    before Megatron-LM builds the model (the optimizer factory would refuse it only after)."""
+    from lioncub_ds.megatron.training import LionCubMegatronArgsError, megatron_args_problems
+    p = standins.arguments.parse_args
+    drift = ["--lioncub-momentum-sync-every", "20", "--lioncub-momentum-sync-schedule", "drift"]
+    as_json = ["--lioncub-momentum-sync", '{"schedule": "drift", "threshold": 0.01}']
+    for extra in (drift, as_json):
+        for mp in (["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]):
+            bad = megatron_args_problems(p(argv=GOOD + extra + mp))
+            assert any(x.startswith("--lioncub-momentum-sync-schedule") and "TP = PP = 1" in x for x in bad), bad
+        assert megatron_args_problems(p(argv=GOOD + extra)) == []
+    assert megatron_args_problems(p(argv=GOOD + drift[:2] + ["--tensor-model-parallel-size", "2"])) == []
+    with pytest.raises(LionCubMegatronArgsError, match="drift"):
+        standins.arguments.validate_args(p(argv=GOOD + drift + ["--pipeline-model-parallel-size", "2"]), {})
+    assert standins.validate_calls == []
 
 
 @pytest.mark.unit

@@ -440,3 +440,50 @@ def test_one_process_reloads_its_own_state_with_a_non_finite_momentum_as_lion_do
             q.grad = torch.full_like(q, float("nan"))
         opt.step()
         cls(_params(), lr=1e-3).load_state_dict(opt.state_dict())
+
+
+def _names_after_load(rank, world_size):
+    """A checkpoint whose param_names name other parameters (Megatron's common state is global rank
+    0's: another pipeline stage's names, here one fewer) loads into a distributed LionCub whose
+    groups carry their own names: the live names stay, every parameter still steps; a group with no
+    names of its own does not take a list of another length; a group whose names do not fit its
+    parameters is refused at the step, by name, instead of leaving parameters out of the buckets."""
+    torch.manual_seed(0)
+    src = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    a = LionCub([("stage0.a", src[0]), ("stage0.b", src[1]), ("stage0.c", src[2])], lr=0.01)
+    for p in src:
+        p.grad = torch.randn(5)
+    a.step()
+    sd = a.state_dict()
+    sd["param_groups"][0]["param_names"] = ["stage0.a", "stage0.b"]
+    mine = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    b = LionCub([("stage1.x", mine[0]), ("stage1.y", mine[1]), ("stage1.z", mine[2])], lr=0.01)
+    b.load_state_dict(sd)
+    out = {"names": list(b.param_groups[0]["param_names"])}
+    before = [p.detach().clone() for p in mine]
+    for p in mine:
+        p.grad = torch.randn(5)
+    b.step()
+    out["moved"] = [not torch.equal(x, p) for x, p in zip(before, mine)]
+    plain = LionCub([torch.nn.Parameter(torch.randn(5)) for _ in range(3)], lr=0.01)
+    plain.load_state_dict(sd)
+    out["plain_has_names"] = "param_names" in plain.param_groups[0]
+    broken = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    c = LionCub([("u", broken[0]), ("v", broken[1]), ("w", broken[2])], lr=0.01)
+    c.param_groups[0]["param_names"] = ["u", "v"]
+    for p in broken:
+        p.grad = torch.randn(5)
+    try:
+        c.step()
+        out["broken"] = None
+    except ValueError as exc:
+        out["broken"] = str(exc)
+    return out
+
+
+def test_loaded_param_names_never_replace_the_live_ones():
+    for r in run_ranks(_names_after_load, 2):
+        assert r["names"] == ["stage1.x", "stage1.y", "stage1.z"], r
+        assert r["moved"] == [True, True, True], r
+        assert not r["plain_has_names"], r
+        assert r["broken"] and "2 param_names for 3 parameters" in r["broken"], r

@@ -151,7 +151,23 @@ INCOMPATIBLE_FLAGS = (
      and getattr(a, "lioncub_checkpoint_mode", "per_rank") == "per_rank",
      "local non-persistent checkpoints are restored by Megatron's local checkpoint manager, which does not "
      "know the per-rank LionCub files; use --lioncub-checkpoint-mode sync or global non-persistent checkpoints"),
+    ("lioncub_momentum_sync_schedule", lambda a: _drift_with_model_parallel(a),
+     "schedule drift with tensor or pipeline parallelism: each model-parallel position would decide its own sync "
+     "steps, and parameters held alike by several positions (layer norms, biases replicated over tensor-parallel "
+     "ranks, tied embeddings) would drift apart; allowed: a fixed schedule (--lioncub-momentum-sync-every K, or "
+     "geometric), or drift with TP = PP = 1"),
 )
+
+
+def _drift_with_model_parallel(a) -> bool:
+    """--lioncub-momentum-sync-schedule drift (or "schedule": "drift" in --lioncub-momentum-sync) with
+    TP or PP > 1: the optimizer factory would refuse it after the model is built."""
+    tp = getattr(a, "tensor_model_parallel_size", 1) or 1
+    pp = getattr(a, "pipeline_model_parallel_size", 1) or 1
+    if tp * pp == 1:
+        return False
+    ms = lioncub_settings_from_args(a).get("momentum_sync")
+    return isinstance(ms, dict) and ms.get("schedule") == "drift"
 
 _state = {"installed": False, "saved": [], "option_names": {}}
 
