@@ -451,6 +451,11 @@ class LionCub(Optimizer):
         return self._ensure_topology().strategy if self.distributed else SINGLE
 
     @property
+    def process_group(self):
+        """The process group this optimizer was given to vote over (None: the world)."""
+        return self._process_group
+
+    @property
     def topology(self) -> Topology | None:
         """The vote group and subgroups (None when not distributed)."""
         return self._ensure_topology() if self.distributed else None

@@ -356,3 +356,69 @@ def test_zero3_votes_pick_the_ranks_device_as_deepspeed_will(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK")
     assert select_device(None, acc) is None
     assert acc.calls == [3, 5, 3]
+
+
+def _client_optimizer_cases(rank, world_size):
+    """(a) deepspeed.initialize refuses a client LionCub (ZeRO-Offload with a client optimizer): the
+    optimizer still votes over its ranks afterwards (it was moved onto a one-rank group for stage 1);
+    (b) a torch LR scheduler's wrapper on the client LionCub survives initialize (bf16 stage 0);
+    (c) the eps / Adam-betas warnings also at stage 3 with voters="node"."""
+    _rank_env(rank, world_size)
+    import logging
+    import warnings
+
+    import deepspeed
+    import torch
+    import lioncub_ds.deepspeed  # noqa: F401
+    from lioncub_ds import LionCub
+    from lioncub_ds.deepspeed import _compat
+    out = {}
+    model = _model()
+    opt = LionCub(model.parameters(), lr=1e-3)
+    cfg = _cfg(1, gradient_clipping=0.0)
+    del cfg["optimizer"]
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    try:
+        deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        out["refused"] = None
+    except Exception as exc:  # noqa: BLE001 - DeepSpeed's own refusal
+        out["refused"] = type(exc).__name__
+    out["after"] = (opt.world_size, opt.distributed)
+
+    model = _model().to(torch.bfloat16)
+    opt = LionCub(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = _cfg(0, bf16={"enabled": True}, gradient_clipping=0.0)
+    del cfg["optimizer"]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+    out["kept_step"] = "step" in opt.__dict__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.randn(4, 16, dtype=torch.bfloat16)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    out["overridden_warning"] = any("overridden" in str(w.message) for w in caught)
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    _compat.ds_logger().addHandler(handler)
+    try:
+        cfg = _cfg(3)
+        cfg["optimizer"]["params"].update(betas=[0.9, 0.999], eps=1e-8, voters="node", node_size=1)
+        _initialize(cfg)
+    finally:
+        _compat.ds_logger().removeHandler(handler)
+    text = [r.getMessage() for r in records]
+    out["stage3_warnings"] = [m for m in text if "eps" in m or "0.999" in m]
+    return out
+
+
+@needs_deepspeed
+def test_initialize_leaves_a_client_lioncub_voting_its_scheduler_wrapped_and_warns_at_stage_3():
+    from dist_helpers import run_ranks
+    a, b = run_ranks(_client_optimizer_cases, 2, env=ENV, timeout=300)
+    for r in (a, b):
+        assert r["refused"] is not None and r["after"] == (2, True), r
+        assert r["kept_step"] and not r["overridden_warning"], r
+    assert len(a["stage3_warnings"]) >= 2, a["stage3_warnings"]  # rank 0 logs them

@@ -387,6 +387,9 @@ def build_optimizer(engine, model_parameters):
         if zero3.shard_groups_of(engine) is not None:  # voters="node": ZeRO-3 per node group, votes across
             opt = zero3.build(engine, model_parameters, config)
             setattr(opt, _OPTIONS_ATTR, options)
+            if _global_rank() == 0:
+                for msg in config_warnings(raw):
+                    _compat.ds_logger().warning(msg)
             return opt
         if requested(params).node_voters and dist.is_available() and dist.is_initialized():
             # votes were asked for, but the wrapped deepspeed.initialize made no node groups: one group
@@ -759,13 +762,23 @@ def register() -> None:
 
     def make_configure(orig):
         def _configure_optimizer(self, client_optimizer, model_parameters):
+            switched = None  # the user's LionCub moved onto the one-rank group: (the group it had,)
             if isinstance(client_optimizer, LionCub):
                 check_supported(self, client_optimizer)  # before its process group is touched
                 if self.zero_optimization_stage() >= 1 and dist.is_available() and dist.is_initialized() \
                         and client_optimizer.world_size != 1:
+                    switched = (client_optimizer.process_group,)
                     client_optimizer.set_process_group(singleton_group())
                     _SINGLETON_USERS.add(client_optimizer)
-            orig(self, client_optimizer, model_parameters)
+            try:
+                orig(self, client_optimizer, model_parameters)
+            except BaseException:
+                # DeepSpeed refused it (e.g. ZeRO-Offload with a client optimizer): the user's optimizer
+                # goes back to voting over its own group, not left as a silent single-process Lion
+                if switched is not None:
+                    _SINGLETON_USERS.discard(client_optimizer)
+                    client_optimizer.set_process_group(switched[0])
+                raise
             basic = getattr(self, "basic_optimizer", None)
             if isinstance(basic, LionCub):
                 wire(self)
@@ -783,11 +796,15 @@ def register() -> None:
         def configure_wrapper(self, optimizer, *args, **kwargs):
             if not isinstance(optimizer, LionCub):
                 return orig(self, optimizer, *args, **kwargs)
+            own = optimizer.__dict__.get("step")  # e.g. the wrapper a torch LR scheduler puts there
             optimizer.step = _no_step
             try:
                 return orig(self, optimizer, *args, **kwargs)
             finally:
-                del optimizer.step
+                if own is None:
+                    del optimizer.step
+                else:
+                    optimizer.step = own
         return configure_wrapper
 
     def make_bf16_guard(orig):
