@@ -422,3 +422,57 @@ def test_initialize_leaves_a_client_lioncub_voting_its_scheduler_wrapped_and_war
         assert r["refused"] is not None and r["after"] == (2, True), r
         assert r["kept_step"] and not r["overridden_warning"], r
     assert len(a["stage3_warnings"]) >= 2, a["stage3_warnings"]  # rank 0 logs them
+
+
+def _fp16_stage0_gradients(rank, world_size):
+    """fp16 at stage 0: per step, the norm of the gradient LionCub receives, against the same
+    model's gradient computed in fp32 beside it (a float copy of the current fp16 weights), at a
+    loss scale of 4096; then with gradient_clipping 0.01. (The scale is kept: on a step where it
+    grows, DeepSpeed's wrapper raises it before it unscales, for every optimizer alike.)"""
+    _rank_env(rank, world_size)
+    import copy
+
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    import lioncub_ds.deepspeed  # noqa: F401
+    get_accelerator().is_fp16_supported = lambda: True  # torch runs fp16 Linear on CPU (test-only)
+    out = {}
+    for label, clip in (("plain", 0.0), ("clipped", 0.01)):
+        model = _model()
+        cfg = _cfg(0, fp16={"enabled": True, "initial_scale_power": 12, "loss_scale_window": 1000},
+                   gradient_clipping=clip)
+        cfg["optimizer"]["params"]["weight_decay"] = 0.0
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        lc = engine.basic_optimizer
+        got = []
+        lc.register_step_pre_hook(lambda o, a, k: got.append(float(torch.sqrt(sum(
+            (p.grad.float() ** 2).sum() for g in o.param_groups for p in g["params"])))))
+        rows = []
+        for step in range(6):
+            gen = torch.Generator().manual_seed(100 * rank + step)
+            x = torch.randn(4, 16, generator=gen)
+            ref_model = copy.deepcopy(engine.module).float()
+            ref_loss = ref_model(x).pow(2).mean()
+            ref = float(torch.sqrt(sum((g ** 2).sum() for g in torch.autograd.grad(ref_loss, list(ref_model.parameters())))))
+            loss = engine(x.half()).float().pow(2).mean()
+            returned = engine.backward(loss)
+            scale = float(engine.optimizer.loss_scale_config.cur_scale)
+            engine.step()
+            rows.append((ref, got[-1] if got else None, scale, float(returned), float(loss)))
+        out[label] = rows
+    return out
+
+
+@needs_deepspeed
+def test_fp16_at_stage_0_hands_lioncub_the_true_gradient_and_clips_it():
+    """DeepSpeed 0.19's engine.backward leaves the loss unscaled for its stage-0 fp16 wrapper, which
+    still divides by the loss scale: LionCub got gradient / scale and clipping never fired."""
+    from dist_helpers import run_ranks
+    for r in run_ranks(_fp16_stage0_gradients, 2, env=ENV, timeout=300):
+        assert all(row[2] == 2 ** 12 for row in r["plain"]), r["plain"]  # gradients reach LionCub unscaled
+        for ref, got, scale, returned, loss in r["plain"]:
+            assert got is not None and abs(got / ref - 1) < 0.02, (ref, got, scale)
+            assert returned == loss  # engine.backward still returns the unscaled loss
+        for ref, got, scale, _, _ in r["clipped"]:
+            assert ref > 0.011 and abs(got - 0.01) < 1e-4, (ref, got, scale)

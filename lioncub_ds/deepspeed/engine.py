@@ -526,6 +526,50 @@ _BF16_ADVICE = ("Either keep zero_optimization.stage=0 (Lion Cub) with bf16.enab
                 "where partitioned masters are correct).")
 
 
+def scale_fp16_loss(engine) -> None:
+    """Stage 0 fp16: the loss is scaled before backward, as DeepSpeed's fp16 wrapper expects.
+
+    DeepSpeed's fp16 wrapper at stage 0 (``FP16_UnfusedOptimizer``) divides the gradients by its loss
+    scale and clips by norm / scale, but DeepSpeed 0.19's ``engine.backward`` scales the loss only for
+    its ZeRO optimizers and torch autocast: the gradients reached LionCub 1/scale too small, clipping
+    never fired, and the dynamic scale, never overflowing, grew until the gradients underflowed. The
+    first backward (at a scale other than 1) tells whether this DeepSpeed scales the loss itself (the
+    gradient reaching the loss tensor); if it does not, that backward's gradients are scaled after
+    the fact and every later loss is scaled before backward (returned unscaled, as DeepSpeed returns it)."""
+    cfg = getattr(engine.optimizer, "loss_scale_config", None)
+    if cfg is None or not getattr(cfg, "use_grad_scaling", False):
+        return
+    orig = engine.backward
+    ours = [None]  # None: not known yet; True: this wrapper scales the loss; False: DeepSpeed does
+
+    def backward(loss, *args, **kwargs):
+        scale = float(cfg.cur_scale)
+        if ours[0] is True:
+            out = orig(loss * scale, *args, **kwargs)
+            return out / scale if isinstance(out, torch.Tensor) else out
+        if ours[0] is False or scale == 1.0 or not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            return orig(loss, *args, **kwargs)
+        seen = []
+        hook = loss.register_hook(lambda g: seen.append(float(g.detach().float().reshape(-1)[0])))
+        try:
+            out = orig(loss, *args, **kwargs)
+        finally:
+            hook.remove()
+        if seen:
+            scale_wrt_gas = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
+            gas = engine.gradient_accumulation_steps() if scale_wrt_gas else 1
+            ours[0] = abs(seen[0] * gas - 1.0) < 0.5  # 1/gas unscaled; scale/gas when DeepSpeed scaled it
+            if ours[0]:
+                with torch.no_grad():
+                    for p in engine.module.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(scale)
+        return out
+
+    backward.__wrapped__ = orig
+    engine.backward = backward
+
+
 def wire(engine) -> EngineState:
     opt = engine.basic_optimizer
     stage = engine.zero_optimization_stage()
@@ -549,6 +593,8 @@ def wire(engine) -> EngineState:
                 raise LionCubDeepSpeedError(f"LionCub: cannot vote over the engine's data-parallel group: {exc}; "
                                             "pass an optimizer that has not stepped yet") from exc
         engine.clip_fp32_gradients = types.MethodType(clip_local_gradients, engine)
+        if engine.optimizer is not opt and engine.fp16_enabled():
+            scale_fp16_loss(engine)
         if engine.optimizer is not opt and group is not None:
             _agree_wrapper_skips(engine.optimizer, group)
         if engine.optimizer is opt:
