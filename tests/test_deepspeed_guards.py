@@ -476,3 +476,37 @@ def test_fp16_at_stage_0_hands_lioncub_the_true_gradient_and_clips_it():
             assert returned == loss  # engine.backward still returns the unscaled loss
         for ref, got, scale, _, _ in r["clipped"]:
             assert ref > 0.011 and abs(got - 0.01) < 1e-4, (ref, got, scale)
+
+
+def _second_engine_on_the_same_model(rank, world_size):
+    """Two deepspeed.initialize calls on one model, both with overlap=true: after the second, the
+    first optimizer (DeepSpeed keeps its engine alive) starts no votes in the new engine's backward."""
+    _rank_env(rank, world_size)
+    import deepspeed
+    import torch
+    import lioncub_ds.deepspeed  # noqa: F401
+    model = _model()
+    cfg = _cfg(0, gradient_clipping=0.0)
+    cfg["optimizer"]["params"].update(comm="1bit", overlap=True)
+
+    def train(engine, steps):
+        for step in range(steps):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * rank + step))
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+    first, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    train(first, 2)
+    old = first.basic_optimizer
+    before = old.overlap_counts["batches_launched_in_backward"]
+    second, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    train(second, 2)
+    return {"old_before": before, "old_after": old.overlap_counts["batches_launched_in_backward"],
+            "new": second.basic_optimizer.overlap_counts["batches_launched_in_backward"]}
+
+
+@needs_deepspeed
+def test_a_second_engine_takes_the_overlap_hooks_over():
+    from dist_helpers import run_ranks
+    for r in run_ranks(_second_engine_on_the_same_model, 2, env=ENV, timeout=300):
+        assert r["old_before"] > 0 and r["new"] > 0, r  # both overlapped while they owned the model
+        assert r["old_after"] == r["old_before"], r

@@ -250,15 +250,31 @@ def check_overlap(engine, optimizer=None) -> None:
             "fp32 parameters.")
 
 
-def accumulation_boundary_condition(engine):
+# the engine whose overlapped LionCub owns a parameter's gradient-ready hook (a later
+# deepspeed.initialize on the same model takes it over): an attribute on the parameter
+_OVERLAP_OWNER = "_lioncub_overlap_engine"
+
+
+def accumulation_boundary_condition(engine, params=()):
     """LionCub's launch condition at stage 0: a backward starts votes only when it is the engine's
     gradient-accumulation boundary (``engine.is_gradient_accumulation_boundary()``, which also
     honours ``set_gradient_accumulation_boundary``) and it does not run inside ``engine.no_sync()``.
     With ``managed_gradient_accumulation: false`` the boundary is ``step()`` itself, so the votes
-    start there. Holds the engine weakly (the engine owns the optimizer)."""
+    start there. Holds the engine weakly (the engine owns the optimizer).
+
+    ``params``: the optimizer's parameters, claimed for this engine. DeepSpeed keeps an engine alive
+    after the user drops it, and its optimizer's hooks stay on the parameters: when a later
+    ``deepspeed.initialize`` on the same model claims them, the old optimizer starts no more votes
+    in backward (it would launch collectives no step ever waits for)."""
     ref = weakref.ref(engine)
+    params = list(params)
+    for p in params:
+        setattr(p, _OVERLAP_OWNER, ref)
+    first = params[0] if params else None
 
     def condition() -> bool:
+        if first is not None and getattr(first, _OVERLAP_OWNER, ref) is not ref:
+            return False  # another engine took these parameters over
         eng = ref()
         if eng is None:
             return True
@@ -610,7 +626,8 @@ def wire(engine) -> EngineState:
                     f"parameters, but DeepSpeed wrapped it in {type(engine.optimizer).__name__}, which copies the "
                     "gradients inside step(). Allowed: overlap=false with this config.")
             # Gradient accumulation: only the accumulation-boundary micro-batch's backward starts votes.
-            opt.set_launch_condition(accumulation_boundary_condition(engine))
+            opt.set_launch_condition(accumulation_boundary_condition(
+                engine, [p for g in opt.param_groups for p in g["params"]]))
             clip = float(engine.gradient_clipping() or 0.0)
             if clip > 0 and getattr(engine, "global_rank", 0) == 0:
                 _compat.ds_logger().warning(overlap_clipping_warning(clip))
