@@ -229,6 +229,29 @@ def _public_state_bytes(engine):
     return state_bytes(engine)
 
 
+def _copy_with_layout(rank, ckpt_dir, suffix, **changes):
+    """Rank 0 copies the checkpoint with its vote layout file changed; every rank gets the path."""
+    copy = ckpt_dir + suffix
+    if rank == 0:
+        shutil.copytree(ckpt_dir, copy)
+        path = os.path.join(copy, "t", "lioncub_zero3_layout.json")
+        with open(path) as f:
+            layout = json.load(f)
+        layout.update(changes)
+        with open(path, "w") as f:
+            json.dump(layout, f)
+    return copy
+
+
+def _refusal_of(engine, where, tag):
+    """The error ``engine.load_checkpoint`` raises (its type and message), or None."""
+    try:
+        engine.load_checkpoint(where, tag=tag)
+        return None
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+
+
 def _resume(engine, rank, dtype, ckpt_dir):
     """Train a fresh engine to SAVE_AT, save, train to STEPS; a fresh one loads and trains to STEPS:
     identical to the uninterrupted ``engine``. Then a changed layout is refused before loading."""
@@ -252,22 +275,10 @@ def _resume(engine, rank, dtype, ckpt_dir):
     resumed = all(torch.equal(x, y) for x, y in zip(_full_params(b), want))
     files = sorted(os.listdir(os.path.join(ckpt_dir, "t")))
     dist.barrier()
-    bad = ckpt_dir + "_bad"
-    if rank == 0:
-        shutil.copytree(ckpt_dir, bad)
-        path = os.path.join(bad, "t", "lioncub_zero3_layout.json")
-        with open(path) as f:
-            layout = json.load(f)
-        layout["shard_groups"], layout["shard_size"] = 1, 4
-        with open(path, "w") as f:
-            json.dump(layout, f)
+    bad = _copy_with_layout(rank, ckpt_dir, "_bad", shard_groups=1, shard_size=4)
     dist.barrier()
     before = _full_params(b)
-    try:
-        b.load_checkpoint(bad, tag="t")
-        refused = None
-    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-        refused = f"{type(exc).__name__}: {exc}"
+    refused = _refusal_of(b, bad, "t")
     unchanged = all(torch.equal(x, y) for x, y in zip(_full_params(b), before))
     # node-local storage: the layout file is missing on the other node (ranks 2, 3 here); every rank
     # refuses together (without the agreement, ranks 0, 1 would load and 2, 3 raise)
@@ -276,11 +287,7 @@ def _resume(engine, rank, dtype, ckpt_dir):
         shutil.copytree(ckpt_dir, local)
         os.remove(os.path.join(local, "t", "lioncub_zero3_layout.json"))
     dist.barrier()
-    try:
-        b.load_checkpoint(ckpt_dir if rank < WORLD // 2 else local, tag="t")
-        refused_local = None
-    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-        refused_local = f"{type(exc).__name__}: {exc}"
+    refused_local = _refusal_of(b, ckpt_dir if rank < WORLD // 2 else local, "t")
     # node-local storage, no tag given: DeepSpeed wrote 'latest' on global rank 0 only, so the other
     # node (ranks 2, 3) finds no tag; every rank refuses (without the agreement, ranks 0, 1 would load
     # and ranks 2, 3 load nothing: the groups would go on from different states)
@@ -289,25 +296,11 @@ def _resume(engine, rank, dtype, ckpt_dir):
         shutil.copytree(ckpt_dir, nolatest)
         os.remove(os.path.join(nolatest, "latest"))
     # the same groups, other partitions (sub_group_size or the model changed): the refusal says so
-    subgroups = ckpt_dir + "_subgroups"
-    if rank == 0:
-        shutil.copytree(ckpt_dir, subgroups)
-        path = os.path.join(subgroups, "t", "lioncub_zero3_layout.json")
-        with open(path) as f:
-            layout = json.load(f)
-        layout["sub_groups"] = [7, 8]
-        with open(path, "w") as f:
-            json.dump(layout, f)
+    subgroups = _copy_with_layout(rank, ckpt_dir, "_subgroups", sub_groups=[7, 8])
     dist.barrier()
     before = _full_params(b)
-    refusals = {}
-    for label, where, tag in (("no_latest", ckpt_dir if rank < WORLD // 2 else nolatest, None),
-                              ("sub_groups", subgroups, "t")):
-        try:
-            b.load_checkpoint(where, tag=tag)
-            refusals[label] = None
-        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-            refusals[label] = f"{type(exc).__name__}: {exc}"
+    refusals = {label: _refusal_of(b, where, tag) for label, where, tag in (
+        ("no_latest", ckpt_dir if rank < WORLD // 2 else nolatest, None), ("sub_groups", subgroups, "t"))}
     unchanged_latest = all(torch.equal(x, y) for x, y in zip(_full_params(b), before))
     return {"resumed": resumed, "files": files, "refused": refused, "unchanged_after_refusal": unchanged,
             "refused_local": refused_local, "consolidated": consolidated, "refusals": refusals,
