@@ -177,7 +177,7 @@ def parse_count(text) -> int:
     s = str(text).strip().upper().replace("_", "")
     scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(s[-1:], None)
     value = float(s[:-1]) * scale if scale else float(s)
-    if not math.isfinite(value):
+    if not math.isfinite(value) or (not scale and value != int(value)):  # "1.5" parameters: a missing suffix?
         raise ValueError(text)
     return int(round(value))
 
@@ -1013,7 +1013,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, work: WorkloadSpec, strategies=
     return {"inputs": {"model": {k: v for k, v in asdict(model).items() if k != "param_numels"},
                        "params": model.total, "cluster": asdict(cluster), "workload": asdict(work),
                        "data_parallel": top.n, "dp_ranks_per_node": top.local, "dp_nodes": top.dp_nodes},
-            "strategies": rows, "left_out": left_out, "recommendation": recommend(rows, min_speedup),
+            "strategies": rows, "left_out": left_out, "recommendation": recommend(rows, min_speedup, top.local),
             "note": "predictions from lioncub_ds.plan's model (docs/planner.md), not measurements"}
 
 
@@ -1024,9 +1024,43 @@ def _measured_note(conv: dict) -> str:
             f"({CONFIG_BETAS[0]:g}, {CONFIG_BETAS[1]:g}))")
 
 
-def recommend(rows: list[dict], min_speedup: float) -> dict:
+NODE_VOTER_STRATEGIES = ("lioncub_node_voters_sync20", "lioncub_zero3_node_voters_sync20",
+                         "lioncub_fsdp2_node_voters_sync20")
+NEAR_TIE = 1.05  # a node-voter strategy this close to the fastest LionCub one is preferred
+
+
+def _above_goal(row: dict) -> bool:
+    """Whether the measured interval quoted for ``row`` has its upper bound above the studies' goal."""
+    goal = convergence_table().get("goal_gap_pct")
+    ci = row["convergence"].get("ci95")
+    return goal is not None and ci is not None and ci[1] > goal
+
+
+def _best_lioncub(cubs: list[dict], ranks_per_node: int = 1) -> dict | None:
+    """The LionCub strategy weighed against the exact ones: the fastest of those whose measured
+    interval meets the studies' goal (upper bound at most the goal; all of them when none does),
+    or, with several ranks per node (L > 1), a node-voter strategy within NEAR_TIE of it
+    (docs/convergence.md: with several nodes, one voter per node; the flat gap grows with N, the
+    node voters' does not)."""
+    if not cubs:
+        return None
+    goal = convergence_table().get("goal_gap_pct")
+
+    def meets(r):
+        ci = r["convergence"].get("ci95")
+        return goal is not None and ci is not None and ci[1] <= goal
+    pool = [r for r in cubs if meets(r)] or cubs  # (quotes "not measured": kept only when nothing meets it)
+    best = min(pool, key=lambda r: r["step_time_s"])
+    near = [r for r in pool if ranks_per_node > 1 and r["name"] in NODE_VOTER_STRATEGIES
+            and r["step_time_s"] <= NEAR_TIE * best["step_time_s"]]
+    return min(near, key=lambda r: r["step_time_s"]) if near else best
+
+
+def recommend(rows: list[dict], min_speedup: float, ranks_per_node: int = 1) -> dict:
     """The fastest strategy that fits; a LionCub strategy only when it beats the fastest exact one
-    (global Lion) by ``min_speedup``, since its convergence cost is measured only on small models."""
+    (global Lion) by ``min_speedup``, since its convergence cost is measured only on small models,
+    and, where an exact one fits, never one whose measured gap's upper bound misses the goal.
+    ``ranks_per_node``: L (several: a node-voter strategy near the fastest LionCub one is preferred)."""
     if not rows:
         return {"name": None, "why": "none of the strategies asked for runs on this workload (see left_out)",
                 "config": None}
@@ -1038,10 +1072,10 @@ def recommend(rows: list[dict], min_speedup: float) -> dict:
                                      "or pipeline parallelism (--tp, --pp) or GPUs", "config": None}
     exact = [r for r in fitting if r["name"] in EXACT]
     best_exact = min(exact, key=lambda r: r["step_time_s"]) if exact else None
-    cubs = [r for r in fitting if r["name"] not in EXACT]
-    best_cub = min(cubs, key=lambda r: r["step_time_s"]) if cubs else None
+    best_cub = _best_lioncub([r for r in fitting if r["name"] not in EXACT], ranks_per_node)
+    missed = best_cub is not None and _above_goal(best_cub)  # measured, and its upper bound misses the goal
     if best_cub is not None and (best_exact is None
-                                 or best_exact["step_time_s"] >= min_speedup * best_cub["step_time_s"]):
+                                 or (not missed and best_exact["step_time_s"] >= min_speedup * best_cub["step_time_s"])):
         pick = best_cub
         speed = best_exact["step_time_s"] / best_cub["step_time_s"] if best_exact else None
         why = (f"{speed:.2f}x the step rate of the fastest exact strategy ({best_exact['name']})"
@@ -1050,9 +1084,13 @@ def recommend(rows: list[dict], min_speedup: float) -> dict:
     else:
         pick = best_exact
         why = "the fastest exact strategy (global Lion: no convergence cost)"
-        if best_cub is not None:
+        if best_cub is not None and missed:
+            why += (f"; the fastest LionCub strategy that fits ({best_cub['name']}, "
+                    f"{best_exact['step_time_s'] / best_cub['step_time_s']:.2f}x) misses the convergence goal: "
+                    f"{best_cub['convergence']['text']}")
+        elif best_cub is not None:
             why += (f"; the fastest LionCub strategy ({best_cub['name']}) would be "
-                    f"{best_exact['step_time_s'] / best_cub['step_time_s']:.2f}x, below the {min_speedup:g}x worth "
+                    f"{best_exact['step_time_s'] / best_cub['step_time_s']:.3f}x, below the {min_speedup:g}x worth "
                     "a convergence risk")
     return {"name": pick["name"], "label": pick["label"], "why": why, "config": pick["config"],
             "refused": pick["refused"], "step_time_s": pick["step_time_s"], "tokens_per_s": pick["tokens_per_s"],
@@ -1187,7 +1225,9 @@ def _recommendation_lines(result: dict) -> list[str]:
     elif refused.get("deepspeed"):
         lines += _wrap(f"DeepSpeed: not available here: {refused['deepspeed']}", "  ")
     if cfg.get("megatron_flags"):
-        lines += ["  Megatron-LM (python -m lioncub_ds.megatron.run pretrain_gpt.py ...):"]
+        lioncub = any(str(f).startswith("--lioncub") for f in cfg["megatron_flags"])
+        lines += ["  Megatron-LM (" + ("python -m lioncub_ds.megatron.run pretrain_gpt.py" if lioncub
+                                      else "torchrun ... pretrain_gpt.py: Megatron's own optimizer") + " ...):"]
         flags = _wrap(" ".join(cfg["megatron_flags"]), "    ", more="")
         lines += [f"{x} \\" for x in flags[:-1]] + flags[-1:]  # a shell line continued
     elif cfg.get("deepspeed") and "megatron_flags" in cfg:

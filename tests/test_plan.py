@@ -366,7 +366,7 @@ def test_every_printed_ds_config_passes_the_integrations_checks(precision):
             checked += 1
         for out in res.get("left_out", []):
             assert out["why"] and out["name"] not in {r["name"] for r in res["strategies"]}
-    assert checked >= 30
+    assert checked >= 25
 
 
 @pytest.mark.unit
@@ -714,3 +714,31 @@ def test_module_runs_as_a_program():
     bad = _cli("--params", "1B", "--nodes", "two")
     assert bad.returncode == 2 and "--nodes must be an integer >= 1" in bad.stderr
     assert len(bad.stderr.splitlines()) == 1, bad.stderr
+
+
+@pytest.mark.unit
+def test_the_pick_follows_the_convergence_goal_and_prefers_node_voters_on_near_ties():
+    """A LionCub pick whose measured interval misses the 2% goal gives way to an exact strategy; with
+    several ranks per node a node-voter strategy within 5% of the fastest LionCub one is picked (the
+    docs' rule: several nodes vote one voter per node); a non-LionCub Megatron config is headed
+    by Megatron's own launcher; a plain count that is not an integer is refused."""
+    miss = P.plan(P.ModelSpec(params=13 * 10**9), P.ClusterSpec(nodes=64, gpus_per_node=2),
+                  P.WorkloadSpec(pp=2, precision="fp32"))
+    assert miss["recommendation"]["name"] in P.EXACT
+    assert "misses the convergence goal" in miss["recommendation"]["why"]
+    flat = _row(miss, "lioncub_1bit_sync20")
+    assert flat["fits"] and flat["convergence"]["ci95"][1] > 2.0  # the flat row it turned down
+    near = P.plan(P.ModelSpec(params=13 * 10**8), P.ClusterSpec(nodes=16, gpus_per_node=2),
+                  P.WorkloadSpec(pp=2, precision="fp32"))
+    rec = near["recommendation"]["name"]
+    assert rec in P.NODE_VOTER_STRATEGIES
+    assert _row(near, rec)["step_time_s"] <= P.NEAR_TIE * _row(near, "lioncub_1bit_sync20")["step_time_s"]
+    own = P.plan(P.ModelSpec(params=7 * 10**9), P.ClusterSpec(nodes=2, gpus_per_node=8, inter_gbit_s=100),
+                 P.WorkloadSpec(tokens_per_gpu=16384))
+    assert own["recommendation"]["name"] == "megatron_distopt_kN"
+    text = P.format_plan(own)
+    assert "pretrain_gpt.py: Megatron's own optimizer" in text and "lioncub_ds.megatron.run" not in text.split(
+        "Recommendation:")[1].split("PREDICTIONS")[0]
+    with pytest.raises(ValueError):
+        P.parse_count("1.5")
+    assert P.parse_count("1.5B") == 1_500_000_000
