@@ -70,6 +70,10 @@ class MomentumStore:
             t = self.shards[kind][i] = torch.zeros(numel, dtype=dtype, device=device)
             if fill is not None:
                 fill(t)
+        elif t.numel() != numel:  # a layout that changed under kept shards: never step with another's
+            raise LionCubConfigError(f"LionCub: the {kind} shard kept for bucket #{i} has {t.numel()} elements, the "
+                                     f"bucket's shard now {numel}: the bucket layout changed under the shards kept "
+                                     "by bucket (voters='node' / node_size)")
         return t
 
     def drop_masters(self) -> None:
@@ -711,10 +715,13 @@ class LionCub(Optimizer):
             self.plan.pipe.launch_all()
 
     def zero_grad(self, set_to_none: bool = True):
-        # Votes started in backward for gradients that are now being discarded: finish their
-        # collectives (every rank does the same) and forget them.
+        # Votes started in backward for gradients now being discarded. No collective here: whether
+        # this rank started any is its own (a rank whose batch left a parameter of a bucket without a
+        # gradient started none), so draining here could pair with nothing on another rank. They are
+        # marked stale instead: the next step() agrees on that through its flags, and every rank
+        # drains and votes again there, together.
         if self._plan is not None and self._plan.pipe.busy:
-            self._plan.pipe.drain()
+            self._plan.pipe.stale = True
         super().zero_grad(set_to_none=set_to_none)
 
     def sync_momenta(self, scope: str = "world", *, all_params: bool = False) -> None:

@@ -217,11 +217,22 @@ class StepPlan:
         keep = {k: getattr(self, k) for k in ("syncs", "last_sync", "drift_units", "drift_step", "drift_sum",
                                               "warned_revote")}
         trigger = self.msync.trigger if self.msync is not None else None
+        by_bucket = self.topology.strategy.shards_state  # momentum / master shards kept by bucket index
+        before = [[id(p) for p in b.params] for b in self.sharding.full]
         self.close()
         self.__init__(self.opt, self.topology, self.may_launch)
         self.__dict__.update(keep)
         if trigger is not None:
             self.msync.trigger = trigger
+        if by_bucket and [[id(p) for p in b.params] for b in self.sharding.full][:len(before)] != before:
+            # a parameter frozen (or unfrozen) since the last layout moved the old groups' buckets:
+            # their kept shards would be stepped as other parameters' (same on every rank)
+            raise LionCubConfigError(
+                "LionCub: a parameter frozen or unfrozen since the first step changed the buckets of the existing "
+                "param groups, and with voters='node' / node_size the momentum (and master) shards are kept by "
+                "bucket; allowed: add param groups only while the existing groups' trainable parameters stay as "
+                "they were at the first step (freeze before the first step), or voters='rank' without node_size; "
+                "no parameter or momentum was changed")
 
     def run(self, step: int) -> StepOutcome:
         """Step ``step`` (the optimizer's step count + 1) on every rank: the votes, the agreed
@@ -240,8 +251,8 @@ class StepPlan:
         if flags[CHANGED_RANKS] > 0:
             if not self.warned_revote:
                 log.warning("LionCub(overlap=True): gradients changed after backward started their votes on %d of %d "
-                            "ranks (a second backward without opt.no_sync(), or in-place clipping); voting again in "
-                            "step(), on every rank", flags[CHANGED_RANKS], n)
+                            "ranks (a second backward without opt.no_sync(), in-place clipping, or zero_grad() after "
+                            "backward); voting again in step(), on every rank", flags[CHANGED_RANKS], n)
                 self.warned_revote = True
             opt.overlap_counts["revotes"] += 1
             pipe.drain()

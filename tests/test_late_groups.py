@@ -106,3 +106,61 @@ def test_a_group_added_on_every_rank_is_stepped(results, voters, case, when):
         got = results[r][voters, case, when]
         assert got["error"] is None, got["error"]
         assert got["steps"] == (3 if when == "after_a_step" else 2) and got["replicas"], got
+
+
+def _freeze_then_add(rank, world_size, kw, dtype, add):
+    """Steps on [a, b]; a frozen after step 3; then (``add``) a group [c] added and one more step.
+    Returns (b before that step, b after it, the step's error or None)."""
+    from lioncub_ds.config import LionCubConfigError
+
+    def grads(ps, step):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    torch.manual_seed(0)
+    a = torch.nn.Parameter((torch.randn(5, 5) * 10).to(dtype))
+    b = torch.nn.Parameter(torch.randn(6, 5).to(dtype))
+    c = torch.nn.Parameter(torch.randn(4, 4).to(dtype))
+    opt = LionCub([a, b], lr=0.01, comm="1bit", **kw)
+    for step in range(3):
+        grads([a, b], step)
+        opt.step()
+    a.requires_grad_(False)
+    a.grad = None
+    grads([b], 3)
+    opt.step()
+    before = b.detach().clone()
+    if add:
+        opt.add_param_group({"params": [c]})
+        grads([b, c], 4)
+    else:
+        grads([b], 4)
+    try:
+        opt.step()
+        error = None
+    except LionCubConfigError as exc:
+        error = str(exc)
+    return before, b.detach().clone(), error
+
+
+def _freeze_cases(rank, world_size):
+    out = {}
+    for name, kw, dtype in (("flat", {}, torch.float32), ("node", dict(voters="node", node_size=2), torch.float32),
+                            ("master_only", dict(node_size=2), torch.bfloat16)):
+        out[name] = (_freeze_then_add(rank, world_size, kw, dtype, False),
+                     _freeze_then_add(rank, world_size, kw, dtype, True))
+    return out
+
+
+def test_a_group_added_after_a_parameter_was_frozen():
+    """Flat voting keeps momenta per parameter: the added group changes nothing for b. With shards
+    kept by bucket (node voters, master-only) the frozen parameter moved the old buckets: refused on
+    every rank by name, b untouched (it was stepped with another parameter's shard, or crashed)."""
+    for r in run_ranks(_freeze_cases, 2, timeout=300, env=ENV):
+        (_, plain, _), (_, added, error) = r["flat"]
+        assert error is None and torch.equal(plain, added)
+        for name in ("node", "master_only"):
+            (_, _, fine), (before, after, error) = r[name]
+            assert fine is None, (name, fine)
+            assert error and "frozen or unfrozen since the first step" in error and "no parameter" in error, error
+            assert torch.equal(before, after), name

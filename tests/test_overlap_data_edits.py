@@ -76,3 +76,45 @@ def test_a_gradient_edited_after_backward_is_voted_again(results, voters, edit):
         # the edit came after the votes (node voters: the reduce-scatters) started: every rank votes again, once
         assert over["overlap"]["revotes"] == 1, (r, over["overlap"])
         assert torch.equal(over["params"], plain["params"]), f"rank {r}: overlap=True differs from overlap=False"
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def _discarded_backward(rank, world_size, voters, overlap):
+    """A backward thrown away by zero_grad() (every rank) while one rank's batch left a parameter
+    of the bucket without a gradient: that rank started no vote in backward, the others did."""
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    kw = dict(voters="node", node_size=2) if voters == "node" else {}
+    opt = LionCub(model.parameters(), lr=0.01, comm="1bit", overlap=overlap, timeout_s=60, **kw)
+    for it in range(4):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * rank + it))
+        model(x, not (rank == 1 and it == 1)).pow(2).mean().backward()
+        if it == 1:
+            opt.zero_grad()  # e.g. a batch the loop decides to skip, on every rank
+            continue
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("voters", ["rank", "node"])
+def test_a_backward_thrown_away_by_zero_grad_issues_no_lone_collective(voters):
+    """zero_grad() drained the started votes only on the ranks that had started some: a collective
+    the other ranks never issued (a hang without timeout_s). Now the next step() agrees they are
+    stale and every rank votes again: the result equals overlap=False on the same batches."""
+    world = 4 if voters == "node" else 2
+    got = run_ranks(_discarded_backward, world, voters, True, timeout=300, env=ENV, contract=True)
+    want = run_ranks(_discarded_backward, world, voters, False, timeout=300, env=ENV)
+    for r in range(world):
+        assert all(torch.equal(a, b) for a, b in zip(got[r], want[r])), r
+        assert all(torch.equal(a, b) for a, b in zip(got[r], got[0])), r
