@@ -54,6 +54,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Collectives
+from .config import LionCubConfigError
 from .flags import flag_head_words, flag_words
 from .groups import FLAT, INSTANCES, MASTER_ONLY, NODE_VOTERS
 from .layout import Bucket, build_buckets
@@ -875,5 +876,15 @@ _BY_MODE = {FLAT: Flat, MASTER_ONLY: MasterOnly, NODE_VOTERS: NodeVoters, INSTAN
 
 def make_sharding(opt, topology):
     """The strategy object of the mode resolved once (``topology.strategy``,
-    :func:`lioncub_ds.groups.resolve_strategy`); nothing here decides it again."""
+    :func:`lioncub_ds.groups.resolve_strategy`); nothing here decides it again. Sharded state works
+    in fp32 (masters of bf16/fp16 parameters): float64 parameters are refused there, by name, on
+    every rank alike, before any collective (their updates would be rounded to fp32)."""
+    if topology.strategy.shards_state:
+        wide = [p for g in opt.param_groups for p in g["params"] if p.requires_grad and p.dtype == torch.float64]
+        if wide:
+            raise LionCubConfigError(
+                f"LionCub: {len(wide)} float64 parameter(s) (the first of shape {tuple(wide[0].shape)}) with "
+                f"{topology.strategy.describe()}: the node group's shards work in fp32, so their updates would be "
+                "rounded to fp32; allowed: float32 / bfloat16 / float16 parameters, or voters='rank' without "
+                "node_size (flat voting steps float64 as it is)")
     return _BY_MODE[topology.strategy.mode](opt, topology)

@@ -250,3 +250,31 @@ def test_deepspeed_stage0_bad_rank_file_changes_nothing(tmp_path, damage):
     for r in range(N):
         assert res[r]["error"] is not None and res[r]["error"].startswith("CheckpointError"), res[r]["error"]
         assert res[r]["unchanged"], f"rank {r}: DeepSpeed's load ran before the LionCub files were checked"
+
+
+def _float64_parameters(rank, world_size):
+    out = {}
+    for name, kw in (("flat", {}), ("node", dict(voters="node", node_size=2)), ("master_only", dict(node_size=2))):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(11, dtype=torch.float64))
+        before = p.detach().clone()
+        opt = LionCub([p], lr=1e-3, comm="1bit", **kw)
+        p.grad = torch.randn(11, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        try:
+            opt.step()
+            out[name] = (None, torch.equal(p.detach(), before), opt.step_count)
+        except LionCubConfigError as exc:
+            out[name] = (str(exc), torch.equal(p.detach(), before), opt.step_count)
+    return out
+
+
+def test_float64_parameters_are_refused_where_shards_work_in_fp32():
+    """Node voters and master-only keep fp32 shards: a float64 parameter's update would be rounded
+    to fp32, so its first step is refused by name on every rank (nothing changed); flat voting
+    steps it as it is."""
+    for r in run_ranks(_float64_parameters, 2, timeout=300):
+        assert r["flat"] == (None, False, 1), r["flat"]
+        for name in ("node", "master_only"):
+            msg, unchanged, count = r[name]
+            assert msg and "float64" in msg and "voters='rank' without node_size" in msg, msg
+            assert unchanged and count == 0, r[name]
