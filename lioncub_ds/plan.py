@@ -814,7 +814,9 @@ def _lioncub_config(work: WorkloadSpec, extra: dict, sync_every, node_voters=Non
 
 
 def _ddp_config(work: WorkloadSpec) -> dict:
-    return {"torch": "DistributedDataParallel(model); model.register_comm_hook(None, bf16_compress_hook); "
+    # with TP or PP not every rank is a replica: DDP runs over the data-parallel group the plan priced
+    group = ", process_group=<this rank's data-parallel group>" if work.tp * work.pp > 1 else ""
+    return {"torch": f"DistributedDataParallel(model{group}); model.register_comm_hook(None, bf16_compress_hook); "
                      "lioncub_ds.Lion(model.parameters(), lr=1e-4, betas=(0.95, 0.98), weight_decay=0.1)"}
 
 
@@ -843,7 +845,9 @@ def _sharded_config(framework: str, votes: bool, work: WorkloadSpec, sync_every)
         sync = f', momentum_sync={{"every": {sync_every}, "dtype": "{SYNC_DTYPE}"}}' if sync_every else ""
         return {"torch": "model, opt = lioncub_ds.fsdp.shard_and_vote(model, shard_size=<GPUs per node>, lr=1e-4, "
                          f"betas=(0.95, 0.98), weight_decay=0.1, comm=\"1bit\"{sync})"}
-    return {"torch": "mesh = init_device_mesh(\"cuda\", (nodes, gpus_per_node)); fully_shard(model, mesh=mesh); "
+    shape = ("(nodes, data-parallel ranks per node) over this rank's data-parallel ranks"
+             if work.tp * work.pp > 1 else "(nodes, gpus_per_node)")
+    return {"torch": f"mesh = init_device_mesh(\"cuda\", {shape}); fully_shard(model, mesh=mesh); "
                      "lioncub_ds.Lion(model.parameters(), lr=1e-4, betas=(0.95, 0.98), weight_decay=0.1)"}
 
 
@@ -1084,7 +1088,7 @@ def recommend(rows: list[dict], min_speedup: float, ranks_per_node: int = 1) -> 
     else:
         pick = best_exact
         why = "the fastest exact strategy (global Lion: no convergence cost)"
-        if best_cub is not None and missed:
+        if best_cub is not None and missed and best_exact["step_time_s"] >= min_speedup * best_cub["step_time_s"]:
             why += (f"; the fastest LionCub strategy that fits ({best_cub['name']}, "
                     f"{best_exact['step_time_s'] / best_cub['step_time_s']:.2f}x) misses the convergence goal: "
                     f"{best_cub['convergence']['text']}")

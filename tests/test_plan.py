@@ -742,3 +742,9 @@ def test_the_pick_follows_the_convergence_goal_and_prefers_node_voters_on_near_t
     with pytest.raises(ValueError):
         P.parse_count("1.5")
     assert P.parse_count("1.5B") == 1_500_000_000
+    # with TP, not every rank is a replica: DDP and FSDP2 run over the data-parallel ranks the plan priced
+    tp = P.plan(P.ModelSpec(params=13 * 10**8), P.ClusterSpec(nodes=2, inter_gbit_s=400), P.WorkloadSpec(tp=2))
+    assert "process_group=<this rank's data-parallel group>" in _row(tp, "ddp_bf16")["config"]["torch"]
+    assert "data-parallel ranks" in _row(tp, "fsdp2_hsdp")["config"]["torch"]
+    plain = P.plan(P.ModelSpec(params=13 * 10**8), P.ClusterSpec(nodes=2, inter_gbit_s=400), P.WorkloadSpec())
+    assert "process_group" not in _row(plain, "ddp_bf16")["config"]["torch"]
