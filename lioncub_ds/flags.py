@@ -98,10 +98,12 @@ def hyper_values(param_groups) -> list[tuple]:
     return [(lr_value(g["lr"]), float(g["weight_decay"]), tuple(float(b) for b in g["betas"])) for g in param_groups]
 
 
-def hyper_bits(param_groups, step: int) -> list[int]:
+def hyper_bits(param_groups, step: int, values=None) -> list[int]:
     """HYPER_BITS bits of a hash of this step's hyper-parameters, salted with the step number so a
-    lasting disagreement that happens to collide once is caught at the next step."""
-    digest = hashlib.blake2b(repr((step, hyper_values(param_groups))).encode(), digest_size=HYPER_BITS // 8).digest()
+    lasting disagreement that happens to collide once is caught at the next step. ``values``:
+    :func:`hyper_values` already read this step (a tensor lr is read once per step and group)."""
+    values = hyper_values(param_groups) if values is None else values
+    digest = hashlib.blake2b(repr((step, values)).encode(), digest_size=HYPER_BITS // 8).digest()
     word = int.from_bytes(digest, "little")
     return [(word >> k) & 1 for k in range(HYPER_BITS)]
 

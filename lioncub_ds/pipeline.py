@@ -449,6 +449,8 @@ class VotePipeline:
         # its "unusable input" flag (uniform over ranks: only finish() asks for a carry)
         self.flags_carried = False
         self.carried_error: str | None = None
+        # this step's (lr, weight decay, betas) per group, read with its flags (flags.hyper_values)
+        self.hypers = None
         # device type -> the kernels' backend, resolved once per step (LIONCUB_KERNELS is read then:
         # an environment read per bucket cost ~1 µs)
         self.backends: dict = {}
@@ -476,7 +478,9 @@ class VotePipeline:
         k = b.kernels
         if k is None or not k.fits(be, b.offsets, b.param_starts):
             k = b.kernels = BucketKernels.make(be, b.offsets, b.param_starts, b.numel)
-        job = VoteJob(b.params, b.offsets, b.numel, b.param_starts, lr_value(g["lr"]), g["weight_decay"],
+        # lr: set by complete() before any apply reads it (a tensor lr is read once per step and group:
+        # with the step's flags, hyper_values), so no host read here, in backward's hooks
+        job = VoteJob(b.params, b.offsets, b.numel, b.param_starts, 0.0, g["weight_decay"],
                       opt.step_count + 1, cfg.tie_break, cfg.vote, mask=b.mask, mode=b.mode, capacity=b.capacity,
                       keep_delta=plan.drift, kernels=k)
         if problem is not None:
@@ -604,8 +608,9 @@ class VotePipeline:
         nonfinite = torch.stack([loc.nonfinite.to(dev) for loc in self.local] +
                                 [torch.zeros((), dtype=torch.int64, device=dev)]).sum().clamp_(max=2**20)
         missing = int(any(loc.missing for loc in self.local))
+        self.hypers = hyper_values(plan.opt.param_groups)  # complete() applies these lrs: read once
         host = [int(bool(error)), missing, int(changed is True)] + hyper_bits(plan.opt.param_groups,
-                                                                               plan.opt.step_count + 1)
+                                                                               plan.opt.step_count + 1, self.hypers)
         host = host_values_on(host, dev)
         if isinstance(changed, torch.Tensor):  # a fingerprint compared on the device: never read here
             host = torch.cat([host[:2], changed.to(device=dev, dtype=torch.int32), host[3:]])
@@ -646,7 +651,8 @@ class VotePipeline:
             for i, recv in zip(batch, received[k]):
                 b, job = plan.buckets[i], self.local[i].job
                 g = opt.param_groups[b.group_index]
-                job.lr, job.weight_decay, job.step = lr_value(g["lr"]), g["weight_decay"], step
+                lr = self.hypers[b.group_index][0] if self.hypers is not None else lr_value(g["lr"])
+                job.lr, job.weight_decay, job.step = lr, g["weight_decay"], step
                 first, second = flags[FLAG_HEAD + 2 * i], flags[FLAG_HEAD + 1 + 2 * i]
                 # the planes (None, the payloads, or fetched), and how abstentions travel next step
                 b.mode = b.algorithm.agree_planes(job, recv, first, second, coll)

@@ -24,6 +24,9 @@ MODES = [
     ("flat-pbit-drift", torch.float32, dict(comm="pbit", momentum_sync={"schedule": "drift", "threshold": 1e-6,
                                                                         "min_every": 1})),
     ("master-only-bf16", torch.bfloat16, dict(comm="1bit", node_size=2)),
+    # a 1-element tensor lr: read once per step and group (with the flags), not once per bucket
+    ("flat-1bit-tensor-lr", torch.float32, dict(comm="1bit", lr=torch.tensor(0.01))),
+    ("node-1bit-tensor-lr", torch.float32, dict(comm="1bit", voters="node", node_size=2, lr=torch.tensor(0.01))),
     ("node-1bit-fp32", torch.float32, dict(comm="1bit", voters="node", node_size=2)),
     ("node-int8-bf16", torch.bfloat16, dict(comm="int8", quant="l1", voters="node", node_size=2)),
     ("node-pbit-sync", torch.float32, dict(comm="pbit", voters="node", node_size=2,
@@ -36,7 +39,8 @@ def _reads_per_step(rank, world_size):
     for label, dtype, kw in MODES:
         torch.manual_seed(0)
         model = SmallNet().to(dtype)
-        opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, bucket_size_mb=0.0002, **kw)
+        kw = dict(kw)
+        opt = LionCub(model.parameters(), lr=kw.pop("lr", 0.01), weight_decay=0.1, bucket_size_mb=0.0002, **kw)
         per_step = []
         for step in range(1, STEPS + 1):
             gen = torch.Generator().manual_seed(100 * rank + step)
@@ -57,6 +61,10 @@ def test_every_sharding_mode_reads_the_host_once_per_step():
             got = res[r][label]
             assert got["steps"] == STEPS, (r, label)
             for step, reads in enumerate(got["reads"], 1):
+                if "tensor-lr" in label:  # the lr itself, once (one param group), then the flags
+                    lr_reads = [x for x in reads if x[1].startswith("lion.py")]
+                    assert len(lr_reads) == 1, f"rank {r} {label} step {step}: {reads}"
+                    reads = [x for x in reads if x not in lr_reads]
                 assert len(reads) == 1, f"rank {r} {label} step {step}: {len(reads)} host reads: {reads}"
                 method, where, _ = reads[0]
                 assert method == "tolist" and where.startswith("pipeline.py"), (r, label, reads)
