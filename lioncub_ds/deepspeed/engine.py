@@ -561,8 +561,9 @@ def scale_fp16_loss(engine) -> None:
     def backward(loss, *args, **kwargs):
         scale = float(cfg.cur_scale)
         if ours[0] is True:
-            out = orig(loss * scale, *args, **kwargs)
-            return out / scale if isinstance(out, torch.Tensor) else out
+            # in fp32, as DeepSpeed's own fp16 backward scales it (an fp16 loss x 65536 would overflow)
+            out = orig(loss.float() * scale, *args, **kwargs)
+            return (out / scale).to(loss.dtype) if isinstance(out, torch.Tensor) else out
         if ours[0] is False or scale == 1.0 or not (isinstance(loss, torch.Tensor) and loss.requires_grad):
             return orig(loss, *args, **kwargs)
         seen = []
