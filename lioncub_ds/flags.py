@@ -98,11 +98,10 @@ def hyper_values(param_groups) -> list[tuple]:
     return [(lr_value(g["lr"]), float(g["weight_decay"]), tuple(float(b) for b in g["betas"])) for g in param_groups]
 
 
-def hyper_bits(param_groups, step: int, values=None) -> list[int]:
-    """HYPER_BITS bits of a hash of this step's hyper-parameters, salted with the step number so a
-    lasting disagreement that happens to collide once is caught at the next step. ``values``:
-    :func:`hyper_values` already read this step (a tensor lr is read once per step and group)."""
-    values = hyper_values(param_groups) if values is None else values
+def hyper_bits(values: list[tuple], step: int) -> list[int]:
+    """HYPER_BITS bits of a hash of this step's hyper-parameters (:func:`hyper_values`, read once per
+    step: a tensor lr is read on the host once per step and group), salted with the step number so a
+    lasting disagreement that happens to collide once is caught at the next step."""
     digest = hashlib.blake2b(repr((step, values)).encode(), digest_size=HYPER_BITS // 8).digest()
     word = int.from_bytes(digest, "little")
     return [(word >> k) & 1 for k in range(HYPER_BITS)]

@@ -563,13 +563,18 @@ class LionCub(Optimizer):
     #: (which takes it; lioncub_ds.momentum_sync.check_sync_state says what it holds)
     momentum_sync_state = None
 
+    def current_momentum_sync_state(self) -> dict | None:
+        """The momentum sync's schedule and counters as a checkpoint holds them (the step plan's, or,
+        before it is built, what load_state_dict gave); None without a momentum sync."""
+        return self._plan.momentum_sync_state() if self._plan is not None else self.momentum_sync_state
+
     def state_dict(self):
         sd = super().state_dict()
         sd["lioncub"] = {"format": STATE_FORMAT, "step": self._step_count, "skipped_steps": self._skipped_steps,
                          "world_size": self.world_size, "rank": self.rank, "comm_stats": self.stats.state_dict()}
         # the momentum sync's schedule (drift: the trigger and this rank's pending signal) and
         # counters: without them a resumed run syncs after other steps (docs/checkpoints.md)
-        sync = self._plan.momentum_sync_state() if self._plan is not None else self.momentum_sync_state
+        sync = self.current_momentum_sync_state()
         if sync is not None:
             sd["lioncub"]["momentum_sync"] = sync
         layout = self.state_layout()["node"]
@@ -604,8 +609,8 @@ class LionCub(Optimizer):
         for g, names in zip(self.param_groups, live_names):
             if names is not None:
                 g["param_names"] = names
-            elif len(g.get("param_names", g["params"])) != len(g["params"]):
-                g.pop("param_names")
+            elif "param_names" in g and len(g["param_names"]) != len(g["params"]):
+                g.pop("param_names")  # a saved list of another length, where this group had none
         restore_momenta(self, saved, self.config.momentum_dtype)
         if node is not None:  # on the parameters' device (a file is read to the CPU)
             device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))

@@ -49,7 +49,7 @@ from .flags import (CHANGED_RANKS, FLAG_HEAD, MISSING_RANKS, NONFINITE_RANKS, NO
                     unpack_flags)
 from .kernels.reference import dither_seed
 from .layout import assign_algorithms, comm_batches, cost_model, group_names
-from .lion import count_steps, lr_value
+from .lion import count_steps
 from .momentum_sync import MomentumSync, disagreement_units, drift_scale, select_params, vote_disagreement
 from .sharding import GradRead, make_sharding, reads_changed, replicas_differ
 
@@ -609,8 +609,7 @@ class VotePipeline:
                                 [torch.zeros((), dtype=torch.int64, device=dev)]).sum().clamp_(max=2**20)
         missing = int(any(loc.missing for loc in self.local))
         self.hypers = hyper_values(plan.opt.param_groups)  # complete() applies these lrs: read once
-        host = [int(bool(error)), missing, int(changed is True)] + hyper_bits(plan.opt.param_groups,
-                                                                               plan.opt.step_count + 1, self.hypers)
+        host = [int(bool(error)), missing, int(changed is True)] + hyper_bits(self.hypers, plan.opt.step_count + 1)
         host = host_values_on(host, dev)
         if isinstance(changed, torch.Tensor):  # a fingerprint compared on the device: never read here
             host = torch.cat([host[:2], changed.to(device=dev, dtype=torch.int32), host[3:]])
@@ -651,8 +650,8 @@ class VotePipeline:
             for i, recv in zip(batch, received[k]):
                 b, job = plan.buckets[i], self.local[i].job
                 g = opt.param_groups[b.group_index]
-                lr = self.hypers[b.group_index][0] if self.hypers is not None else lr_value(g["lr"])
-                job.lr, job.weight_decay, job.step = lr, g["weight_decay"], step
+                # this step's lr as finish() read it with the flags (_own_flags: every path to here)
+                job.lr, job.weight_decay, job.step = self.hypers[b.group_index][0], g["weight_decay"], step
                 first, second = flags[FLAG_HEAD + 2 * i], flags[FLAG_HEAD + 1 + 2 * i]
                 # the planes (None, the payloads, or fetched), and how abstentions travel next step
                 b.mode = b.algorithm.agree_planes(job, recv, first, second, coll)

@@ -1033,11 +1033,12 @@ NODE_VOTER_STRATEGIES = ("lioncub_node_voters_sync20", "lioncub_zero3_node_voter
 NEAR_TIE = 1.05  # a node-voter strategy this close to the fastest LionCub one is preferred
 
 
-def _above_goal(row: dict) -> bool:
-    """Whether the measured interval quoted for ``row`` has its upper bound above the studies' goal."""
+def _meets_goal(row: dict) -> bool | None:
+    """Whether the interval quoted for ``row`` has its upper bound within the studies' goal (None:
+    nothing measured, or no goal)."""
     goal = convergence_table().get("goal_gap_pct")
     ci = row["convergence"].get("ci95")
-    return goal is not None and ci is not None and ci[1] > goal
+    return None if goal is None or ci is None else ci[1] <= goal
 
 
 def _best_lioncub(cubs: list[dict], ranks_per_node: int = 1) -> dict | None:
@@ -1048,12 +1049,7 @@ def _best_lioncub(cubs: list[dict], ranks_per_node: int = 1) -> dict | None:
     node voters' does not)."""
     if not cubs:
         return None
-    goal = convergence_table().get("goal_gap_pct")
-
-    def meets(r):
-        ci = r["convergence"].get("ci95")
-        return goal is not None and ci is not None and ci[1] <= goal
-    pool = [r for r in cubs if meets(r)] or cubs  # (quotes "not measured": kept only when nothing meets it)
+    pool = [r for r in cubs if _meets_goal(r)] or cubs  # (quotes "not measured": kept only when nothing meets it)
     best = min(pool, key=lambda r: r["step_time_s"])
     near = [r for r in pool if ranks_per_node > 1 and r["name"] in NODE_VOTER_STRATEGIES
             and r["step_time_s"] <= NEAR_TIE * best["step_time_s"]]
@@ -1077,9 +1073,10 @@ def recommend(rows: list[dict], min_speedup: float, ranks_per_node: int = 1) -> 
     exact = [r for r in fitting if r["name"] in EXACT]
     best_exact = min(exact, key=lambda r: r["step_time_s"]) if exact else None
     best_cub = _best_lioncub([r for r in fitting if r["name"] not in EXACT], ranks_per_node)
-    missed = best_cub is not None and _above_goal(best_cub)  # measured, and its upper bound misses the goal
-    if best_cub is not None and (best_exact is None
-                                 or (not missed and best_exact["step_time_s"] >= min_speedup * best_cub["step_time_s"])):
+    missed = best_cub is not None and _meets_goal(best_cub) is False  # measured, its upper bound above the goal
+    fast = best_cub is not None and (best_exact is None
+                                     or best_exact["step_time_s"] >= min_speedup * best_cub["step_time_s"])
+    if fast and (best_exact is None or not missed):
         pick = best_cub
         speed = best_exact["step_time_s"] / best_cub["step_time_s"] if best_exact else None
         why = (f"{speed:.2f}x the step rate of the fastest exact strategy ({best_exact['name']})"
@@ -1088,7 +1085,7 @@ def recommend(rows: list[dict], min_speedup: float, ranks_per_node: int = 1) -> 
     else:
         pick = best_exact
         why = "the fastest exact strategy (global Lion: no convergence cost)"
-        if best_cub is not None and missed and best_exact["step_time_s"] >= min_speedup * best_cub["step_time_s"]:
+        if fast and missed:
             why += (f"; the fastest LionCub strategy that fits ({best_cub['name']}, "
                     f"{best_exact['step_time_s'] / best_cub['step_time_s']:.2f}x) misses the convergence goal: "
                     f"{best_cub['convergence']['text']}")

@@ -556,15 +556,16 @@ def scale_fp16_loss(engine) -> None:
     if cfg is None or not getattr(cfg, "use_grad_scaling", False):
         return
     orig = engine.backward
-    ours = [None]  # None: not known yet; True: this wrapper scales the loss; False: DeepSpeed does
+    ours = None  # None: not known yet; True: this wrapper scales the loss; False: DeepSpeed does
 
     def backward(loss, *args, **kwargs):
+        nonlocal ours
         scale = float(cfg.cur_scale)
-        if ours[0] is True:
+        if ours is True:
             # in fp32, as DeepSpeed's own fp16 backward scales it (an fp16 loss x 65536 would overflow)
             out = orig(loss.float() * scale, *args, **kwargs)
             return (out / scale).to(loss.dtype) if isinstance(out, torch.Tensor) else out
-        if ours[0] is False or scale == 1.0 or not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+        if ours is False or scale == 1.0 or not (isinstance(loss, torch.Tensor) and loss.requires_grad):
             return orig(loss, *args, **kwargs)
         seen = []
         hook = loss.register_hook(lambda g: seen.append(float(g.detach().float().reshape(-1)[0])))
@@ -575,8 +576,8 @@ def scale_fp16_loss(engine) -> None:
         if seen:
             scale_wrt_gas = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
             gas = engine.gradient_accumulation_steps() if scale_wrt_gas else 1
-            ours[0] = abs(seen[0] * gas - 1.0) < 0.5  # 1/gas unscaled; scale/gas when DeepSpeed scaled it
-            if ours[0]:
+            ours = abs(seen[0] * gas - 1.0) < 0.5  # 1/gas unscaled; scale/gas when DeepSpeed scaled it
+            if ours:
                 with torch.no_grad():
                     for p in engine.module.parameters():
                         if p.grad is not None:

@@ -253,8 +253,7 @@ class LionCubFSDP(LionCub):
         of this optimizer is touched)."""
         from torch.distributed.tensor import DTensor
         sg = self.fsdp_shard_groups
-        sync = "" if placeholders else json.dumps(
-            self._plan.momentum_sync_state() if self._plan is not None else self.momentum_sync_state)
+        sync = "" if placeholders else json.dumps(self.current_momentum_sync_state())
         momenta, steps = {}, {}
         for name, p, leaf in self._fsdp:
             st = self.state.get(leaf, {})
