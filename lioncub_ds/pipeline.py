@@ -217,7 +217,7 @@ class StepPlan:
         keep = {k: getattr(self, k) for k in ("syncs", "last_sync", "drift_units", "drift_step", "drift_sum",
                                               "warned_revote")}
         trigger = self.msync.trigger if self.msync is not None else None
-        by_bucket = self.topology.strategy.shards_state  # momentum / master shards kept by bucket index
+        by_bucket = self.sharding.holds_shards  # momentum / master shards kept by bucket index
         before = [[id(p) for p in b.params] for b in self.sharding.full]
         self.close()
         self.__init__(self.opt, self.topology, self.may_launch)

@@ -277,7 +277,8 @@ class Kept:
 class Flat:
     """Every rank votes with its own full momentum over the whole bucket layout."""
 
-    #: the optimizer state follows the bucket layout (shards): no parameter group may be added later
+    #: the optimizer state follows the bucket layout: momentum (and master) shards kept by bucket index,
+    #: in fp32 (a later layout must keep the old buckets; float64 parameters are refused)
     holds_shards = False
 
     def __init__(self, opt, topology):
@@ -879,7 +880,8 @@ def make_sharding(opt, topology):
     :func:`lioncub_ds.groups.resolve_strategy`); nothing here decides it again. Sharded state works
     in fp32 (masters of bf16/fp16 parameters): float64 parameters are refused there, by name, on
     every rank alike, before any collective (their updates would be rounded to fp32)."""
-    if topology.strategy.shards_state:
+    strategy = _BY_MODE[topology.strategy.mode]
+    if strategy.holds_shards:
         wide = [p for g in opt.param_groups for p in g["params"] if p.requires_grad and p.dtype == torch.float64]
         if wide:
             raise LionCubConfigError(
@@ -887,4 +889,4 @@ def make_sharding(opt, topology):
                 f"{topology.strategy.describe()}: the node group's shards work in fp32, so their updates would be "
                 "rounded to fp32; allowed: float32 / bfloat16 / float16 parameters, or voters='rank' without "
                 "node_size (flat voting steps float64 as it is)")
-    return _BY_MODE[topology.strategy.mode](opt, topology)
+    return strategy(opt, topology)
